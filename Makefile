@@ -1,0 +1,31 @@
+# The two commands of the README. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+export RAY_AUTH_MODE := disabled
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test lint setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "rlaxkit needs Python 3.11 or newer")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[notebooks,dev,ray]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rlaxkit demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check rlaxkit sim tests benchmarks notebooks
+	$(BIN)/ruff format --check rlaxkit sim tests benchmarks notebooks
+
+test: lint
+	$(BIN)/python -m pytest -q -ra --durations=15
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""SimPy discrete-event simulator of rlaxkit fleets (workers, staleness, preemption)."""
