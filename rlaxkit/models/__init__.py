@@ -1,0 +1,28 @@
+"""The Qwen2 / Qwen3 / Llama-3 decoder, its KV cache, checkpoints and tokenizers."""
+
+from rlaxkit.models.config import ModelConfig, RopeScaling
+from rlaxkit.models.hf import abstract_model, load_hf_checkpoint, save_hf_checkpoint
+from rlaxkit.models.tokenizer import (
+    CharTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+)
+from rlaxkit.models.transformer import KVCache, Transformer, positions_from_mask
+
+__all__ = [
+    "CharTokenizer",
+    "HFTokenizer",
+    "KVCache",
+    "ModelConfig",
+    "RopeScaling",
+    "Tokenizer",
+    "Transformer",
+    "abstract_model",
+    "load_hf_checkpoint",
+    "positions_from_mask",
+    "save_hf_checkpoint",
+    "save_tokenizer",
+    "load_tokenizer",
+]

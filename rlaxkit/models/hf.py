@@ -1,0 +1,172 @@
+"""Hugging Face checkpoint directories in and out: ``config.json``, safetensors (one file
+or sharded with an index) and the tokenizer.
+
+Only local paths are read; nothing is downloaded. Tensor names follow the HF layout of
+the Qwen2/Qwen3/Llama families (``model.layers.{i}.self_attn.q_proj.weight``, ...);
+HF ``Linear`` weights are ``[out, in]`` and are transposed to NNX's ``[in, out]``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from rlaxkit.models.config import ModelConfig
+from rlaxkit.models.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
+from rlaxkit.models.transformer import Transformer
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+# Buffers some exporters write that carry no parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_name(path: tuple[Any, ...]) -> tuple[str, bool]:
+    """HF tensor name of an NNX parameter path, and whether it is stored transposed."""
+    *head, leaf = (str(p) for p in path)
+    transposed = leaf == "kernel"
+    leaf = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
+    name = ".".join([*head, leaf])
+    return (name if head[0] == "lm_head" else f"model.{name}"), transposed
+
+
+def abstract_model(config: ModelConfig) -> Transformer:
+    """A ``Transformer`` whose parameters are shape/dtype placeholders (no memory)."""
+    return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it."""
+    index = path / _INDEX
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / _SINGLE
+    if not single.exists():
+        raise FileNotFoundError(f"{path} has neither {_SINGLE} nor {_INDEX}")
+    with safe_open(str(single), framework="flax") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+
+def load_hf_checkpoint(
+    path: str | Path,
+    *,
+    param_dtype: str | None = None,
+    strict: bool = True,
+    with_tokenizer: bool = True,
+) -> tuple[Transformer, Tokenizer | None]:
+    """Loads a local HF checkpoint directory into a ``Transformer``.
+
+    Args:
+        path: directory with ``config.json`` and safetensors weights.
+        param_dtype: ``float32`` or ``bfloat16`` to cast to; default: the checkpoint's
+            ``torch_dtype`` when it is one of those, else float32.
+        strict: reject unknown ``config.json`` fields (see ``ModelConfig.from_hf``).
+        with_tokenizer: also load the tokenizer when the directory has one.
+
+    Raises:
+        ValueError: a tensor is missing, unexpected, or has the wrong shape (named).
+    """
+    path = Path(path)
+    hf_config = json.loads((path / "config.json").read_text())
+    if param_dtype is None:
+        stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
+        param_dtype = stored if stored in ("float32", "bfloat16") else "float32"
+    config = ModelConfig.from_hf(hf_config, strict=strict, param_dtype=param_dtype)
+    graphdef, abstract_state = nnx.split(abstract_model(config))
+    files = _tensor_files(path)
+    wanted = {}
+    for param_path, leaf in nnx.to_flat_state(abstract_state):
+        name, transposed = hf_name(param_path)
+        wanted[name] = (param_path, leaf, transposed)
+    missing = sorted(set(wanted) - set(files))
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensors {missing[:5]} (of {len(missing)})")
+    unexpected = sorted(
+        n
+        for n in set(files) - set(wanted)
+        if not n.endswith(_IGNORED_SUFFIXES)
+        and not (config.tie_word_embeddings and n == "lm_head.weight")
+    )
+    if unexpected:
+        raise ValueError(
+            f"checkpoint {path} has tensors this config does not use: {unexpected[:5]} "
+            f"(of {len(unexpected)}); is config.json the one for these weights?"
+        )
+    dtype = jnp.dtype(param_dtype)
+    loaded = []
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="flax") as f:
+            for name in names:
+                param_path, leaf, transposed = wanted[name]
+                array = f.get_tensor(name)
+                if transposed:
+                    array = array.T
+                if array.shape != leaf.shape:
+                    raise ValueError(
+                        f"tensor {name} has shape {tuple(array.shape)}, the config expects "
+                        f"{tuple(leaf.shape)}"
+                    )
+                loaded.append((param_path, leaf.replace(jnp.asarray(array, dtype))))
+    model = nnx.merge(graphdef, nnx.from_flat_state(loaded))
+    tokenizer = None
+    has_tokenizer = (path / "tokenizer.json").exists() or (path / "char_tokenizer.json").exists()
+    if with_tokenizer and has_tokenizer:
+        tokenizer = load_tokenizer(path)
+    return model, tokenizer
+
+
+def save_hf_checkpoint(
+    model: Transformer,
+    path: str | Path,
+    *,
+    tokenizer: Tokenizer | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> Path:
+    """Writes ``model`` as an HF checkpoint directory that ``load_hf_checkpoint`` and
+    ``transformers`` read back; shards with an index when larger than ``max_shard_bytes``.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+    tensors: dict[str, jax.Array] = {}
+    for param_path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, transposed = hf_name(param_path)
+        array = leaf[...]
+        tensors[name] = jnp.asarray(array.T if transposed else array)
+    shards: list[dict[str, jax.Array]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].size * tensors[name].dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    for stale in [*path.glob("model*.safetensors"), path / _INDEX]:
+        stale.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(path / _SINGLE), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+        total = int(sum(np.prod(t.shape) * t.dtype.itemsize for t in tensors.values()))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / _INDEX).write_text(json.dumps(index, indent=2))
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, path)
+    return path

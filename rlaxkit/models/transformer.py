@@ -1,0 +1,327 @@
+"""Flax NNX decoder of the Qwen2 / Qwen3 / Llama-3 family, with a preallocated KV cache.
+
+The computation follows the Hugging Face reference implementations of those families
+(RMSNorm in float32, rotate-half RoPE, grouped-query attention, SwiGLU MLP), so logits
+match ``transformers`` to float32 rounding. Weights may be float32 or bfloat16; the
+attention softmax, the norms and the logits are float32 either way.
+
+Two entry points share one block implementation:
+
+* ``model(tokens, positions, attention_mask)`` — the training forward: causal
+  attention within the sequence, keys masked by ``attention_mask`` (left or right
+  padding both work because positions are passed in).
+* ``model.decode(tokens, positions, cache, token_mask)`` — writes the new keys and
+  values into a ``KVCache`` at each row's own write offset and attends to everything
+  valid in the cache up to each query's slot. Prefill is ``decode`` with many tokens;
+  one decode step is ``decode`` with one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlaxkit.models.config import ModelConfig
+
+_MASKED = -1e30  # finite, so a fully masked (padding) query row gives no NaN
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class KVCache:
+    """Preallocated keys and values of every layer.
+
+    Attributes:
+        k: one array per layer, ``[batch, slots, kv_heads, head_dim]``.
+        v: like ``k``.
+        valid: ``[batch, slots]`` bool, the slot holds a real (non-padding) token.
+        end: ``[batch]`` int32, the next slot each row writes to.
+    """
+
+    k: list[jax.Array]
+    v: list[jax.Array]
+    valid: jax.Array
+    end: jax.Array
+
+    @property
+    def slots(self) -> int:
+        """Capacity of the cache in tokens per row."""
+        return self.valid.shape[1]
+
+    @classmethod
+    def zeros(
+        cls, config: ModelConfig, batch: int, slots: int, dtype: jnp.dtype | None = None
+    ) -> KVCache:
+        """An empty cache for ``batch`` rows of ``slots`` tokens each."""
+        dtype = dtype or jnp.dtype(config.param_dtype)
+        shape = (batch, slots, config.num_kv_heads, config.head_dim)
+        return cls(
+            k=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
+            v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
+            valid=jnp.zeros((batch, slots), bool),
+            end=jnp.zeros((batch,), jnp.int32),
+        )
+
+
+def rope_frequencies(config: ModelConfig) -> jax.Array:
+    """Inverse frequencies ``theta^(-2i/d)`` for ``i < d/2``, with Llama-3 scaling if set."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * jnp.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE: ``x * cos + rotate_half(x) * sin`` at the given positions.
+
+    Args:
+        x: ``[batch, seq, heads, head_dim]``.
+        positions: ``[batch, seq]`` integer positions.
+        inv_freq: ``[head_dim / 2]``.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+    return out.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, normalised in float32."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+def _linear(din: int, dout: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        din,
+        dout,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=dtype,
+        kernel_init=nnx.initializers.normal(0.02),
+        rngs=rngs,
+    )
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE and optional per-head q/k RMSNorm."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.param_dtype)
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            d,
+        )
+        self.q_proj = _linear(h, config.num_heads * d, config.qkv_bias, dtype, rngs)
+        self.k_proj = _linear(h, config.num_kv_heads * d, config.qkv_bias, dtype, rngs)
+        self.v_proj = _linear(h, config.num_kv_heads * d, config.qkv_bias, dtype, rngs)
+        self.o_proj = _linear(config.num_heads * d, h, config.o_bias, dtype, rngs)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project(
+        self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries ``[B,T,H,D]``, keys and values ``[B,T,KV,D]``, RoPE applied."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+        """Softmax attention of ``q [B,T,H,D]`` over ``k, v [B,S,KV,D]``; ``mask [B,T,S]``."""
+        b, t, _, d = q.shape
+        groups = self.num_heads // self.num_kv_heads
+        q = q.reshape(b, t, self.num_kv_heads, groups, d)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (d**-0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+        return self.o_proj(out.reshape(b, t, self.num_heads * d))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.param_dtype)
+        h, m = config.hidden_size, config.intermediate_size
+        self.gate_proj = _linear(h, m, False, dtype, rngs)
+        self.up_proj = _linear(h, m, False, dtype, rngs)
+        self.down_proj = _linear(m, h, False, dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.param_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        inv_freq: jax.Array,
+        mask: jax.Array,
+        cache_kv: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        q, k, v = self.self_attn.project(self.input_layernorm(x), positions, inv_freq)
+        new_kv = None
+        if cache_kv is not None:
+            cache_k, cache_v, start = cache_kv
+            write = jax.vmap(
+                lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new, i, 0)
+            )
+            cache_k = write(cache_k, k.astype(cache_k.dtype), start)
+            cache_v = write(cache_v, v.astype(cache_v.dtype), start)
+            k, v, new_kv = cache_k, cache_v, (cache_k, cache_v)
+        x = x + self.self_attn.attend(q, k, v, mask)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_kv
+
+
+class Transformer(nnx.Module):
+    """Decoder-only language model of the Qwen2 / Qwen3 / Llama-3 family.
+
+    >>> from flax import nnx
+    >>> cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1)
+    >>> model = Transformer(cfg, rngs=nnx.Rngs(0))
+    >>> tokens = jnp.array([[1, 2, 3]])
+    >>> model(tokens, jnp.arange(3)[None]).shape
+    (1, 3, 32)
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype = jnp.dtype(config.param_dtype)
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=dtype,
+            param_dtype=dtype,
+            embedding_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
+        self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, rngs)
+
+    def unembed(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits ``[..., vocab]`` from final hidden states."""
+        if self.lm_head is None:
+            table = self.embed_tokens.embedding[...]
+            return jnp.einsum("...h,vh->...v", hidden, table, preferred_element_type=jnp.float32)
+        kernel = self.lm_head.kernel[...]
+        return jnp.einsum("...h,hv->...v", hidden, kernel, preferred_element_type=jnp.float32)
+
+    def hidden_states(
+        self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array | None = None
+    ) -> jax.Array:
+        """Final-norm hidden states ``[B, T, hidden]`` of the training forward."""
+        if attention_mask is None:
+            attention_mask = jnp.ones(tokens.shape, bool)
+        t = tokens.shape[1]
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        mask = causal[None] & attention_mask.astype(bool)[:, None, :]
+        inv_freq = rope_frequencies(self.config)
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x, _ = layer(x, positions, inv_freq, mask)
+        return self.norm(x)
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array | None = None
+    ) -> jax.Array:
+        """float32 logits ``[B, T, vocab]``; ``attention_mask`` is 1 for real tokens."""
+        return self.unembed(self.hidden_states(tokens, positions, attention_mask))
+
+    def decode(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        token_mask: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """Appends ``tokens [B, T]`` to the cache and returns their logits.
+
+        Row ``b`` writes its ``T`` tokens to slots ``cache.end[b] .. cache.end[b]+T-1``
+        (the caller keeps ``end + T <= cache.slots``); a query in slot ``s`` attends to
+        every valid slot ``<= s``. ``token_mask`` marks padding among the new tokens,
+        which is stored but never attended to.
+
+        Returns:
+            float32 logits ``[B, T, vocab]`` and the updated cache.
+        """
+        b, t = tokens.shape
+        if token_mask is None:
+            token_mask = jnp.ones((b, t), bool)
+        start = cache.end
+        slot_ids = jnp.arange(cache.slots)
+        new_slots = start[:, None] + jnp.arange(t)[None]  # [B, T]
+        write = jax.vmap(lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new, i, 0))
+        valid = write(cache.valid, token_mask.astype(bool), start)
+        mask = valid[:, None, :] & (slot_ids[None, None, :] <= new_slots[:, :, None])
+        inv_freq = rope_frequencies(self.config)
+        x = self.embed_tokens(tokens)
+        ks, vs = [], []
+        for layer, k, v in zip(self.layers, cache.k, cache.v, strict=True):
+            x, (k, v) = layer(x, positions, inv_freq, mask, (k, v, start))
+            ks.append(k)
+            vs.append(v)
+        logits = self.unembed(self.norm(x))
+        return logits, KVCache(k=ks, v=vs, valid=valid, end=start + t)
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """Positions ``0, 1, ...`` counted over real tokens only (padding gets 0).
+
+    For a left-padded row ``[0, 0, 1, 1, 1]`` this gives ``[0, 0, 0, 1, 2]``, so a padded
+    prompt sees exactly the positions it would see alone.
+    """
+    mask = attention_mask.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0) * mask
