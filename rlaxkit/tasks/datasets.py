@@ -1,0 +1,207 @@
+"""User datasets: JSONL and Parquet files read into ``Problem``s through a field mapping.
+
+A malformed row raises ``DatasetError`` naming the file, the row (1-based: the line of a
+JSONL file, the record of a Parquet file) and the field; with ``on_error="skip"`` it is
+skipped instead, counted and its message kept in the returned ``LoadedDataset``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rlaxkit.tasks.base import Problem, check_choice, stable_id
+
+FileFormat = Literal["auto", "jsonl", "parquet"]
+OnError = Literal["raise", "skip"]
+
+
+class DatasetError(ValueError):
+    """A row of a dataset file that cannot become a problem."""
+
+    def __init__(self, path: str | Path, row: int, field_name: str, message: str):
+        self.path, self.row, self.field = str(path), row, field_name
+        super().__init__(f"{path}: row {row}: field {field_name!r}: {message}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FieldMapping:
+    """Which column of a row holds each part of a problem.
+
+    The defaults read files written by ``write_problems`` (``Problem.to_dict``).
+
+    Attributes:
+      id: column of the stable id; ``None`` derives one from a hash of the prompt.
+      prompt: column of the prompt text (may be absent or null when messages are given).
+      messages: column of chat messages (a list of ``{"role", "content"}`` objects).
+      answer: column of the reference answer (required, not null).
+      metadata: columns copied into ``Problem.metadata``; the column named ``"metadata"``,
+        when it holds an object, is merged in as well.
+    """
+
+    id: str | None = "id"
+    prompt: str | None = "prompt"
+    messages: str | None = "messages"
+    answer: str = "answer"
+    metadata: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.prompt is None and self.messages is None:
+            raise ValueError("at least one of prompt and messages must name a column")
+        if not isinstance(self.metadata, tuple):
+            raise ValueError(f"metadata must be a tuple of column names, got {self.metadata!r}")
+
+
+@dataclass(frozen=True)
+class LoadedDataset:
+    """Problems read from a file, with what was skipped (``on_error="skip"`` only)."""
+
+    problems: list[Problem]
+    skipped: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def load_problems(
+    path: str | Path,
+    fields: FieldMapping | None = None,
+    *,
+    file_format: FileFormat = "auto",
+    on_error: OnError = "raise",
+    id_prefix: str = "row",
+) -> LoadedDataset:
+    """Reads a JSONL or Parquet file into problems.
+
+    Args:
+      path: the file; ``file_format="auto"`` picks the reader by suffix (``.parquet``,
+        ``.pq``: Parquet; anything else: JSONL).
+      fields: the field mapping (defaults read ``write_problems`` output).
+      file_format: ``"auto"``, ``"jsonl"`` or ``"parquet"``.
+      on_error: ``"raise"`` a ``DatasetError``, or ``"skip"`` and count malformed rows.
+      id_prefix: prefix of derived ids when ``fields.id`` is ``None``.
+
+    Raises:
+      DatasetError: a malformed row (``on_error="raise"``) or a repeated id.
+      FileNotFoundError: no such file.
+    """
+    check_choice("file_format", file_format, FileFormat)
+    check_choice("on_error", on_error, OnError)
+    fields = fields or FieldMapping()
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset file {path} does not exist")
+    if file_format == "auto":
+        file_format = "parquet" if path.suffix in (".parquet", ".pq") else "jsonl"
+    rows = _parquet_rows(path) if file_format == "parquet" else _jsonl_rows(path)
+    problems: list[Problem] = []
+    errors: list[str] = []
+    seen: dict[str, int] = {}
+    for row_number, row in rows:
+        try:
+            if isinstance(row, DatasetError):
+                raise row
+            problem = _to_problem(path, row_number, row, fields, id_prefix)
+            if problem.id in seen:
+                raise DatasetError(
+                    path,
+                    row_number,
+                    fields.id or "id",
+                    f"id {problem.id!r} repeats row {seen[problem.id]}",
+                )
+        except DatasetError as error:
+            if on_error == "raise":
+                raise
+            errors.append(str(error))
+            continue
+        seen[problem.id] = row_number
+        problems.append(problem)
+    return LoadedDataset(problems, skipped=len(errors), errors=errors)
+
+
+def write_problems(path: str | Path, problems: Sequence[Problem]) -> None:
+    """Writes problems as JSONL (one ``Problem.to_dict`` per line)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for problem in problems:
+            out.write(json.dumps(problem.to_dict(), ensure_ascii=False) + "\n")
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    with path.open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_number, json.loads(line)
+            except json.JSONDecodeError as error:
+                yield line_number, DatasetError(path, line_number, "<json>", error.msg)
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq  # imported here: reward workers never need pyarrow
+
+    row_number = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            row_number += 1
+            yield row_number, row
+
+
+def _to_problem(
+    path: Path, row_number: int, row: Any, fields: FieldMapping, id_prefix: str
+) -> Problem:
+    def fail(field_name: str, message: str) -> DatasetError:
+        return DatasetError(path, row_number, field_name, message)
+
+    if not isinstance(row, Mapping):
+        raise fail("<row>", f"expected an object, got {type(row).__name__}")
+    prompt = row.get(fields.prompt) if fields.prompt else None
+    if prompt is not None and not isinstance(prompt, str):
+        raise fail(fields.prompt, f"expected a string, got {type(prompt).__name__}")
+    messages = _messages(row.get(fields.messages) if fields.messages else None, fail, fields)
+    if prompt is None and messages is None:
+        named = [name for name in (fields.prompt, fields.messages) if name]
+        raise fail(" or ".join(named), "missing or null")
+    if fields.answer not in row or row[fields.answer] is None:
+        raise fail(fields.answer, "missing or null")
+    metadata: dict[str, Any] = {}
+    if isinstance(row.get("metadata"), Mapping):
+        metadata.update(row["metadata"])
+    for name in fields.metadata:
+        if name not in row:
+            raise fail(name, "missing")
+        metadata[name] = row[name]
+    if fields.id is None:
+        text = prompt if prompt is not None else json.dumps(messages, sort_keys=True)
+        problem_id = stable_id(id_prefix, text)
+    else:
+        problem_id = row.get(fields.id)
+        if isinstance(problem_id, int) and not isinstance(problem_id, bool):
+            problem_id = str(problem_id)
+        if not isinstance(problem_id, str) or not problem_id:
+            raise fail(fields.id, f"expected a non-empty string or integer, got {problem_id!r}")
+    return Problem(
+        id=problem_id,
+        prompt=prompt,
+        answer=row[fields.answer],
+        messages=messages,
+        metadata=metadata,
+    )
+
+
+def _messages(value: Any, fail, fields: FieldMapping) -> tuple[dict[str, str], ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        raise fail(fields.messages, "expected a non-empty list of {role, content} objects")
+    for i, message in enumerate(value):
+        if not (
+            isinstance(message, Mapping)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise fail(fields.messages, f"message {i} is not a {{role, content}} object of strings")
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
