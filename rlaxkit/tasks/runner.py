@@ -156,6 +156,13 @@ class RewardRunner:
         self.counters.update(r.reason for r in results if r.reason is not None)
         return results
 
+    def start(self) -> RewardRunner:
+        """Starts the pool workers now rather than on the first ``score`` call, and waits
+        until they are ready (no-op inline). Returns ``self``."""
+        if self.mode == "pool":
+            self._score_pool([], [])
+        return self
+
     def worker_pids(self) -> list[int]:
         """Process ids of the live pool workers."""
         return [w.process.pid for w in self._workers if w.process.is_alive()]
@@ -185,7 +192,11 @@ class RewardRunner:
             self._workers.append(self._start_worker())
         results: list[RewardResult | None] = [None] * len(problems)
         queue = deque(range(len(problems)))
-        while queue or any(w.item is not None for w in self._workers):
+        while (
+            queue
+            or any(w.item is not None for w in self._workers)
+            or (not problems and not all(w.ready for w in self._workers))
+        ):
             for worker in self._workers:
                 while worker.ready and worker.item is None and queue:
                     item = queue.popleft()
