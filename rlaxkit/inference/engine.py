@@ -1,0 +1,285 @@
+"""Continuous batching with interruptible generation: a fixed set of decode rows ("slots")
+that are refilled with queued requests as soon as rows finish, and that can take new
+weights between chunks of decode steps.
+
+Under long-tailed response lengths a static batch spends most of its steps waiting for
+its longest row; here a finished row is refilled by prefilling the next request's prompt
+into that row alone (at its own offset, its old cache entries invalidated) while the
+other rows keep decoding, all with the programs of ``rlaxkit.inference.programs`` at
+bucketed shapes, so nothing recompiles once the buckets are warm.
+
+Weights may change between chunks (RLAX's workers pull from the parameter server; AReaL
+interrupts generation for new weights). Either the KV cache is kept (earlier tokens'
+keys and values stay those of the old weights) or, as in AReaL, it is recomputed from
+prompt + completion-so-far under the new weights. Every token records the version of
+the weights whose forward pass produced its logits.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rlaxkit.inference import programs
+from rlaxkit.inference.config import SamplingConfig, bucket_length, bucket_rows
+from rlaxkit.inference.generate import as_prompts, budgets
+from rlaxkit.inference.results import Completion, KeyLike, ModelLike, key_data, split_model
+from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED
+
+# Returns ``None`` (no new weights) or ``(weights, version)``; polled between chunks.
+WeightSource = Callable[[], "tuple[ModelLike | nnx.State, int] | None"]
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """One sample of one request, queued or in a row."""
+
+    request_id: int
+    sample_index: int
+    prompt: np.ndarray
+    key_data: np.ndarray
+    budget: int
+
+
+class InferenceEngine:
+    """Generates completions for submitted requests on ``num_slots`` decode rows.
+
+    >>> engine = InferenceEngine(model, SamplingConfig(max_new_tokens=8), num_slots=4,
+    ...                          max_prompt_len=32)  # doctest: +SKIP
+    >>> rid = engine.submit([1, 2, 3], rng=0)  # doctest: +SKIP
+    >>> completions = engine.run()  # doctest: +SKIP
+
+    Args:
+        model: a ``Transformer`` or ``(graphdef, params)``.
+        config: the sampling configuration shared by all requests.
+        num_slots: decode rows (the batch of every decode step).
+        max_prompt_len: the longest prompt accepted; rounded up to a power of two.
+        version: the version of ``model``'s weights.
+        chunk_steps: decode steps between two points where weights may change.
+        refill_fraction: while requests are queued, a chunk also ends as soon as this
+            fraction of the rows (at least one) has finished, so they are refilled.
+    """
+
+    def __init__(
+        self,
+        model: ModelLike,
+        config: SamplingConfig,
+        *,
+        num_slots: int,
+        max_prompt_len: int,
+        version: int = 0,
+        chunk_steps: int = 32,
+        refill_fraction: float = 0.125,
+    ):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if max_prompt_len < 1:
+            raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
+        if chunk_steps < 1:
+            raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+        if not 0 < refill_fraction <= 1:
+            raise ValueError(f"refill_fraction must be in (0, 1], got {refill_fraction}")
+        self.graphdef, self.params = split_model(model)
+        self.model_config = nnx.merge(self.graphdef, self.params).config
+        self.config = config
+        self.num_slots = num_slots
+        self.prompt_width = bucket_length(max_prompt_len)
+        self.version = version
+        self.chunk_steps = chunk_steps
+        self.refill_rows = max(1, math.ceil(refill_fraction * num_slots))
+        self.state = programs.init_state(self.model_config, config, num_slots, self.prompt_width)
+        self._queue: collections.deque[_Sample] = collections.deque()
+        self._slots: list[_Sample | None] = [None] * num_slots
+        self._ids = itertools.count()
+
+    @property
+    def num_queued(self) -> int:
+        """Samples waiting for a row."""
+        return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        """Rows generating."""
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing running."""
+        return not self._queue and self.num_running == 0
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        rng: KeyLike,
+        *,
+        max_new_tokens: int | None = None,
+        request_id: int | None = None,
+    ) -> int:
+        """Queues ``config.n`` samples of ``prompt``; returns the request id.
+
+        Sample ``j`` uses key ``fold_in(rng, j)`` and token ``t`` of it
+        ``fold_in(fold_in(rng, j), t)``, so its tokens do not depend on which row or
+        chunk generates them: the same as ``generate(model, [prompt], config, [rng])``.
+        """
+        (array,) = as_prompts([prompt], self.model_config.vocab_size)
+        if len(array) > self.prompt_width:
+            raise ValueError(
+                f"prompt of {len(array)} tokens exceeds max_prompt_len ({self.prompt_width})"
+            )
+        (budget,) = budgets(max_new_tokens, 1, self.config)
+        request_id = next(self._ids) if request_id is None else request_id
+        data = key_data(rng)
+        for j in range(self.config.n):
+            self._queue.append(_Sample(request_id, j, array, data, int(budget)))
+        return request_id
+
+    def update_weights(
+        self, weights: ModelLike | nnx.State, version: int, *, recompute_cache: bool = False
+    ) -> None:
+        """Generates with ``weights`` (same architecture) from the next decode step on.
+
+        Args:
+            weights: a ``Transformer``, ``(graphdef, params)`` or the ``params`` alone.
+            version: their version, recorded for every token they produce.
+            recompute_cache: rebuild the KV cache of every running row under the new
+                weights (AReaL); otherwise the cached keys and values are kept.
+        """
+        if isinstance(weights, nnx.State):
+            params = weights
+        else:
+            graphdef, params = split_model(weights)
+            if graphdef != self.graphdef:
+                raise ValueError("new weights have a different model architecture")
+        if jax.tree.structure(params) != jax.tree.structure(self.params):
+            raise ValueError("new weights do not have the structure of the current ones")
+        self.params, self.version = params, version
+        if recompute_cache and self.num_running:
+            self.state = programs.recompute_cache(
+                self.graphdef, self.params, self.state, config=self.config
+            )
+
+    def step(self) -> list[Completion]:
+        """Refills free rows, runs one chunk of decode steps, returns what finished."""
+        self._refill()
+        if not self.num_running:
+            return []
+        self.state, _ = programs.decode_steps(
+            self.graphdef,
+            self.params,
+            self.state,
+            np.int32(self.version),
+            np.int32(self.chunk_steps),
+            np.int32(self.refill_rows if self._queue else self.num_slots + 1),
+            config=self.config,
+        )
+        active = np.asarray(self.state.rows.active)
+        done = [r for r, s in enumerate(self._slots) if s is not None and not active[r]]
+        return self._collect(done)
+
+    def run(self, weight_source: WeightSource | None = None, **update) -> list[Completion]:
+        """Steps until idle; between chunks takes new weights from ``weight_source``.
+
+        Args:
+            weight_source: polled before every chunk; ``(weights, version)`` updates.
+            **update: passed to ``update_weights`` (``recompute_cache=True``).
+
+        Returns:
+            Every completion finished by this call, ordered by request and sample.
+        """
+        finished: list[Completion] = []
+        while not self.idle:
+            if weight_source is not None and (new := weight_source()) is not None:
+                self.update_weights(*new, **update)
+            finished.extend(self.step())
+        return sorted(finished, key=lambda c: (c.request_id, c.sample_index))
+
+    def abort(self) -> list[Completion]:
+        """Stops everything: running rows are returned as ``"interrupted"`` with what they
+        have generated; queued samples are dropped."""
+        self._queue.clear()
+        running = [r for r, s in enumerate(self._slots) if s is not None]
+        out = self._collect(running, interrupted=True)
+        if running:
+            index = np.full((bucket_rows(len(running)),), self.num_slots, np.int32)
+            index[: len(running)] = running
+            self.state = programs.release_rows(self.state, index)
+        return out
+
+    def _refill(self) -> None:
+        """Starts queued samples on free rows, one shared prefill per distinct request."""
+        free = [r for r, s in enumerate(self._slots) if s is None]
+        if not free or not self._queue:
+            return
+        admitted = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+        prompt_of: dict[int, int] = {}
+        for sample in admitted:
+            prompt_of.setdefault(sample.request_id, len(prompt_of))
+        firsts = {s.request_id: s for s in reversed(admitted)}
+        unique = [firsts[rid] for rid in prompt_of]
+        num_prompts, num_rows = bucket_rows(len(unique)), bucket_rows(len(admitted))
+        width = bucket_length(max(len(s.prompt) for s in unique), cap=self.prompt_width)
+        prompts = np.zeros((num_prompts, width), np.int32)
+        lengths = np.ones((num_prompts,), np.int32)
+        for i, sample in enumerate(unique):
+            prompts[i, : len(sample.prompt)] = sample.prompt
+            lengths[i] = len(sample.prompt)
+        dest = np.full((num_rows,), self.num_slots, np.int32)  # padding: out of range
+        source = np.zeros((num_rows,), np.int32)
+        sample_index = np.zeros((num_rows,), np.int32)
+        budget = np.ones((num_rows,), np.int32)
+        keys = np.zeros((num_rows, *admitted[0].key_data.shape), np.uint32)
+        for a, (row, sample) in enumerate(zip(free, admitted, strict=False)):
+            self._slots[row] = sample
+            dest[a], source[a] = row, prompt_of[sample.request_id]
+            sample_index[a], budget[a], keys[a] = (
+                sample.sample_index,
+                sample.budget,
+                sample.key_data,
+            )
+        self.state = programs.start_rows(
+            self.graphdef,
+            self.params,
+            self.state,
+            prompts,
+            lengths,
+            dest,
+            source,
+            keys,
+            sample_index,
+            budget,
+            config=self.config,
+        )
+
+    def _collect(self, rows: list[int], interrupted: bool = False) -> list[Completion]:
+        """Completions of ``rows`` (fetched in one gather), whose rows become free."""
+        if not rows:
+            return []
+        index = np.zeros((bucket_rows(len(rows)),), np.int32)
+        index[: len(rows)] = rows
+        fetched = jax.device_get(programs.take_rows(self.state.rows, index))
+        tokens, logprobs, plain, versions, generated, finish = fetched
+        out = []
+        for i, row in enumerate(rows):
+            sample, length = self._slots[row], int(generated[i])
+            self._slots[row] = None
+            code = INTERRUPTED if interrupted and finish[i] == 0 else int(finish[i])
+            out.append(
+                Completion(
+                    request_id=sample.request_id,
+                    sample_index=sample.sample_index,
+                    prompt_tokens=sample.prompt,
+                    tokens=tokens[i, :length],
+                    logprobs=logprobs[i, :length],
+                    plain_logprobs=plain[i, :length],
+                    versions=versions[i, :length],
+                    finish_reason=FINISH_REASONS[code],
+                )
+            )
+        return out

@@ -1,0 +1,163 @@
+"""Static-batch generation: prefill a batch of ragged prompts once, then decode every row
+to its end inside one compiled ``lax.while_loop``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rlaxkit.inference import programs
+from rlaxkit.inference.config import SamplingConfig, bucket_length, bucket_rows
+from rlaxkit.inference.results import (
+    GenerationResult,
+    KeyLike,
+    ModelLike,
+    prompt_keys,
+    split_model,
+)
+from rlaxkit.inference.rows import FINISH_REASONS, Rows
+
+
+def as_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[np.ndarray]:
+    """Prompts as int32 arrays, checked to be non-empty and inside the vocabulary."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        array = np.asarray(prompt, np.int32).reshape(-1)
+        if array.size == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if array.min() < 0 or array.max() >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
+        out.append(array)
+    if not out:
+        raise ValueError("no prompts given")
+    return out
+
+
+def budgets(
+    max_new_tokens: int | Sequence[int] | None, num_prompts: int, config: SamplingConfig
+) -> np.ndarray:
+    """``[num_prompts]`` int32 per-prompt token budgets, each in ``[1, config.max_new_tokens]``."""
+    if max_new_tokens is None:
+        max_new_tokens = config.max_new_tokens
+    values = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (num_prompts,))
+    if values.min() < 1 or values.max() > config.max_new_tokens:
+        raise ValueError(
+            f"max_new_tokens must lie in [1, {config.max_new_tokens}] (the config's "
+            f"max_new_tokens), got {values.min()}..{values.max()}"
+        )
+    return np.array(values)
+
+
+def generate(
+    model: ModelLike,
+    prompts: Sequence[Sequence[int]],
+    config: SamplingConfig,
+    rng: KeyLike | Sequence[KeyLike],
+    *,
+    version: int = 0,
+    max_new_tokens: int | Sequence[int] | None = None,
+) -> GenerationResult:
+    """Samples ``config.n`` completions of every prompt with a KV cache.
+
+    The ``B`` prompts (ragged) are right-padded to a power-of-two width (at least 16) and
+    prefilled once; each prompt's cache rows are copied to its ``n`` sample rows; the
+    ``B * n`` rows (padded to a power of two) decode in one jitted ``lax.while_loop``
+    that exits when every row has stopped. A second call whose batch and prompt width
+    fall in the same buckets compiles nothing.
+
+    Args:
+        model: a ``Transformer`` or ``(graphdef, params)`` from ``nnx.split``.
+        prompts: ``B`` token-id sequences, each at least one token long.
+        config: the sampling configuration.
+        rng: one seed or key (prompt ``i`` uses ``fold_in(rng, i)``) or ``B`` of them
+            (prompt ``i`` uses ``rng[i]``). Sample ``j`` of a prompt uses
+            ``fold_in(prompt_key, j)``, so results do not depend on batch composition.
+        version: the weight version, recorded for every token.
+        max_new_tokens: per-prompt budgets (one value or ``B``), at most
+            ``config.max_new_tokens``; default ``config.max_new_tokens``.
+
+    Returns:
+        A ``GenerationResult`` of ``[B, n, config.max_new_tokens]`` arrays.
+    """
+    graphdef, params = split_model(model)
+    model_config = nnx.merge(graphdef, params).config
+    prompts = as_prompts(prompts, model_config.vocab_size)
+    num_prompts, n = len(prompts), config.n
+    budget = budgets(max_new_tokens, num_prompts, config)
+    keys = prompt_keys(rng, num_prompts)
+
+    num_rows = num_prompts * n
+    rows = bucket_rows(num_rows)
+    padded_prompts = bucket_rows(num_prompts)
+    width = bucket_length(max(len(p) for p in prompts))
+    tokens = np.zeros((padded_prompts, width), np.int32)
+    lengths = np.ones((padded_prompts,), np.int32)
+    for i, prompt in enumerate(prompts):
+        tokens[i, : len(prompt)] = prompt
+        lengths[i] = len(prompt)
+    row = np.arange(rows)
+    source = np.minimum(row // n, num_prompts - 1).astype(np.int32)
+    dest = np.where(row < num_rows, row, rows).astype(np.int32)  # >= rows: padding, dropped
+
+    state = programs.init_state(model_config, config, rows, width)
+    state = programs.start_rows(
+        graphdef,
+        params,
+        state,
+        tokens,
+        lengths,
+        dest,
+        source,
+        keys[source],
+        (row % n).astype(np.int32),
+        budget[source],
+        config=config,
+    )
+    state, _ = programs.decode_steps(
+        graphdef,
+        params,
+        state,
+        np.int32(version),
+        np.int32(config.max_new_tokens),
+        np.int32(rows + 1),
+        config=config,
+    )
+    return collect_result(state.rows, prompts, config)
+
+
+def collect_result(
+    rows: Rows, prompts: list[np.ndarray], config: SamplingConfig
+) -> GenerationResult:
+    """The first ``len(prompts) * n`` rows as a ``GenerationResult`` (one device fetch)."""
+    num_prompts, n = len(prompts), config.n
+    num_rows = num_prompts * n
+    fetched = jax.device_get(
+        (
+            rows.tokens,
+            rows.logprobs,
+            rows.plain_logprobs,
+            rows.versions,
+            rows.num_generated,
+            rows.finish,
+        )
+    )
+    tokens, logprobs, plain, versions, generated, finish = (x[:num_rows] for x in fetched)
+    shape = (num_prompts, n, config.max_new_tokens)
+    lengths = generated.reshape(num_prompts, n)
+    return GenerationResult(
+        tokens=tokens.reshape(shape),
+        logprobs=logprobs.reshape(shape),
+        plain_logprobs=plain.reshape(shape),
+        versions=versions.reshape(shape),
+        mask=np.arange(config.max_new_tokens) < lengths[..., None],
+        lengths=lengths,
+        finish_reasons=tuple(
+            tuple(FINISH_REASONS[int(code)] for code in finish[i * n : (i + 1) * n])
+            for i in range(num_prompts)
+        ),
+        prompts=tuple(prompts),
+    )

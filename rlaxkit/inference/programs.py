@@ -1,0 +1,222 @@
+"""The compiled KV-cache programs: start rows from prompts (prefill), run decode steps,
+rebuild the cache under new weights. Every program is jitted with the model's graph
+definition and the sampling config static and the decode state donated, so a run
+compiles one program per shape bucket and updates the cache in place.
+
+Layout: row ``b`` holds its prompt in cache slots ``0 .. len_b - 2`` (the position of a
+token equals its slot) and keeps the last prompt token, later the last sampled token, as
+``pending``: the token the next decode step feeds. A decode step therefore always
+produces the logits of the next token, and the first completion token is drawn by the
+first decode step, exactly like all later ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlaxkit.inference.config import SamplingConfig
+from rlaxkit.inference.rows import Rows, sample_and_record
+from rlaxkit.models import KVCache, ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DecodeState:
+    """Everything the decode loop carries, ``R`` rows.
+
+    Attributes:
+        cache: the KV cache, ``slots = prompt_width + max_new_tokens`` per row.
+        prompt: ``[R, prompt_width]`` int32 prompt tokens, right-padded with 0.
+        prompt_len: ``[R]`` int32.
+        pending: ``[R]`` int32, the token the next decode step feeds (its position is
+            ``cache.end``).
+        rows: the completions so far.
+    """
+
+    cache: KVCache
+    prompt: jax.Array
+    prompt_len: jax.Array
+    pending: jax.Array
+    rows: Rows
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "config", "rows", "prompt_width"))
+def init_state(
+    model_config: ModelConfig, config: SamplingConfig, rows: int, prompt_width: int
+) -> DecodeState:
+    """An empty decode state: ``rows`` inactive rows, prompts up to ``prompt_width``."""
+    slots = prompt_width + config.max_new_tokens
+    return DecodeState(
+        cache=KVCache.zeros(model_config, rows, slots),
+        prompt=jnp.zeros((rows, prompt_width), jnp.int32),
+        prompt_len=jnp.ones((rows,), jnp.int32),
+        pending=jnp.zeros((rows,), jnp.int32),
+        rows=Rows.empty(rows, config),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
+def start_rows(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: DecodeState,
+    prompts: jax.Array,
+    prompt_len: jax.Array,
+    dest: jax.Array,
+    source: jax.Array,
+    request_key_data: jax.Array,
+    sample_index: jax.Array,
+    budget: jax.Array,
+    *,
+    config: SamplingConfig,
+) -> DecodeState:
+    """Prefills ``U`` prompts once and starts ``A`` rows from them.
+
+    Row ``dest[a]`` becomes sample ``sample_index[a]`` of prompt ``source[a]``: the
+    prompt's cache rows are copied, so ``n`` samples of a prompt share one prefill.
+    ``dest`` entries ``>= R`` are padding and change nothing.
+
+    Args:
+        prompts: ``[U, W]`` int32, right-padded, ``W <= prompt_width``.
+        prompt_len: ``[U]`` int32, each ``>= 1``.
+        dest, source, sample_index, budget: ``[A]`` int32.
+        request_key_data: ``[A, ...]`` uint32 key data (``jax.random.key_data``) of the
+            requests' PRNG keys.
+    """
+    model = nnx.merge(graphdef, params)
+    num_prompts, width = prompts.shape
+    slots = state.cache.slots
+    # Every prompt token but the last goes into the cache; the last is the pending token.
+    context_mask = jnp.arange(width)[None] < (prompt_len - 1)[:, None]
+    positions = jnp.broadcast_to(jnp.arange(width), prompts.shape)
+    prefill = KVCache.zeros(model.config, num_prompts, width, state.cache.k[0].dtype)
+    _, prefill = model.decode(prompts, positions, prefill, context_mask)
+
+    def copy(full, part):
+        return full.at[dest, :width].set(part[source], mode="drop")
+
+    valid = jnp.pad(prefill.valid[source], ((0, 0), (0, slots - width)))
+    cache = KVCache(
+        k=[copy(f, p) for f, p in zip(state.cache.k, prefill.k, strict=True)],
+        v=[copy(f, p) for f, p in zip(state.cache.v, prefill.v, strict=True)],
+        valid=state.cache.valid.at[dest].set(valid, mode="drop"),
+        end=state.cache.end.at[dest].set(prompt_len[source] - 1, mode="drop"),
+    )
+    stored = jnp.pad(prompts, ((0, 0), (0, state.prompt.shape[1] - width)))
+    last = jnp.take_along_axis(prompts, (prompt_len - 1)[:, None], axis=1)[:, 0]
+    request_keys = jax.random.wrap_key_data(request_key_data)
+    return DecodeState(
+        cache=cache,
+        prompt=state.prompt.at[dest].set(stored[source], mode="drop"),
+        prompt_len=state.prompt_len.at[dest].set(prompt_len[source], mode="drop"),
+        pending=state.pending.at[dest].set(last[source], mode="drop"),
+        rows=state.rows.start(dest, request_keys, sample_index, budget),
+    )
+
+
+def decode_step(model, state: DecodeState, version: jax.Array, config: SamplingConfig):
+    """One token for every active row: feed ``pending``, sample, record."""
+    active = state.rows.active
+    positions = state.cache.end[:, None]
+    logits, cache = model.decode(state.pending[:, None], positions, state.cache, active[:, None])
+    # Rows that are not generating keep their write offset, so they never run off the end.
+    cache = dataclasses.replace(cache, end=jnp.where(active, cache.end, state.cache.end))
+    rows, tokens = sample_and_record(state.rows, logits[:, 0], version, config)
+    pending = jnp.where(active, tokens, state.pending)
+    return dataclasses.replace(state, cache=cache, pending=pending, rows=rows)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
+def decode_steps(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: DecodeState,
+    version: jax.Array,
+    max_steps: jax.Array,
+    min_finished: jax.Array,
+    *,
+    config: SamplingConfig,
+) -> tuple[DecodeState, jax.Array]:
+    """Runs decode steps in a ``lax.while_loop`` until every row has stopped, ``max_steps``
+    steps have run, or ``min_finished`` rows have finished in this call.
+
+    ``max_steps`` and ``min_finished`` are traced: changing them compiles nothing.
+
+    Returns:
+        The state and the number of steps run.
+    """
+    model = nnx.merge(graphdef, params)
+    was_active = state.rows.active
+
+    def keep_going(carry):
+        state, step = carry
+        finished = jnp.sum(was_active & ~state.rows.active)
+        return jnp.any(state.rows.active) & (step < max_steps) & (finished < min_finished)
+
+    def body(carry):
+        state, step = carry
+        return decode_step(model, state, version, config), step + 1
+
+    return jax.lax.while_loop(keep_going, body, (state, jnp.zeros((), jnp.int32)))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
+def recompute_cache(
+    graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, *, config: SamplingConfig
+) -> DecodeState:
+    """Rebuilds every row's cache from its prompt and completion so far under ``params``.
+
+    The context of row ``b`` is ``prompt + completion[:-1]`` (the last token stays
+    pending), prefilled in one pass of width ``slots``; the completion buffers are kept.
+    This is AReaL's interruptible generation: after a weight update the remaining tokens
+    are produced by the new weights on a cache computed by them too.
+    """
+    del config  # static only so callers pass one signature to every program
+    model = nnx.merge(graphdef, params)
+    rows, slots = state.cache.valid.shape
+    index = jnp.arange(slots)[None]
+    prompt_len = state.prompt_len[:, None]
+    from_prompt = jnp.take_along_axis(
+        state.prompt, jnp.minimum(index, state.prompt.shape[1] - 1), axis=1
+    )
+    max_new = state.rows.tokens.shape[1]
+    generated_at = jnp.clip(index - prompt_len, 0, max_new - 1)
+    from_completion = jnp.take_along_axis(state.rows.tokens, generated_at, axis=1)
+    context = jnp.where(index < prompt_len, from_prompt, from_completion)
+    length = state.prompt_len + state.rows.num_generated - 1
+    mask = (index < length[:, None]) & state.rows.active[:, None]
+    fresh = KVCache.zeros(model.config, rows, slots, state.cache.k[0].dtype)
+    positions = jnp.broadcast_to(index, context.shape)
+    _, cache = model.decode(context, positions, fresh, mask)
+    end = jnp.where(state.rows.active, length, state.cache.end)
+    return dataclasses.replace(state, cache=dataclasses.replace(cache, end=end))
+
+
+@jax.jit
+def take_rows(rows: Rows, index: jax.Array) -> tuple[jax.Array, ...]:
+    """``(tokens, logprobs, plain_logprobs, versions, num_generated, finish)`` of the rows
+    ``index`` (callers pad ``index`` to a bucket so few shapes are compiled)."""
+    return tuple(
+        x[index]
+        for x in (
+            rows.tokens,
+            rows.logprobs,
+            rows.plain_logprobs,
+            rows.versions,
+            rows.num_generated,
+            rows.finish,
+        )
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def release_rows(state: DecodeState, index: jax.Array) -> DecodeState:
+    """Rows ``index`` stop generating (entries ``>= R`` are ignored)."""
+    active = state.rows.active.at[index].set(False, mode="drop")
+    return dataclasses.replace(state, rows=dataclasses.replace(state.rows, active=active))

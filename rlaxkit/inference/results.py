@@ -1,0 +1,132 @@
+"""What the samplers return, and the small conversions at their boundary (model or weights,
+seeds or keys).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlaxkit.models import Transformer
+
+# A model, or its graph definition and weights (``nnx.split(model)``).
+ModelLike = Transformer | tuple[nnx.GraphDef, nnx.State]
+# An int seed or a PRNG key (typed ``jax.random.key`` or raw ``jax.random.PRNGKey``).
+KeyLike = int | jax.Array
+
+
+def split_model(model: ModelLike) -> tuple[nnx.GraphDef, nnx.State]:
+    """``(graphdef, params)`` of a ``Transformer`` or of an already split pair."""
+    if isinstance(model, nnx.Module):
+        return nnx.split(model)
+    graphdef, params = model
+    return graphdef, params
+
+
+def key_data(rng: KeyLike) -> np.ndarray:
+    """The uint32 data of one PRNG key given as a seed or a key (host array)."""
+    if isinstance(rng, int | np.integer):
+        rng = jax.random.key(int(rng))
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        if rng.shape != ():
+            raise ValueError(f"expected one PRNG key, got an array of shape {rng.shape}")
+        return np.asarray(jax.random.key_data(rng))
+    data = np.asarray(rng)
+    if data.dtype != np.uint32 or data.ndim != 1:
+        raise ValueError(f"expected a seed or a PRNG key, got {data.dtype}{list(data.shape)}")
+    return data
+
+
+def prompt_keys(rng: KeyLike | Sequence[KeyLike], num_prompts: int) -> np.ndarray:
+    """``[num_prompts, ...]`` key data: ``rng[i]`` per prompt, or ``fold_in(rng, i)``."""
+    if isinstance(rng, Sequence):
+        if len(rng) != num_prompts:
+            raise ValueError(f"got {len(rng)} keys for {num_prompts} prompts")
+        return np.stack([key_data(r) for r in rng])
+    base = jax.random.wrap_key_data(key_data(rng))
+    return np.stack(
+        [np.asarray(jax.random.key_data(jax.random.fold_in(base, i))) for i in range(num_prompts)]
+    )
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion of one request.
+
+    Attributes:
+        request_id: the request (prompt) it answers.
+        sample_index: which of the request's ``n`` samples it is.
+        prompt_tokens: ``[P]`` int32.
+        tokens: ``[C]`` int32, up to and including a stop token or stop sequence.
+        logprobs: ``[C]`` float32 behaviour log-probs, under the (truncated) distribution
+            each token was drawn from.
+        plain_logprobs: ``[C]`` float32, under ``softmax(logits / temperature)`` without
+            truncation: what the trainer recomputes (equal to ``logprobs`` when no top-k,
+            top-p or min-p is set).
+        versions: ``[C]`` int32 weight version that produced each token.
+        finish_reason: ``"stop"``, ``"length"`` or ``"interrupted"``.
+    """
+
+    request_id: int
+    sample_index: int
+    prompt_tokens: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    plain_logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """Completions of ``B`` prompts, ``n`` samples each, padded to ``M`` tokens.
+
+    Entries after a completion's end are 0 (versions -1) and ``mask`` is False there.
+
+    Attributes:
+        tokens: ``[B, n, M]`` int32.
+        logprobs: ``[B, n, M]`` float32 behaviour log-probs (sampled distribution).
+        plain_logprobs: ``[B, n, M]`` float32 temperature-only log-probs.
+        versions: ``[B, n, M]`` int32 weight versions.
+        mask: ``[B, n, M]`` bool, the token is part of the completion.
+        lengths: ``[B, n]`` int32 completion lengths.
+        finish_reasons: ``B`` tuples of ``n`` reasons (``"stop"`` or ``"length"``).
+        prompts: the ``B`` prompts, int32 arrays.
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    plain_logprobs: np.ndarray
+    versions: np.ndarray
+    mask: np.ndarray
+    lengths: np.ndarray
+    finish_reasons: tuple[tuple[str, ...], ...]
+    prompts: tuple[np.ndarray, ...]
+
+    def completion(self, prompt: int, sample: int = 0) -> Completion:
+        """Sample ``sample`` of prompt ``prompt``, cut to its length."""
+        length = int(self.lengths[prompt, sample])
+        return Completion(
+            request_id=prompt,
+            sample_index=sample,
+            prompt_tokens=self.prompts[prompt],
+            tokens=self.tokens[prompt, sample, :length],
+            logprobs=self.logprobs[prompt, sample, :length],
+            plain_logprobs=self.plain_logprobs[prompt, sample, :length],
+            versions=self.versions[prompt, sample, :length],
+            finish_reason=self.finish_reasons[prompt][sample],
+        )
+
+    def completions(self) -> list[list[Completion]]:
+        """Every completion, ``[prompt][sample]``."""
+        b, n = self.lengths.shape
+        return [[self.completion(i, j) for j in range(n)] for i in range(b)]
