@@ -1,0 +1,357 @@
+"""The one trace schema written by the runtime and the simulator, read by plots and
+calibration.
+
+A trace is JSON lines, one event per line: ``{"t": 12.5, "kind": "train_step",
+"actor": "trainer", "version": 3, ...}``. ``t`` is seconds since run start (simulated
+seconds in ``sim/``, wall seconds in the runtime), ``actor`` names who did it
+(``trainer``, ``param_server``, ``worker-3``, ``verifier``, ``buffer``), ``version`` is
+the weight version involved (``null`` where none is). Further keys depend on the kind;
+the closed set of kinds and the keys each requires are in :data:`REQUIRED_FIELDS`.
+
+Per kind, the keys this module's helpers read (others are free):
+
+- ``run_start``: ``config`` (dict: policies and fleet shape, for calibration).
+- ``generation_start`` / ``generation_end``: one generated sequence. ``sample`` (id),
+  optional ``rollout`` (id of its prompt group), ``prompt_tokens``, ``occupancy``
+  (sequences decoding on that worker when it started); at the end ``tokens``
+  (completion tokens), ``first_version`` (oldest version of its tokens; defaults to
+  ``version``), ``finish`` (``stop`` | ``length``).
+- ``reward``: ``sample``, ``duration_s`` (verifier latency).
+- ``train_step``: ``step``, ``samples``, ``tokens``, ``duration_s`` (compute), and
+  ``staleness`` (list: trainer version minus oldest version, per rollout trained).
+- ``push`` / ``pull``: ``duration_s``, optional ``bytes``.
+- ``checkpoint_save`` / ``checkpoint_restore``: ``step``, ``duration_s``.
+- ``preemption`` / ``restart``: optional ``lost_steps`` (trainer).
+- ``drop``: ``reason`` (``stale``, ``future_version``, ``preempted``,
+  ``reward_timeout``, ...), optional ``rollout``.
+- ``fault``: ``fault`` (the FaultPlan kind injected, when it is not a preemption).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = [
+    "KINDS",
+    "REQUIRED_FIELDS",
+    "GenerationRecord",
+    "JsonlTraceWriter",
+    "MemoryTrace",
+    "TraceEvent",
+    "TraceSink",
+    "TraceSummary",
+    "drop_counts",
+    "durations",
+    "generation_records",
+    "iter_trace",
+    "read_trace",
+    "staleness_distribution",
+    "summarize",
+]
+
+REQUIRED_FIELDS: Mapping[str, tuple[str, ...]] = {
+    "run_start": (),
+    "generation_start": ("sample",),
+    "generation_end": ("sample", "tokens"),
+    "reward": ("sample", "duration_s"),
+    "train_step": ("step", "samples", "duration_s"),
+    "push": ("duration_s",),
+    "pull": ("duration_s",),
+    "checkpoint_save": ("step", "duration_s"),
+    "checkpoint_restore": ("step",),
+    "preemption": (),
+    "restart": (),
+    "drop": ("reason",),
+    "fault": ("fault",),
+}
+KINDS: frozenset[str] = frozenset(REQUIRED_FIELDS)
+_CORE = ("t", "kind", "actor", "version")
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One trace line: time, kind, actor, weight version, and kind-specific fields."""
+
+    t: float
+    kind: str
+    actor: str
+    version: int | None = None
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _validate(self.t, self.kind, self.actor, self.version, self.fields, where="event")
+
+    def __getitem__(self, key: str) -> Any:
+        return self.fields[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The field ``key``, or ``default`` when absent."""
+        return self.fields.get(key, default)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat dict: the four core keys followed by the fields."""
+        out: dict[str, Any] = {
+            "t": self.t,
+            "kind": self.kind,
+            "actor": self.actor,
+            "version": self.version,
+        }
+        out.update(self.fields)
+        return out
+
+    def to_json(self) -> str:
+        """One JSON line (no trailing newline)."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TraceEvent:
+        """Parse a flat dict, validating the kind and its required fields."""
+        for key in ("t", "kind", "actor"):
+            if key not in data:
+                raise ValueError(f"{key}: missing from trace event {dict(data)!r}")
+        fields = {k: v for k, v in data.items() if k not in _CORE}
+        return cls(
+            t=data["t"],
+            kind=data["kind"],
+            actor=data["actor"],
+            version=data.get("version"),
+            fields=fields,
+        )
+
+
+def _validate(t, kind, actor, version, fields, *, where: str) -> None:
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+        raise ValueError(f"{where}.t: must be a finite number >= 0, got {t!r}")
+    if kind not in KINDS:
+        raise ValueError(f"{where}.kind: must be one of {sorted(KINDS)}, got {kind!r}")
+    if not isinstance(actor, str) or not actor:
+        raise ValueError(f"{where}.actor: must be a non-empty string, got {actor!r}")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise ValueError(f"{where}.version: must be an integer or null, got {version!r}")
+    for key in fields:
+        if key in _CORE:
+            raise ValueError(f"{where}.{key}: reserved key cannot be a field")
+    for key in REQUIRED_FIELDS[kind]:
+        if key not in fields:
+            raise ValueError(f"{where}.{key}: required for kind {kind!r}")
+
+
+class TraceSink(Protocol):
+    """Anything that takes trace events: a JSONL writer, an in-memory list."""
+
+    def record(
+        self, t: float, kind: str, actor: str, version: int | None = None, **fields: Any
+    ) -> None:
+        """Record one event (validated)."""
+        ...
+
+
+class MemoryTrace:
+    """In-memory trace: ``events`` is the list of recorded :class:`TraceEvent`."""
+
+    def __init__(self) -> None:
+        self.events: list[TraceEvent] = []
+
+    def record(
+        self, t: float, kind: str, actor: str, version: int | None = None, **fields: Any
+    ) -> None:
+        """Append one validated event."""
+        self.events.append(TraceEvent(t, kind, actor, version, fields))
+
+    def emit(self, event: TraceEvent) -> None:
+        """Append an already-built event."""
+        self.events.append(event)
+
+    def write(self, path: str | os.PathLike) -> None:
+        """Write all events to ``path`` as JSON lines (overwriting)."""
+        with open(path, "w", encoding="utf-8") as handle:
+            for event in self.events:
+                handle.write(event.to_json() + "\n")
+
+    def __iter__(self) -> Iterator[TraceEvent]:
+        return iter(self.events)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+
+class JsonlTraceWriter:
+    """Appends events to a JSONL file, flushing after every line so a killed process
+    leaves a readable trace. Use as a context manager or call :meth:`close`."""
+
+    def __init__(self, path: str | os.PathLike, *, append: bool = True) -> None:
+        self.path = Path(path)
+        self._handle = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+
+    def record(
+        self, t: float, kind: str, actor: str, version: int | None = None, **fields: Any
+    ) -> None:
+        """Validate, write and flush one event."""
+        self.emit(TraceEvent(t, kind, actor, version, fields))
+
+    def emit(self, event: TraceEvent) -> None:
+        """Write and flush an already-built event."""
+        self._handle.write(event.to_json() + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if not self._handle.closed:
+            self._handle.close()
+
+    def __enter__(self) -> JsonlTraceWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def iter_trace(path: str | os.PathLike) -> Iterator[TraceEvent]:
+    """Yield validated events from a JSONL trace; errors name the line number."""
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+                if not isinstance(data, dict):
+                    raise ValueError("line is not a JSON object")
+                yield TraceEvent.from_dict(data)
+            except (ValueError, json.JSONDecodeError) as error:
+                raise ValueError(f"{path}:{line_number}: {error}") from error
+
+
+def read_trace(path: str | os.PathLike) -> list[TraceEvent]:
+    """All validated events of a JSONL trace, in file order."""
+    return list(iter_trace(path))
+
+
+# --- helpers shared by runtime reports and calibration ---------------------------------
+
+
+@dataclass(frozen=True)
+class TraceSummary:
+    """Throughput of a run as its trace tells it.
+
+    ``duration_s`` runs from the first event to the last ``train_step`` (or the last
+    event when no step happened). Rates divide trained (consumed) samples and tokens,
+    and generated completion tokens, by that duration.
+    """
+
+    duration_s: float
+    steps: int
+    samples_trained: int
+    tokens_trained: int
+    tokens_generated: int
+    samples_per_s: float
+    tokens_per_s: float
+    generated_tokens_per_s: float
+    mean_step_s: float
+
+
+def summarize(events: Iterable[TraceEvent]) -> TraceSummary:
+    """Throughput figures of a trace (see :class:`TraceSummary`)."""
+    events = list(events)
+    if not events:
+        raise ValueError("events: empty trace")
+    start = min(e.t for e in events)
+    steps = [e for e in events if e.kind == "train_step"]
+    end = max(e.t for e in steps) if steps else max(e.t for e in events)
+    duration = max(end - start, 1e-12)
+    samples = sum(int(e["samples"]) for e in steps)
+    tokens = sum(int(e.get("tokens", 0)) for e in steps)
+    generated = sum(int(e["tokens"]) for e in events if e.kind == "generation_end")
+    mean_step = (max(e.t for e in steps) - start) / len(steps) if steps else float("nan")
+    return TraceSummary(
+        duration_s=duration,
+        steps=len(steps),
+        samples_trained=samples,
+        tokens_trained=tokens,
+        tokens_generated=generated,
+        samples_per_s=samples / duration,
+        tokens_per_s=tokens / duration,
+        generated_tokens_per_s=generated / duration,
+        mean_step_s=mean_step,
+    )
+
+
+def staleness_distribution(events: Iterable[TraceEvent]) -> dict[int, int]:
+    """Counts of per-rollout staleness over all ``train_step`` events, sorted by age."""
+    counts: Counter[int] = Counter()
+    for event in events:
+        if event.kind == "train_step":
+            counts.update(int(s) for s in event.get("staleness", ()))
+    return dict(sorted(counts.items()))
+
+
+def drop_counts(events: Iterable[TraceEvent]) -> dict[str, int]:
+    """Number of ``drop`` events per reason."""
+    return dict(Counter(str(e["reason"]) for e in events if e.kind == "drop"))
+
+
+def durations(events: Iterable[TraceEvent], kind: str) -> list[float]:
+    """The ``duration_s`` of every event of ``kind`` that has one."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: must be one of {sorted(KINDS)}, got {kind!r}")
+    return [float(e["duration_s"]) for e in events if e.kind == kind and "duration_s" in e.fields]
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """One completed generation, joined from its start and end events."""
+
+    actor: str
+    sample: str
+    start_s: float
+    end_s: float
+    tokens: int
+    prompt_tokens: int | None
+    occupancy: int | None
+    first_version: int | None
+    version: int | None
+
+    @property
+    def latency_s(self) -> float:
+        """End minus start, in seconds."""
+        return self.end_s - self.start_s
+
+    @property
+    def interrupted(self) -> bool:
+        """True when its tokens span weight versions (an in-flight update paused it)."""
+        return self.first_version != self.version
+
+
+def generation_records(events: Iterable[TraceEvent]) -> list[GenerationRecord]:
+    """Completed generations, joining start and end events on ``(actor, sample)``.
+
+    Starts without an end (aborted by a preemption) are left out.
+    """
+    starts: dict[tuple[str, str], TraceEvent] = {}
+    records: list[GenerationRecord] = []
+    for event in events:
+        key = (event.actor, str(event.get("sample")))
+        if event.kind == "generation_start":
+            starts[key] = event
+        elif event.kind == "generation_end" and key in starts:
+            start = starts.pop(key)
+            records.append(
+                GenerationRecord(
+                    actor=event.actor,
+                    sample=key[1],
+                    start_s=start.t,
+                    end_s=event.t,
+                    tokens=int(event["tokens"]),
+                    prompt_tokens=start.get("prompt_tokens"),
+                    occupancy=start.get("occupancy"),
+                    first_version=event.get("first_version", start.version),
+                    version=event.version,
+                )
+            )
+    return records
