@@ -1,0 +1,126 @@
+"""Applies a FaultPlan (``rlaxkit.faults``) to the simulated entities.
+
+Timed faults fire from one process in ``at_s`` order; step-indexed faults fire right
+after the trainer first reaches ``at_step`` (from their own zero-delay process, so a
+trainer preemption is never the trainer interrupting itself). Random preemptions of a
+:class:`~sim.specs.PreemptionSpec` are generated as a plan first, so a simulated run and
+a runtime run can replay the very same faults.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rlaxkit.faults import Fault, FaultPlan, random_preemptions
+
+if TYPE_CHECKING:
+    from .engine import Simulation
+    from .scenario import Scenario
+
+__all__ = ["FaultInjector", "plan_for"]
+
+
+def plan_for(scenario: Scenario) -> FaultPlan:
+    """The scenario's explicit faults plus its random preemptions over the horizon."""
+    spec = scenario.preemptions
+    plans = [scenario.fault_plan]
+    common = {
+        "horizon_s": scenario.horizon_s,
+        "distribution": spec.distribution,
+        "weibull_shape": spec.weibull_shape,
+        "seed": scenario.seed,
+    }
+    fleet = scenario.fleet
+    if spec.worker_mtbf_s is not None:
+        workers = [f"worker-{i}" for i in range(fleet.num_workers)]
+        plans.append(random_preemptions(targets=workers, mtbf_s=spec.worker_mtbf_s, **common))
+    if spec.slice_mtbf_s is not None:
+        slices = [f"slice-{i}" for i in range(fleet.num_slices)]
+        plans.append(
+            random_preemptions(
+                targets=slices, mtbf_s=spec.slice_mtbf_s, kind="preempt_slice", **common
+            )
+        )
+    if spec.trainer_mtbf_s is not None:
+        plans.append(
+            random_preemptions(
+                targets=["trainer"], mtbf_s=spec.trainer_mtbf_s, kind="preempt_trainer", **common
+            )
+        )
+    return plans[0].merged(*plans[1:])
+
+
+class FaultInjector:
+    """Fires the faults of a plan at their times or steps."""
+
+    name = "injector"
+
+    def __init__(self, sim: Simulation, plan: FaultPlan) -> None:
+        self.sim = sim
+        self.env = sim.env
+        self.workers = {worker.name: worker for worker in sim.workers}
+        self.slices: dict[str, list] = {}
+        for worker in sim.workers:
+            self.slices.setdefault(worker.slice_name, []).append(worker)
+        for index, fault in enumerate(plan):
+            self._check_target(fault, f"fault_plan[{index}]")
+        self._by_step = plan.by_step()
+        timed = plan.timed()
+        if timed:
+            self.env.process(self._fire_timed(timed))
+
+    def _check_target(self, fault: Fault, where: str) -> None:
+        kind, target = fault.kind, fault.target
+        if kind in ("preempt_worker", "slow_worker") and target not in self.workers:
+            raise ValueError(f"{where}.target: no worker named {target!r} in this fleet")
+        if kind == "fail_pull" and target is not None and target not in self.workers:
+            raise ValueError(f"{where}.target: no worker named {target!r} in this fleet")
+        if kind == "preempt_slice" and target not in self.slices:
+            raise ValueError(f"{where}.target: no slice named {target!r} in this fleet")
+
+    def _fire_timed(self, faults: list[Fault]):
+        for fault in faults:
+            if fault.at_s > self.env.now:
+                yield self.env.timeout(fault.at_s - self.env.now)
+            self.apply(fault)
+
+    def on_step(self, step: int) -> None:
+        """Called by the trainer after each step; fires that step's faults once."""
+        faults = self._by_step.pop(step, None)
+        if faults:
+            self.env.process(self._fire_now(faults))
+
+    def _fire_now(self, faults: list[Fault]):
+        yield self.env.timeout(0)
+        for fault in faults:
+            self.apply(fault)
+
+    def apply(self, fault: Fault) -> None:
+        """Apply one fault to the entity it names."""
+        sim = self.sim
+        scenario = sim.scenario
+        kind = fault.kind
+        if kind == "preempt_worker":
+            down = _or(fault.restart_after_s, scenario.fleet.restart_s)
+            self.workers[fault.target].preempt(down)
+        elif kind == "preempt_slice":
+            down = _or(fault.restart_after_s, scenario.fleet.restart_s)
+            sim.counters.preemptions["slice"] += 1
+            for worker in self.slices[fault.target]:
+                worker.preempt(down)
+        elif kind == "preempt_trainer":
+            sim.trainer.preempt(_or(fault.restart_after_s, scenario.trainer.restart_s))
+        elif kind == "kill_param_server":
+            sim.record(sim.ps.name, "fault", sim.ps.latest, fault=kind)
+            sim.ps.kill(_or(fault.restart_after_s, scenario.param_server.restart_s))
+        elif kind == "slow_worker":
+            sim.record(fault.target, "fault", None, fault=kind, factor=fault.factor)
+            self.workers[fault.target].slow(fault.factor, fault.duration_s)
+        elif kind == "fail_pull":
+            sim.ps.failing_pulls[fault.target or "*"] += fault.count
+        elif kind == "hang_reward":
+            sim.verifier.hangs_pending += fault.count
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value

@@ -1,0 +1,154 @@
+"""Counters the simulated entities update, and the SimResult computed from them.
+
+Definitions (``T`` is the simulated time at the end of the run):
+
+- throughput: samples (tokens) of the steps that survived to the end, divided by ``T``;
+  steps lost to a trainer preemption do not count;
+- trainer utilisation: seconds of train-step compute (lost steps included) ÷ ``T``;
+- goodput: seconds of compute of the surviving steps ÷ ``T`` (useful trainer compute
+  over wall time);
+- worker utilisation: slot-seconds spent decoding ÷ (slots · ``T``);
+- staleness: per trained rollout, trainer version minus the rollout's oldest version.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Counters", "SimResult"]
+
+
+class Counters:
+    """Mutable tallies shared by the entities of one run (plain attributes for speed)."""
+
+    def __init__(self) -> None:
+        self.samples_generated = 0
+        self.tokens_generated = 0
+        self.samples_aborted = 0
+        self.tokens_wasted = 0
+        self.slot_busy_s = 0.0
+        self.pulls = 0
+        self.pull_s = 0.0
+        self.pushes = 0
+        self.saves = 0
+        self.restores = 0
+        self.trainer_wait_s = 0.0
+        self.lost_steps = 0
+        self.lost_compute_s = 0.0
+        self.staleness: Counter[int] = Counter()
+        self.drops: Counter[str] = Counter()
+        self.preemptions: Counter[str] = Counter()
+        # One entry per surviving step: (compute_s, samples, tokens, end_time_s).
+        self.steps: list[tuple[float, int, int, float]] = []
+
+    def rollback(self, to_step: int) -> None:
+        """Forget the steps after ``to_step`` (lost to a trainer preemption)."""
+        lost = self.steps[to_step:]
+        self.lost_steps += len(lost)
+        self.lost_compute_s += sum(step[0] for step in lost)
+        del self.steps[to_step:]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one simulated run measured (see the module docstring for definitions)."""
+
+    scenario: str
+    sim_time_s: float
+    steps: int
+    samples_trained: int
+    tokens_trained: int
+    samples_generated: int
+    tokens_generated: int
+    samples_per_s: float
+    tokens_per_s: float
+    generated_tokens_per_s: float
+    trainer_utilisation: float
+    goodput: float
+    worker_utilisation: float
+    staleness: dict[int, int]
+    drops: dict[str, int]
+    preemptions: dict[str, int]
+    lost_steps: int
+    step_end_s: tuple[float, ...] = field(repr=False)
+    events: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def events_per_s(self) -> float:
+        """Simulation events processed per wall-clock second."""
+        return self.events / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def mean_staleness(self) -> float:
+        """Mean staleness over trained rollouts (0 when none)."""
+        total = sum(self.staleness.values())
+        return sum(k * n for k, n in self.staleness.items()) / total if total else 0.0
+
+    @property
+    def max_staleness(self) -> int:
+        """Largest staleness of any trained rollout (0 when none)."""
+        return max(self.staleness, default=0)
+
+    def time_to_step(self, step: int) -> float | None:
+        """Simulated seconds until the trainer reached ``step`` for good (``None``: never)."""
+        return self.step_end_s[step - 1] if 0 < step <= len(self.step_end_s) else None
+
+    def to_row(self) -> dict[str, Any]:
+        """Scalar metrics for a results table."""
+        return {
+            "scenario": self.scenario,
+            "sim_time_s": round(self.sim_time_s, 3),
+            "steps": self.steps,
+            "samples_per_s": round(self.samples_per_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "trainer_util": round(self.trainer_utilisation, 4),
+            "goodput": round(self.goodput, 4),
+            "worker_util": round(self.worker_utilisation, 4),
+            "mean_staleness": round(self.mean_staleness, 3),
+            "max_staleness": self.max_staleness,
+            "dropped": sum(self.drops.values()),
+            "preemptions": sum(self.preemptions.values()),
+            "lost_steps": self.lost_steps,
+        }
+
+
+def build_result(
+    *,
+    name: str,
+    counters: Counters,
+    sim_time_s: float,
+    total_slots: int,
+    events: int,
+    wall_s: float,
+) -> SimResult:
+    """Derive a :class:`SimResult` from a finished run's counters."""
+    duration = max(sim_time_s, 1e-12)
+    steps = counters.steps
+    samples = sum(s[1] for s in steps)
+    tokens = sum(s[2] for s in steps)
+    useful = sum(s[0] for s in steps)
+    return SimResult(
+        scenario=name,
+        sim_time_s=sim_time_s,
+        steps=len(steps),
+        samples_trained=samples,
+        tokens_trained=tokens,
+        samples_generated=counters.samples_generated,
+        tokens_generated=counters.tokens_generated,
+        samples_per_s=samples / duration,
+        tokens_per_s=tokens / duration,
+        generated_tokens_per_s=counters.tokens_generated / duration,
+        trainer_utilisation=(useful + counters.lost_compute_s) / duration,
+        goodput=useful / duration,
+        worker_utilisation=counters.slot_busy_s / (total_slots * duration),
+        staleness=dict(sorted(counters.staleness.items())),
+        drops=dict(counters.drops),
+        preemptions=dict(counters.preemptions),
+        lost_steps=counters.lost_steps,
+        step_end_s=tuple(s[3] for s in steps),
+        events=events,
+        wall_s=wall_s,
+    )

@@ -1,0 +1,210 @@
+"""The simulated parameter server: versioned weights, pushes, bandwidth-shared pulls.
+
+The trainer pushes ``(version)``; workers pull the newest. Concurrent pulls share the
+store's egress as a fluid (processor sharing): each of ``n`` active pulls moves
+``min(link, total / n)`` bytes per second, recomputed whenever a pull starts or ends.
+The store never waits on a reader. Killing it aborts the pulls in flight (they start
+over when it is back) and holds pushes; its versions survive (RLAX backs the store with
+TensorStore [PAPERS.md R4]).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import Simulation
+
+__all__ = ["ParameterServer"]
+
+# A pull counts as done when this fraction of its bytes is left (float round-off).
+_DONE_FRACTION = 1e-9
+
+
+class _Transfer:
+    __slots__ = ("remaining", "event")
+
+    def __init__(self, remaining: float, event) -> None:
+        self.remaining = remaining
+        self.event = event
+
+
+class ParameterServer:
+    """Versioned weight store shared by the trainer and the workers.
+
+    Attributes:
+        latest: Newest published version (0, the initial weights, at start).
+        lineage: Number of restores so far; weights pulled before a restore that are
+            newer than the restored step belong to a discarded branch.
+        up: False while killed.
+    """
+
+    name = "param_server"
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.env = sim.env
+        self.spec = sim.scenario.param_server
+        self.latest = 0
+        self.lineage = 0
+        self.up = True
+        self._kills = 0
+        self._down_until = 0.0
+        self._up_event = self.env.event()
+        self._transfers: list[_Transfer] = []
+        self._last_update = 0.0
+        self._timer_token = 0
+        self.failing_pulls: Counter[str] = Counter()
+
+    # --- availability ----------------------------------------------------------------
+
+    def kill(self, down_s: float) -> None:
+        """Make the store unreachable for ``down_s`` seconds, aborting pulls in flight."""
+        self._kills += 1
+        if self.up:
+            self.up = False
+            for transfer in self._transfers:
+                transfer.event.succeed(False)
+            self._transfers.clear()
+        self._down_until = max(self._down_until, self.env.now + down_s)
+        self.env.process(self._restart())
+
+    def _restart(self):
+        while self.env.now < self._down_until:
+            yield self.env.timeout(self._down_until - self.env.now)
+        if not self.up:
+            self.up = True
+            self._last_update = self.env.now
+            self.sim.record(self.name, "restart", self.latest)
+            event, self._up_event = self._up_event, self.env.event()
+            event.succeed()
+
+    def wait_up(self):
+        """Event that fires when the store is back (already triggered state is not kept)."""
+        return self._up_event
+
+    # --- trainer side ----------------------------------------------------------------
+
+    def push(self, version: int):
+        """Process body: the trainer transfers ``version``; then it is published.
+
+        Takes ``latency_s + weight_bytes / push_bytes_per_s`` while the store is up; a
+        kill during the transfer restarts it.
+        """
+        start = self.env.now
+        while True:
+            while not self.up:
+                yield self._up_event
+            kills = self._kills
+            yield self.env.timeout(self.spec.push_s())
+            if kills == self._kills:
+                break
+        self.sim.counters.pushes += 1
+        self.sim.record(
+            "trainer",
+            "push",
+            version,
+            duration_s=self.env.now - start,
+            bytes=self.spec.weight_bytes,
+        )
+        self.publish(version)
+
+    def publish(self, version: int) -> None:
+        """Make ``version`` the newest and tell the buffer and the workers."""
+        self.latest = version
+        self.sim.buffer.on_publish(version)
+        for worker in self.sim.workers:
+            worker.on_publish()
+
+    def rollback(self, version: int) -> None:
+        """Start a new lineage at ``version`` (the trainer restored an older checkpoint)."""
+        self.lineage += 1
+        self.latest = version
+        for worker in self.sim.workers:
+            worker.on_rollback(version)
+
+    # --- worker side -----------------------------------------------------------------
+
+    def pull(self, worker_name: str):
+        """Process body returning ``(version, lineage)`` once the newest weights arrive.
+
+        Waits while the store is down, pays ``latency_s``, then moves ``weight_bytes``
+        at the shared rate. A fault-injected failure costs the transfer and a retry
+        after the fleet's ``pull_retry_s``.
+        """
+        while True:
+            while not self.up:
+                yield self._up_event
+            if self.spec.latency_s:
+                yield self.env.timeout(self.spec.latency_s)
+                if not self.up:
+                    continue
+            version, lineage = self.latest, self.lineage
+            transfer = self._start_transfer()
+            try:
+                ok = yield transfer
+            except BaseException:
+                self._cancel_transfer(transfer)  # the puller was preempted
+                raise
+            if not ok:
+                continue
+            key = worker_name if self.failing_pulls[worker_name] else "*"
+            if self.failing_pulls[key] > 0:
+                self.failing_pulls[key] -= 1
+                self.sim.record(worker_name, "fault", version, fault="fail_pull")
+                yield self.env.timeout(self.sim.scenario.fleet.pull_retry_s)
+                continue
+            return version, lineage
+
+    def _rate(self) -> float:
+        return self.spec.pull_rate(len(self._transfers))
+
+    def _start_transfer(self):
+        self._advance()
+        event = self.env.event()
+        if self.spec.weight_bytes <= 0:
+            event.succeed(True)
+            return event
+        self._transfers.append(_Transfer(float(self.spec.weight_bytes), event))
+        self._schedule_next()
+        return event
+
+    def _cancel_transfer(self, event) -> None:
+        if any(t.event is event for t in self._transfers):
+            self._advance()
+            self._transfers = [t for t in self._transfers if t.event is not event]
+            self._schedule_next()
+
+    def _advance(self) -> None:
+        """Move every active pull forward to now and finish those that are done."""
+        now = self.env.now
+        elapsed = now - self._last_update
+        self._last_update = now
+        if not self._transfers:
+            return
+        if elapsed > 0:
+            moved = self._rate() * elapsed
+            for transfer in self._transfers:
+                transfer.remaining -= moved
+        threshold = self.spec.weight_bytes * _DONE_FRACTION
+        finished = [t for t in self._transfers if t.remaining <= threshold]
+        if finished:
+            self._transfers = [t for t in self._transfers if t.remaining > threshold]
+            for transfer in finished:
+                transfer.event.succeed(True)
+
+    def _schedule_next(self) -> None:
+        if not self._transfers:
+            return
+        self._timer_token += 1
+        token = self._timer_token
+        delay = min(t.remaining for t in self._transfers) / self._rate()
+        timer = self.env.timeout(delay)
+        timer.callbacks.append(lambda _event: self._on_timer(token))
+
+    def _on_timer(self, token: int) -> None:
+        if token != self._timer_token or not self.up:
+            return
+        self._advance()
+        self._schedule_next()

@@ -1,0 +1,223 @@
+"""A Scenario bundles the entity specs, the shared policies, faults and the stop rule.
+
+Scenarios round-trip through plain dicts and YAML (``configs/sim/*.yaml``), and
+:func:`with_overrides` changes fields by dotted path (``"staleness.max_staleness"``),
+which is how sweeps vary them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlaxkit.faults import FaultPlan
+from rlaxkit.policies import CheckpointPolicy, StalenessPolicy, WeightSyncPolicy
+
+from .distributions import distribution_from_dict, distribution_to_dict
+from .specs import (
+    CheckpointSpec,
+    FleetSpec,
+    ParamServerSpec,
+    PreemptionSpec,
+    TrainerSpec,
+    VerifierSpec,
+    WorkloadSpec,
+)
+
+__all__ = [
+    "Scenario",
+    "load_scenario",
+    "save_scenario",
+    "scenario_from_dict",
+    "scenario_to_dict",
+    "with_overrides",
+]
+
+_SECTIONS: dict[str, type] = {
+    "trainer": TrainerSpec,
+    "fleet": FleetSpec,
+    "param_server": ParamServerSpec,
+    "verifier": VerifierSpec,
+    "checkpoint": CheckpointSpec,
+    "workload": WorkloadSpec,
+    "staleness": StalenessPolicy,
+    "weight_sync": WeightSyncPolicy,
+    "checkpointing": CheckpointPolicy,
+    "preemptions": PreemptionSpec,
+}
+_DISTRIBUTION_FIELDS = {"latency_s", "prompt_tokens", "response_tokens"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """Everything one simulated run needs.
+
+    The policies are the very objects the runtime uses. ``staleness.batch_size`` must
+    equal ``workload.prompts_per_step`` (both count prompt groups per step).
+
+    Attributes:
+        name: Label used in tables and figures.
+        trainer, fleet, param_server, verifier, checkpoint, workload: Entity specs.
+        staleness, weight_sync, checkpointing: The shared ``rlaxkit.policies`` objects.
+        preemptions: Random preemptions (turned into a FaultPlan at start).
+        fault_plan: Explicit faults, added to the random ones.
+        target_steps: Stop when the trainer reaches this version (``None``: run to the
+            horizon).
+        horizon_s: Stop at this simulated time at the latest.
+        seed: Seed of every random stream of the run.
+    """
+
+    name: str = "scenario"
+    trainer: TrainerSpec
+    fleet: FleetSpec
+    param_server: ParamServerSpec
+    verifier: VerifierSpec = field(default_factory=VerifierSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    workload: WorkloadSpec
+    staleness: StalenessPolicy
+    weight_sync: WeightSyncPolicy = field(default_factory=WeightSyncPolicy)
+    checkpointing: CheckpointPolicy = field(default_factory=CheckpointPolicy)
+    preemptions: PreemptionSpec = field(default_factory=PreemptionSpec)
+    fault_plan: FaultPlan = field(default_factory=FaultPlan)
+    target_steps: int | None = None
+    horizon_s: float = 30 * 24 * 3600.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.staleness.batch_size != self.workload.prompts_per_step:
+            raise ValueError(
+                "staleness.batch_size: must equal workload.prompts_per_step "
+                f"({self.workload.prompts_per_step}), got {self.staleness.batch_size}"
+            )
+        lag = self.weight_sync.push_every_steps - 1
+        if self.staleness.max_staleness < lag:
+            # Admission counts published versions; with pushes every k steps the
+            # trainer runs up to k - 1 versions ahead of them, so η < k - 1 deadlocks.
+            raise ValueError(
+                f"staleness.max_staleness: must be >= weight_sync.push_every_steps - 1 "
+                f"({lag}) or admission deadlocks, got {self.staleness.max_staleness}"
+            )
+        if self.target_steps is not None and (
+            not isinstance(self.target_steps, int) or self.target_steps < 1
+        ):
+            raise ValueError(f"target_steps: must be an integer >= 1, got {self.target_steps!r}")
+        if not (isinstance(self.horizon_s, int | float) and 0 < self.horizon_s < math.inf):
+            raise ValueError(f"horizon_s: must be a finite number > 0, got {self.horizon_s!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+
+    @property
+    def chips(self) -> int:
+        """Trainer plus inference chips."""
+        return self.trainer.chips + self.fleet.chips
+
+
+def _section_to_dict(obj) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.name in _DISTRIBUTION_FIELDS:
+            value = distribution_to_dict(value)
+        out[f.name] = value
+    return out
+
+
+def scenario_to_dict(scenario: Scenario) -> dict[str, Any]:
+    """Plain nested dict (YAML-ready) of a scenario."""
+    out: dict[str, Any] = {"name": scenario.name}
+    for section in _SECTIONS:
+        out[section] = _section_to_dict(getattr(scenario, section))
+    out["fault_plan"] = scenario.fault_plan.to_dicts()
+    out["target_steps"] = scenario.target_steps
+    out["horizon_s"] = scenario.horizon_s
+    out["seed"] = scenario.seed
+    return out
+
+
+def _section_from_dict(name: str, data: Any):
+    cls = _SECTIONS[name]
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{name}: must be a mapping, got {type(data).__name__}")
+    allowed = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        if key not in allowed:
+            raise ValueError(f"{name}.{key}: unknown field; allowed: {sorted(allowed)}")
+        if key in _DISTRIBUTION_FIELDS:
+            value = distribution_from_dict(value, where=f"{name}.{key}")
+        values[key] = value
+    try:
+        return cls(**values)
+    except ValueError as error:
+        raise ValueError(f"{name}.{error}") from None
+    except TypeError as error:
+        raise ValueError(f"{name}: {error}") from None
+
+
+def scenario_from_dict(data: Mapping[str, Any]) -> Scenario:
+    """Build a scenario from a nested dict; errors name the section and field."""
+    allowed = {"name", "fault_plan", "target_steps", "horizon_s", "seed", *_SECTIONS}
+    for key in data:
+        if key not in allowed:
+            raise ValueError(f"{key}: unknown scenario key; allowed: {sorted(allowed)}")
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _SECTIONS:
+            values[key] = _section_from_dict(key, value)
+        elif key == "fault_plan":
+            values[key] = FaultPlan.from_dicts(value or [])
+        elif key == "horizon_s":
+            values[key] = float(value)
+        else:
+            values[key] = value
+    return Scenario(**values)
+
+
+def load_scenario(path: str | os.PathLike) -> Scenario:
+    """Read a scenario YAML (see ``configs/sim/``)."""
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path}: a scenario file must hold a mapping")
+    return scenario_from_dict(data)
+
+
+def save_scenario(scenario: Scenario, path: str | os.PathLike) -> None:
+    """Write a scenario as YAML."""
+    text = yaml.safe_dump(scenario_to_dict(scenario), sort_keys=False)
+    Path(path).write_text(text, encoding="utf-8")
+
+
+def with_overrides(scenario: Scenario, overrides: Mapping[str, Any]) -> Scenario:
+    """A copy with fields replaced by dotted path, e.g. ``{"fleet.num_workers": 8}``.
+
+    Setting ``workload.prompts_per_step`` also sets ``staleness.batch_size`` (they
+    must agree) unless the latter is overridden too.
+    """
+    overrides = dict(overrides)
+    if "workload.prompts_per_step" in overrides and "staleness.batch_size" not in overrides:
+        overrides["staleness.batch_size"] = overrides["workload.prompts_per_step"]
+    sections: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for path, value in overrides.items():
+        head, _, rest = path.partition(".")
+        if rest:
+            if head not in _SECTIONS:
+                raise ValueError(f"{path}: unknown section {head!r}; allowed: {sorted(_SECTIONS)}")
+            sections.setdefault(head, {})[rest] = value
+        else:
+            top[head] = value
+    for head, fields in sections.items():
+        current = getattr(scenario, head)
+        allowed = {f.name for f in dataclasses.fields(current)}
+        for name in fields:
+            if name not in allowed:
+                raise ValueError(f"{head}.{name}: unknown field; allowed: {sorted(allowed)}")
+        top[head] = dataclasses.replace(current, **fields)
+    return dataclasses.replace(scenario, **top)

@@ -1,0 +1,313 @@
+"""Specs of the simulated entities and their time models (all times in seconds).
+
+Each spec is a frozen, validated dataclass; its methods are the closed-form time models
+the SimPy processes use, so a test can compute by hand what the simulator must do:
+
+- trainer step: ``step_overhead_s + tokens / tokens_per_s`` with
+  ``tokens_per_s = chips · chip_flops · mfu / (flops_per_token_factor · model_params)``;
+- decode: a sequence costs ``prompt_tokens / prefill_tokens_per_s`` to prefill, then
+  ``decode_s_per_token + decode_s_per_token_per_seq · (occupancy - 1)`` per token,
+  ``occupancy`` being the sequences decoding on the worker (or on the shared host)
+  when it starts: continuous batching makes each step slower as the batch grows;
+- weight push: ``latency_s + weight_bytes / push_bytes_per_s``; a pull gets
+  ``min(pull_bytes_per_s, total_bytes_per_s / n)`` while ``n`` pulls share the store
+  (processor sharing), after ``latency_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from rlaxkit.faults import InterArrival
+
+from .distributions import Constant, Distribution
+
+__all__ = [
+    "CheckpointSpec",
+    "FleetSpec",
+    "OccupancyScope",
+    "ParamServerSpec",
+    "PreemptionSpec",
+    "TrainerSpec",
+    "VerifierSpec",
+    "WorkloadSpec",
+]
+
+OccupancyScope = Literal["worker", "host"]
+
+
+def _check(name: str, value, *, low: float = 0.0, strict: bool = True, integer: bool = False):
+    bad_type = isinstance(value, bool) or not isinstance(value, int | float)
+    if integer:
+        bad_type = bad_type or not isinstance(value, int)
+    if bad_type or math.isnan(value) or (value <= low if strict else value < low):
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{name}: must be {kind} {'>' if strict else '>='} {low}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerSpec:
+    """The trainer's chips and throughput.
+
+    Attributes:
+        chips: Accelerator chips of the trainer.
+        model_params: Parameters of the policy model.
+        chip_flops: Peak FLOP/s of one chip (bf16).
+        mfu: Model FLOPs utilisation reached by the train step (0-1].
+        flops_per_token_factor: FLOPs per token per parameter: 6 for forward + backward,
+            plus 2 for the log-prob recomputation RLAX and AReaL do on the trainer.
+        step_overhead_s: Fixed cost per step (optimizer, host, collectives).
+        restart_s: Downtime after a preemption before the restore starts.
+    """
+
+    chips: int
+    model_params: float
+    chip_flops: float
+    mfu: float
+    flops_per_token_factor: float = 8.0
+    step_overhead_s: float = 0.0
+    restart_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _check("chips", self.chips, integer=True)
+        _check("model_params", self.model_params)
+        _check("chip_flops", self.chip_flops)
+        _check("mfu", self.mfu)
+        if self.mfu > 1:
+            raise ValueError(f"mfu: must be in (0, 1], got {self.mfu!r}")
+        _check("flops_per_token_factor", self.flops_per_token_factor)
+        _check("step_overhead_s", self.step_overhead_s, strict=False)
+        _check("restart_s", self.restart_s, strict=False)
+
+    @classmethod
+    def from_rate(
+        cls, *, tokens_per_s: float, step_overhead_s: float = 0.0, restart_s: float = 300.0
+    ) -> TrainerSpec:
+        """A trainer described only by its measured tokens/s (one abstract chip)."""
+        return cls(
+            chips=1,
+            model_params=1.0,
+            chip_flops=float(tokens_per_s),
+            mfu=1.0,
+            flops_per_token_factor=1.0,
+            step_overhead_s=step_overhead_s,
+            restart_s=restart_s,
+        )
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Trained tokens per second: ``chips·chip_flops·mfu / (factor·model_params)``."""
+        return (
+            self.chips
+            * self.chip_flops
+            * self.mfu
+            / (self.flops_per_token_factor * self.model_params)
+        )
+
+    def step_s(self, tokens: float) -> float:
+        """Seconds of compute for one step over ``tokens`` (prompt + completion)."""
+        return self.step_overhead_s + tokens / self.tokens_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetSpec:
+    """The inference fleet: identical workers with continuous batching.
+
+    Attributes:
+        num_workers: Inference workers (each a group of chips serving one model copy).
+        chips_per_worker: Chips per worker (for chip accounting only).
+        slots_per_worker: Sequences a worker decodes at once.
+        decode_s_per_token: Seconds per decoded token with one sequence running.
+        decode_s_per_token_per_seq: Extra seconds per token for each further running
+            sequence (KV-cache reads grow with the batch).
+        prefill_tokens_per_s: Prompt tokens prefilled per second for one sequence.
+        workers_per_slice: Workers that share a slice and are preempted together.
+        occupancy_scope: ``worker``: a sequence slows with its worker's load; ``host``:
+            all workers share one host (a single-process local runtime) and a sequence
+            slows with the whole fleet's load.
+        restart_s: Downtime after a preemption, before the worker pulls weights again.
+        pull_retry_s: Wait before retrying a failed weight pull.
+    """
+
+    num_workers: int
+    slots_per_worker: int
+    decode_s_per_token: float
+    decode_s_per_token_per_seq: float = 0.0
+    prefill_tokens_per_s: float = math.inf
+    chips_per_worker: int = 1
+    workers_per_slice: int = 1
+    occupancy_scope: OccupancyScope = "worker"
+    restart_s: float = 120.0
+    pull_retry_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check("num_workers", self.num_workers, integer=True)
+        _check("slots_per_worker", self.slots_per_worker, integer=True)
+        _check("decode_s_per_token", self.decode_s_per_token)
+        _check("decode_s_per_token_per_seq", self.decode_s_per_token_per_seq, strict=False)
+        _check("prefill_tokens_per_s", self.prefill_tokens_per_s)
+        _check("chips_per_worker", self.chips_per_worker, integer=True)
+        _check("workers_per_slice", self.workers_per_slice, integer=True)
+        if self.occupancy_scope not in get_args(OccupancyScope):
+            raise ValueError(
+                f"occupancy_scope: must be one of {get_args(OccupancyScope)}, "
+                f"got {self.occupancy_scope!r}"
+            )
+        _check("restart_s", self.restart_s, strict=False)
+        _check("pull_retry_s", self.pull_retry_s, strict=False)
+
+    @property
+    def chips(self) -> int:
+        """Chips of the whole fleet."""
+        return self.num_workers * self.chips_per_worker
+
+    @property
+    def num_slices(self) -> int:
+        """Slices (groups of workers preempted together)."""
+        return -(-self.num_workers // self.workers_per_slice)
+
+    def per_token_s(self, occupancy: int) -> float:
+        """Seconds per decoded token while ``occupancy`` sequences run."""
+        return self.decode_s_per_token + self.decode_s_per_token_per_seq * max(0, occupancy - 1)
+
+    def prefill_s(self, tokens: float) -> float:
+        """Seconds to prefill ``tokens`` prompt (or recomputed) tokens."""
+        return tokens / self.prefill_tokens_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamServerSpec:
+    """The versioned weight store between the trainer and the fleet.
+
+    Attributes:
+        weight_bytes: Bytes of one weight version (bf16: 2 bytes per parameter).
+        push_bytes_per_s: Trainer-to-store bandwidth.
+        pull_bytes_per_s: Store-to-worker bandwidth of one worker's link.
+        total_bytes_per_s: Egress of the store shared by concurrent pulls (``None``:
+            unlimited, each pull gets its link rate).
+        latency_s: Fixed cost per push or pull (RPC setup, resharding).
+        restart_s: Downtime after the store is killed.
+    """
+
+    weight_bytes: float
+    push_bytes_per_s: float
+    pull_bytes_per_s: float
+    total_bytes_per_s: float | None = None
+    latency_s: float = 0.0
+    restart_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _check("weight_bytes", self.weight_bytes, strict=False)
+        _check("push_bytes_per_s", self.push_bytes_per_s)
+        _check("pull_bytes_per_s", self.pull_bytes_per_s)
+        if self.total_bytes_per_s is not None:
+            _check("total_bytes_per_s", self.total_bytes_per_s)
+        _check("latency_s", self.latency_s, strict=False)
+        _check("restart_s", self.restart_s, strict=False)
+
+    def push_s(self) -> float:
+        """Seconds for the trainer to push one version."""
+        return self.latency_s + self.weight_bytes / self.push_bytes_per_s
+
+    def pull_rate(self, concurrent: int) -> float:
+        """Bytes/s one pull gets while ``concurrent`` pulls share the store."""
+        if self.total_bytes_per_s is None:
+            return self.pull_bytes_per_s
+        return min(self.pull_bytes_per_s, self.total_bytes_per_s / max(1, concurrent))
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifierSpec:
+    """The reward service: latency per scored sample, concurrency, and timeout.
+
+    Attributes:
+        latency_s: Distribution of the seconds to score one sample.
+        concurrency: Samples scored at once (``None``: unlimited, e.g. AWS Lambda).
+        timeout_s: A hung reward call is abandoned after this many seconds and its
+            group dropped (reason ``reward_timeout``).
+    """
+
+    latency_s: Distribution = field(default_factory=lambda: Constant(value=0.0))
+    concurrency: int | None = None
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.concurrency is not None:
+            _check("concurrency", self.concurrency, integer=True)
+        _check("timeout_s", self.timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSpec:
+    """Costs of the trainer's checkpoints: a save blocks the trainer ``save_s``; a
+    restore after a preemption takes ``restore_s``."""
+
+    save_s: float = 0.0
+    restore_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check("save_s", self.save_s, strict=False)
+        _check("restore_s", self.restore_s, strict=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadSpec:
+    """What is generated: prompts per step, group size, and length distributions.
+
+    Attributes:
+        prompts_per_step: Prompt groups consumed per trainer step (the staleness
+            policy's ``batch_size``).
+        group_size: Samples generated per prompt (GRPO's G).
+        prompt_tokens: Distribution of prompt lengths, in tokens.
+        response_tokens: Distribution of completion lengths, in tokens.
+        max_response_tokens: Truncation length (finish reason ``length``); ``None``:
+            never truncated.
+    """
+
+    prompts_per_step: int
+    group_size: int = 1
+    prompt_tokens: Distribution = field(default_factory=lambda: Constant(value=0.0))
+    response_tokens: Distribution = field(default_factory=lambda: Constant(value=1.0))
+    max_response_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _check("prompts_per_step", self.prompts_per_step, integer=True)
+        _check("group_size", self.group_size, integer=True)
+        if self.max_response_tokens is not None:
+            _check("max_response_tokens", self.max_response_tokens, integer=True)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Sequences consumed per trainer step."""
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreemptionSpec:
+    """Random preemptions, turned into a seeded FaultPlan when a run starts.
+
+    Attributes:
+        worker_mtbf_s: Mean time between preemptions of one worker (``None``: never).
+        slice_mtbf_s: Mean time between correlated preemptions of one slice.
+        trainer_mtbf_s: Mean time between trainer preemptions.
+        distribution: Inter-arrival law, ``exponential`` or ``weibull``.
+        weibull_shape: Weibull shape k (only for ``weibull``).
+    """
+
+    worker_mtbf_s: float | None = None
+    slice_mtbf_s: float | None = None
+    trainer_mtbf_s: float | None = None
+    distribution: InterArrival = "exponential"
+    weibull_shape: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("worker_mtbf_s", "slice_mtbf_s", "trainer_mtbf_s"):
+            if getattr(self, name) is not None:
+                _check(name, getattr(self, name))
+        if self.distribution not in get_args(InterArrival):
+            raise ValueError(
+                f"distribution: must be one of {get_args(InterArrival)}, got {self.distribution!r}"
+            )
+        _check("weibull_shape", self.weibull_shape)

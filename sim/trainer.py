@@ -1,0 +1,143 @@
+"""The simulated trainer: batches in, steps, pushes, checkpoints, preemptions.
+
+One process loops: wait for a full batch, compute for ``TrainerSpec.step_s(tokens)``,
+bump the version, push when ``WeightSyncPolicy.should_push`` says so (the push blocks
+the trainer for its transfer), save when ``CheckpointPolicy.should_save`` says so (the
+save blocks it for ``save_s``).
+
+A preemption is a ``simpy.Interrupt`` of that process: the steps since the last
+checkpoint are lost (their compute counts against goodput), the trainer is down for
+``restart_s``, restores for ``restore_s``, pushes the restored weights as a new lineage
+and goes on. What the checkpoint holds is kept; a preemption during the restore starts
+the recovery over.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import simpy
+
+if TYPE_CHECKING:
+    from .engine import Simulation
+
+__all__ = ["Trainer"]
+
+PREEMPTED = "preempted"
+
+
+class Trainer:
+    """The master trainer; ``version`` counts its surviving steps."""
+
+    name = "trainer"
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.env = sim.env
+        self.spec = sim.scenario.trainer
+        self.version = 0
+        self.last_save_step = 0
+        self.last_save_s = 0.0
+        self.up = True
+        self._recovering = False
+        self._down_until = 0.0
+        self.done = self.env.event()
+        self.process = self.env.process(self._run())
+
+    def _run(self):
+        target = self.sim.scenario.target_steps
+        while target is None or self.version < target:
+            try:
+                if self._recovering:
+                    yield from self._recover()
+                else:
+                    yield from self._step()
+            except simpy.Interrupt:
+                self._lose_progress()
+        self.done.succeed()
+
+    def _step(self):
+        env = self.env
+        sim = self.sim
+        buffer = sim.buffer
+        waited_from = env.now
+        batch = buffer.take_batch()
+        while batch is None:
+            yield buffer.wait_batch()
+            batch = buffer.take_batch()
+        sim.counters.trainer_wait_s += env.now - waited_from
+        tokens = sum(group.tokens for group in batch)
+        samples = sum(len(group.samples) for group in batch)
+        compute_s = self.spec.step_s(tokens)
+        yield env.timeout(compute_s)
+        self.version += 1
+        staleness = [self.version - 1 - group.first_version for group in batch]
+        sim.counters.staleness.update(staleness)
+        sim.counters.steps.append((compute_s, samples, tokens, env.now))
+        sim.record(
+            self.name,
+            "train_step",
+            self.version,
+            step=self.version,
+            samples=samples,
+            groups=len(batch),
+            tokens=tokens,
+            duration_s=compute_s,
+            staleness=staleness,
+        )
+        buffer.on_step(self.version)
+        sim.injector.on_step(self.version)
+        if sim.scenario.weight_sync.should_push(self.version):
+            yield from sim.ps.push(self.version)
+        policy = sim.scenario.checkpointing
+        if policy.should_save(self.version, env.now, self.last_save_step, self.last_save_s):
+            start = env.now
+            yield env.timeout(sim.scenario.checkpoint.save_s)
+            self.last_save_step = self.version
+            self.last_save_s = env.now
+            sim.counters.saves += 1
+            sim.record(
+                self.name,
+                "checkpoint_save",
+                self.version,
+                step=self.version,
+                duration_s=env.now - start,
+            )
+
+    def _lose_progress(self) -> None:
+        """Drop the steps after the last checkpoint (called on a preemption)."""
+        lost = self.version - self.last_save_step
+        self.sim.counters.rollback(self.last_save_step)
+        self.version = self.last_save_step
+        self._recovering = True
+        self.sim.record(self.name, "preemption", self.version, lost_steps=lost)
+
+    def _recover(self):
+        env = self.env
+        sim = self.sim
+        while env.now < self._down_until:
+            yield env.timeout(self._down_until - env.now)
+        self.up = True
+        sim.record(self.name, "restart", self.version)
+        start = env.now
+        yield env.timeout(sim.scenario.checkpoint.restore_s)
+        sim.counters.restores += 1
+        sim.record(
+            self.name,
+            "checkpoint_restore",
+            self.version,
+            step=self.version,
+            duration_s=env.now - start,
+        )
+        self._recovering = False
+        sim.buffer.on_restore(self.version)
+        sim.ps.rollback(self.version)
+        yield from sim.ps.push(self.version)
+
+    def preempt(self, down_s: float) -> None:
+        """Take the trainer down for ``down_s`` seconds; it loses unsaved steps."""
+        self._down_until = max(self._down_until, self.env.now + down_s)
+        self.sim.counters.preemptions["trainer"] += 1
+        if self.process.is_alive:
+            self.up = False
+            self.process.interrupt(PREEMPTED)

@@ -1,0 +1,77 @@
+"""The simulated reward service: scores each finished sample after a latency.
+
+A pool of ``concurrency`` verifiers (or unlimited, like RLAX's code verifier on AWS
+Lambda [PAPERS.md R2]) takes samples first come, first served. Scoring is scheduled with
+event callbacks rather than one process per sample, since it is on the hot path. A
+``hang_reward`` fault makes the next calls hang until ``timeout_s``; their group is then
+dropped (reason ``reward_timeout``) instead of trained.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import TYPE_CHECKING
+
+from .buffer import Sample
+from .distributions import Constant
+
+if TYPE_CHECKING:
+    from .engine import Simulation
+
+__all__ = ["VerifierPool"]
+
+
+class VerifierPool:
+    """Scores samples and hands complete groups to the buffer."""
+
+    name = "verifier"
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.env = sim.env
+        self.spec = sim.scenario.verifier
+        self.rng = random.Random(f"verifier-{sim.scenario.seed}")
+        self.busy = 0
+        self.queue: deque[Sample] = deque()
+        self.hangs_pending = 0
+        latency = self.spec.latency_s
+        self._constant = latency.mean() if isinstance(latency, Constant) else None
+
+    def submit(self, sample: Sample) -> None:
+        """Score ``sample`` when a verifier is free."""
+        if self.spec.concurrency is not None and self.busy >= self.spec.concurrency:
+            self.queue.append(sample)
+            return
+        self._start(sample)
+
+    def _start(self, sample: Sample) -> None:
+        self.busy += 1
+        if self.hangs_pending > 0:
+            self.hangs_pending -= 1
+            sample.group.failed = True
+            self.sim.record(self.name, "fault", None, fault="hang_reward", sample=sample.sample_id)
+            latency = self.spec.timeout_s
+        elif self._constant is not None:
+            latency = self._constant
+        else:
+            latency = self.spec.latency_s.sample(self.rng)
+        timer = self.env.timeout(latency, value=(sample, latency))
+        timer.callbacks.append(self._done)
+
+    def _done(self, event) -> None:
+        sample, latency = event.value
+        self.busy -= 1
+        group = sample.group
+        if self.sim.trace is not None and not group.failed:
+            self.sim.record(
+                self.name, "reward", group.last_version, sample=sample.sample_id, duration_s=latency
+            )
+        group.unscored -= 1
+        if group.unscored == 0:
+            if group.failed:
+                self.sim.buffer.release(group, "reward_timeout")
+            else:
+                self.sim.buffer.deliver(group)
+        if self.queue:
+            self._start(self.queue.popleft())

@@ -1,0 +1,333 @@
+"""The simulated inference worker: continuous batching over a fixed number of slots.
+
+Each slot is a SimPy process that loops: take the next queued sample (or ask the buffer
+to admit a new prompt group, whose ``group_size`` samples join the worker's queue),
+decode it in one timeout (prefill plus ``tokens × per-token time`` at the occupancy it
+starts with), and hand it to the verifier. Modelling one timeout per sequence instead
+of one per token is what keeps a 1024-chip, 13-hour run fast.
+
+Weights follow the shared policies:
+
+- ``between_requests``: when ``StalenessPolicy.must_pull`` says so, the worker stops
+  starting new groups, lets the sequences it started finish, then pulls (every group
+  then comes from a single version, as in RLAX);
+- ``in_flight``: on a new version the worker interrupts its decoding slots
+  (``simpy.Interrupt``), keeps the tokens already decoded, pulls, recomputes their KV
+  cache (a prefill over prompt + decoded tokens) and goes on (AReaL interruptible
+  rollout), so a group may span versions.
+
+A preemption interrupts every slot: the groups not fully decoded are dropped (reason
+``preempted``; the controller reissues prompts), finished samples awaiting their reward
+are kept, and the worker pulls weights again after its restart delay.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import simpy
+
+from .buffer import Group, Sample
+
+if TYPE_CHECKING:
+    from .engine import Simulation
+
+__all__ = ["PREEMPTED", "WEIGHT_UPDATE", "InferenceWorker"]
+
+PREEMPTED = "preempted"
+WEIGHT_UPDATE = "weight_update"
+
+
+class InferenceWorker:
+    """One inference worker with ``slots_per_worker`` concurrent sequences."""
+
+    def __init__(self, sim: Simulation, index: int) -> None:
+        self.sim = sim
+        self.env = sim.env
+        self.spec = sim.scenario.fleet
+        self.policy = sim.scenario.staleness
+        self.name = f"worker-{index}"
+        self.slice_name = f"slice-{index // self.spec.workers_per_slice}"
+        self.version: int | None = None
+        self.lineage = 0
+        self.discarded = False
+        self.up = True
+        self.pulling = False
+        self.active = 0
+        self.epoch = 0
+        self.queue: deque[Sample] = deque()
+        self.groups: set[Group] = set()
+        self._decoding: dict[simpy.Process, float] = {}
+        self._requesting = False
+        self._idle: deque[simpy.Event] = deque()
+        self._resumed = self.env.event()
+        self._down_until = 0.0
+        self._slow_factor = 1.0
+        self._slow_token = 0
+        self._host_scope = self.spec.occupancy_scope == "host"
+        self._interrupting = sim.scenario.weight_sync.interrupts_generation
+        self._pull_proc: simpy.Process | None = None
+        self.slots = [self.env.process(self._slot()) for _ in range(self.spec.slots_per_worker)]
+
+    # --- slot processes --------------------------------------------------------------
+
+    def _slot(self):
+        while True:
+            try:
+                sample = yield from self._next_sample()
+                yield from self._generate(sample)
+            except simpy.Interrupt:
+                # Preempted (the worker has already dropped its work) or a weight update
+                # that raced with the end of a decode: look for work again.
+                continue
+
+    def _next_sample(self):
+        """Wait until this slot may decode, and return the sample to decode.
+
+        Idle slots wait in a FIFO and are woken one at a time (a broadcast would wake
+        every idle slot of the worker for each new group). At most one slot at a time
+        waits for the buffer to admit a new group.
+        """
+        while True:
+            if not self.up or self.pulling:
+                yield self._idle_wait()
+                continue
+            if self._pull_due() and (
+                self._interrupting
+                or self.version is None
+                or not (self.queue and self.queue[0].group.started)
+            ):
+                self._maybe_pull()
+                yield self._idle_wait()
+                continue
+            if self.queue:
+                sample = self.queue.popleft()
+                if self._idle and (self.queue or not self._requesting):
+                    self._idle.popleft().succeed()
+                return sample
+            if self._requesting:
+                yield self._idle_wait()
+                continue
+            buffer = self.sim.buffer
+            if not buffer.try_start():
+                self._requesting = True
+                request = buffer.wait_start()
+                try:
+                    yield request
+                except simpy.Interrupt:
+                    buffer.cancel(request)
+                    raise
+                finally:
+                    self._requesting = False
+            self._add_group()
+
+    def _idle_wait(self):
+        event = self.env.event()
+        self._idle.append(event)
+        return event
+
+    def _add_group(self) -> None:
+        group = self.sim.new_group(self.name)
+        self.groups.add(group)
+        self.queue.extend(group.samples)
+
+    def _generate(self, sample: Sample):
+        """Decode ``sample``; pause and resume around in-flight weight updates."""
+        env = self.env
+        spec = self.spec
+        counters = self.sim.counters
+        proc = env.active_process
+        epoch = self.epoch
+        group = sample.group
+        group.started = True
+        group.note_version(self.version, self.lineage)
+        first_version = self.version
+        self._add_active(1)
+        if self.sim.trace is not None:
+            self.sim.record(
+                self.name,
+                "generation_start",
+                self.version,
+                sample=sample.sample_id,
+                rollout=str(group.group_id),
+                prompt_tokens=sample.prompt_tokens,
+                occupancy=self.sim.host_active if self._host_scope else self.active,
+            )
+        remaining = sample.tokens
+        prefill_tokens = sample.prompt_tokens
+        while True:
+            per_token = self._per_token_s()
+            prefill_s = prefill_tokens / spec.prefill_tokens_per_s
+            start = env.now
+            self._decoding[proc] = start
+            try:
+                yield env.timeout(prefill_s + remaining * per_token)
+                del self._decoding[proc]
+                counters.slot_busy_s += env.now - start
+                break
+            except simpy.Interrupt as interrupt:
+                if interrupt.cause != WEIGHT_UPDATE or epoch != self.epoch:
+                    raise
+                del self._decoding[proc]
+                counters.slot_busy_s += env.now - start
+                decoded = (env.now - start - prefill_s) / per_token
+                remaining -= min(remaining, max(0, int(decoded + 1e-9)))
+            while self.pulling:
+                yield self._resumed
+            group.note_version(self.version, self.lineage)
+            if remaining == 0:
+                break
+            prefill_tokens = sample.prompt_tokens + sample.tokens - remaining
+        self._finish(sample, first_version)
+
+    def _finish(self, sample: Sample, first_version: int) -> None:
+        self._add_active(-1)
+        counters = self.sim.counters
+        counters.samples_generated += 1
+        counters.tokens_generated += sample.tokens
+        group = sample.group
+        group.tokens += sample.prompt_tokens + sample.tokens
+        group.unfinished -= 1
+        if group.unfinished == 0:
+            self.groups.discard(group)
+        if self.sim.trace is not None:
+            self.sim.record(
+                self.name,
+                "generation_end",
+                self.version,
+                sample=sample.sample_id,
+                rollout=str(group.group_id),
+                tokens=sample.tokens,
+                first_version=first_version,
+                finish="length" if sample.truncated else "stop",
+            )
+        self.sim.verifier.submit(sample)
+        if self.active == 0:
+            self._maybe_pull()
+
+    def _add_active(self, delta: int) -> None:
+        self.active += delta
+        self.sim.host_active += delta
+
+    def _per_token_s(self) -> float:
+        occupancy = self.sim.host_active if self._host_scope else self.active
+        return self.spec.per_token_s(occupancy) * self._slow_factor
+
+    def _notify(self) -> None:
+        """The worker's state changed (restart, new weights): resume paused decodes and
+        wake one idle slot, which wakes the next as long as there is work (a chain)."""
+        event, self._resumed = self._resumed, self.env.event()
+        event.succeed()
+        if self._idle:
+            self._idle.popleft().succeed()
+
+    # --- weights ---------------------------------------------------------------------
+
+    def _pull_due(self) -> bool:
+        if self.version is None or self.discarded:
+            return True
+        return self.policy.must_pull(self.version, self.sim.ps.latest)
+
+    def _maybe_pull(self) -> None:
+        """Start a pull if one is due and the pull mode allows it now."""
+        if not self.up or self.pulling or not self._pull_due():
+            return
+        if not self._interrupting and self.active > 0:
+            return  # between requests: drain the sequences already decoding first
+        self.pulling = True
+        self._pull_proc = self.env.process(self._pull())
+
+    def _pull(self):
+        env = self.env
+        start = env.now
+        from_version = self.version
+        if self._interrupting:
+            for proc in list(self._decoding):
+                proc.interrupt(WEIGHT_UPDATE)
+        try:
+            version, lineage = yield from self.sim.ps.pull(self.name)
+        except simpy.Interrupt:
+            return  # preempted mid-pull; preempt() has reset this worker
+        self.version = version
+        self.lineage = lineage
+        self.discarded = False
+        self.pulling = False
+        self.sim.counters.pulls += 1
+        self.sim.counters.pull_s += env.now - start
+        self.sim.record(
+            self.name,
+            "pull",
+            version,
+            duration_s=env.now - start,
+            from_version=from_version,
+            bytes=self.sim.scenario.param_server.weight_bytes,
+        )
+        self._notify()
+        self._maybe_pull()
+
+    def on_publish(self) -> None:
+        """A new version was published; in-flight mode reloads at once if it must."""
+        if self._interrupting and self.version is not None:
+            self._maybe_pull()
+
+    def on_rollback(self, version: int) -> None:
+        """The trainer restored ``version``: newer weights held here are void."""
+        if self.version is not None and self.version > version:
+            self.discarded = True
+            if self._interrupting:
+                self._maybe_pull()
+
+    # --- faults ----------------------------------------------------------------------
+
+    def preempt(self, down_s: float) -> None:
+        """Lose the accelerators for ``down_s`` seconds (extends an ongoing downtime)."""
+        env = self.env
+        self._down_until = max(self._down_until, env.now + down_s)
+        self.sim.counters.preemptions["worker"] += 1
+        self.sim.record(self.name, "preemption", self.version, down_s=down_s)
+        if not self.up:
+            return
+        self.up = False
+        self.epoch += 1
+        counters = self.sim.counters
+        for start in self._decoding.values():
+            counters.slot_busy_s += env.now - start
+        for group in sorted(self.groups, key=lambda g: g.group_id):
+            counters.samples_aborted += len(group.samples)
+            self.sim.buffer.release(group, "preempted")
+        self.groups.clear()
+        self.queue.clear()
+        self._decoding.clear()
+        self._add_active(-self.active)
+        self.version = None
+        self.discarded = False
+        self.pulling = False
+        self._requesting = False
+        self._idle.clear()
+        for proc in self.slots:
+            proc.interrupt(PREEMPTED)
+        if self._pull_proc is not None and self._pull_proc.is_alive:
+            self._pull_proc.interrupt(PREEMPTED)
+        env.process(self._restart())
+
+    def _restart(self):
+        while self.env.now < self._down_until:
+            yield self.env.timeout(self._down_until - self.env.now)
+        if not self.up:
+            self.up = True
+            self.sim.record(self.name, "restart", None)
+            self._notify()
+
+    def slow(self, factor: float, duration_s: float) -> None:
+        """Decode ``factor`` times slower for sequences starting in the next
+        ``duration_s`` seconds."""
+        self._slow_factor = factor
+        self._slow_token += 1
+        token = self._slow_token
+        timer = self.env.timeout(duration_s)
+        timer.callbacks.append(lambda _event: self._end_slow(token))
+
+    def _end_slow(self, token: int) -> None:
+        if token == self._slow_token:
+            self._slow_factor = 1.0
