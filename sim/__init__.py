@@ -1,1 +1,109 @@
-"""SimPy discrete-event simulator of rlaxkit fleets (workers, staleness, preemption)."""
+"""SimPy discrete-event simulator of rlaxkit fleets (workers, staleness, preemption).
+
+The simulated trainer, workers, parameter server and verifier call the very same
+``rlaxkit.policies`` objects as the runtime, read the same ``rlaxkit.faults`` plans and
+write the same ``rlaxkit.trace`` events; only the clock is simulated.
+
+>>> import sim
+>>> result = sim.simulate(sim.presets.toy(target_steps=2))
+>>> result.steps, result.max_staleness
+(2, 0)
+"""
+
+from . import presets
+from .calibrate import Calibration, calibrate, fit_scenario
+from .distributions import (
+    Constant,
+    Empirical,
+    Lognormal,
+    LongTail,
+    Uniform,
+    distribution_from_dict,
+    distribution_to_dict,
+)
+from .engine import Simulation, run_config, simulate
+from .metrics import SimResult
+from .presets import areal_like, checkpoint_study, local_runtime, rlax_like, toy
+from .report import (
+    checkpoint_figure,
+    eta_curve_figure,
+    staleness_figure,
+    timeline_figure,
+    utilisation_figure,
+)
+from .scenario import (
+    Scenario,
+    load_scenario,
+    save_scenario,
+    scenario_from_dict,
+    scenario_to_dict,
+    with_overrides,
+)
+from .specs import (
+    CheckpointSpec,
+    FleetSpec,
+    ParamServerSpec,
+    PreemptionSpec,
+    TrainerSpec,
+    VerifierSpec,
+    WorkloadSpec,
+)
+from .studies import (
+    CheckpointStudy,
+    EtaPoint,
+    async_vs_sync,
+    checkpoint_interval_study,
+    eta_curve,
+    young_daly_interval_s,
+)
+from .sweep import SweepPoint, format_table, sweep
+
+__all__ = [
+    "Calibration",
+    "CheckpointSpec",
+    "CheckpointStudy",
+    "Constant",
+    "Empirical",
+    "EtaPoint",
+    "FleetSpec",
+    "Lognormal",
+    "LongTail",
+    "ParamServerSpec",
+    "PreemptionSpec",
+    "Scenario",
+    "SimResult",
+    "Simulation",
+    "SweepPoint",
+    "TrainerSpec",
+    "Uniform",
+    "VerifierSpec",
+    "WorkloadSpec",
+    "areal_like",
+    "async_vs_sync",
+    "calibrate",
+    "checkpoint_figure",
+    "checkpoint_interval_study",
+    "checkpoint_study",
+    "distribution_from_dict",
+    "distribution_to_dict",
+    "eta_curve",
+    "eta_curve_figure",
+    "fit_scenario",
+    "format_table",
+    "load_scenario",
+    "local_runtime",
+    "presets",
+    "rlax_like",
+    "run_config",
+    "save_scenario",
+    "scenario_from_dict",
+    "scenario_to_dict",
+    "simulate",
+    "staleness_figure",
+    "sweep",
+    "timeline_figure",
+    "toy",
+    "utilisation_figure",
+    "with_overrides",
+    "young_daly_interval_s",
+]

@@ -60,6 +60,7 @@ class Group:
         "last_version",
         "lineage",
         "tokens",
+        "scored_at",
     )
 
     def __init__(self, group_id: int, worker: str) -> None:
@@ -74,6 +75,7 @@ class Group:
         self.last_version: int | None = None
         self.lineage = 0
         self.tokens = 0
+        self.scored_at = 0.0
 
     def note_version(self, version: int, lineage: int) -> None:
         """Record that some of its tokens were sampled with ``version``."""

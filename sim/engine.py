@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import random
 import time
 from typing import Any
 
@@ -18,6 +17,7 @@ from rlaxkit.policies import policy_to_dict
 from rlaxkit.trace import TraceSink
 
 from .buffer import Group, RolloutBuffer, Sample
+from .distributions import Stream
 from .injector import FaultInjector, plan_for
 from .metrics import Counters, SimResult, build_result
 from .param_server import ParameterServer
@@ -53,7 +53,11 @@ class Simulation:
         self.env = simpy.Environment()
         self.counters = Counters()
         self.host_active = 0
-        self._workload_rng = random.Random(f"workload-{scenario.seed}")
+        workload = scenario.workload
+        self._prompt_lengths = Stream(workload.prompt_tokens, seed=scenario.seed, name="prompts")
+        self._response_lengths = Stream(
+            workload.response_tokens, seed=scenario.seed, name="responses"
+        )
         self._next_group = 0
         self.record("trainer", "run_start", 0, config=run_config(scenario))
         self.ps = ParameterServer(self)
@@ -71,14 +75,13 @@ class Simulation:
     def new_group(self, worker: str) -> Group:
         """A new prompt group with lengths drawn from the workload distributions."""
         workload = self.scenario.workload
-        rng = self._workload_rng
         group = Group(self._next_group, worker)
         self._next_group += 1
-        prompt_tokens = max(0, round(workload.prompt_tokens.sample(rng)))
+        prompt_tokens = max(0, round(self._prompt_lengths.next()))
         cap = workload.max_response_tokens
-        response = workload.response_tokens
+        draw = self._response_lengths.next
         for index in range(workload.group_size):
-            tokens = max(1, round(response.sample(rng)))
+            tokens = max(1, round(draw()))
             truncated = cap is not None and tokens > cap
             if truncated:
                 tokens = cap
@@ -101,6 +104,7 @@ class Simulation:
             total_slots=fleet.num_workers * fleet.slots_per_worker,
             events=events_scheduled(env),
             wall_s=wall_s,
+            reached_target=self.trainer.done.triggered,
         )
 
 

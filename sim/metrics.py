@@ -3,7 +3,9 @@
 Definitions (``T`` is the simulated time at the end of the run):
 
 - throughput: samples (tokens) of the steps that survived to the end, divided by ``T``;
-  steps lost to a trainer preemption do not count;
+  steps lost to a trainer preemption do not count. For a run stopped at its target
+  step, ``T`` is the end of that step (as ``rlaxkit.trace.summarize`` measures a
+  trace), otherwise the horizon;
 - trainer utilisation: seconds of train-step compute (lost steps included) ÷ ``T``;
 - goodput: seconds of compute of the surviving steps ÷ ``T`` (useful trainer compute
   over wall time);
@@ -123,9 +125,11 @@ def build_result(
     total_slots: int,
     events: int,
     wall_s: float,
+    reached_target: bool = False,
 ) -> SimResult:
     """Derive a :class:`SimResult` from a finished run's counters."""
-    duration = max(sim_time_s, 1e-12)
+    end = counters.steps[-1][3] if reached_target and counters.steps else sim_time_s
+    duration = max(end, 1e-12)
     steps = counters.steps
     samples = sum(s[1] for s in steps)
     tokens = sum(s[2] for s in steps)

@@ -9,12 +9,11 @@ dropped (reason ``reward_timeout``) instead of trained.
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from typing import TYPE_CHECKING
 
 from .buffer import Sample
-from .distributions import Constant
+from .distributions import Constant, Stream
 
 if TYPE_CHECKING:
     from .engine import Simulation
@@ -31,31 +30,54 @@ class VerifierPool:
         self.sim = sim
         self.env = sim.env
         self.spec = sim.scenario.verifier
-        self.rng = random.Random(f"verifier-{sim.scenario.seed}")
+        self._latencies = Stream(self.spec.latency_s, seed=sim.scenario.seed, name="verifier")
         self.busy = 0
         self.queue: deque[Sample] = deque()
         self.hangs_pending = 0
         latency = self.spec.latency_s
         self._constant = latency.mean() if isinstance(latency, Constant) else None
+        # Unlimited verifiers and no trace to write: a group is scored at the latest of
+        # its samples' (finish + latency), so one timer per group replaces one per
+        # sample. Same draws in the same order, hence the same run.
+        self._per_group = self.spec.concurrency is None and sim.trace is None
 
     def submit(self, sample: Sample) -> None:
         """Score ``sample`` when a verifier is free."""
+        if self._per_group:
+            group = sample.group
+            group.scored_at = max(group.scored_at, self.env.now + self._latency(sample))
+            group.unscored -= 1
+            if group.unscored == 0:
+                timer = self.env.timeout(group.scored_at - self.env.now, value=group)
+                timer.callbacks.append(self._group_done)
+            return
         if self.spec.concurrency is not None and self.busy >= self.spec.concurrency:
             self.queue.append(sample)
             return
         self._start(sample)
 
-    def _start(self, sample: Sample) -> None:
-        self.busy += 1
+    def _latency(self, sample: Sample) -> float:
         if self.hangs_pending > 0:
             self.hangs_pending -= 1
             sample.group.failed = True
             self.sim.record(self.name, "fault", None, fault="hang_reward", sample=sample.sample_id)
-            latency = self.spec.timeout_s
-        elif self._constant is not None:
-            latency = self._constant
+            return self.spec.timeout_s
+        if self._constant is not None:
+            return self._constant
+        return self._latencies.next()
+
+    def _group_done(self, event) -> None:
+        self._hand_over(event.value)
+
+    def _hand_over(self, group) -> None:
+        if group.failed:
+            self.sim.buffer.release(group, "reward_timeout")
         else:
-            latency = self.spec.latency_s.sample(self.rng)
+            self.sim.buffer.deliver(group)
+
+    def _start(self, sample: Sample) -> None:
+        self.busy += 1
+        latency = self._latency(sample)
         timer = self.env.timeout(latency, value=(sample, latency))
         timer.callbacks.append(self._done)
 
@@ -69,9 +91,6 @@ class VerifierPool:
             )
         group.unscored -= 1
         if group.unscored == 0:
-            if group.failed:
-                self.sim.buffer.release(group, "reward_timeout")
-            else:
-                self.sim.buffer.deliver(group)
+            self._hand_over(group)
         if self.queue:
             self._start(self.queue.popleft())

@@ -1,0 +1,285 @@
+"""Calibration: fit a scenario to a real run's trace, re-simulate, compare.
+
+Everything is read from the ``rlaxkit.trace`` schema, so a runtime trace and a
+simulator trace calibrate the same way:
+
+- ``run_start.config``: policies and fleet shape (workers, slots, group size, batch);
+- ``generation_start``/``generation_end``: per-sequence latency, prompt and completion
+  tokens and occupancy. Uninterrupted sequences fit, by least squares,
+  ``latency = prompt_tokens / prefill_rate + tokens · (a + b · (occupancy - 1))``,
+  which is the simulator's decode model; completion lengths become an empirical
+  distribution (tails included);
+- ``train_step``: ``duration_s = overhead + tokens / tokens_per_s`` by least squares;
+- ``reward``: verifier latencies (empirical); ``push``/``pull``: transfer times;
+  ``checkpoint_save``/``checkpoint_restore``: their durations;
+- ``preemption``/``restart``: replayed as a FaultPlan at the same times.
+
+:func:`calibrate` then simulates the fitted scenario and reports predicted against
+measured throughput and staleness.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rlaxkit.faults import Fault, FaultPlan
+from rlaxkit.policies import policy_from_dict
+from rlaxkit.trace import (
+    TraceEvent,
+    TraceSummary,
+    durations,
+    generation_records,
+    read_trace,
+    staleness_distribution,
+    summarize,
+)
+
+from .distributions import Constant, Empirical
+from .engine import simulate
+from .metrics import SimResult
+from .scenario import Scenario, with_overrides
+from .specs import (
+    CheckpointSpec,
+    FleetSpec,
+    ParamServerSpec,
+    TrainerSpec,
+    VerifierSpec,
+    WorkloadSpec,
+)
+
+__all__ = ["Calibration", "calibrate", "fit_scenario"]
+
+
+def _config(events: list[TraceEvent]) -> dict[str, Any]:
+    for event in events:
+        if event.kind == "run_start":
+            return dict(event.get("config") or {})
+    return {}
+
+
+def _nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients forced >= 0 by dropping negative columns."""
+    active = list(range(design.shape[1]))
+    coef = np.zeros(design.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(design[:, active], target, rcond=None)
+        if np.all(solution >= -1e-12):
+            coef[active] = np.maximum(solution, 0.0)
+            return coef
+        active.pop(int(np.argmin(solution)))
+    return coef
+
+
+def _fit_decode(events: list[TraceEvent]) -> dict[str, float]:
+    records = [r for r in generation_records(events) if not r.interrupted]
+    if not records:
+        raise ValueError("trace: no completed generation_start/generation_end pairs to fit")
+    tokens = np.array([r.tokens for r in records], dtype=float)
+    prompt = np.array([r.prompt_tokens or 0 for r in records], dtype=float)
+    occupancy = np.array([max(1, r.occupancy or 1) - 1 for r in records], dtype=float)
+    latency = np.array([r.latency_s for r in records], dtype=float)
+    columns = [tokens, tokens * occupancy]
+    if prompt.any():
+        columns.append(prompt)
+    coef = _nonnegative_lstsq(np.stack(columns, axis=1), latency)
+    per_token = coef[0] if coef[0] > 0 else float(np.sum(latency) / np.sum(tokens))
+    prefill_s_per_token = coef[2] if len(coef) > 2 else 0.0
+    return {
+        "decode_s_per_token": float(per_token),
+        "decode_s_per_token_per_seq": float(coef[1]),
+        "prefill_tokens_per_s": (
+            float(1.0 / prefill_s_per_token) if prefill_s_per_token > 0 else float("inf")
+        ),
+    }
+
+
+def _fit_trainer(events: list[TraceEvent]) -> dict[str, float]:
+    steps = [e for e in events if e.kind == "train_step" and "tokens" in e.fields]
+    if not steps:
+        raise ValueError("trace: no train_step events with tokens to fit the trainer")
+    tokens = np.array([e["tokens"] for e in steps], dtype=float)
+    seconds = np.array([e["duration_s"] for e in steps], dtype=float)
+    if np.ptp(tokens) <= 1e-9 * max(1.0, tokens.mean()):
+        return {"tokens_per_s": float(tokens.sum() / seconds.sum()), "step_overhead_s": 0.0}
+    overhead, per_token = _nonnegative_lstsq(np.stack([np.ones_like(tokens), tokens], 1), seconds)
+    if per_token <= 0:
+        return {"tokens_per_s": float(tokens.sum() / seconds.sum()), "step_overhead_s": 0.0}
+    return {"tokens_per_s": float(1.0 / per_token), "step_overhead_s": float(overhead)}
+
+
+def _faults(events: list[TraceEvent]) -> FaultPlan:
+    """Replay the trace's preemptions (with their measured downtime) as a FaultPlan."""
+    faults = []
+    for index, event in enumerate(events):
+        if event.kind != "preemption":
+            continue
+        down = event.get("down_s")
+        if down is None:
+            later = (
+                e for e in events[index + 1 :] if e.kind == "restart" and e.actor == event.actor
+            )
+            restart = next(later, None)
+            down = None if restart is None else restart.t - event.t
+        if event.actor == "trainer":
+            faults.append(Fault(kind="preempt_trainer", at_s=event.t, restart_after_s=down))
+        elif event.actor.startswith("worker-"):
+            faults.append(
+                Fault(kind="preempt_worker", at_s=event.t, target=event.actor, restart_after_s=down)
+            )
+    return FaultPlan(tuple(faults))
+
+
+def _mean(values: list[float], default: float) -> float:
+    return statistics.fmean(values) if values else default
+
+
+def fit_scenario(
+    trace: Iterable[TraceEvent] | str | os.PathLike, *, name: str = "calibrated"
+) -> tuple[Scenario, dict[str, float]]:
+    """A scenario fitted to ``trace``, and the fitted timing parameters.
+
+    The trace must hold a ``run_start`` event whose ``config`` has the policies
+    (``staleness``, ``weight_sync``, ``checkpoint``) and the fleet shape
+    (``num_workers``, ``slots_per_worker``, ``group_size``, ``prompts_per_step``).
+    """
+    events = _load(trace)
+    config = _config(events)
+    missing = [k for k in ("staleness", "num_workers", "slots_per_worker") if k not in config]
+    if missing:
+        raise ValueError(f"trace.run_start.config.{missing[0]}: required for calibration")
+    decode = _fit_decode(events)
+    trainer = _fit_trainer(events)
+    records = generation_records(events)
+    lengths = Empirical(values=tuple(r.tokens for r in records))
+    prompts = [r.prompt_tokens for r in records if r.prompt_tokens is not None]
+    rewards = durations(events, "reward")
+    pushes, pulls = durations(events, "push"), durations(events, "pull")
+    weight_bytes = float(config.get("weight_bytes") or 1.0)
+    staleness = policy_from_dict("staleness", config["staleness"])
+    steps = [e for e in events if e.kind == "train_step"]
+    end_s = max(e.t for e in events)
+    fitted = {
+        **decode,
+        "trainer_tokens_per_s": trainer["tokens_per_s"],
+        "step_overhead_s": trainer["step_overhead_s"],
+        "mean_response_tokens": lengths.mean(),
+        "reward_s": _mean(rewards, 0.0),
+        "push_s": _mean(pushes, 0.0),
+        "pull_s": _mean(pulls, 0.0),
+    }
+    scenario = Scenario(
+        name=name,
+        trainer=TrainerSpec.from_rate(
+            tokens_per_s=trainer["tokens_per_s"], step_overhead_s=trainer["step_overhead_s"]
+        ),
+        fleet=FleetSpec(
+            num_workers=int(config["num_workers"]),
+            slots_per_worker=int(config["slots_per_worker"]),
+            decode_s_per_token=decode["decode_s_per_token"],
+            decode_s_per_token_per_seq=decode["decode_s_per_token_per_seq"],
+            prefill_tokens_per_s=decode["prefill_tokens_per_s"],
+            occupancy_scope=config.get("occupancy_scope", "worker"),
+        ),
+        param_server=ParamServerSpec(
+            weight_bytes=weight_bytes,
+            push_bytes_per_s=weight_bytes / fitted["push_s"] if fitted["push_s"] > 0 else 1e30,
+            pull_bytes_per_s=weight_bytes / fitted["pull_s"] if fitted["pull_s"] > 0 else 1e30,
+        ),
+        verifier=VerifierSpec(
+            latency_s=Empirical(values=tuple(rewards)) if rewards else Constant(value=0.0)
+        ),
+        checkpoint=CheckpointSpec(
+            save_s=_mean(durations(events, "checkpoint_save"), 0.0),
+            restore_s=_mean(durations(events, "checkpoint_restore"), 0.0),
+        ),
+        workload=WorkloadSpec(
+            prompts_per_step=staleness.batch_size,
+            group_size=int(config.get("group_size", 1)),
+            prompt_tokens=Empirical(values=tuple(prompts)) if prompts else Constant(value=0.0),
+            response_tokens=lengths,
+            max_response_tokens=config.get("max_response_tokens"),
+        ),
+        staleness=staleness,
+        weight_sync=policy_from_dict("weight_sync", config.get("weight_sync", {})),
+        checkpointing=policy_from_dict("checkpoint", config.get("checkpoint", {})),
+        fault_plan=_faults(events),
+        target_steps=len(steps) or None,
+        horizon_s=max(2.0 * end_s, 1.0),
+    )
+    return scenario, fitted
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted scenario, what the trace measured, and what the fitted model predicts."""
+
+    scenario: Scenario
+    fitted: dict[str, float]
+    measured: TraceSummary
+    measured_staleness: dict[int, int]
+    predicted: SimResult
+
+    @property
+    def measured_mean_staleness(self) -> float:
+        total = sum(self.measured_staleness.values())
+        return sum(k * n for k, n in self.measured_staleness.items()) / total if total else 0.0
+
+    def errors(self) -> dict[str, float]:
+        """Relative errors (predicted / measured - 1) of the headline figures."""
+        measured, predicted = self.measured, self.predicted
+        return {
+            "samples_per_s": float(predicted.samples_per_s / measured.samples_per_s - 1.0),
+            "tokens_per_s": float(predicted.tokens_per_s / max(measured.tokens_per_s, 1e-12) - 1),
+            "mean_staleness_abs": float(predicted.mean_staleness - self.measured_mean_staleness),
+        }
+
+    def report(self) -> str:
+        """Predicted vs measured, one line per figure."""
+        m, p = self.measured, self.predicted
+        rows = [
+            ("samples/s", m.samples_per_s, p.samples_per_s),
+            ("tokens/s", m.tokens_per_s, p.tokens_per_s),
+            ("mean staleness", self.measured_mean_staleness, p.mean_staleness),
+            ("steps", m.steps, p.steps),
+        ]
+        lines = [f"{'figure':>16} {'measured':>12} {'predicted':>12}"]
+        lines += [f"{label:>16} {a:>12.4g} {b:>12.4g}" for label, a, b in rows]
+        return "\n".join(lines)
+
+
+def calibrate(
+    trace: Iterable[TraceEvent] | str | os.PathLike,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    seed: int = 0,
+) -> Calibration:
+    """Fit ``trace``, re-simulate the fitted scenario, compare with the measurement.
+
+    Args:
+        trace: Events or a JSONL path (runtime or simulator, same schema).
+        overrides: Dotted-path changes applied to the fitted scenario before
+            simulating (predict a different configuration from the same fit).
+        seed: Seed of the re-simulation.
+    """
+    events = _load(trace)
+    scenario, fitted = fit_scenario(events)
+    scenario = with_overrides(scenario, {**(overrides or {}), "seed": seed})
+    return Calibration(
+        scenario=scenario,
+        fitted=fitted,
+        measured=summarize(events),
+        measured_staleness=staleness_distribution(events),
+        predicted=simulate(scenario),
+    )
+
+
+def _load(trace: Iterable[TraceEvent] | str | os.PathLike) -> list[TraceEvent]:
+    if isinstance(trace, str | os.PathLike):
+        return read_trace(trace)
+    return list(trace)
