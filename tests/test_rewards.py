@@ -17,6 +17,7 @@ from rlaxkit.tasks import (
     RewardResult,
     RewardRunner,
     RewardRunnerConfig,
+    SandboxLimits,
     make_task,
     validate_reward,
 )
@@ -162,6 +163,24 @@ def test_task_rewards_through_the_pool():
         results = runner.score(problems, completions)
     assert [r.score for r in results] == [1.0, 1.0, 0.0, 0.0]
     assert runner.counters["invalid_expression"] == 2
+
+
+def test_killing_a_hung_code_reward_leaks_no_sandboxed_program(tmp_path):
+    limits = SandboxLimits(wall_time_s=60, cpu_time_s=60)
+    task = make_task("code", limits=limits)
+    pid_file = tmp_path / "pid"
+    program = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+    program += "time.sleep(60)\n"
+    problem = Problem(id="hang", prompt="", answer=[{"input": "", "output": ""}])
+    config = RewardRunnerConfig(mode="pool", num_workers=1, timeout_s=1.0)
+    with RewardRunner.for_task(task, config) as runner:
+        (result,) = runner.score([problem], [program])
+    assert result.reason == REWARD_TIMEOUT
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
 
 
 def _alive(pid: int) -> bool:

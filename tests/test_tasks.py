@@ -89,6 +89,16 @@ def test_compact_default_prompt_and_demonstration():
     assert set(task.format_prompt(problem) + task.demonstration(problem)) <= set(task.alphabet())
 
 
+def test_demonstrations_for_a_supervised_warm_start():
+    for name in task_names():
+        task = make_task(name)
+        problems = task.problems("train", 3)
+        pairs = tasks.demonstrations(task, problems)
+        assert [prompt for prompt, _ in pairs] == [task.format_prompt(p) for p in problems]
+        for problem, (_, completion) in zip(problems, pairs, strict=True):
+            assert task.score(problem, completion).score == 1.0
+
+
 def test_arithmetic_scoring_reads_up_to_the_stop_string():
     task = ArithmeticTask()
     problem = Problem(id="a", prompt="12+7=", answer=19)

@@ -1,6 +1,8 @@
 """Final-answer math through math-verify: extraction and equivalence, table-driven."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlaxkit.tasks import (
     NO_ANSWER,
@@ -87,6 +89,14 @@ def test_synthetic_problems_and_prompt():
     assert task.format_prompt(problems[0]).endswith("Put the final answer in \\boxed{}.")
     for problem in problems[:6]:
         assert task.score(problem, task.demonstration(problem)).score == 1.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(completion=st.text(alphabet="0123456789/.-+x{}^ \\boxedfrac#$%,", max_size=30))
+def test_reward_in_range_for_any_text(task, completion):
+    result = task.score(Problem(id="m", prompt="q", answer="3/4"), completion)
+    assert result.score in (0.0, 1.0)
+    assert (result.reason is None) == (result.score == 1.0)
 
 
 def test_config_errors_name_the_field():

@@ -170,6 +170,27 @@ def format_prompt(problem: Problem, config: PromptConfig, chat: ChatTemplate | N
     return chat.apply_chat_template(messages, add_generation_prompt=True)
 
 
+def demonstrations(
+    task: Task, problems: Sequence[Problem], chat: ChatTemplate | None = None
+) -> list[tuple[str, str]]:
+    """``(prompt, ideal completion)`` pairs for a supervised warm start.
+
+    The completion carries no end token: append the tokenizer's ``eos`` when encoding.
+    Works for tasks with a ``demonstration(problem)`` method (all built-in tasks; code and
+    countdown problems from user files need a known solution in their metadata).
+
+    >>> from rlaxkit.tasks import make_task
+    >>> task = make_task("arithmetic")
+    >>> prompt, completion = demonstrations(task, task.problems("train", 1))[0]
+    >>> task.score(task.problems("train", 1)[0], completion).score
+    1.0
+    """
+    demonstrate = getattr(task, "demonstration", None)  # optional part of the protocol
+    if demonstrate is None:
+        raise TypeError(f"task {task.name!r} has no demonstration method")
+    return [(task.format_prompt(p, chat), demonstrate(p)) for p in problems]
+
+
 def stable_id(prefix: str, key: str) -> str:
     """``prefix-<12 hex digits>`` from a BLAKE2b hash of ``key`` (content-addressed ids)."""
     return f"{prefix}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"

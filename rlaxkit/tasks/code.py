@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from rlaxkit.tasks.base import (
     NO_ANSWER,
     TESTS_FAILED,
+    WALL_TIMEOUT,
     ChatTemplate,
     Problem,
     PromptConfig,
@@ -81,6 +83,9 @@ class CodeConfig:
       fields: the field mapping for the files.
       on_error: what a malformed row does: ``"raise"`` or ``"skip"`` (and count).
       limits: sandbox limits for each test-case run.
+      max_total_s: no further test starts once this much time has passed on a problem
+        (the problem then fails with ``wall_timeout``); keep
+        ``max_total_s + limits.wall_time_s`` below the reward runner's ``timeout_s``.
       partial_credit: reward the fraction of tests passed instead of all-or-nothing.
       test_fraction: held-out share when one file (or the generator) is split.
       seed: seeds the synthetic generator.
@@ -92,6 +97,7 @@ class CodeConfig:
     fields: FieldMapping = FieldMapping()
     on_error: OnError = "raise"
     limits: SandboxLimits = SandboxLimits()
+    max_total_s: float = 20.0
     partial_credit: bool = False
     test_fraction: float = 0.1
     seed: int = 0
@@ -103,6 +109,8 @@ class CodeConfig:
     def __post_init__(self):
         check_choice("on_error", self.on_error, OnError)
         check_range("test_fraction", self.test_fraction, 0.0, 1.0)
+        if self.max_total_s <= 0:
+            raise ValueError(f"max_total_s must be > 0, got {self.max_total_s}")
         if self.test_path is not None and self.train_path is None:
             raise ValueError("test_path needs a train_path as well")
 
@@ -162,7 +170,12 @@ class CodeTask:
             return RewardResult(0.0, None, NO_ANSWER)
         cases = check_test_cases(problem.id, problem.answer)
         passed, failure, detail = 0, None, None
+        deadline = time.monotonic() + self.config.max_total_s
         for i, case in enumerate(cases):
+            if time.monotonic() > deadline:
+                failure = failure or WALL_TIMEOUT
+                detail = detail or f"max_total_s reached before test {i}"
+                break
             result = run_python(code, case["input"], self.config.limits)
             if result.status == "ok" and outputs_match(case["output"], result.stdout):
                 passed += 1

@@ -245,8 +245,9 @@ class RewardRunner:
         except (EOFError, OSError):
             pass  # the worker is gone; handled below
         except Exception as error:  # a result that cannot be unpickled here
-            results[worker.item] = RewardResult(0.0, None, INVALID_REWARD, _describe(error))
-            worker.item = None
+            if worker.item is not None:
+                results[worker.item] = RewardResult(0.0, None, INVALID_REWARD, _describe(error))
+                worker.item = None
         if worker.process.is_alive():
             return True
         if not worker.ready:

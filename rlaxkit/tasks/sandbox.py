@@ -11,7 +11,9 @@ Each run gets a fresh temporary working directory, an environment with nothing i
   matters when running as root, where the kernel ignores ``RLIMIT_NPROC``;
 * output: stdout and stderr are read incrementally and the program is killed once they
   exceed ``max_output_bytes``, so a gigabyte of output never lands in memory; files it
-  writes are capped by ``RLIMIT_FSIZE``.
+  writes are capped by ``RLIMIT_FSIZE``;
+* lifetime: on Linux the child is SIGKILLed when the process that started it dies
+  (``PR_SET_PDEATHSIG``), so a reward worker killed for a timeout leaks no program.
 
 The limits are set by a small launcher inside the child (``resource.setrlimit``), not by
 a ``preexec_fn``, which is unsafe in a threaded parent (and JAX starts threads).
@@ -58,8 +60,12 @@ FORBIDDEN_EXIT_CODE = 98  # ... after an uncaught refusal by the audit hook
 _READ_CHUNK_BYTES = 65536
 
 _LAUNCHER = """
-import json, os, resource, runpy, sys
+import ctypes, json, os, resource, runpy, signal, sys
 limits = json.loads(sys.argv[1])
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with our parent
+if os.getppid() != int(sys.argv[2]):
+    os._exit(1)  # the parent died before the line above took effect
 def cap(which, value):
     resource.setrlimit(which, (value, value))
 cap(resource.RLIMIT_CORE, 0)
@@ -146,7 +152,15 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
         stdin_path = Path(workdir, "stdin.txt")
         stdin_path.write_text(stdin, encoding="utf-8")
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
-        command = [sys.executable, "-I", "-B", "-c", _LAUNCHER, json.dumps(asdict(limits))]
+        command = [
+            sys.executable,
+            "-I",
+            "-B",
+            "-c",
+            _LAUNCHER,
+            json.dumps(asdict(limits)),
+            str(os.getpid()),
+        ]
         start = time.monotonic()
         with stdin_path.open("rb") as stdin_file:
             process = subprocess.Popen(
