@@ -107,6 +107,7 @@ def test_arithmetic_scoring_reads_up_to_the_stop_string():
     assert task.score(problem, "20").reason == tasks.WRONG_ANSWER
     assert task.score(problem, "19abc").reason == tasks.NO_ANSWER
     assert task.score(problem, "").reason == tasks.NO_ANSWER
+    assert task.score(problem, "9" * 5000).reason == tasks.WRONG_ANSWER
 
 
 def test_configurable_formats():

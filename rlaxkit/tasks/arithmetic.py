@@ -129,6 +129,11 @@ class ArithmeticTask:
         core = text[len(prefix.strip()) : len(text) - len(suffix.strip())].strip()
         if not _INTEGER.fullmatch(core):
             return RewardResult(0.0, None, NO_ANSWER)
+        # No answer has more digits than all operands together; int() of thousands of
+        # digits would be slow, then refused.
+        max_chars = self.config.max_digits * self.config.num_operands + 1
+        if len(core) > max_chars:
+            return RewardResult(0.0, core[:max_chars] + "...", WRONG_ANSWER)
         if int(core) == int(problem.answer):
             return RewardResult(1.0, core)
         return RewardResult(0.0, core, WRONG_ANSWER)

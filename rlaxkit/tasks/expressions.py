@@ -20,7 +20,6 @@ _BINARY_OPS: dict[type[ast.operator], Callable[[Fraction, Fraction], Fraction]] 
     ast.Mult: operator.mul,
     ast.Div: operator.truediv,
 }
-_SYMBOLS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 
 
 class ExpressionError(ValueError):
@@ -69,8 +68,3 @@ def _evaluate(node: ast.AST, literals: list[int]) -> Fraction:
 def render(value: Fraction) -> str:
     """``'7'`` for integers, ``'7/2'`` otherwise."""
     return str(value.numerator) if value.denominator == 1 else str(value)
-
-
-def symbol(op: type[ast.operator]) -> str:
-    """The character of an allowed operator node type."""
-    return _SYMBOLS[op]

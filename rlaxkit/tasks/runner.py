@@ -189,6 +189,9 @@ class RewardRunner:
     def _score_pool(
         self, problems: Sequence[Problem], completions: Sequence[str]
     ) -> list[RewardResult]:
+        for index, worker in enumerate(self._workers):
+            if worker.item is not None:  # left busy by an interrupted call: its answer is stale
+                self._replace(index)
         while len(self._workers) < self.config.num_workers:
             self._workers.append(self._start_worker())
         results: list[RewardResult | None] = [None] * len(problems)
