@@ -63,6 +63,42 @@ def _config(events: list[TraceEvent]) -> dict[str, Any]:
     return {}
 
 
+def _shape(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Fleet shape from a ``run_start`` config: the simulator's flat keys, or the
+    runtime's nested ``RunConfig`` (``runtime.*``, ``sampling.*``)."""
+    runtime = config.get("runtime") or {}
+    sampling = config.get("sampling") or {}
+    local = runtime.get("backend") == "local"
+    shape = {
+        "num_workers": config.get("num_workers", runtime.get("num_workers")),
+        "slots_per_worker": config.get("slots_per_worker", runtime.get("slots_per_worker")),
+        "group_size": config.get("group_size", sampling.get("n", 1)),
+        "max_response_tokens": config.get("max_response_tokens", sampling.get("max_new_tokens")),
+        "occupancy_scope": config.get("occupancy_scope", "host" if local else "worker"),
+        "pauses_fleet": config.get(
+            "trainer_pauses_fleet",
+            local and runtime.get("mode", "deterministic") == "deterministic",
+        ),
+        "weight_bytes": config.get("weight_bytes"),
+    }
+    for key in ("staleness", "num_workers", "slots_per_worker"):
+        if (config.get(key) if key == "staleness" else shape[key]) is None:
+            raise ValueError(f"trace.run_start.config.{key}: required for calibration")
+    return shape
+
+
+def _pause_overlap(records, events: list[TraceEvent]) -> np.ndarray:
+    """Seconds of each generation spent inside train-step compute (host pauses)."""
+    steps = sorted((e.t - float(e["duration_s"]), e.t) for e in events if e.kind == "train_step")
+    overlap = np.zeros(len(records))
+    for i, record in enumerate(records):
+        for begin, end in steps:
+            if begin >= record.end_s:
+                break
+            overlap[i] += max(0.0, min(end, record.end_s) - max(begin, record.start_s))
+    return overlap
+
+
 def _nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
     """Least squares with coefficients forced >= 0 by dropping negative columns."""
     active = list(range(design.shape[1]))
@@ -76,14 +112,22 @@ def _nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
     return coef
 
 
-def _fit_decode(events: list[TraceEvent]) -> dict[str, float]:
+def _fit_decode(events: list[TraceEvent], *, pauses_fleet: bool) -> dict[str, float]:
     records = [r for r in generation_records(events) if not r.interrupted]
     if not records:
         raise ValueError("trace: no completed generation_start/generation_end pairs to fit")
+    overlap = np.zeros(len(records))
+    if pauses_fleet:
+        # Prefer generations no train step paused (their occupancy held from start to
+        # end); with too few of them, take the pause time out of the others.
+        overlap = _pause_overlap(records, events)
+        if np.count_nonzero(overlap == 0) >= 20:
+            records = [r for r, o in zip(records, overlap, strict=True) if o == 0]
+            overlap = np.zeros(len(records))
     tokens = np.array([r.tokens for r in records], dtype=float)
     prompt = np.array([r.prompt_tokens or 0 for r in records], dtype=float)
     occupancy = np.array([max(1, r.occupancy or 1) - 1 for r in records], dtype=float)
-    latency = np.array([r.latency_s for r in records], dtype=float)
+    latency = np.array([r.latency_s for r in records], dtype=float) - overlap
     columns = [tokens, tokens * occupancy]
     if prompt.any():
         columns.append(prompt)
@@ -145,22 +189,24 @@ def fit_scenario(
     """A scenario fitted to ``trace``, and the fitted timing parameters.
 
     The trace must hold a ``run_start`` event whose ``config`` has the policies
-    (``staleness``, ``weight_sync``, ``checkpoint``) and the fleet shape
-    (``num_workers``, ``slots_per_worker``, ``group_size``, ``prompts_per_step``).
+    (``staleness``, ``weight_sync``, ``checkpoint``) and the fleet shape, either as the
+    simulator writes it (:func:`sim.engine.run_config`: ``num_workers``,
+    ``slots_per_worker``, ``group_size``, ...) or as the runtime's ``RunConfig`` dict
+    (``runtime.num_workers``, ``runtime.slots_per_worker``, ``sampling.n``, ...). A
+    local deterministic backend shares its device between trainer and workers, so the
+    train-step time inside each generation is taken out before fitting decode times.
     """
     events = _load(trace)
     config = _config(events)
-    missing = [k for k in ("staleness", "num_workers", "slots_per_worker") if k not in config]
-    if missing:
-        raise ValueError(f"trace.run_start.config.{missing[0]}: required for calibration")
-    decode = _fit_decode(events)
+    shape = _shape(config)
+    decode = _fit_decode(events, pauses_fleet=bool(shape["pauses_fleet"]))
     trainer = _fit_trainer(events)
     records = generation_records(events)
     lengths = Empirical(values=tuple(r.tokens for r in records))
     prompts = [r.prompt_tokens for r in records if r.prompt_tokens is not None]
     rewards = durations(events, "reward")
     pushes, pulls = durations(events, "push"), durations(events, "pull")
-    weight_bytes = float(config.get("weight_bytes") or 1.0)
+    weight_bytes = float(shape["weight_bytes"] or 1.0)
     staleness = policy_from_dict("staleness", config["staleness"])
     steps = [e for e in events if e.kind == "train_step"]
     end_s = max(e.t for e in events)
@@ -176,15 +222,17 @@ def fit_scenario(
     scenario = Scenario(
         name=name,
         trainer=TrainerSpec.from_rate(
-            tokens_per_s=trainer["tokens_per_s"], step_overhead_s=trainer["step_overhead_s"]
+            tokens_per_s=trainer["tokens_per_s"],
+            step_overhead_s=trainer["step_overhead_s"],
+            pauses_fleet=bool(shape["pauses_fleet"]),
         ),
         fleet=FleetSpec(
-            num_workers=int(config["num_workers"]),
-            slots_per_worker=int(config["slots_per_worker"]),
+            num_workers=int(shape["num_workers"]),
+            slots_per_worker=int(shape["slots_per_worker"]),
             decode_s_per_token=decode["decode_s_per_token"],
             decode_s_per_token_per_seq=decode["decode_s_per_token_per_seq"],
             prefill_tokens_per_s=decode["prefill_tokens_per_s"],
-            occupancy_scope=config.get("occupancy_scope", "worker"),
+            occupancy_scope=shape["occupancy_scope"],
         ),
         param_server=ParamServerSpec(
             weight_bytes=weight_bytes,
@@ -200,10 +248,10 @@ def fit_scenario(
         ),
         workload=WorkloadSpec(
             prompts_per_step=staleness.batch_size,
-            group_size=int(config.get("group_size", 1)),
+            group_size=int(shape["group_size"]),
             prompt_tokens=Empirical(values=tuple(prompts)) if prompts else Constant(value=0.0),
             response_tokens=lengths,
-            max_response_tokens=config.get("max_response_tokens"),
+            max_response_tokens=shape["max_response_tokens"],
         ),
         staleness=staleness,
         weight_sync=policy_from_dict("weight_sync", config.get("weight_sync", {})),

@@ -127,6 +127,7 @@ def run_config(scenario: Scenario) -> dict[str, Any]:
         "occupancy_scope": fleet.occupancy_scope,
         "weight_bytes": scenario.param_server.weight_bytes,
         "trainer_chips": scenario.trainer.chips,
+        "trainer_pauses_fleet": scenario.trainer.pauses_fleet,
         "target_steps": scenario.target_steps,
     }
 

@@ -245,18 +245,26 @@ def areal_like(
 
 
 def local_runtime(
-    *, num_workers: int = 2, max_staleness: int = 1, target_steps: int = 20, seed: int = 0
+    *,
+    num_workers: int = 2,
+    max_staleness: int = 1,
+    target_steps: int = 20,
+    pauses_fleet: bool = True,
+    seed: int = 0,
 ) -> Scenario:
     """rlaxkit's local backend: a tiny model, a few workers and the trainer on one host.
 
     All numbers are assumptions of a CPU run of a small model; :func:`sim.calibrate`
     replaces them with values fitted from a real local trace. Workers share the host,
     so per-token time grows with the sequences decoding fleet-wide
-    (``occupancy_scope="host"``).
+    (``occupancy_scope="host"``), and in the deterministic mode a train step pauses the
+    decoders (``pauses_fleet``).
     """
     return Scenario(
         name="local_runtime",
-        trainer=TrainerSpec.from_rate(tokens_per_s=4000.0, step_overhead_s=0.2, restart_s=1.0),
+        trainer=TrainerSpec.from_rate(
+            tokens_per_s=4000.0, step_overhead_s=0.2, restart_s=1.0, pauses_fleet=pauses_fleet
+        ),
         fleet=FleetSpec(
             num_workers=num_workers,
             slots_per_worker=4,

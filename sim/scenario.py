@@ -52,7 +52,10 @@ _SECTIONS: dict[str, type] = {
     "checkpointing": CheckpointPolicy,
     "preemptions": PreemptionSpec,
 }
-_DISTRIBUTION_FIELDS = {"latency_s", "prompt_tokens", "response_tokens"}
+_DISTRIBUTION_FIELDS = {
+    "verifier": {"latency_s"},
+    "workload": {"prompt_tokens", "response_tokens"},
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,11 +122,11 @@ class Scenario:
         return self.trainer.chips + self.fleet.chips
 
 
-def _section_to_dict(obj) -> dict[str, Any]:
+def _section_to_dict(name: str, obj) -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if f.name in _DISTRIBUTION_FIELDS:
+        if f.name in _DISTRIBUTION_FIELDS.get(name, ()):
             value = distribution_to_dict(value)
         out[f.name] = value
     return out
@@ -133,7 +136,7 @@ def scenario_to_dict(scenario: Scenario) -> dict[str, Any]:
     """Plain nested dict (YAML-ready) of a scenario."""
     out: dict[str, Any] = {"name": scenario.name}
     for section in _SECTIONS:
-        out[section] = _section_to_dict(getattr(scenario, section))
+        out[section] = _section_to_dict(section, getattr(scenario, section))
     out["fault_plan"] = scenario.fault_plan.to_dicts()
     out["target_steps"] = scenario.target_steps
     out["horizon_s"] = scenario.horizon_s
@@ -150,7 +153,7 @@ def _section_from_dict(name: str, data: Any):
     for key, value in data.items():
         if key not in allowed:
             raise ValueError(f"{name}.{key}: unknown field; allowed: {sorted(allowed)}")
-        if key in _DISTRIBUTION_FIELDS:
+        if key in _DISTRIBUTION_FIELDS.get(name, ()):
             value = distribution_from_dict(value, where=f"{name}.{key}")
         values[key] = value
     try:

@@ -60,6 +60,9 @@ class TrainerSpec:
             plus 2 for the log-prob recomputation RLAX and AReaL do on the trainer.
         step_overhead_s: Fixed cost per step (optimizer, host, collectives).
         restart_s: Downtime after a preemption before the restore starts.
+        pauses_fleet: The trainer and the workers share one device, so a train step
+            pauses every decode (KV caches kept); rlaxkit's deterministic local backend
+            interleaves them this way.
     """
 
     chips: int
@@ -69,6 +72,7 @@ class TrainerSpec:
     flops_per_token_factor: float = 8.0
     step_overhead_s: float = 0.0
     restart_s: float = 300.0
+    pauses_fleet: bool = False
 
     def __post_init__(self) -> None:
         _check("chips", self.chips, integer=True)
@@ -83,10 +87,16 @@ class TrainerSpec:
 
     @classmethod
     def from_rate(
-        cls, *, tokens_per_s: float, step_overhead_s: float = 0.0, restart_s: float = 300.0
+        cls,
+        *,
+        tokens_per_s: float,
+        step_overhead_s: float = 0.0,
+        restart_s: float = 300.0,
+        pauses_fleet: bool = False,
     ) -> TrainerSpec:
         """A trainer described only by its measured tokens/s (one abstract chip)."""
         return cls(
+            pauses_fleet=pauses_fleet,
             chips=1,
             model_params=1.0,
             chip_flops=float(tokens_per_s),

@@ -69,7 +69,16 @@ class Trainer:
         tokens = sum(group.tokens for group in batch)
         samples = sum(len(group.samples) for group in batch)
         compute_s = self.spec.step_s(tokens)
-        yield env.timeout(compute_s)
+        if self.spec.pauses_fleet:
+            for worker in sim.workers:
+                worker.pause()
+            try:
+                yield env.timeout(compute_s)
+            finally:
+                for worker in sim.workers:
+                    worker.resume()
+        else:
+            yield env.timeout(compute_s)
         self.version += 1
         staleness = [self.version - 1 - group.first_version for group in batch]
         sim.counters.staleness.update(staleness)

@@ -33,10 +33,12 @@ from .buffer import Group, Sample
 if TYPE_CHECKING:
     from .engine import Simulation
 
-__all__ = ["PREEMPTED", "WEIGHT_UPDATE", "InferenceWorker"]
+__all__ = ["HOST_BUSY", "PREEMPTED", "WEIGHT_UPDATE", "InferenceWorker"]
 
 PREEMPTED = "preempted"
 WEIGHT_UPDATE = "weight_update"
+HOST_BUSY = "host_busy"
+_PAUSES = (WEIGHT_UPDATE, HOST_BUSY)
 
 
 class InferenceWorker:
@@ -54,6 +56,7 @@ class InferenceWorker:
         self.discarded = False
         self.up = True
         self.pulling = False
+        self.paused = False
         self.active = 0
         self.epoch = 0
         self.queue: deque[Sample] = deque()
@@ -90,7 +93,7 @@ class InferenceWorker:
         waits for the buffer to admit a new group.
         """
         while True:
-            if not self.up or self.pulling:
+            if not self.up or self.pulling or self.paused:
                 yield self._idle_wait()
                 continue
             if self._pull_due() and (
@@ -167,18 +170,25 @@ class InferenceWorker:
                 counters.slot_busy_s += env.now - start
                 break
             except simpy.Interrupt as interrupt:
-                if interrupt.cause != WEIGHT_UPDATE or epoch != self.epoch:
+                cause = interrupt.cause
+                if cause not in _PAUSES or epoch != self.epoch:
                     raise
                 del self._decoding[proc]
                 counters.slot_busy_s += env.now - start
                 decoded = (env.now - start - prefill_s) / per_token
                 remaining -= min(remaining, max(0, int(decoded + 1e-9)))
-            while self.pulling:
+            version = self.version
+            while self.pulling or self.paused:
                 yield self._resumed
             group.note_version(self.version, self.lineage)
             if remaining == 0:
                 break
-            prefill_tokens = sample.prompt_tokens + sample.tokens - remaining
+            if decoded < 0 or self.version != version or cause == WEIGHT_UPDATE:
+                # New weights (or a prefill cut short): recompute the KV cache of the
+                # prompt and of the tokens decoded so far.
+                prefill_tokens = sample.prompt_tokens + sample.tokens - remaining
+            else:
+                prefill_tokens = 0  # a host pause keeps the KV cache
         self._finish(sample, first_version)
 
     def _finish(self, sample: Sample, first_version: int) -> None:
@@ -277,6 +287,20 @@ class InferenceWorker:
             self.discarded = True
             if self._interrupting:
                 self._maybe_pull()
+
+    # --- a shared host --------------------------------------------------------------
+
+    def pause(self) -> None:
+        """The host is busy with a train step: decoding stops, KV caches are kept."""
+        self.paused = True
+        for proc in list(self._decoding):
+            proc.interrupt(HOST_BUSY)
+
+    def resume(self) -> None:
+        """The train step is over: paused sequences go on where they stopped."""
+        if self.paused:
+            self.paused = False
+            self._notify()
 
     # --- faults ----------------------------------------------------------------------
 
