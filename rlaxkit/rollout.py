@@ -1,0 +1,96 @@
+"""The one ``Rollout`` type: everything downstream of a worker reads it.
+
+A rollout is one sampled completion of one issued prompt. The ``n`` completions of the
+same issued prompt share a ``group_id`` (GRPO's group); a ``RolloutGroup`` is the unit
+the buffer admits, filters and hands to the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One completion with what the trainer needs to learn from it off-policy.
+
+    Attributes:
+        group_id: the issued prompt this completion answers (unique per issue).
+        sample_index: which of the group's ``n`` samples this is.
+        problem_id: the task problem's stable id.
+        prompt_tokens: ``[P]`` int32.
+        completion_tokens: ``[C]`` int32, up to and including a stop token.
+        behaviour_logprobs: ``[C]`` float32, log-prob of each completion token under the
+            distribution the sampler actually drew it from.
+        versions: ``[C]`` int32, the weight version that produced each token.
+        reward: the verifiable reward.
+        finish_reason: ``stop``, ``length`` or ``interrupted``.
+        worker_id: the worker that generated it.
+        reward_info: parsed answer and failure reason from the reward.
+        timings: seconds since run start (``issued_s``, ``started_s``, ``finished_s``).
+    """
+
+    group_id: int
+    sample_index: int
+    problem_id: str
+    prompt_tokens: np.ndarray
+    completion_tokens: np.ndarray
+    behaviour_logprobs: np.ndarray
+    versions: np.ndarray
+    reward: float
+    finish_reason: str
+    worker_id: str = ""
+    reward_info: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_tokens)
+        if len(self.behaviour_logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"rollout {self.sample_id}: completion_tokens ({n}), behaviour_logprobs "
+                f"({len(self.behaviour_logprobs)}) and versions ({len(self.versions)}) "
+                "must have one entry per completion token"
+            )
+
+    @property
+    def sample_id(self) -> str:
+        """``"<group_id>:<sample_index>"``, unique within a run."""
+        return f"{self.group_id}:{self.sample_index}"
+
+    @property
+    def first_version(self) -> int:
+        """Oldest weight version among the tokens (staleness counts from it)."""
+        return int(self.versions.min()) if len(self.versions) else -1
+
+    @property
+    def last_version(self) -> int:
+        """Newest weight version among the tokens."""
+        return int(self.versions.max()) if len(self.versions) else -1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.completion_tokens)
+
+
+@dataclass(frozen=True)
+class RolloutGroup:
+    """The ``n`` completions of one issued prompt."""
+
+    group_id: int
+    problem_id: str
+    rollouts: tuple[Rollout, ...]
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([r.reward for r in self.rollouts], np.float32)
+
+    @property
+    def first_version(self) -> int:
+        return min(r.first_version for r in self.rollouts)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rollouts)
