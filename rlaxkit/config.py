@@ -1,0 +1,181 @@
+"""The run configuration: one frozen dataclass tree for a whole RL run, read from YAML.
+
+Each component keeps its own config where it lives (``ModelConfig``, ``SamplingConfig``,
+``OptimizerConfig``, the policies, ``SFTConfig``); this module nests them and adds the
+few run-level settings. ``RunConfig()`` is the embedded default: a tiny character-level
+Qwen3-shaped model learning two-digit addition with asynchronous GRPO (η = 2) on the
+local backend, small enough to learn on two CPU cores in minutes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rlaxkit.configio import dump_yaml, from_dict, load_yaml, to_dict
+from rlaxkit.inference import SamplingConfig
+from rlaxkit.models.config import ModelConfig
+from rlaxkit.policies import CheckpointPolicy, StalenessPolicy, WeightSyncPolicy
+from rlaxkit.sft import SFTConfig
+from rlaxkit.trainer import OptimizerConfig
+
+
+def _tiny_model() -> ModelConfig:
+    # vocab_size is set from the tokenizer when the run starts (0 = "take it from there").
+    return ModelConfig(
+        family="qwen3",
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=64,
+        rope_theta=10_000.0,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Which policy to train.
+
+    Attributes:
+        checkpoint: a local Hugging Face checkpoint directory; when set, ``config`` is
+            ignored and the checkpoint's tokenizer is used.
+        config: the architecture of a freshly initialised model (with a character
+            tokenizer over the task's alphabet; ``vocab_size`` is taken from it).
+        param_dtype: override the checkpoint's dtype (``float32`` on CPU).
+    """
+
+    checkpoint: str | None = None
+    config: ModelConfig = field(default_factory=_tiny_model)
+    param_dtype: Literal["float32", "bfloat16"] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskSpec:
+    """The task, found by name in ``rlaxkit.tasks`` (``options`` go to its config)."""
+
+    name: str = "arithmetic"
+    options: dict[str, Any] = field(
+        default_factory=lambda: {"operators": ["+"], "min_digits": 1, "max_digits": 2}
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmSpec:
+    """An algorithm preset by name, with optional changes to its slots."""
+
+    preset: str = "grpo"
+    advantage: dict[str, Any] = field(default_factory=dict)
+    loss: dict[str, Any] = field(default_factory=lambda: {"kl_coef": 0.0})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerSpec:
+    """How a batch is cut into updates (see ``rlaxkit.trainer.TrainConfig``)."""
+
+    micro_batches: int = 1
+    mini_batches: int = 1
+    epochs: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """The runtime's shape.
+
+    Attributes:
+        backend: ``local`` (one process, the embedded default) or ``ray``.
+        mode: ``deterministic`` interleaves worker chunks and trainer steps in a fixed
+            order (same seed, same metrics); ``concurrent`` runs workers in threads.
+        num_workers: inference workers.
+        slots_per_worker: decode rows of each worker's continuous-batching engine.
+        chunk_steps: decode steps between two points where a worker may take weights.
+        max_prompt_tokens: longest prompt a worker accepts.
+        keep_versions: weight versions the parameter server keeps.
+    """
+
+    backend: Literal["local", "ray"] = "local"
+    mode: Literal["deterministic", "concurrent"] = "deterministic"
+    num_workers: int = 2
+    slots_per_worker: int = 64
+    chunk_steps: int = 4
+    max_prompt_tokens: int = 16
+    keep_versions: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "slots_per_worker", "chunk_steps", "max_prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.keep_versions < 2:
+            raise ValueError(f"keep_versions must be >= 2, got {self.keep_versions}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Held-out evaluation: pass@1 and pass@k at the training temperature.
+
+    Attributes:
+        num_problems: test-split problems evaluated.
+        samples: samples per problem (pass@1 is their mean; pass@k uses all of them).
+        every_steps: evaluate during training every this many steps (0: only at the
+            start and the end).
+    """
+
+    num_problems: int = 200
+    samples: int = 4
+    every_steps: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything an RL run needs; ``RunConfig()`` is the embedded default run."""
+
+    seed: int = 0
+    steps: int = 150
+    model: ModelSpec = field(default_factory=ModelSpec)
+    task: TaskSpec = field(default_factory=TaskSpec)
+    sampling: SamplingConfig = field(
+        default_factory=lambda: SamplingConfig(temperature=1.0, max_new_tokens=8, n=8)
+    )
+    algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
+    optimizer: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
+    )
+    trainer: TrainerSpec = field(default_factory=TrainerSpec)
+    staleness: StalenessPolicy = field(
+        default_factory=lambda: StalenessPolicy(max_staleness=2, batch_size=16)
+    )
+    weight_sync: WeightSyncPolicy = field(default_factory=WeightSyncPolicy)
+    checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.sampling.n < 2 and self.algorithm.preset in ("grpo", "dr_grpo", "dapo", "rloo"):
+            raise ValueError(
+                f"sampling.n is {self.sampling.n}; group-relative algorithms "
+                f"({self.algorithm.preset}) need at least 2 samples per prompt"
+            )
+
+    @property
+    def group_size(self) -> int:
+        return self.sampling.n
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        return from_dict(cls, data, path="config")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+        return load_yaml(cls, path, overrides)
+
+    def save(self, path: str | Path) -> None:
+        dump_yaml(self, path)

@@ -1,0 +1,142 @@
+"""Frozen dataclass configs to and from plain dicts and YAML, with errors that name the
+field's dotted path (``runtime.num_workers: ...``) and the fix.
+
+Works for any ``@dataclass`` tree whose fields are ``int``, ``float``, ``bool``, ``str``,
+``Literal[...]``, ``X | None``, tuples/lists of those, ``dict``, or nested dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+def to_dict(config: Any) -> Any:
+    """Plain-data (YAML-safe) form of a dataclass tree."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, tuple | list):
+        return [to_dict(v) for v in config]
+    if isinstance(config, dict):
+        return {k: to_dict(v) for k, v in config.items()}
+    return config
+
+
+def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Builds dataclass ``cls`` from plain data, validating types and names.
+
+    Raises:
+        ValueError: ``<dotted.path>: <what is wrong>``, for unknown fields, wrong types
+            and values a config's own ``__post_init__`` rejects.
+    """
+    return _convert(cls, data, path or cls.__name__)
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(option, value, path)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits no option")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ValueError(f"{path}: must be one of {list(allowed)}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _dataclass(tp, value, path)
+    if origin in (tuple, list):
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{path}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        item = args[0] if args else Any
+        items = [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp in (bool, str):
+        if not isinstance(value, tp):
+            raise ValueError(f"{path}: expected {tp.__name__}, got {value!r}")
+        return value
+    return value
+
+
+def _dataclass(cls: type, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(value) and isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a mapping of {cls.__name__} fields, got {value!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise ValueError(f"{path}: unknown field(s) {unknown}; known fields: {sorted(fields)}")
+    kwargs = {k: _convert(hints[k], v, f"{path}.{k}") for k, v in value.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as err:  # a required field is missing
+        raise ValueError(f"{path}: {err}") from None
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Applies ``key.sub=value`` overrides (values parsed as YAML) to a nested dict.
+
+    >>> apply_overrides({"a": {"b": 1}}, ["a.b=2", "c=[1, 2]"])
+    {'a': {'b': 2}, 'c': [1, 2]}
+    """
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key.path=value")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"override {key}: {part} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def load_yaml(cls: type[T], path: str | Path, overrides: list[str] | None = None) -> T:
+    """Reads a YAML config file into ``cls``, after ``key=value`` overrides."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config file must be a mapping at the top level")
+    return from_dict(cls, apply_overrides(data, overrides or []), path=cls.__name__)
+
+
+def dump_yaml(config: Any, path: str | Path) -> None:
+    """Writes a dataclass tree as YAML that ``load_yaml`` reads back."""
+    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))

@@ -1,0 +1,100 @@
+"""Builds a run's parts from a ``RunConfig``: task, tokenizer, policy, warm start.
+
+Shared by every backend so that the same config gives the same model, data and seeds
+whether the loop runs in one process or across Ray actors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import string
+from pathlib import Path
+
+from flax import nnx
+
+from rlaxkit.config import RunConfig
+from rlaxkit.configio import to_dict
+from rlaxkit.models import (
+    CharTokenizer,
+    Tokenizer,
+    Transformer,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
+from rlaxkit.sft import supervised_warm_start
+from rlaxkit.tasks import Task, make_task
+
+
+def build_task(config: RunConfig) -> Task:
+    """The task named by ``config.task`` with its options."""
+    return make_task(config.task.name, **config.task.options)
+
+
+def task_alphabet(task: Task) -> str:
+    """Characters a character tokenizer needs for ``task``'s prompts and answers."""
+    alphabet = getattr(task, "alphabet", None)
+    if callable(alphabet):
+        return alphabet()
+    chars = set(string.printable) - set("\x0b\x0c\r")
+    return "".join(sorted(chars))
+
+
+def build_policy(config: RunConfig, task: Task) -> tuple[Transformer, Tokenizer]:
+    """A fresh model with a character tokenizer, or a local HF checkpoint."""
+    spec = config.model
+    if spec.checkpoint:
+        model, tokenizer = load_hf_checkpoint(spec.checkpoint, param_dtype=spec.param_dtype)
+        if tokenizer is None:
+            raise ValueError(f"model.checkpoint {spec.checkpoint} has no tokenizer.json; add one")
+        return model, tokenizer
+    tokenizer = CharTokenizer(task_alphabet(task))
+    model_config = spec.config.replace(vocab_size=tokenizer.vocab_size)
+    if spec.param_dtype:
+        model_config = model_config.replace(param_dtype=spec.param_dtype)
+    return Transformer(model_config, rngs=nnx.Rngs(config.seed)), tokenizer
+
+
+def warm_start_key(config: RunConfig) -> str:
+    """Hash of everything the warm-started weights depend on."""
+    relevant = {
+        "model": to_dict(config.model),
+        "task": to_dict(config.task),
+        "sft": to_dict(config.sft),
+        "seed": config.seed,
+    }
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def warm_start(
+    config: RunConfig,
+    task: Task,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    cache_dir: Path | None,
+    on_step=None,
+) -> tuple[Transformer, dict]:
+    """Supervised warm start on the task's demonstrations, cached in ``cache_dir``.
+
+    Returns the (possibly reloaded) model and a summary: ``cached``, ``steps``,
+    ``final_loss``.
+    """
+    if config.sft.steps == 0:
+        return model, {"cached": False, "steps": 0}
+    demonstration = getattr(task, "demonstration", None)
+    if demonstration is None:
+        raise ValueError(
+            f"sft.steps is {config.sft.steps} but task {config.task.name!r} has no "
+            "demonstrations; set sft.steps=0"
+        )
+    key = warm_start_key(config)
+    path = cache_dir / f"warm_start-{key}" if cache_dir else None
+    if path is not None and (path / "config.json").exists():
+        cached, _ = load_hf_checkpoint(path, with_tokenizer=False)
+        return cached, {"cached": True, "steps": config.sft.steps, "path": str(path)}
+    problems = task.problems("train")
+    pairs = [(task.format_prompt(p), demonstration(p)) for p in problems]
+    losses = supervised_warm_start(model, tokenizer, pairs, config.sft, on_step=on_step)
+    if path is not None:
+        save_hf_checkpoint(model, path)
+    return model, {"cached": False, "steps": len(losses), "final_loss": losses[-1]}
