@@ -29,6 +29,11 @@ reader. ``flock`` leases vanish with their process, so a crashed reader leaks no
 This relies on POSIX ``flock`` on a local file system; on network file systems, whose
 lock semantics vary, keep ``keep`` well above the number of versions a read can span.
 
+**Copies.** Large leaves are stored in chunks of about ``chunk_bytes`` so TensorStore
+writes and reads them on several threads. A pull reads into 64-byte-aligned host
+buffers, which JAX's CPU client adopts without another copy; on an accelerator the pull
+costs one more host-to-device transfer.
+
 One process writes at a time; any number of processes and threads may read.
 """
 
@@ -90,7 +95,7 @@ class TensorStoreParameterServer:
         *,
         template: Any = None,
         durable: bool = True,
-        chunk_bytes: int = 16 << 20,
+        chunk_bytes: int = 4 << 20,
         poll_interval_s: float = 0.01,
         on_event: EventHook | None = None,
     ) -> None:
@@ -332,7 +337,12 @@ class TensorStoreParameterServer:
                     f"leaf {treepaths.path_str(path)}: cannot store a {a.dtype} array: {e}"
                 ) from e
         # All writes are in flight at once; TensorStore spreads the chunks over threads.
-        writes = [store.result().write(a) for store, a in zip(opened, arrays, strict=True)]
+        # The arrays are not modified during the push (jax arrays never are), so
+        # TensorStore may write from them directly instead of copying them first.
+        writes = [
+            store.result().write(a, can_reference_source_data_indefinitely=True)
+            for store, a in zip(opened, arrays, strict=True)
+        ]
         for i, write in enumerate(writes):
             write.result()
             if self._leaf_written_hook is not None:
