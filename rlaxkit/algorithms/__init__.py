@@ -1,0 +1,68 @@
+"""RL algorithms as pure functions: advantage estimators, the unified objective, presets.
+
+>>> from rlaxkit.algorithms import algorithm, PRESETS
+>>> algorithm("dapo").loss.clip_eps_high
+0.28
+>>> "decoupled_ppo" in PRESETS
+True
+"""
+
+from rlaxkit.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    compute_advantages,
+    gae_advantages,
+    group_statistics,
+    grpo_advantages,
+    masked_whiten,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    terminal_rewards,
+)
+from rlaxkit.algorithms.config import AdvantageConfig, AlgorithmConfig, LossConfig
+from rlaxkit.algorithms.objective import (
+    KL_ESTIMATORS,
+    SURROGATES,
+    LossInputs,
+    aggregation_weights,
+    clipped_value_loss,
+    combine_metrics,
+    importance_ratio,
+    rl_loss,
+    trust_region_centre,
+)
+from rlaxkit.algorithms.off_policy import behaviour_weights, loglinear_proximal_logprobs
+from rlaxkit.algorithms.presets import PRESETS, algorithm
+from rlaxkit.algorithms.registry import Registry
+from rlaxkit.algorithms.value_model import ValueModel
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "PRESETS",
+    "SURROGATES",
+    "AdvantageConfig",
+    "AdvantageInputs",
+    "AlgorithmConfig",
+    "LossConfig",
+    "LossInputs",
+    "Registry",
+    "ValueModel",
+    "aggregation_weights",
+    "algorithm",
+    "behaviour_weights",
+    "clipped_value_loss",
+    "combine_metrics",
+    "compute_advantages",
+    "gae_advantages",
+    "group_statistics",
+    "grpo_advantages",
+    "importance_ratio",
+    "loglinear_proximal_logprobs",
+    "masked_whiten",
+    "reinforce_pp_advantages",
+    "rl_loss",
+    "rloo_advantages",
+    "terminal_rewards",
+    "trust_region_centre",
+]

@@ -1,0 +1,265 @@
+"""Advantage estimators: pure functions from rewards (and values) to per-token advantages.
+
+Conventions shared by every function here:
+
+* A batch has ``B`` rows (sequences) and ``T`` token positions. Row-level inputs are
+  ``[B]``; token-level inputs are ``[B, T]`` and aligned like ``token_logprobs``: entry
+  ``t`` describes the action ``tokens[t]`` taken after ``tokens[:t]``.
+* ``sequence_mask [B]`` marks real rows (padding rows added by bucketing are 0) and
+  ``loss_mask [B, T]`` marks completion tokens. Results are zero where masked.
+* ``group_ids [B]`` are dense integers in ``[0, B)``: rows with the same id answer the
+  same prompt (``rlaxkit.batch.collate`` builds them).
+
+The registered estimators (``ADVANTAGE_ESTIMATORS``) all take ``(AdvantageInputs,
+AdvantageConfig)`` and return ``(advantages [B, T], returns [B, T] | None)``; they are thin
+adapters over the math functions below, which are usable on their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from rlaxkit.algorithms.registry import Registry
+
+if TYPE_CHECKING:
+    from rlaxkit.algorithms.config import AdvantageConfig
+
+AdvantageFn = Callable[["AdvantageInputs", "AdvantageConfig"], tuple[jax.Array, jax.Array | None]]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class AdvantageInputs:
+    """What an advantage estimator may read.
+
+    Attributes:
+        rewards: ``[B]`` scalar reward per sequence.
+        group_ids: ``[B]`` int32 prompt group of each row, dense in ``[0, B)``.
+        sequence_mask: ``[B]`` 1 for real rows.
+        loss_mask: ``[B, T]`` 1 for completion tokens.
+        values: ``[B, T]`` critic values ``V(tokens[:t])`` (GAE only).
+        token_kl: ``[B, T]`` per-token ``log π_old - log π_ref`` for a KL penalty folded
+            into the reward (REINFORCE++, PPO); ``None`` when there is no reference.
+    """
+
+    rewards: jax.Array
+    group_ids: jax.Array
+    sequence_mask: jax.Array
+    loss_mask: jax.Array
+    values: jax.Array | None = None
+    token_kl: jax.Array | None = None
+
+
+def group_statistics(
+    rewards: jax.Array, group_ids: jax.Array, sequence_mask: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-row mean, sample standard deviation and size of the row's group.
+
+    ``std`` is Bessel-corrected, ``sqrt(Σ (r - mean)² / (n - 1))``, and 0 for a group of
+    one. Padding rows count in no group.
+
+    Returns:
+        ``(mean, std, count)``, each ``[B]`` and indexed by row.
+    """
+    num = rewards.shape[0]
+    valid = sequence_mask.astype(jnp.float32)
+    ids = jnp.clip(group_ids, 0, num - 1)
+    count = jax.ops.segment_sum(valid, ids, num)
+    total = jax.ops.segment_sum(valid * rewards, ids, num)
+    mean = (total / jnp.maximum(count, 1.0))[ids]
+    squares = jax.ops.segment_sum(valid * (rewards - mean) ** 2, ids, num)
+    std = jnp.sqrt(squares / jnp.maximum(count - 1.0, 1.0))[ids]
+    return mean, std, count[ids]
+
+
+def grpo_advantages(
+    rewards: jax.Array,
+    group_ids: jax.Array,
+    sequence_mask: jax.Array,
+    *,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> jax.Array:
+    """GRPO group-normalised advantage per sequence, ``[B]``.
+
+    ``A_i = (R_i - mean_g(R)) / (std_g(R) + eps)`` over the rows of ``i``'s group g
+    (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300). With ``scale_by_std=False`` it is
+    ``R_i - mean_g(R)``: Dr.GRPO (Liu et al. 2025, arXiv 2503.20783), which drops the std
+    because it up-weights prompts that are nearly always or never solved. A group whose
+    std is at most ``eps`` (all rewards equal) gets 0: its centred rewards are float
+    rounding noise, which dividing by ``std + eps`` would blow up ``1/eps``-fold.
+    """
+    mean, std, _ = group_statistics(rewards, group_ids, sequence_mask)
+    centred = rewards - mean
+    advantages = _scale_by_std(centred, std, eps) if scale_by_std else centred
+    return advantages * sequence_mask
+
+
+def rloo_advantages(
+    rewards: jax.Array, group_ids: jax.Array, sequence_mask: jax.Array
+) -> jax.Array:
+    """REINFORCE leave-one-out advantage per sequence, ``[B]``.
+
+    ``A_i = R_i - (1 / (n - 1)) Σ_{j ≠ i} R_j = n / (n - 1) · (R_i - mean_g(R))`` over the
+    ``n`` rows of the group (Ahmadian et al. 2024, arXiv 2402.14740); 0 for a group of
+    one, which has no baseline.
+    """
+    mean, _, count = group_statistics(rewards, group_ids, sequence_mask)
+    scale = jnp.where(count > 1, count / jnp.maximum(count - 1.0, 1.0), 0.0)
+    return scale * (rewards - mean) * sequence_mask
+
+
+def terminal_rewards(rewards: jax.Array, loss_mask: jax.Array) -> jax.Array:
+    """Places each sequence's reward on its last completion token, ``[B, T]``."""
+    t = loss_mask.shape[1]
+    last = t - 1 - jnp.argmax(jnp.flip(loss_mask, axis=1) > 0, axis=1)
+    has_tokens = jnp.any(loss_mask > 0, axis=1)
+    return jax.nn.one_hot(last, t) * (rewards * has_tokens)[:, None]
+
+
+def _scale_by_std(centred: jax.Array, std: jax.Array, eps: float) -> jax.Array:
+    """``centred / (std + eps)``, and 0 where ``std <= eps`` (no spread, only rounding)."""
+    return jnp.where(std > eps, centred / (std + eps), 0.0)
+
+
+def masked_whiten(values: jax.Array, mask: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """``(x - mean) / (std + eps)`` with mean and (population) std over masked entries.
+
+    All zeros when ``std <= eps`` (see ``grpo_advantages``).
+    """
+    weights = mask.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(weights), 1.0)
+    mean = jnp.sum(weights * values) / n
+    std = jnp.sqrt(jnp.sum(weights * (values - mean) ** 2) / n)
+    return _scale_by_std(values - mean, std, eps) * weights
+
+
+def reinforce_pp_advantages(
+    rewards: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    token_kl: jax.Array | None = None,
+    kl_coef: float = 0.0,
+    eps: float = 1e-6,
+) -> jax.Array:
+    """REINFORCE++ advantage per token, ``[B, T]`` (Hu 2025, arXiv 2501.03262).
+
+    Token rewards are the sequence reward on the last token minus a KL penalty
+    ``β · (log π_old - log π_ref)`` on every token; the return is their undiscounted sum
+    from ``t`` on, ``G_t = Σ_{s ≥ t} r_s``, and the advantage is ``G_t`` whitened over all
+    completion tokens of the batch (global batch normalisation instead of a critic or a
+    per-prompt baseline).
+    """
+    token_rewards = terminal_rewards(rewards, loss_mask)
+    if token_kl is not None and kl_coef:
+        token_rewards = token_rewards - kl_coef * token_kl * loss_mask
+    returns = jnp.flip(jnp.cumsum(jnp.flip(token_rewards, axis=1), axis=1), axis=1)
+    return masked_whiten(returns, loss_mask, eps)
+
+
+def gae_advantages(
+    token_rewards: jax.Array,
+    values: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[jax.Array, jax.Array]:
+    """Generalised advantage estimation over completion tokens (Schulman et al. 2016).
+
+    ``δ_t = r_t + γ V_{t+1} - V_t`` (``V_{t+1} = 0`` after the last completion token) and
+    ``A_t = δ_t + γ λ A_{t+1}``, computed right to left with ``lax.scan``. The return
+    target of the critic is ``A_t + V_t``. Completion tokens must be contiguous in a row.
+
+    Returns:
+        ``(advantages, returns)``, each ``[B, T]``, zero outside ``loss_mask``.
+    """
+    mask = loss_mask.astype(jnp.float32)
+    next_values = jnp.pad(values[:, 1:] * mask[:, 1:], ((0, 0), (0, 1)))
+    deltas = (token_rewards + gamma * next_values - values) * mask
+
+    def step(following, column):
+        delta, m = column
+        advantage = (delta + gamma * lam * following) * m
+        return advantage, advantage
+
+    _, advantages = jax.lax.scan(
+        step, jnp.zeros(values.shape[0], values.dtype), (deltas.T, mask.T), reverse=True
+    )
+    advantages = advantages.T
+    return advantages, (advantages + values) * mask
+
+
+def _per_token(row_advantages: jax.Array, loss_mask: jax.Array) -> jax.Array:
+    return row_advantages[:, None] * loss_mask
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def _grpo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[jax.Array, None]:
+    rows = grpo_advantages(
+        inputs.rewards,
+        inputs.group_ids,
+        inputs.sequence_mask,
+        scale_by_std=cfg.scale_by_std,
+        eps=cfg.eps,
+    )
+    return _per_token(rows, inputs.loss_mask), None
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def _dr_grpo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[jax.Array, None]:
+    rows = grpo_advantages(
+        inputs.rewards, inputs.group_ids, inputs.sequence_mask, scale_by_std=False
+    )
+    return _per_token(rows, inputs.loss_mask), None
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def _rloo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[jax.Array, None]:
+    rows = rloo_advantages(inputs.rewards, inputs.group_ids, inputs.sequence_mask)
+    return _per_token(rows, inputs.loss_mask), None
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def _reinforce_pp(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[jax.Array, None]:
+    advantages = reinforce_pp_advantages(
+        inputs.rewards,
+        inputs.loss_mask,
+        token_kl=inputs.token_kl,
+        kl_coef=cfg.kl_in_reward_coef,
+        eps=cfg.eps,
+    )
+    return advantages, None
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def _gae(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[jax.Array, jax.Array]:
+    if inputs.values is None:
+        raise ValueError("advantage estimator 'gae' needs values: train with a value model")
+    token_rewards = terminal_rewards(inputs.rewards, inputs.loss_mask)
+    if inputs.token_kl is not None and cfg.kl_in_reward_coef:
+        token_rewards = token_rewards - cfg.kl_in_reward_coef * inputs.token_kl
+    return gae_advantages(
+        token_rewards, inputs.values, inputs.loss_mask, gamma=cfg.gamma, lam=cfg.lam
+    )
+
+
+def compute_advantages(
+    inputs: AdvantageInputs, cfg: AdvantageConfig
+) -> tuple[jax.Array, jax.Array | None]:
+    """Runs the estimator named by ``cfg.estimator``, then optional batch whitening.
+
+    Returns:
+        ``(advantages [B, T], returns [B, T] or None)``; ``returns`` are the critic
+        targets of estimators that use one (GAE).
+    """
+    advantages, returns = ADVANTAGE_ESTIMATORS.get(cfg.estimator)(inputs, cfg)
+    if cfg.whiten:
+        advantages = masked_whiten(advantages, inputs.loss_mask, cfg.eps)
+    return advantages, returns
