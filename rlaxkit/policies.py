@@ -97,7 +97,14 @@ class StalenessPolicy:
 
     def can_start_generation(self, accepted: int, running: int, trainer_version: int) -> bool:
         """True when ``accepted + running < (η + trainer_version + 1) * batch_size`` and
-        ``running < max_concurrent``: starting one more keeps both bounds."""
+        ``running < max_concurrent``: starting one more keeps both bounds.
+
+        Pass as ``trainer_version`` the newest version the workers can sample with, i.e.
+        the newest *published* version: AReaL bumps its version only once new weights
+        reached the rollout engines, so a generation admitted for version ``v`` is
+        sampled with ``v``. (With pushes every ``k`` steps this needs η ≥ k - 1, or the
+        trainer waits for rollouts that admission never lets start.)
+        """
         return self.capacity(accepted, running, trainer_version) > 0
 
     def staleness(self, rollout_version: int | tuple[int, ...], trainer_version: int) -> int:

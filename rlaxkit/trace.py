@@ -7,6 +7,8 @@ seconds in ``sim/``, wall seconds in the runtime), ``actor`` names who did it
 (``trainer``, ``param_server``, ``worker-3``, ``verifier``, ``buffer``), ``version`` is
 the weight version involved (``null`` where none is). Further keys depend on the kind;
 the closed set of kinds and the keys each requires are in :data:`REQUIRED_FIELDS`.
+An event that lasts (a train step, a push, a pull, a checkpoint, a reward) is written
+when it ends, with its ``duration_s``; ``generation_start`` marks a sequence's start.
 
 Per kind, the keys this module's helpers read (others are free):
 
