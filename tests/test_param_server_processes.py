@@ -150,6 +150,7 @@ def test_a_writer_killed_mid_push_leaves_the_last_complete_version(tmp_path):
 
     successor = TensorStoreParameterServer(directory, keep=2)
     successor.push(3, leaves_at(3))
+    successor.wait_for_cleanup()
     assert sorted(p.name for p in directory.iterdir()) == [
         "latest.json",
         version_dirname(2),

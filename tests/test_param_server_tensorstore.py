@@ -156,7 +156,7 @@ def test_debris_of_dead_writers_is_removed_and_unnamed_versions_stay_invisible(t
     store.push(1, {"w": np.ones(3)})
     dead_pid = 2**22 + 12345  # Above Linux's default pid_max of 4 194 304: never alive.
     (tmp_path / f".tmp-v000000000002-{dead_pid}-abcd1234").mkdir()
-    (tmp_path / ".trash-v000000000000-1-abcd1234").mkdir()
+    (tmp_path / f".trash-v000000000000-{dead_pid}-abcd1234").mkdir()
     orphan = tmp_path / version_dirname(2)  # Renamed into place, pointer never updated.
     orphan.mkdir()
     (orphan / "manifest.json").write_text("{}")
@@ -204,3 +204,11 @@ def test_the_manifest_names_every_leaf_by_key_path(tmp_path):
     assert leaf["path"] == [["key", "layers"], ["index", 0], ["key", "kernel"]]
     assert (leaf["dtype"], leaf["shape"]) == ("float32", [2, 2])
     assert manifest["bytes"] == 16 and manifest["version"] == 1
+
+
+def test_evicted_versions_leave_the_disk(tmp_path):
+    store = TensorStoreParameterServer(tmp_path, keep=2, durable=False)
+    for version in range(1, 6):
+        store.push(version, {"w": np.full(3, version)})
+    store.wait_for_cleanup()
+    assert sorted(os.listdir(tmp_path)) == ["latest.json", version_dirname(4), version_dirname(5)]

@@ -22,12 +22,13 @@ removes the debris of dead writers.
 **Eviction and readers: shared-lock leases.** A reader holds a shared ``flock`` on the
 version's ``manifest.json`` for as long as it copies that version. The writer evicts a
 version only if it gets the exclusive lock *without waiting*; it then renames the
-directory away and deletes it. A version a reader still holds is skipped and retried at
-the next push (so the directory may briefly hold more than ``keep`` versions), which
-means a slow reader never stalls the trainer and eviction never pulls files from under a
-reader. ``flock`` leases vanish with their process, so a crashed reader leaks nothing.
-This relies on POSIX ``flock`` on a local file system; on network file systems, whose
-lock semantics vary, keep ``keep`` well above the number of versions a read can span.
+directory away and deletes it on a background thread. A version a reader still holds
+is skipped and retried at the next push (so the directory may briefly hold more than
+``keep`` versions), which means a slow reader never stalls the trainer and eviction
+never pulls files from under a reader. ``flock`` leases vanish with their process, so
+a crashed reader leaks nothing. This relies on POSIX ``flock`` on a local file system;
+on network file systems, whose lock semantics vary, keep ``keep`` well above the number
+of versions a read can span.
 
 **Copies.** Large leaves are stored in chunks of about ``chunk_bytes`` so TensorStore
 writes and reads them on several threads. A pull reads into 64-byte-aligned host
@@ -39,6 +40,7 @@ One process writes at a time; any number of processes and threads may read.
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import json
 import os
@@ -117,6 +119,8 @@ class TensorStoreParameterServer:
         self._push_lock = threading.Lock()
         self._pushed = threading.Condition()
         self._pushed_tree: tuple[list[treepaths.KeyPath], Any] | None = None
+        self._deleter: concurrent.futures.ThreadPoolExecutor | None = None
+        self._deletions: list[concurrent.futures.Future] = []
         # Test hooks, called with the leaf index after each leaf is written during a push
         # or read during a pull (the reader then holds its lease); they let tests pause
         # a writer or a reader mid-copy.
@@ -266,6 +270,7 @@ class TensorStoreParameterServer:
             version = int(version)
             start = time.perf_counter()
             self._remove_debris(latest)
+            self._deletions = [f for f in self._deletions if not f.done()]
             paths, leaves, treedef = treepaths.flatten(params)
             arrays = [np.asarray(x) for x in jax.device_get(leaves)]
             nbytes = sum(a.nbytes for a in arrays)
@@ -328,6 +333,9 @@ class TensorStoreParameterServer:
                     "shape": list(a.shape),
                     "data_type": a.dtype.name,
                     "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
+                    # Chunk files c.0.0, c.1.0, ... side by side: one directory per leaf
+                    # to fsync and remove, not one per chunk row.
+                    "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
                 },
             }
             try:
@@ -353,7 +361,8 @@ class TensorStoreParameterServer:
         for path in self.directory.iterdir():
             name = path.name
             if name.startswith(layout.TRASH_PREFIX):
-                shutil.rmtree(path, ignore_errors=True)
+                if not layout.scratch_owner_alive(name):  # Ours are deleted in the background.
+                    shutil.rmtree(path, ignore_errors=True)
             elif name.startswith(layout.TMP_PREFIX):
                 # Single writer: a live owner other than us would be a second writer.
                 if not layout.scratch_owner_alive(name) or f"-{os.getpid()}-" in name:
@@ -368,7 +377,12 @@ class TensorStoreParameterServer:
                     shutil.rmtree(path, ignore_errors=True)
 
     def _evict(self, latest: int) -> None:
-        """Deletes versions older than the newest ``keep`` that no reader holds."""
+        """Evicts versions older than the newest ``keep`` that no reader holds.
+
+        Renaming a version to trash is the atomic step that takes it from readers;
+        deleting its files (slow: the kernel frees their pages) happens on a background
+        thread, so the trainer does not wait for it.
+        """
         old = [v for v in self.versions()[: -self.keep] if v != latest]
         for version in old:
             vdir = self.directory / layout.version_dirname(version)
@@ -386,7 +400,16 @@ class TensorStoreParameterServer:
                 os.rename(vdir, trash)
             finally:
                 os.close(fd)
-            shutil.rmtree(trash, ignore_errors=True)
+            if self._deleter is None:
+                self._deleter = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="param-server-evict"
+                )
+            self._deletions.append(self._deleter.submit(shutil.rmtree, trash, True))
+
+    def wait_for_cleanup(self) -> None:
+        """Waits until the files of evicted versions are deleted."""
+        while self._deletions:
+            self._deletions.pop().result()
 
     def __repr__(self) -> str:
         return (
