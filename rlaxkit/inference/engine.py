@@ -161,9 +161,7 @@ class InferenceEngine:
             raise ValueError("new weights do not have the structure of the current ones")
         self.params, self.version = params, version
         if recompute_cache and self.num_running:
-            self.state = programs.recompute_cache(
-                self.graphdef, self.params, self.state, config=self.config
-            )
+            self.state = programs.recompute_cache(self.graphdef, self.params, self.state)
 
     def step(self) -> list[Completion]:
         """Refills free rows, runs one chunk of decode steps, returns what finished."""
@@ -254,7 +252,6 @@ class InferenceEngine:
             keys,
             sample_index,
             budget,
-            config=self.config,
         )
 
     def _collect(self, rows: list[int], interrupted: bool = False) -> list[Completion]:

@@ -115,7 +115,6 @@ def generate(
         keys[source],
         (row % n).astype(np.int32),
         budget[source],
-        config=config,
     )
     state, _ = programs.decode_steps(
         graphdef,

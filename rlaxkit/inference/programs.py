@@ -61,7 +61,7 @@ def init_state(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
 def start_rows(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -73,8 +73,6 @@ def start_rows(
     request_key_data: jax.Array,
     sample_index: jax.Array,
     budget: jax.Array,
-    *,
-    config: SamplingConfig,
 ) -> DecodeState:
     """Prefills ``U`` prompts once and starts ``A`` rows from them.
 
@@ -132,7 +130,6 @@ def decode_step(model, state: DecodeState, version: jax.Array, config: SamplingC
     return dataclasses.replace(state, cache=cache, pending=pending, rows=rows)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
 def decode_steps(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -146,11 +143,29 @@ def decode_steps(
     """Runs decode steps in a ``lax.while_loop`` until every row has stopped, ``max_steps``
     steps have run, or ``min_finished`` rows have finished in this call.
 
-    ``max_steps`` and ``min_finished`` are traced: changing them compiles nothing.
+    ``max_steps`` and ``min_finished`` are traced: changing them compiles nothing. Nor do
+    ``config.n`` and ``config.max_new_tokens``, which the loop reads from the shapes.
 
     Returns:
         The state and the number of steps run.
     """
+    step_config = dataclasses.replace(config, n=1, max_new_tokens=1)
+    return _decode_steps(
+        graphdef, params, state, version, max_steps, min_finished, config=step_config
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
+def _decode_steps(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: DecodeState,
+    version: jax.Array,
+    max_steps: jax.Array,
+    min_finished: jax.Array,
+    *,
+    config: SamplingConfig,
+) -> tuple[DecodeState, jax.Array]:
     model = nnx.merge(graphdef, params)
     was_active = state.rows.active
 
@@ -166,10 +181,8 @@ def decode_steps(
     return jax.lax.while_loop(keep_going, body, (state, jnp.zeros((), jnp.int32)))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
-def recompute_cache(
-    graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, *, config: SamplingConfig
-) -> DecodeState:
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
+def recompute_cache(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState) -> DecodeState:
     """Rebuilds every row's cache from its prompt and completion so far under ``params``.
 
     The context of row ``b`` is ``prompt + completion[:-1]`` (the last token stays
@@ -177,7 +190,6 @@ def recompute_cache(
     This is AReaL's interruptible generation: after a weight update the remaining tokens
     are produced by the new weights on a cache computed by them too.
     """
-    del config  # static only so callers pass one signature to every program
     model = nnx.merge(graphdef, params)
     rows, slots = state.cache.valid.shape
     index = jnp.arange(slots)[None]

@@ -106,10 +106,11 @@ def generate_by_recompute(
         dest,
         config=config,
     )
+    step_config = dataclasses.replace(config, n=1, max_new_tokens=1)  # shapes carry these
     while True:
         active, length = jax.device_get((state.rows.active, state.length))
         if not active.any():
             break
         width = bucket_length(int(length[active].max()), cap=total)
-        state = _stage(graphdef, params, state, np.int32(version), config=config, width=width)
+        state = _stage(graphdef, params, state, np.int32(version), config=step_config, width=width)
     return collect_result(state.rows, prompts, config)
