@@ -168,6 +168,10 @@ class RolloutBuffer:
         self._drop(group, reason)
         self._dispatch()
 
+    def drop(self, group: Group, reason: str) -> None:
+        """Count and trace a group that will never be trained (not a running one)."""
+        self._drop(group, reason)
+
     def _drop(self, group: Group, reason: str) -> None:
         self.sim.counters.drops[reason] += 1
         self.sim.record(

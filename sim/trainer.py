@@ -41,6 +41,7 @@ class Trainer:
         self.up = True
         self._recovering = False
         self._down_until = 0.0
+        self._batch = None
         self.done = self.env.event()
         self.process = self.env.process(self._run())
 
@@ -69,6 +70,7 @@ class Trainer:
         tokens = sum(group.tokens for group in batch)
         samples = sum(len(group.samples) for group in batch)
         compute_s = self.spec.step_s(tokens)
+        self._batch = batch  # lost with the step if a preemption cuts the compute
         if self.spec.pauses_fleet:
             for worker in sim.workers:
                 worker.pause()
@@ -79,6 +81,7 @@ class Trainer:
                     worker.resume()
         else:
             yield env.timeout(compute_s)
+        self._batch = None
         self.version += 1
         staleness = [self.version - 1 - group.first_version for group in batch]
         sim.counters.staleness.update(staleness)
@@ -116,6 +119,9 @@ class Trainer:
     def _lose_progress(self) -> None:
         """Drop the steps after the last checkpoint (called on a preemption)."""
         lost = self.version - self.last_save_step
+        for group in self._batch or ():
+            self.sim.buffer.drop(group, "trainer_preempted")
+        self._batch = None
         self.sim.counters.rollback(self.last_save_step)
         self.version = self.last_save_step
         self._recovering = True

@@ -81,8 +81,8 @@ class InferenceWorker:
                 sample = yield from self._next_sample()
                 yield from self._generate(sample)
             except simpy.Interrupt:
-                # Preempted (the worker has already dropped its work) or a weight update
-                # that raced with the end of a decode: look for work again.
+                # Preempted: the worker has already dropped its work and reset its
+                # state, so look for work again. (Pauses are handled in _generate.)
                 continue
 
     def _next_sample(self):
@@ -179,7 +179,13 @@ class InferenceWorker:
                 remaining -= min(remaining, max(0, int(decoded + 1e-9)))
             version = self.version
             while self.pulling or self.paused:
-                yield self._resumed
+                try:
+                    yield self._resumed
+                except simpy.Interrupt as again:
+                    # A pull and a host pause can both interrupt a decode in the same
+                    # instant; the second finds this slot already paused.
+                    if again.cause not in _PAUSES or epoch != self.epoch:
+                        raise
             group.note_version(self.version, self.lineage)
             if remaining == 0:
                 break

@@ -132,3 +132,46 @@ def test_unknown_fault_target_is_rejected():
     fault = Fault(kind="preempt_worker", target="worker-9", at_s=1.0)
     with pytest.raises(ValueError, match=r"fault_plan\[0\]\.target"):
         simulate(_toy(fault))
+
+
+@pytest.mark.parametrize("mode", ["between_requests", "in_flight"])
+@pytest.mark.parametrize("pauses_fleet", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_heavy_faults_keep_every_invariant(mode, pauses_fleet, seed):
+    """Frequent worker, slice and trainer preemptions plus every other fault kind: the
+    run still finishes, staleness stays within η, and every group is accounted for."""
+    from sim import Simulation
+
+    plan = FaultPlan(
+        (
+            Fault(kind="kill_param_server", at_s=3.0, restart_after_s=1.0),
+            Fault(kind="slow_worker", target="worker-1", at_s=2.0, factor=3.0, duration_s=5.0),
+            Fault(kind="fail_pull", at_step=2, count=2),
+            Fault(kind="hang_reward", at_step=4, count=3),
+        )
+    )
+    scenario = with_overrides(
+        presets.local_runtime(
+            num_workers=4, max_staleness=2, target_steps=30, pauses_fleet=pauses_fleet, seed=seed
+        ),
+        {
+            "weight_sync.pull_mode": mode,
+            "fleet.workers_per_slice": 2,
+            "preemptions.worker_mtbf_s": 8.0,
+            "preemptions.slice_mtbf_s": 20.0,
+            "preemptions.trainer_mtbf_s": 15.0,
+            "checkpointing.every_steps": 3,
+            "verifier.timeout_s": 1.0,
+            "fault_plan": plan,
+        },
+    )
+    simulation = Simulation(scenario)
+    result = simulation.run()
+    assert result.steps == 30
+    assert max(result.staleness) <= 2
+    buffer = simulation.buffer
+    trained = sum(result.staleness.values())
+    created = simulation._next_group
+    assert created == trained + sum(result.drops.values()) + buffer.running + len(buffer.ready)
+    assert buffer.running >= 0
+    assert simulation.host_active == sum(w.active for w in simulation.workers) >= 0
