@@ -17,6 +17,7 @@ from rlaxkit.param_server import (
     InProcessParameterServer,
     ParameterServer,
     TensorStoreParameterServer,
+    TransferRecord,
     TransferStats,
     tree_nbytes,
 )
@@ -199,7 +200,12 @@ def test_tree_nbytes_counts_concrete_and_abstract_leaves():
 def test_transfer_stats_keep_a_bounded_history():
     stats = TransferStats(history=2)
     assert stats.last("push") is None
-    assert stats.as_dict()["push_count"] == 0
+    for version in (1, 2, 3):
+        stats.add(TransferRecord(kind="push", version=version, duration_s=0.5, bytes=10))
+    assert [r.version for r in stats.records] == [2, 3]
+    assert stats.last("push").version == 3 and stats.last("pull") is None
+    totals = stats.as_dict()
+    assert (totals["push_count"], totals["push_seconds"], totals["push_bytes"]) == (3, 1.5, 30)
 
 
 _MODEL_STATES: dict = {}  # Model construction is the slow part; build once per config.

@@ -44,8 +44,9 @@ EventHook = Callable[..., None]
 class ParameterServer(Protocol):
     """A versioned weight store: the trainer pushes, inference workers pull.
 
-    Versions strictly increase. A store keeps at most its last ``keep`` versions, and no
-    reader, however slow, blocks a push.
+    Versions strictly increase. A store keeps its last ``keep`` versions (a version a
+    reader is still copying may outlive them briefly), and no reader, however slow,
+    blocks a push.
     """
 
     def push(self, version: int, params: Any) -> None:
