@@ -55,12 +55,19 @@ class ModelSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class TaskSpec:
-    """The task, found by name in ``rlaxkit.tasks`` (``options`` go to its config)."""
+    """The task, found by name in ``rlaxkit.tasks`` (``options`` go to its config).
+
+    Attributes:
+        name: registered task name.
+        options: fields of the task's config.
+        num_train: training problems (``None``: the task's default).
+    """
 
     name: str = "arithmetic"
     options: dict[str, Any] = field(
         default_factory=lambda: {"operators": ["+"], "min_digits": 1, "max_digits": 2}
     )
+    num_train: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -75,6 +75,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             raise ValueError(f"{path}: expected a mapping, got {value!r}")
         return dict(value)
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ValueError(f"{path}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{path}: expected a number, got {value!r}")
         return float(value)
@@ -129,12 +134,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_yaml(cls: type[T], path: str | Path, overrides: list[str] | None = None) -> T:
-    """Reads a YAML config file into ``cls``, after ``key=value`` overrides."""
+def load_yaml(
+    cls: type[T], path: str | Path, overrides: list[str] | None = None, root: str = "config"
+) -> T:
+    """Reads a YAML config file into ``cls``, after ``key=value`` overrides; errors name
+    fields as ``<root>.<dotted.path>``."""
     data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a config file must be a mapping at the top level")
-    return from_dict(cls, apply_overrides(data, overrides or []), path=cls.__name__)
+    return from_dict(cls, apply_overrides(data, overrides or []), path=root)
 
 
 def dump_yaml(config: Any, path: str | Path) -> None:

@@ -32,3 +32,12 @@ def tiny_model(tiny_config):
     from rlaxkit.models import Transformer
 
     return Transformer(tiny_config, rngs=nnx.Rngs(0))
+
+
+def pytest_configure(config):
+    """Share compiled XLA programs between tests (many build identical tiny models)."""
+    import jax
+
+    cache = config.cache.mkdir("jax_compilation_cache")
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)

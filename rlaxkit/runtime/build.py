@@ -92,7 +92,7 @@ def warm_start(
     if path is not None and (path / "config.json").exists():
         cached, _ = load_hf_checkpoint(path, with_tokenizer=False)
         return cached, {"cached": True, "steps": config.sft.steps, "path": str(path)}
-    problems = task.problems("train")
+    problems = task.problems("train", config.task.num_train)
     pairs = [(task.format_prompt(p), demonstration(p)) for p in problems]
     losses = supervised_warm_start(model, tokenizer, pairs, config.sft, on_step=on_step)
     if path is not None:

@@ -74,10 +74,16 @@ class Experiment:
         run_dir: where to write config.yaml, metrics.jsonl, trace.jsonl and the warm
             start cache; ``None`` keeps everything in memory.
         progress: show progress bars.
+        cache_dir: where the warm-start cache lives (default: ``run_dir``); runs that
+            share a model, task and SFT config share the warm start.
     """
 
     def __init__(
-        self, config: RunConfig, run_dir: str | Path | None = None, progress: bool = False
+        self,
+        config: RunConfig,
+        run_dir: str | Path | None = None,
+        progress: bool = False,
+        cache_dir: str | Path | None = None,
     ):
         if config.runtime.backend != "local":
             raise ValueError(
@@ -100,7 +106,7 @@ class Experiment:
         self.task = build_task(config)
         model, self.tokenizer = build_policy(config, self.task)
         self.model, self.warm_start = warm_start(
-            config, self.task, model, self.tokenizer, self.run_dir, on_step=None
+            config, self.task, model, self.tokenizer, Path(cache_dir) if cache_dir else self.run_dir
         )
         self.graphdef, params = nnx.split(self.model)
         algo = algorithm(
@@ -131,7 +137,7 @@ class Experiment:
             on_event=self._on_transfer,
         )
         self.param_server.push(0, self.state.params)
-        self.problems = self.task.problems("train")
+        self.problems = self.task.problems("train", config.task.num_train)
         self.controller = PromptController(len(self.problems), seed=config.seed)
         self.buffer = RolloutBuffer(config.staleness, group_size=config.group_size)
         self.scorer = RewardRunner.for_task(self.task).start()
@@ -181,30 +187,41 @@ class Experiment:
             )
 
     # -- the loop ----------------------------------------------------------------------
-    def _issue(self) -> None:
+    def _issue(self) -> int:
+        """Hands prompts to workers with room while the staleness policy admits more."""
         policy = self.config.staleness
+        # Admission counts from the newest *published* version: with pushes every k
+        # steps, counting from the trainer's step would start generations on weights
+        # already too old to be accepted.
+        published = self.param_server.latest_version()
+        issued = 0
         for worker in self.workers:
             room = min(
                 worker.free,
-                policy.capacity(self.buffer.accepted, self.buffer.in_flight, self.version),
+                policy.capacity(self.buffer.accepted, self.buffer.in_flight, published),
             )
             for issue in self.controller.next_issues(room) if room > 0 else []:
                 problem = self.problems[issue.problem_index]
                 self.buffer.issue(issue.group_id, problem.id)
                 worker.submit(issue, problem)
+                issued += 1
+        return issued
 
     def _collect_batch(self) -> list[RolloutGroup]:
         idle_rounds = 0
+        dropped_before = len(self.buffer.dropped)
+        patience = 50 * self.config.staleness.batch_size
         while True:
             batch = self.buffer.take_batch(self.version)
             if batch is not None:
                 return batch
             for worker in self.workers:
                 worker.sync_weights()
-            self._issue()
-            progressed = False
+            progressed = self._issue() > 0
             for worker in self.workers:
-                for rollout in worker.step():
+                rollouts = worker.step()
+                progressed |= bool(rollouts) or bool(worker.requests)
+                for rollout in rollouts:
                     reason = self.buffer.add(rollout, self.version)
                     self._since["samples"] += 1
                     if reason is not None:
@@ -216,7 +233,13 @@ class Experiment:
                             reason=reason,
                             rollout=rollout.group_id,
                         )
-                progressed |= bool(worker.requests)
+            if len(self.buffer.dropped) - dropped_before > patience:
+                raise RuntimeError(
+                    f"{patience} prompt groups in a row were dropped "
+                    f"({self.buffer.counts()['dropped_by_reason']}) without one batch: with "
+                    "'filtered', the policy always or never solves the task; warm start "
+                    "longer (sft.steps), pick an easier task, or lower η for 'stale'"
+                )
             idle_rounds = 0 if progressed else idle_rounds + 1
             if idle_rounds > 2:
                 raise RuntimeError(

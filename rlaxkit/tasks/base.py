@@ -221,23 +221,29 @@ def generate_split(
     rng = random.Random(f"{task_name}:{seed}:{split}")
     problems: list[Problem] = []
     seen: set[str] = set()
-    max_draws = 1000 * n + 10_000
-    for _ in range(max_draws):
-        if len(problems) == n:
-            return problems
+    # The space is taken as exhausted after this many draws in a row bring nothing new
+    # (a small space, e.g. one-digit sums, answers in milliseconds instead of scanning).
+    patience = 20_000
+    since_new = 0
+    while since_new < patience and len(problems) < n:
+        since_new += 1
         drawn = draw(rng)
         if drawn is None:
             continue
         key, problem = drawn
-        if key in seen or split_of(key, test_fraction) != split:
+        if key in seen:
             continue
         seen.add(key)
+        if split_of(key, test_fraction) != split:
+            continue
         problems.append(problem)
+        since_new = 0
     if len(problems) == n:
         return problems
     raise ValueError(
-        f"{task_name}: found only {len(problems)} distinct {split} problems after "
-        f"{max_draws} draws, asked for {n}; widen the generator settings or ask for fewer"
+        f"{task_name}: found only {len(problems)} distinct {split} problems ({patience} "
+        f"draws in a row found no new one), asked for {n}; widen the generator settings "
+        "or ask for fewer"
     )
 
 

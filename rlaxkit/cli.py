@@ -1,0 +1,163 @@
+"""``rlaxkit`` command line: train, sft, eval, plot, demo.
+
+rlaxkit demo                                  # the embedded default run
+rlaxkit train configs/arithmetic_grpo.yaml --set staleness.max_staleness=4
+rlaxkit sft configs/arithmetic_grpo.yaml      # warm start only (cached in the run dir)
+rlaxkit eval RUN_DIR                          # held-out pass@k of a run's final policy
+rlaxkit plot RUN_DIR                          # PNGs from metrics.jsonl and trace.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rlaxkit.config import RunConfig
+
+
+def run_job(
+    config: RunConfig, run_dir: str | Path, *, progress: bool = True, log=print
+) -> dict[str, Any]:
+    """The main job: warm start, held-out eval, RL for ``config.steps``, eval, plots.
+
+    Writes into ``run_dir``: ``config.yaml``, ``metrics.jsonl``, ``trace.jsonl``,
+    ``summary.json``, ``final/`` (an HF checkpoint of the trained policy) and ``plots/``.
+    """
+    from rlaxkit.models import save_hf_checkpoint
+    from rlaxkit.plotting import plot_run
+    from rlaxkit.runtime import Experiment
+
+    run_dir = Path(run_dir)
+    start = time.perf_counter()
+    log(f"run directory: {run_dir}")
+    with Experiment(config, run_dir=run_dir, progress=progress) as exp:
+        ws = exp.warm_start
+        if ws["steps"]:
+            how = "loaded from cache" if ws["cached"] else f"final loss {ws['final_loss']:.3f}"
+            log(f"warm start: {ws['steps']} supervised steps ({how})")
+        evals = []
+        before = exp.evaluate()
+        evals.append({"step": 0, **_row(before, 1)})
+        log(f"held-out pass@1 before RL: {evals[0]['pass@1']:.3f}")
+        every = config.eval.every_steps
+        for step in range(1, config.steps + 1):
+            exp.step()
+            if every and step % every == 0 and step < config.steps:
+                evals.append({"step": step, **_row(exp.evaluate(), 1)})
+        after = exp.evaluate()
+        evals.append({"step": config.steps, **_row(after, 1)})
+        exp.check_accounting()
+        save_hf_checkpoint(exp.current_model(), run_dir / "final", tokenizer=exp.tokenizer)
+        summary = {
+            "steps": config.steps,
+            "pass@1_before": evals[0]["pass@1"],
+            "pass@1_after": evals[-1]["pass@1"],
+            "evals": evals,
+            "buffer": exp.buffer.counts(),
+            "wall_s": time.perf_counter() - start,
+            "eval_after": after.rows,
+        }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plots = plot_run(run_dir)
+    log(
+        f"held-out pass@1 after RL:  {summary['pass@1_after']:.3f} "
+        f"({100 * (summary['pass@1_after'] - summary['pass@1_before']):+.1f} points)"
+    )
+    log(after.table())
+    log("plots: " + ", ".join(str(p) for p in plots))
+    log(f"wall time: {summary['wall_s']:.0f} s")
+    return summary
+
+
+def _row(report, k: int) -> dict[str, float]:
+    row = next(r for r in report.rows if r["k"] == k)
+    return {"pass@1": row["pass@k"]}
+
+
+def _config(args) -> RunConfig:
+    if args.config:
+        return RunConfig.from_yaml(args.config, args.set)
+    from rlaxkit.configio import apply_overrides
+
+    data = apply_overrides(RunConfig().to_dict(), args.set)
+    return RunConfig.from_dict(data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlaxkit", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p, optional=False):
+        p.add_argument("config", nargs="?" if optional else None, help="YAML run config")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config field, e.g. staleness.max_staleness=4",
+        )
+        p.add_argument("--run-dir", default=None, help="output directory")
+        p.add_argument("--no-progress", action="store_true")
+
+    with_config(sub.add_parser("train", help="run RL from a config"))
+    with_config(sub.add_parser("demo", help="the embedded default run"), optional=True)
+    with_config(sub.add_parser("sft", help="supervised warm start only"), optional=True)
+    p_eval = sub.add_parser("eval", help="held-out pass@k of a run's final policy")
+    p_eval.add_argument("run_dir")
+    p_eval.add_argument("--samples", type=int, default=None)
+    p_plot = sub.add_parser("plot", help="write PNG figures of a run directory")
+    p_plot.add_argument("run_dir")
+    args = parser.parse_args(argv)
+
+    try:
+        if args.command in ("train", "demo"):
+            config = _config(args)
+            run_dir = args.run_dir or (
+                "runs/demo" if args.command == "demo" else f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+            )
+            run_job(config, run_dir, progress=not args.no_progress)
+        elif args.command == "sft":
+            from rlaxkit.runtime.build import build_policy, build_task, warm_start
+
+            config = _config(args)
+            run_dir = Path(args.run_dir or "runs/demo")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            task = build_task(config)
+            model, tokenizer = build_policy(config, task)
+            _, info = warm_start(config, task, model, tokenizer, run_dir)
+            print(json.dumps(info))
+        elif args.command == "eval":
+            _eval(Path(args.run_dir), args.samples)
+        elif args.command == "plot":
+            from rlaxkit.plotting import plot_run
+
+            for path in plot_run(args.run_dir):
+                print(path)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"rlaxkit {args.command}: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _eval(run_dir: Path, samples: int | None) -> None:
+    from rlaxkit.evaluation import evaluate_policy
+    from rlaxkit.inference import make_text_generate
+    from rlaxkit.models import load_hf_checkpoint
+    from rlaxkit.runtime.build import build_task
+
+    config = RunConfig.from_yaml(run_dir / "config.yaml")
+    model, tokenizer = load_hf_checkpoint(run_dir / "final")
+    task = build_task(config)
+    n = samples or config.eval.samples
+    generate = make_text_generate(model, tokenizer, config.sampling)
+    problems = task.problems("test", config.eval.num_problems)
+    report = evaluate_policy(task, generate, problems=problems, n=n, ks=sorted({1, n}))
+    print(report.table())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
