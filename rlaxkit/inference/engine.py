@@ -76,7 +76,7 @@ class InferenceEngine:
         max_prompt_len: int,
         version: int = 0,
         chunk_steps: int = 32,
-        refill_fraction: float = 0.125,
+        refill_fraction: float = 0.25,
     ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -87,7 +87,7 @@ class InferenceEngine:
         if not 0 < refill_fraction <= 1:
             raise ValueError(f"refill_fraction must be in (0, 1], got {refill_fraction}")
         self.graphdef, self.params = split_model(model)
-        self.model_config = nnx.merge(self.graphdef, self.params).config
+        self.model_config = self.graphdef.merge(self.params).config
         self.config = config
         self.num_slots = num_slots
         self.prompt_width = bucket_length(max_prompt_len)

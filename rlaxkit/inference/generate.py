@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from rlaxkit.inference import programs
 from rlaxkit.inference.config import SamplingConfig, bucket_length, bucket_rows
@@ -84,7 +83,7 @@ def generate(
         A ``GenerationResult`` of ``[B, n, config.max_new_tokens]`` arrays.
     """
     graphdef, params = split_model(model)
-    model_config = nnx.merge(graphdef, params).config
+    model_config = graphdef.merge(params).config
     prompts = as_prompts(prompts, model_config.vocab_size)
     num_prompts, n = len(prompts), config.n
     budget = budgets(max_new_tokens, num_prompts, config)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlaxkit.inference.config import SamplingConfig
+from rlaxkit.inference.results import StaticGraph
 from rlaxkit.inference.rows import Rows, sample_and_record
 from rlaxkit.models import KVCache, ModelConfig
 
@@ -63,7 +64,7 @@ def init_state(
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
 def start_rows(
-    graphdef: nnx.GraphDef,
+    graphdef: StaticGraph,
     params: nnx.State,
     state: DecodeState,
     prompts: jax.Array,
@@ -87,7 +88,7 @@ def start_rows(
         request_key_data: ``[A, ...]`` uint32 key data (``jax.random.key_data``) of the
             requests' PRNG keys.
     """
-    model = nnx.merge(graphdef, params)
+    model = graphdef.merge(params)
     num_prompts, width = prompts.shape
     slots = state.cache.slots
     # Every prompt token but the last goes into the cache; the last is the pending token.
@@ -131,7 +132,7 @@ def decode_step(model, state: DecodeState, version: jax.Array, config: SamplingC
 
 
 def decode_steps(
-    graphdef: nnx.GraphDef,
+    graphdef: StaticGraph,
     params: nnx.State,
     state: DecodeState,
     version: jax.Array,
@@ -149,15 +150,21 @@ def decode_steps(
     Returns:
         The state and the number of steps run.
     """
-    step_config = dataclasses.replace(config, n=1, max_new_tokens=1)
     return _decode_steps(
-        graphdef, params, state, version, max_steps, min_finished, config=step_config
+        graphdef, params, state, version, max_steps, min_finished, config=step_config(config)
     )
+
+
+@functools.cache
+def step_config(config: SamplingConfig) -> SamplingConfig:
+    """``config`` without the fields a decode step reads from shapes (``n``,
+    ``max_new_tokens``), so they do not key compiled programs."""
+    return dataclasses.replace(config, n=1, max_new_tokens=1)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
 def _decode_steps(
-    graphdef: nnx.GraphDef,
+    graphdef: StaticGraph,
     params: nnx.State,
     state: DecodeState,
     version: jax.Array,
@@ -166,7 +173,7 @@ def _decode_steps(
     *,
     config: SamplingConfig,
 ) -> tuple[DecodeState, jax.Array]:
-    model = nnx.merge(graphdef, params)
+    model = graphdef.merge(params)
     was_active = state.rows.active
 
     def keep_going(carry):
@@ -182,7 +189,7 @@ def _decode_steps(
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
-def recompute_cache(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState) -> DecodeState:
+def recompute_cache(graphdef: StaticGraph, params: nnx.State, state: DecodeState) -> DecodeState:
     """Rebuilds every row's cache from its prompt and completion so far under ``params``.
 
     The context of row ``b`` is ``prompt + completion[:-1]`` (the last token stays
@@ -190,7 +197,7 @@ def recompute_cache(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeStat
     This is AReaL's interruptible generation: after a weight update the remaining tokens
     are produced by the new weights on a cache computed by them too.
     """
-    model = nnx.merge(graphdef, params)
+    model = graphdef.merge(params)
     rows, slots = state.cache.valid.shape
     index = jnp.arange(slots)[None]
     prompt_len = state.prompt_len[:, None]

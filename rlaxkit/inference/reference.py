@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from rlaxkit.inference.config import SamplingConfig, bucket_length, bucket_rows
 from rlaxkit.inference.generate import as_prompts, budgets, collect_result
+from rlaxkit.inference.programs import step_config
 from rlaxkit.inference.results import GenerationResult, KeyLike, ModelLike, prompt_keys, split_model
 from rlaxkit.inference.rows import Rows, sample_and_record
 
@@ -49,7 +49,7 @@ def _start(sequence, length, request_key_data, sample_index, budget, dest, *, co
 )
 def _stage(graphdef, params, state, version, *, config, width):
     """Decode steps while every active row still fits in ``width`` tokens."""
-    model = nnx.merge(graphdef, params)
+    model = graphdef.merge(params)
     rows, total = state.sequence.shape
 
     def keep_going(state):
@@ -83,7 +83,7 @@ def generate_by_recompute(
 ) -> GenerationResult:
     """Like ``rlaxkit.inference.generate`` (same arguments, same result), without a cache."""
     graphdef, params = split_model(model)
-    prompts = as_prompts(prompts, nnx.merge(graphdef, params).config.vocab_size)
+    prompts = as_prompts(prompts, graphdef.merge(params).config.vocab_size)
     num_prompts, n = len(prompts), config.n
     budget = budgets(max_new_tokens, num_prompts, config)
     keys = prompt_keys(rng, num_prompts)
@@ -106,11 +106,12 @@ def generate_by_recompute(
         dest,
         config=config,
     )
-    step_config = dataclasses.replace(config, n=1, max_new_tokens=1)  # shapes carry these
     while True:
         active, length = jax.device_get((state.rows.active, state.length))
         if not active.any():
             break
         width = bucket_length(int(length[active].max()), cap=total)
-        state = _stage(graphdef, params, state, np.int32(version), config=step_config, width=width)
+        state = _stage(
+            graphdef, params, state, np.int32(version), config=step_config(config), width=width
+        )
     return collect_result(state.rows, prompts, config)

@@ -15,16 +15,50 @@ from flax import nnx
 from rlaxkit.models import Transformer
 
 # A model, or its graph definition and weights (``nnx.split(model)``).
-ModelLike = Transformer | tuple[nnx.GraphDef, nnx.State]
+ModelLike = Transformer | tuple["nnx.GraphDef | StaticGraph", nnx.State]
 # An int seed or a PRNG key (typed ``jax.random.key`` or raw ``jax.random.PRNGKey``).
 KeyLike = int | jax.Array
 
 
-def split_model(model: ModelLike) -> tuple[nnx.GraphDef, nnx.State]:
-    """``(graphdef, params)`` of a ``Transformer`` or of an already split pair."""
+class StaticGraph:
+    """A model's graph definition as a static jit argument, hashed once.
+
+    ``jax.jit`` hashes its static arguments on every call; an NNX ``GraphDef`` of a
+    decoder takes a fraction of a millisecond to hash, which would be paid on every chunk
+    of decode steps.
+    """
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef: nnx.GraphDef):
+        self.graphdef = graphdef
+        self._hash = hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return (
+            isinstance(other, StaticGraph)
+            and self._hash == other._hash
+            and self.graphdef == other.graphdef
+        )
+
+    def merge(self, params: nnx.State) -> Transformer:
+        """The model with ``params`` (inside jit: traced arrays)."""
+        return nnx.merge(self.graphdef, params)
+
+
+def split_model(model: ModelLike) -> tuple[StaticGraph, nnx.State]:
+    """``(graph, params)`` of a ``Transformer`` or of an already split pair."""
     if isinstance(model, nnx.Module):
-        return nnx.split(model)
-    graphdef, params = model
+        graphdef, params = nnx.split(model)
+    else:
+        graphdef, params = model
+    if not isinstance(graphdef, StaticGraph):
+        graphdef = StaticGraph(graphdef)
     return graphdef, params
 
 
