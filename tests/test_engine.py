@@ -200,8 +200,17 @@ def test_bad_requests_and_weights_fail_loudly(models):
         engine.submit(list(range(17)), 0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.submit([1, 2], 0, max_new_tokens=17)
+    assert engine.submit([1, 2], 0, request_id=1) == 1
+    assert engine.submit([3], 0) == 0 and engine.submit([4], 0) == 2  # unused ids
+    with pytest.raises(ValueError, match="request 1 is already queued"):
+        engine.submit([1, 2], 0, request_id=1)
     other = abstract_model(dataclasses.replace(models[0].config, num_layers=1))
     with pytest.raises(ValueError, match="architecture"):
         engine.update_weights(other, 1)
+    with pytest.raises(ValueError, match="structure"):
+        engine.update_weights(nnx.state(other), 1)
+    halved = jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(models[1]))
+    with pytest.raises(ValueError, match=r"embed_tokens.*is bfloat16\[64, 32\], expected float32"):
+        engine.update_weights(halved, 1)
     with pytest.raises(ValueError, match="num_slots"):
         InferenceEngine(models[0], CONFIG, num_slots=0, max_prompt_len=16)

@@ -30,7 +30,14 @@ from flax import nnx
 from rlaxkit.inference import programs
 from rlaxkit.inference.config import SamplingConfig, bucket_length, bucket_rows
 from rlaxkit.inference.generate import as_prompts, budgets
-from rlaxkit.inference.results import Completion, KeyLike, ModelLike, key_data, split_model
+from rlaxkit.inference.results import (
+    Completion,
+    KeyLike,
+    ModelLike,
+    StaticGraph,
+    key_data,
+    split_model,
+)
 from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED
 
 # Returns ``None`` (no new weights) or ``(weights, version)``; polled between chunks.
@@ -98,6 +105,7 @@ class InferenceEngine:
         self._queue: collections.deque[_Sample] = collections.deque()
         self._slots: list[_Sample | None] = [None] * num_slots
         self._ids = itertools.count()
+        self._unfinished: collections.Counter[int] = collections.Counter()  # id -> samples
 
     @property
     def num_queued(self) -> int:
@@ -124,6 +132,9 @@ class InferenceEngine:
     ) -> int:
         """Queues ``config.n`` samples of ``prompt``; returns the request id.
 
+        ``request_id`` (default: the next unused integer) must not belong to a request
+        still queued or running.
+
         Sample ``j`` uses key ``fold_in(rng, j)`` and token ``t`` of it
         ``fold_in(fold_in(rng, j), t)``, so its tokens do not depend on which row or
         chunk generates them: the same as ``generate(model, [prompt], config, [rng])``.
@@ -134,7 +145,11 @@ class InferenceEngine:
                 f"prompt of {len(array)} tokens exceeds max_prompt_len ({self.prompt_width})"
             )
         (budget,) = budgets(max_new_tokens, 1, self.config)
-        request_id = next(self._ids) if request_id is None else request_id
+        if request_id is None:
+            request_id = next(i for i in self._ids if i not in self._unfinished)
+        elif request_id in self._unfinished:
+            raise ValueError(f"request {request_id} is already queued or running")
+        self._unfinished[request_id] = self.config.n
         data = key_data(rng)
         for j in range(self.config.n):
             self._queue.append(_Sample(request_id, j, array, data, int(budget)))
@@ -146,19 +161,31 @@ class InferenceEngine:
         """Generates with ``weights`` (same architecture) from the next decode step on.
 
         Args:
-            weights: a ``Transformer``, ``(graphdef, params)`` or the ``params`` alone.
+            weights: a ``Transformer``, ``(graphdef, params)`` or the ``params`` alone
+                (any pytree with the structure, shapes and dtypes of the current ones,
+                e.g. an ``nnx.State`` pulled from a parameter server).
             version: their version, recorded for every token they produce.
             recompute_cache: rebuild the KV cache of every running row under the new
                 weights (AReaL); otherwise the cached keys and values are kept.
         """
-        if isinstance(weights, nnx.State):
-            params = weights
-        else:
+        if isinstance(weights, nnx.Module) or (
+            isinstance(weights, tuple) and isinstance(weights[0], nnx.GraphDef | StaticGraph)
+        ):
             graphdef, params = split_model(weights)
             if graphdef != self.graphdef:
                 raise ValueError("new weights have a different model architecture")
+        else:
+            params = weights
         if jax.tree.structure(params) != jax.tree.structure(self.params):
             raise ValueError("new weights do not have the structure of the current ones")
+        for (path, new), old in zip(
+            jax.tree.leaves_with_path(params), jax.tree.leaves(self.params), strict=True
+        ):
+            if new.shape != old.shape or new.dtype != old.dtype:
+                raise ValueError(
+                    f"new weight {jax.tree_util.keystr(path)} is {new.dtype}{list(new.shape)}, "
+                    f"expected {old.dtype}{list(old.shape)}"
+                )
         self.params, self.version = params, version
         if recompute_cache and self.num_running:
             self.state = programs.recompute_cache(self.graphdef, self.params, self.state)
@@ -201,6 +228,8 @@ class InferenceEngine:
     def abort(self) -> list[Completion]:
         """Stops everything: running rows are returned as ``"interrupted"`` with what they
         have generated; queued samples are dropped."""
+        for sample in self._queue:
+            self._release(sample.request_id)
         self._queue.clear()
         running = [r for r, s in enumerate(self._slots) if s is not None]
         out = self._collect(running, interrupted=True)
@@ -209,6 +238,12 @@ class InferenceEngine:
             index[: len(running)] = running
             self.state = programs.release_rows(self.state, index)
         return out
+
+    def _release(self, request_id: int) -> None:
+        """One sample of ``request_id`` is finished or dropped."""
+        self._unfinished[request_id] -= 1
+        if not self._unfinished[request_id]:
+            del self._unfinished[request_id]
 
     def _refill(self) -> None:
         """Starts queued samples on free rows, one shared prefill per distinct request."""
@@ -266,6 +301,7 @@ class InferenceEngine:
         for i, row in enumerate(rows):
             sample, length = self._slots[row], int(generated[i])
             self._slots[row] = None
+            self._release(sample.request_id)
             code = INTERRUPTED if interrupted and finish[i] == 0 else int(finish[i])
             out.append(
                 Completion(
