@@ -8,7 +8,8 @@ every program (the timed passes assert that nothing compiles):
    sampler (``rlaxkit.inference.generate``) and once by full recomputation
    (``generate_by_recompute``: the training forward over the sequence so far at every
    step, widths bucketed to powers of two). Ratio of tokens/s; the goal is >= 5.
-2. ``continuous_vs_static``: 128 requests (512 without ``--quick``) whose response lengths
+2. ``continuous_vs_static``: 128 and 256 requests (512 and 1024 without ``--quick``)
+   at the two batch sizes, whose response lengths
    follow a long-tailed law (Pareto, shape 1.2, scale 6 tokens, capped at 128: median
    ~10, mean ~20, a few rows run to the cap). The random model never emits a stop token
    on purpose, so a request's length is set by its ``max_new_tokens`` budget drawn from
@@ -64,7 +65,7 @@ PROMPT_TOKENS = (8, 48)  # prompt lengths drawn uniformly in this range
 class Setting:
     model: ModelConfig
     batch_sizes: tuple[int, int]
-    requests: int
+    requests: tuple[int, int]  # long-tail requests at each batch size
 
 
 QUICK = Setting(
@@ -78,7 +79,7 @@ QUICK = Setting(
         num_kv_heads=2,
     ),
     batch_sizes=(8, 32),
-    requests=128,
+    requests=(128, 256),
 )
 FULL = Setting(
     model=ModelConfig(
@@ -91,7 +92,7 @@ FULL = Setting(
         num_kv_heads=4,
     ),
     batch_sizes=(16, 64),
-    requests=512,
+    requests=(512, 1024),
 )
 
 
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{'batch':>5} {'method':<28} {'tokens':>7} {'seconds':>8} {'tokens/s':>10}")
     ratios_kv, ratios_cont = [], []
-    for batch in setting.batch_sizes:
+    for batch, count in zip(setting.batch_sizes, setting.requests, strict=True):
         # 1. KV cache vs recomputation, every row generating exactly new_tokens tokens.
         prompts, keys = draw(batch)
         fixed = [args.new_tokens] * batch
@@ -217,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
         ratios_kv.append(re_s / kv_s)
 
         # 2. Static vs continuous batching under long-tailed lengths.
-        count = setting.requests
         prompts, keys = draw(count)
         budgets = long_tailed_budgets(count, args.new_tokens, rng)
         work = (prompts, keys, budgets, config, batch)

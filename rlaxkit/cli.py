@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--run-dir", default=None, help="output directory")
         p.add_argument("--no-progress", action="store_true")
 
-    with_config(sub.add_parser("train", help="run RL from a config"))
+    with_config(sub.add_parser("train", help="run RL from a config"), optional=True)
     with_config(sub.add_parser("demo", help="the embedded default run"), optional=True)
     with_config(sub.add_parser("sft", help="supervised warm start only"), optional=True)
     p_eval = sub.add_parser("eval", help="held-out pass@k of a run's final policy")

@@ -1,0 +1,225 @@
+"""The trainer's input: ``TrainBatch``, and ``collate`` that builds it from samples.
+
+Layout (the contract with the runtime): every row is one sampled sequence,
+**right-padded**: ``[prompt tokens | completion tokens | padding]``. Per-token arrays are
+aligned like ``rlaxkit.logprobs.token_logprobs``: entry ``t`` describes the token
+``tokens[t]`` given ``tokens[:t]``, so the behaviour log-prob of the ``j``-th completion
+token of a row with a ``P``-token prompt sits at ``t = P + j``. Positions are derived from
+``attention_mask`` by the trainer (``positions_from_mask``).
+
+Shapes are bucketed: ``collate`` rounds the number of rows and the length up to sizes in
+a ``BucketSpec``, so a training run compiles one step program per bucket actually seen.
+Padding rows are fully masked and belong to no group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import jax
+import numpy as np
+
+_POWERS_OF_TWO = tuple(2**k for k in range(16))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TrainBatch:
+    """A bucketed batch of sequences, ``B`` rows by ``T`` tokens.
+
+    Attributes:
+        tokens: ``[B, T]`` int32, prompt then completion, right-padded.
+        attention_mask: ``[B, T]`` bool, 1 for real (prompt or completion) tokens.
+        loss_mask: ``[B, T]`` float32, 1 for completion tokens (the ones trained on).
+        behaviour_logprobs: ``[B, T]`` float32 log π_behaviour of each completion token,
+            as recorded by the sampler; 0 elsewhere.
+        versions: ``[B, T]`` int32 weight version that sampled each completion token;
+            -1 elsewhere.
+        rewards: ``[B]`` float32 sequence reward.
+        group_ids: ``[B]`` int32 prompt group, dense in ``[0, B)``.
+        sequence_mask: ``[B]`` bool, 1 for real rows.
+        advantages: optional ``[B, T]`` float32 advantages computed by the caller; when
+            given, the trainer uses them instead of its advantage estimator.
+        proximal_logprobs: optional ``[B, T]`` log π_prox (``proximal='batch'``).
+        ref_logprobs: optional ``[B, T]`` reference log-probs computed elsewhere (the
+            trainer computes them itself when it holds a reference model).
+    """
+
+    tokens: jax.Array
+    attention_mask: jax.Array
+    loss_mask: jax.Array
+    behaviour_logprobs: jax.Array
+    versions: jax.Array
+    rewards: jax.Array
+    group_ids: jax.Array
+    sequence_mask: jax.Array
+    advantages: jax.Array | None = None
+    proximal_logprobs: jax.Array | None = None
+    ref_logprobs: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(B, T)``."""
+        return tuple(self.tokens.shape)
+
+    def replace(self, **changes) -> TrainBatch:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+class SampleLike(Protocol):
+    """What ``collate`` reads from one sample (``Sample`` or a runtime rollout record)."""
+
+    prompt_tokens: Sequence[int]
+    completion_tokens: Sequence[int]
+    behaviour_logprobs: Sequence[float]
+    versions: Sequence[int] | int
+    reward: float
+    group_id: Hashable
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One sampled completion of one prompt.
+
+    Attributes:
+        prompt_tokens: the prompt, at least one token.
+        completion_tokens: the sampled tokens.
+        behaviour_logprobs: log π_behaviour of each completion token.
+        versions: weight version of each completion token, or one version for all.
+        reward: the sequence's reward.
+        group_id: any hashable shared by the samples of one prompt.
+    """
+
+    prompt_tokens: Sequence[int]
+    completion_tokens: Sequence[int]
+    behaviour_logprobs: Sequence[float]
+    versions: Sequence[int] | int
+    reward: float
+    group_id: Hashable
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketSpec:
+    """Allowed batch sizes and lengths; shapes are rounded up to the next allowed size.
+
+    Attributes:
+        lengths: allowed ``T``, increasing. Default: powers of two up to 32768.
+        batch_sizes: allowed ``B``, increasing. Default: powers of two up to 32768. When
+            the trainer splits batches into micro-batches over devices, list sizes that
+            divide evenly.
+    """
+
+    lengths: tuple[int, ...] = _POWERS_OF_TWO
+    batch_sizes: tuple[int, ...] = _POWERS_OF_TWO
+
+    def __post_init__(self) -> None:
+        for name in ("lengths", "batch_sizes"):
+            sizes = getattr(self, name)
+            ok = isinstance(sizes, tuple) and len(sizes) > 0
+            ok = ok and all(isinstance(s, int) and not isinstance(s, bool) for s in sizes)
+            ok = ok and all(s > 0 for s in sizes) and list(sizes) == sorted(set(sizes))
+            if not ok:
+                raise ValueError(
+                    f"{name}: must be a non-empty tuple of increasing positive ints, got {sizes!r}"
+                )
+
+    def length_for(self, n: int) -> int:
+        """The smallest allowed length ``>= n``."""
+        return _round_up(n, self.lengths, "lengths")
+
+    def batch_size_for(self, n: int) -> int:
+        """The smallest allowed batch size ``>= n``."""
+        return _round_up(n, self.batch_sizes, "batch_sizes")
+
+
+def _round_up(n: int, sizes: tuple[int, ...], name: str) -> int:
+    for size in sizes:
+        if size >= n:
+            return size
+    raise ValueError(f"{name}: {n} exceeds the largest bucket {sizes[-1]}; add a larger size")
+
+
+def collate(
+    samples: Sequence[SampleLike], *, bucket: BucketSpec | None = None, pad_token_id: int = 0
+) -> TrainBatch:
+    """Pads samples into one right-padded, bucketed ``TrainBatch`` of numpy arrays.
+
+    >>> batch = collate([Sample(prompt_tokens=[1, 2], completion_tokens=[3],
+    ...                         behaviour_logprobs=[-0.5], versions=0, reward=1.0,
+    ...                         group_id="q1")])
+    >>> batch.shape, batch.loss_mask[0].tolist()
+    ((1, 4), [0.0, 0.0, 1.0, 0.0])
+
+    Args:
+        samples: at least one sample.
+        bucket: allowed shapes (default ``BucketSpec()``: powers of two).
+        pad_token_id: token id written into padding.
+
+    Raises:
+        ValueError: naming the sample and the field, for an empty prompt, mismatched
+            per-token lengths, or non-finite log-probs or rewards.
+    """
+    if not samples:
+        raise ValueError("samples: collate needs at least one sample")
+    bucket = bucket or BucketSpec()
+    lengths = [_check_sample(i, s) for i, s in enumerate(samples)]
+    num_rows = bucket.batch_size_for(len(samples))
+    width = bucket.length_for(max(lengths))
+    tokens = np.full((num_rows, width), pad_token_id, np.int32)
+    attention_mask = np.zeros((num_rows, width), bool)
+    loss_mask = np.zeros((num_rows, width), np.float32)
+    behaviour = np.zeros((num_rows, width), np.float32)
+    versions = np.full((num_rows, width), -1, np.int32)
+    rewards = np.zeros((num_rows,), np.float32)
+    group_ids = np.arange(num_rows, dtype=np.int32)  # padding rows: singleton groups
+    sequence_mask = np.zeros((num_rows,), bool)
+    dense_ids: dict[Hashable, int] = {}
+    for row, sample in enumerate(samples):
+        prompt, completion = list(sample.prompt_tokens), list(sample.completion_tokens)
+        p, n = len(prompt), len(completion)
+        tokens[row, : p + n] = prompt + completion
+        attention_mask[row, : p + n] = True
+        loss_mask[row, p : p + n] = 1.0
+        behaviour[row, p : p + n] = np.asarray(sample.behaviour_logprobs, np.float32)
+        versions[row, p : p + n] = np.asarray(sample.versions, np.int32)
+        rewards[row] = sample.reward
+        group_ids[row] = dense_ids.setdefault(sample.group_id, len(dense_ids))
+        sequence_mask[row] = True
+    return TrainBatch(
+        tokens=tokens,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        behaviour_logprobs=behaviour,
+        versions=versions,
+        rewards=rewards,
+        group_ids=group_ids,
+        sequence_mask=sequence_mask,
+    )
+
+
+def _check_sample(index: int, sample: SampleLike) -> int:
+    """Validates one sample and returns its total length."""
+    where = f"sample {index}"
+    n = len(sample.completion_tokens)
+    if len(sample.prompt_tokens) == 0:
+        raise ValueError(f"{where}: prompt_tokens is empty; a completion needs a context")
+    if len(sample.behaviour_logprobs) != n:
+        raise ValueError(
+            f"{where}: behaviour_logprobs has {len(sample.behaviour_logprobs)} entries for "
+            f"{n} completion tokens"
+        )
+    logprobs = np.asarray(sample.behaviour_logprobs, np.float64)
+    if not np.all(np.isfinite(logprobs)):
+        raise ValueError(f"{where}: behaviour_logprobs must be finite")
+    if np.ndim(sample.versions) != 0 and len(sample.versions) != n:
+        raise ValueError(
+            f"{where}: versions has {len(sample.versions)} entries for {n} completion tokens"
+        )
+    if not math.isfinite(float(sample.reward)):
+        raise ValueError(f"{where}: reward must be finite, got {sample.reward!r}")
+    return len(sample.prompt_tokens) + n

@@ -1,0 +1,527 @@
+"""The trainer: ``TrainState``, AdamW, and one jitted, sharded RL train step.
+
+``make_train_step(cfg, graphdef)`` returns ``train_step(state, batch) -> (state, metrics)``.
+One call consumes one ``TrainBatch`` (one weight version):
+
+1. **Before any update** (no gradients), in micro-batch chunks: reference log-probs
+   (when a KL needs them), proximal log-probs (``proximal='recompute'``, AReaL's
+   decoupled PPO) and critic values (GAE); then advantages over the *whole* batch.
+2. **Updates**: ``epochs`` passes; each splits the rows into ``mini_batches`` optimizer
+   steps, and each mini-batch into ``micro_batches`` whose gradients are summed with
+   ``lax.scan``. Loss weights are normalised over the mini-batch, so the summed
+   gradient equals the mini-batch gradient. Mini-batch ``m`` / micro-batch ``u`` takes
+   the rows ``r`` with ``r mod (mini_batches·micro_batches) = m·micro_batches + u``
+   (strided, so every device keeps an equal share of every micro-batch).
+
+The state is donated; the weight version is ``state.step`` (train steps done). With a
+``Mesh`` (axes ``data``, ``fsdp``, ``model``) rows are split over ``data × fsdp``,
+parameters are sharded by ``param_partition_spec`` and the step pins its output state to
+the same layout, so step ``n + 1`` reuses step ``n``'s program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rlaxkit.algorithms import (
+    AdvantageInputs,
+    AlgorithmConfig,
+    LossInputs,
+    aggregation_weights,
+    compute_advantages,
+    rl_loss,
+)
+from rlaxkit.batch import TrainBatch
+from rlaxkit.logprobs import entropy_from_logits, logprobs_from_logits
+from rlaxkit.models import positions_from_mask
+
+MESH_AXES = ("data", "fsdp", "model")
+BATCH_AXES = ("data", "fsdp")
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW with global-norm clipping and a linear-warmup + cosine schedule.
+
+    ``lr(n) = lr · (n + 1) / warmup_steps`` for ``n < warmup_steps``, then cosine from
+    ``lr`` to ``lr · end_lr_ratio`` over ``decay_steps`` updates (constant when 0). ``n``
+    counts optimizer updates (mini-batches), not train steps.
+    """
+
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    decay_steps: int = 0
+    end_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("learning_rate", "eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
+        for name in ("warmup_steps", "decay_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
+        for name in ("end_lr_ratio", "b1", "b2"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)!r}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm: must be > 0 or None, got {self.max_grad_norm!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything ``make_train_step`` needs besides the model.
+
+    Attributes:
+        algorithm: advantage estimator and loss (``rlaxkit.algorithms.algorithm(name)``).
+        optimizer: AdamW settings.
+        micro_batches: gradient-accumulation chunks per mini-batch.
+        mini_batches: optimizer updates per pass over the batch.
+        epochs: passes over the batch (PPO epochs).
+        shuffle: permute rows (with ``state.rng``) before each pass.
+        temperature: the sampler's temperature, so log-probs match the behaviour's.
+        compute_dtype: cast parameters to this dtype for the forward pass (build the
+            graphdef with the same ``param_dtype``; master weights stay as given). ``None``
+            computes in the parameters' dtype. bfloat16 is for accelerators.
+    """
+
+    algorithm: AlgorithmConfig
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    micro_batches: int = 1
+    mini_batches: int = 1
+    epochs: int = 1
+    shuffle: bool = False
+    temperature: float = 1.0
+    compute_dtype: Literal["float32", "bfloat16"] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batches", "mini_batches", "epochs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature: must be a positive number, got {self.temperature!r}")
+        if self.compute_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(
+                "compute_dtype: must be one of (None, 'float32', 'bfloat16'), got "
+                f"{self.compute_dtype!r}"
+            )
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TrainState:
+    """Immutable training state; ``step`` is the number of train steps (weight version).
+
+    Attributes:
+        step: int32 scalar.
+        params: policy parameters (an ``nnx.State`` from ``nnx.split(model)``).
+        opt_state: optax state of ``(params, value_params)``.
+        rng: uint32 ``[2]`` PRNG key data (mini-batch shuffling).
+        value_params: critic parameters, or ``None``.
+        ref_params: frozen reference policy, or ``None``.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    value_params: Any = None
+    ref_params: Any = None
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    """Linear warmup to ``cfg.learning_rate``, then cosine decay (see ``OptimizerConfig``)."""
+    peak, end = cfg.learning_rate, cfg.learning_rate * cfg.end_lr_ratio
+
+    def schedule(count: jax.Array) -> jax.Array:
+        n = jnp.asarray(count, jnp.float32)
+        warm = peak * jnp.minimum((n + 1.0) / max(cfg.warmup_steps, 1), 1.0)
+        progress = jnp.clip((n - cfg.warmup_steps) / max(cfg.decay_steps, 1), 0.0, 1.0)
+        if cfg.decay_steps == 0:
+            progress = jnp.zeros_like(progress)
+        cosine = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+        return jnp.where(n < cfg.warmup_steps, warm, cosine)
+
+    return schedule
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW; no weight decay on vectors (norms, biases)."""
+    # ``mask`` must be static: inject_hyperparams would call a callable mask as a schedule.
+    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+        learning_rate=learning_rate_schedule(cfg),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mask=lambda tree: jax.tree.map(lambda x: jnp.ndim(x) >= 2, tree),
+    )
+    clip = optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm else optax.identity()
+    return optax.chain(clip, adamw)
+
+
+def create_train_state(
+    cfg: TrainConfig,
+    params: Any,
+    *,
+    seed: int = 0,
+    value_params: Any = None,
+    ref_params: Any = None,
+) -> TrainState:
+    """A step-0 state: optimizer initialised on ``(params, value_params)``.
+
+    ``ref_params`` are copied, so the initial ``params`` can serve as the reference:
+    the step donates and overwrites the policy's buffers.
+    """
+    if cfg.algorithm.needs_value_model and value_params is None:
+        raise ValueError(f"algorithm {cfg.algorithm.name!r} trains a critic: pass value_params")
+    if ref_params is not None:
+        ref_params = jax.tree.map(jnp.copy, ref_params)
+    opt_state = make_optimizer(cfg.optimizer).init((params, value_params))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        rng=jax.random.PRNGKey(seed),
+        value_params=value_params,
+        ref_params=ref_params,
+    )
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, model: int = 1, devices=None) -> Mesh:
+    """A ``(data, fsdp, model)`` mesh with automatic (GSPMD) sharding propagation."""
+    devices = list(devices if devices is not None else jax.devices())[: data * fsdp * model]
+    return jax.make_mesh(
+        (data, fsdp, model), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices
+    )
+
+
+def _path_names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def param_partition_spec(path, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Sharding of one parameter (or optimizer moment) from its path and shape.
+
+    Column-parallel kernels ``[in, out]`` (q/k/v, gate/up, LM head) put ``fsdp`` on
+    ``in`` and ``model`` on ``out``; row-parallel ones (o, down) the reverse; the
+    embedding puts ``model`` on the vocabulary and ``fsdp`` on the width. Other
+    matrices shard their largest dimension over ``fsdp``; vectors and scalars are
+    replicated. An axis that does not divide its dimension is dropped.
+    """
+    if len(shape) < 2:
+        return P()
+    names = _path_names(path)
+    if any(n in _COLUMN_PARALLEL for n in names):
+        axes = ["fsdp", "model"]
+    elif any(n in _ROW_PARALLEL for n in names) or "embed_tokens" in names:
+        axes = ["model", "fsdp"]
+    else:
+        axes = [None] * len(shape)
+        axes[int(np.argmax(shape))] = "fsdp"
+    axes += [None] * (len(shape) - len(axes))
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    return P(*(a if a and shape[i] % sizes[a] == 0 else None for i, a in enumerate(axes)))
+
+
+def state_shardings(tree: Any, mesh: Mesh) -> Any:
+    """``NamedSharding`` of every leaf of a state (or any parameter-shaped tree)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, param_partition_spec(path, jnp.shape(x), mesh)), tree
+    )
+
+
+def shard_train_state(state: TrainState, mesh: Mesh) -> TrainState:
+    """Places ``state`` on ``mesh`` with ``state_shardings``."""
+    return jax.device_put(state, state_shardings(state, mesh))
+
+
+def shard_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
+    """Places ``batch`` on ``mesh``, rows split over ``data × fsdp``."""
+    return jax.device_put(batch, NamedSharding(mesh, P(BATCH_AXES)))
+
+
+def _split_rows(x: jax.Array, *counts: int) -> jax.Array:
+    """``[B, ...] -> [*counts, B / prod(counts), ...]``, strided (see module docstring)."""
+    rows = x.shape[0] // math.prod(counts)
+    return jnp.moveaxis(x.reshape((rows, *counts) + x.shape[1:]), 0, len(counts))
+
+
+def _merge_rows(x: jax.Array) -> jax.Array:
+    """Inverse of ``_split_rows`` with one count."""
+    return jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:])
+
+
+def _reduce_metrics(metrics: dict[str, jax.Array], how: Literal["sum", "mean"]):
+    """Reduces stacked metrics over axis 0: ``*_max`` by max, others by ``how``."""
+    reduce = jnp.sum if how == "sum" else jnp.mean
+    return {k: jnp.max(v, 0) if k.endswith("_max") else reduce(v, 0) for k, v in metrics.items()}
+
+
+def _build(cfg: TrainConfig, graphdef, value_graphdef, mesh: Mesh | None):
+    """The pieces of a train step, closed over the static configuration."""
+    loss_cfg, adv_cfg = cfg.algorithm.loss, cfg.algorithm.advantage
+    tx = make_optimizer(cfg.optimizer)
+    chunks = cfg.mini_batches * cfg.micro_batches
+    cast = lambda tree: tree
+    if cfg.compute_dtype is not None:
+        dtype = jnp.dtype(cfg.compute_dtype)
+        cast = lambda tree: jax.tree.map(
+            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+        )
+
+    def constrain_rows(tree):
+        if mesh is None:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, P(BATCH_AXES)))
+
+    def policy_forward(params, tokens, positions, attention_mask):
+        logits = nnx.merge(graphdef, cast(params))(tokens, positions, attention_mask)[:, :-1]
+        logp = logprobs_from_logits(logits, tokens[:, 1:], cfg.temperature)
+        entropy = entropy_from_logits(logits, cfg.temperature)
+        return jnp.pad(logp, ((0, 0), (1, 0))), jnp.pad(entropy, ((0, 0), (1, 0)))
+
+    def value_forward(value_params, tokens, positions, attention_mask):
+        return nnx.merge(value_graphdef, cast(value_params))(tokens, positions, attention_mask)
+
+    def chunked(fn, params, data):
+        """``fn`` over the batch in micro-batch-sized chunks, without gradients."""
+        inputs = [data[k] for k in ("tokens", "positions", "attention_mask")]
+        split = [constrain_rows(_split_rows(x, chunks)) for x in inputs]
+        out = jax.lax.map(lambda xs: fn(jax.lax.stop_gradient(params), *xs), split)
+        return _merge_rows(out)
+
+    def prepare(state: TrainState, batch: TrainBatch) -> tuple[dict, dict]:
+        rows = batch.tokens.shape[0]
+        if rows % chunks or (mesh is not None and (rows // chunks) % _batch_shards(mesh)):
+            raise ValueError(
+                f"batch size {rows} must split into mini_batches·micro_batches = {chunks} "
+                "chunks of a size divisible by the data·fsdp devices; choose bucket sizes so"
+            )
+        data = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+        data = {k: constrain_rows(jnp.asarray(v)) for k, v in data.items() if v is not None}
+        data["loss_mask"] = data["loss_mask"].astype(jnp.float32)
+        data["positions"] = positions_from_mask(data["attention_mask"])
+        if cfg.algorithm.needs_reference and "ref_logprobs" not in data:
+            if state.ref_params is None:
+                raise ValueError(
+                    f"algorithm {cfg.algorithm.name!r} needs reference log-probs: give the "
+                    "state ref_params or the batch ref_logprobs"
+                )
+            data["ref_logprobs"] = chunked(
+                lambda p, *x: policy_forward(p, *x)[0], state.ref_params, data
+            )
+        if loss_cfg.proximal == "recompute":
+            data["proximal_logprobs"] = chunked(
+                lambda p, *x: policy_forward(p, *x)[0], state.params, data
+            )
+        elif loss_cfg.proximal == "batch" and "proximal_logprobs" not in data:
+            raise ValueError("proximal 'batch' needs batch.proximal_logprobs")
+        returns = None
+        if "advantages" not in data:
+            if cfg.algorithm.needs_value_model:
+                data["old_values"] = chunked(value_forward, state.value_params, data)
+            token_kl = None
+            if adv_cfg.kl_in_reward_coef > 0:
+                token_kl = (data["behaviour_logprobs"] - data["ref_logprobs"]) * data["loss_mask"]
+            inputs = AdvantageInputs(
+                rewards=data["rewards"].astype(jnp.float32),
+                group_ids=data["group_ids"],
+                sequence_mask=data["sequence_mask"],
+                loss_mask=data["loss_mask"],
+                values=data.get("old_values"),
+                token_kl=token_kl,
+            )
+            data["advantages"], returns = compute_advantages(inputs, adv_cfg)
+        if returns is not None:
+            data["returns"] = returns
+        elif cfg.algorithm.needs_value_model:
+            raise ValueError("a critic needs returns: let the trainer compute GAE advantages")
+        mask, valid = data["loss_mask"], data["sequence_mask"].astype(jnp.float32)
+        lag = (state.step - data["versions"]).astype(jnp.float32) * mask
+        stats = {
+            "tokens": jnp.sum(mask),
+            "sequences": jnp.sum(valid),
+            "reward_mean": jnp.sum(data["rewards"] * valid) / jnp.maximum(jnp.sum(valid), 1.0),
+            "staleness_mean": jnp.sum(lag) / jnp.maximum(jnp.sum(mask), 1.0),
+            "staleness_max": jnp.max(lag),
+        }
+        for name in ("sequence_mask", "rewards", "group_ids"):
+            data.pop(name)
+        return data, stats
+
+    def micro_loss(trainable, micro, version):
+        params, value_params = trainable
+        logp, entropy = policy_forward(
+            params, micro["tokens"], micro["positions"], micro["attention_mask"]
+        )
+        values = None
+        if value_params is not None:
+            values = value_forward(
+                value_params, micro["tokens"], micro["positions"], micro["attention_mask"]
+            )
+        inputs = LossInputs(
+            logprobs=logp,
+            behaviour_logprobs=micro["behaviour_logprobs"],
+            advantages=micro["advantages"],
+            loss_mask=micro["loss_mask"],
+            token_weights=micro["token_weights"],
+            metric_weights=micro["metric_weights"],
+            proximal_logprobs=micro.get("proximal_logprobs"),
+            versions=micro["versions"],
+            proximal_version=version,
+            ref_logprobs=micro.get("ref_logprobs"),
+            entropy=entropy if loss_cfg.entropy_coef > 0 else jax.lax.stop_gradient(entropy),
+            values=values,
+            old_values=micro.get("old_values"),
+            returns=micro.get("returns"),
+        )
+        return rl_loss(inputs, loss_cfg)
+
+    def minibatch_gradients(trainable, minibatch, version):
+        """Summed gradients over the micro-batches (leaves ``[micro, rows, ...]``)."""
+        mask = minibatch["loss_mask"]
+        flat = mask.reshape((-1,) + mask.shape[2:])
+        weights = aggregation_weights(flat, loss_cfg.aggregation, loss_cfg.fixed_length)
+        minibatch = dict(minibatch)
+        minibatch["token_weights"] = weights.reshape(mask.shape)
+        minibatch["metric_weights"] = mask / jnp.maximum(jnp.sum(mask), 1.0)
+
+        def body(grads, micro):
+            micro = constrain_rows(micro)
+            (_, metrics), micro_grads = jax.value_and_grad(micro_loss, has_aux=True)(
+                trainable, micro, version
+            )
+            return jax.tree.map(jnp.add, grads, micro_grads), metrics
+
+        zeros = jax.tree.map(jnp.zeros_like, trainable)
+        grads, metrics = jax.lax.scan(body, zeros, minibatch)
+        return grads, _reduce_metrics(metrics, "sum")
+
+    def update(carry, minibatch, version):
+        trainable, opt_state = carry
+        grads, metrics = minibatch_gradients(trainable, minibatch, version)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["learning_rate"] = opt_state[1].hyperparams["learning_rate"]
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return (optax.apply_updates(trainable, updates), opt_state), metrics
+
+    return prepare, minibatch_gradients, update, tx
+
+
+def _batch_shards(mesh: Mesh) -> int:
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    return math.prod(sizes.get(a, 1) for a in BATCH_AXES)
+
+
+def make_train_step(
+    cfg: TrainConfig,
+    graphdef: nnx.GraphDef,
+    *,
+    value_graphdef: nnx.GraphDef | None = None,
+    mesh: Mesh | None = None,
+    donate: bool = True,
+) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]]:
+    """The jitted ``train_step(state, batch) -> (state, metrics)``.
+
+    Args:
+        cfg: the training configuration.
+        graphdef: policy graph (``graphdef, params = nnx.split(model)``); the reference
+            policy, if any, shares it.
+        value_graphdef: critic graph (``rlaxkit.algorithms.ValueModel``) for GAE.
+        mesh: shard over this mesh (place inputs with ``shard_train_state`` and
+            ``shard_batch``); ``None`` runs where the inputs live.
+        donate: donate the input state's buffers to the output state.
+
+    Metrics (scalars): ``loss``, ``pg_loss``, ``clip_fraction``, ``ratio_mean``,
+    ``ratio_max``, ``kl_old`` (to the trust-region centre), ``kl_ref`` (when a reference
+    is used), ``entropy``, ``grad_norm``, ``learning_rate``, ``tokens``, ``sequences``,
+    ``reward_mean``, ``staleness_mean``/``_max`` and the loss's extras. Per-update
+    metrics are averaged over the updates of the step (maxima for ``*_max``).
+    """
+    if cfg.algorithm.needs_value_model and value_graphdef is None:
+        raise ValueError(f"algorithm {cfg.algorithm.name!r} trains a critic: pass value_graphdef")
+    prepare, _, update, _ = _build(cfg, graphdef, value_graphdef, mesh)
+
+    def train_step(state: TrainState, batch: TrainBatch):
+        data, stats = prepare(state, batch)
+        rng, shuffle_rng = jax.random.split(state.rng)
+
+        def epoch(carry, key):
+            rows = data
+            if cfg.shuffle:
+                order = jax.random.permutation(key, data["tokens"].shape[0])
+                rows = jax.tree.map(lambda x: x[order], data)
+            minibatches = jax.tree.map(
+                lambda x: _split_rows(x, cfg.mini_batches, cfg.micro_batches), rows
+            )
+            return jax.lax.scan(lambda c, mb: update(c, mb, state.step), carry, minibatches)
+
+        carry = ((state.params, state.value_params), state.opt_state)
+        keys = jax.random.split(shuffle_rng, cfg.epochs)
+        ((params, value_params), opt_state), metrics = jax.lax.scan(epoch, carry, keys)
+        metrics = _reduce_metrics(jax.tree.map(lambda x: x.reshape(-1), metrics), "mean")
+        new_state = state.replace(
+            step=state.step + 1,
+            params=params,
+            value_params=value_params,
+            opt_state=opt_state,
+            rng=rng,
+        )
+        if mesh is not None:
+            new_state = jax.lax.with_sharding_constraint(
+                new_state, state_shardings(new_state, mesh)
+            )
+        return new_state, {**metrics, **stats}
+
+    return jax.jit(train_step, donate_argnums=(0,) if donate else ())
+
+
+def make_gradient_fn(
+    cfg: TrainConfig,
+    graphdef: nnx.GraphDef,
+    *,
+    value_graphdef: nnx.GraphDef | None = None,
+    mesh: Mesh | None = None,
+) -> Callable[[TrainState, TrainBatch], tuple[Any, dict[str, jax.Array]]]:
+    """Jitted ``(state, batch) -> (grads, metrics)``: the gradient of the whole batch as
+    one mini-batch, accumulated over ``cfg.micro_batches`` exactly as ``train_step`` does
+    (for checks and debugging; ``grads`` is ``(policy_grads, value_grads)``)."""
+    cfg = dataclasses.replace(cfg, mini_batches=1, epochs=1)
+    prepare, minibatch_gradients, _, _ = _build(cfg, graphdef, value_graphdef, mesh)
+
+    def gradients(state: TrainState, batch: TrainBatch):
+        data, stats = prepare(state, batch)
+        minibatch = jax.tree.map(lambda x: _split_rows(x, cfg.micro_batches), data)
+        grads, metrics = minibatch_gradients(
+            (state.params, state.value_params), minibatch, state.step
+        )
+        return grads, {**metrics, **stats}
+
+    return jax.jit(gradients)

@@ -1,0 +1,243 @@
+"""The train step: micro-batching, on-policy identity, critic, decoupled PPO, compilation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from rlaxkit.algorithms import ValueModel, aggregation_weights, algorithm
+from rlaxkit.batch import BucketSpec, Sample, collate
+from rlaxkit.jaxutil import count_compilations
+from rlaxkit.logprobs import token_logprobs
+from rlaxkit.models import ModelConfig, Transformer, positions_from_mask
+from rlaxkit.trainer import (
+    OptimizerConfig,
+    TrainConfig,
+    create_train_state,
+    learning_rate_schedule,
+    make_gradient_fn,
+    make_optimizer,
+    make_train_step,
+)
+
+CONFIG = ModelConfig(
+    family="qwen3",
+    vocab_size=48,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+)
+BUCKET = BucketSpec(lengths=(16,), batch_sizes=(8,))
+OPTIMIZER = OptimizerConfig(learning_rate=1e-2, weight_decay=0.0)
+
+
+def model_parts(seed=0):
+    return nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(seed)))
+
+
+def random_samples(seed, rows=7, logprobs=None):
+    """Rows of 2-5 prompt and 1-8 completion tokens in groups of 4 (the last one short)."""
+    rng = np.random.RandomState(seed)
+    samples = []
+    for i in range(rows):
+        prompt = rng.randint(1, 48, rng.randint(2, 6)).tolist()
+        completion = rng.randint(1, 48, rng.randint(1, 9)).tolist()
+        behaviour = (-rng.rand(len(completion)) * 4).tolist() if logprobs is None else None
+        samples.append(
+            Sample(
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                behaviour_logprobs=behaviour or [0.0] * len(completion),
+                versions=0,
+                reward=float(rng.randint(0, 2)),
+                group_id=i // 4,
+            )
+        )
+    return samples
+
+
+def batch_of(seed, rows=7):
+    return collate(random_samples(seed, rows), bucket=BUCKET)
+
+
+@jax.jit
+def _current_logprobs(graphdef, params, tokens, mask):
+    model = nnx.merge(graphdef, params)
+    return token_logprobs(model, tokens, positions_from_mask(mask), mask)
+
+
+def on_policy(batch, graphdef, params):
+    """The batch with behaviour log-probs equal to the current policy's."""
+    logp = _current_logprobs(
+        graphdef, params, jnp.asarray(batch.tokens), jnp.asarray(batch.attention_mask)
+    )
+    return batch.replace(behaviour_logprobs=np.asarray(logp) * batch.loss_mask)
+
+
+def relative_error(a, b):
+    diff = optax.global_norm(jax.tree.map(jnp.subtract, a, b))
+    return float(diff / optax.global_norm(b))
+
+
+def test_accumulated_micro_batches_equal_the_full_batch():
+    # GRPO: sequence-mean aggregation, k3 KL to a reference, clipping active (the random
+    # behaviour log-probs are far from the policy's).
+    graphdef, params = model_parts()
+    cfg = TrainConfig(algorithm=algorithm("grpo"), optimizer=OPTIMIZER)
+    state = create_train_state(cfg, params, ref_params=model_parts(seed=1)[1])
+    batch = batch_of(seed=0)
+    full, full_metrics = make_gradient_fn(cfg, graphdef)(state, batch)
+    micro_cfg = dataclasses.replace(cfg, micro_batches=4)
+    accumulated, micro_metrics = make_gradient_fn(micro_cfg, graphdef)(state, batch)
+    assert relative_error(accumulated, full) <= 1e-6
+    assert float(full_metrics["clip_fraction"]) > 0.1
+    for key in ("loss", "pg_loss", "kl_ref", "clip_fraction", "ratio_mean", "entropy"):
+        np.testing.assert_allclose(micro_metrics[key], full_metrics[key], rtol=1e-6, err_msg=key)
+    assert float(micro_metrics["ratio_max"]) == pytest.approx(float(full_metrics["ratio_max"]))
+
+
+def test_on_policy_ratios_are_one_and_the_gradient_is_the_policy_gradient():
+    graphdef, params = model_parts()
+    cfg = TrainConfig(algorithm=algorithm("dapo"), optimizer=OPTIMIZER, micro_batches=2)
+    state = create_train_state(cfg, params)
+    batch = on_policy(batch_of(seed=1), graphdef, params)
+    rng = np.random.RandomState(0)
+    advantages = (rng.randn(8, 1) * batch.loss_mask).astype(np.float32)
+    grads, metrics = make_gradient_fn(cfg, graphdef)(state, batch.replace(advantages=advantages))
+    assert float(metrics["ratio_mean"]) == pytest.approx(1.0, abs=1e-6)
+    assert float(metrics["ratio_max"]) == pytest.approx(1.0, abs=1e-6)
+    assert float(metrics["clip_fraction"]) == 0.0
+
+    # REINFORCE with DAPO's token-mean weights: -Σ Agg A log π(θ).
+    weights = aggregation_weights(jnp.asarray(batch.loss_mask), "token_mean")
+
+    def policy_gradient_loss(p):
+        logp = _current_logprobs(graphdef, p, batch.tokens, batch.attention_mask)
+        return -jnp.sum(weights * advantages * logp)
+
+    expected = jax.grad(policy_gradient_loss)(params)
+    assert relative_error(grads[0], expected) <= 1e-5
+
+
+def test_second_step_with_the_same_bucket_does_not_recompile():
+    graphdef, params = model_parts()
+    cfg = TrainConfig(
+        algorithm=algorithm("dapo"),
+        optimizer=OPTIMIZER,
+        micro_batches=2,
+        mini_batches=2,
+        epochs=2,
+        shuffle=True,
+    )
+    step = make_train_step(cfg, graphdef)
+    state = create_train_state(cfg, params)
+    state, first = step(state, batch_of(seed=2))
+    with count_compilations() as compiles:
+        state, second = step(state, batch_of(seed=3, rows=5))  # other rows, same bucket
+        jax.block_until_ready(state)
+    assert compiles.count == 0
+    assert int(state.step) == 2
+    # 2 steps x 2 epochs x 2 mini-batches optimizer updates.
+    assert int(state.opt_state[1].count) == 8
+    for metrics in (first, second):
+        assert all(np.isfinite(v) for v in metrics.values())
+    assert float(second["staleness_mean"]) == 1.0  # version-0 samples, trainer at 1
+    assert float(first["tokens"]) == float(np.sum(batch_of(seed=2).loss_mask))
+
+
+def test_ppo_trains_policy_and_critic():
+    graphdef, params = model_parts()
+    value_graphdef, value_params = nnx.split(ValueModel(CONFIG, rngs=nnx.Rngs(3)))
+    cfg = TrainConfig(algorithm=algorithm("ppo"), optimizer=OPTIMIZER, micro_batches=2)
+    step = make_train_step(cfg, graphdef, value_graphdef=value_graphdef)
+    before = jax.tree.map(np.array, (params, value_params))
+    state = create_train_state(cfg, params, value_params=value_params)
+    state, metrics = step(state, batch_of(seed=4))
+    assert float(metrics["value_loss"]) > 0 and np.isfinite(float(metrics["loss"]))
+    assert relative_error(state.params, before[0]) > 1e-4
+    assert relative_error(state.value_params, before[1]) > 1e-4
+
+
+def test_decoupled_ppo_centres_on_the_recomputed_policy():
+    graphdef, params = model_parts()
+    cfg = TrainConfig(algorithm=algorithm("decoupled_ppo"), optimizer=OPTIMIZER)
+    state = create_train_state(cfg, params)
+    batch = batch_of(seed=5)
+    current = on_policy(batch, graphdef, params).behaviour_logprobs
+    _, metrics = make_gradient_fn(cfg, graphdef)(state, batch)
+    # The proximal policy is the current one, so r = π_θ/π_prox = 1 and the behaviour
+    # weight is π_θ/π_behaviour, averaged over completion tokens.
+    assert float(metrics["ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
+    mask = batch.loss_mask > 0
+    weight = np.exp(current[mask] - batch.behaviour_logprobs[mask]).mean()
+    assert float(metrics["behaviour_weight_mean"]) == pytest.approx(weight, rel=1e-5)
+
+
+def test_bfloat16_compute_path_traces_to_float32_master_weights():
+    bf16 = CONFIG.replace(param_dtype="bfloat16")
+    graphdef, params = nnx.split(Transformer(bf16, rngs=nnx.Rngs(0)))
+    params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    cfg = TrainConfig(algorithm=algorithm("dapo"), compute_dtype="bfloat16")
+    state = create_train_state(cfg, params)
+    new_state, metrics = jax.eval_shape(make_train_step(cfg, graphdef), state, batch_of(seed=6))
+    assert {x.dtype for x in jax.tree.leaves(new_state.params)} == {jnp.dtype("float32")}
+    assert metrics["loss"].dtype == jnp.float32
+
+
+def test_missing_reference_and_bad_batch_sizes_fail_loudly():
+    graphdef, params = model_parts()
+    cfg = TrainConfig(algorithm=algorithm("grpo"), micro_batches=3)
+    state = create_train_state(cfg, params)
+    with pytest.raises(ValueError, match="mini_batches·micro_batches = 3"):
+        make_train_step(cfg, graphdef)(state, batch_of(seed=7))
+    cfg = dataclasses.replace(cfg, micro_batches=1)
+    with pytest.raises(ValueError, match="needs reference log-probs"):
+        make_train_step(cfg, graphdef)(state, batch_of(seed=7))
+    with pytest.raises(ValueError, match="value_graphdef"):
+        make_train_step(TrainConfig(algorithm=algorithm("ppo")), graphdef)
+    with pytest.raises(ValueError, match="value_params"):
+        create_train_state(TrainConfig(algorithm=algorithm("ppo")), params)
+
+
+def test_learning_rate_schedule_by_hand():
+    # warmup 4: (n + 1) / 4 of the peak; then cosine over 10 updates from 1 to 0.1:
+    # n = 9 is halfway, 0.1 + 0.9 * 0.5 = 0.55; from n = 14 on it stays at 0.1.
+    schedule = learning_rate_schedule(
+        OptimizerConfig(learning_rate=1.0, warmup_steps=4, decay_steps=10, end_lr_ratio=0.1)
+    )
+    got = [float(schedule(n)) for n in (0, 3, 4, 9, 14, 20)]
+    np.testing.assert_allclose(got, [0.25, 1.0, 1.0, 0.55, 0.1, 0.1], rtol=1e-6)
+    constant = learning_rate_schedule(OptimizerConfig(learning_rate=0.5))
+    assert float(constant(0)) == float(constant(1000)) == 0.5
+
+
+def test_weight_decay_skips_vectors_and_clipping_bounds_the_update():
+    tx = make_optimizer(OptimizerConfig(learning_rate=0.1, weight_decay=0.5, max_grad_norm=1.0))
+    params = {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    np.testing.assert_allclose(updates["kernel"], -0.1 * 0.5)  # decayed: -lr * wd * w
+    np.testing.assert_array_equal(updates["bias"], 0.0)  # never decayed
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: OptimizerConfig(learning_rate=0.0), "learning_rate"),
+        (lambda: OptimizerConfig(warmup_steps=-1), "warmup_steps"),
+        (lambda: OptimizerConfig(b2=1.5), "b2"),
+        (lambda: OptimizerConfig(max_grad_norm=0.0), "max_grad_norm"),
+        (lambda: TrainConfig(algorithm=algorithm("dapo"), micro_batches=0), "micro_batches"),
+        (lambda: TrainConfig(algorithm=algorithm("dapo"), temperature=0.0), "temperature"),
+        (lambda: TrainConfig(algorithm=algorithm("dapo"), compute_dtype="fp8"), "compute_dtype"),
+    ],
+)
+def test_configs_name_the_bad_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
