@@ -1,17 +1,30 @@
-"""Figures of a run from its metrics and trace; ``plot_run(run_dir)`` writes them as PNGs.
+"""Figures of runs and studies from metrics and traces, in one style; ``plot_run(run_dir)``
+writes a run's figures as PNGs (``rlaxkit plot RUN_DIR``, ``make demo``).
 
-Trace figures (worker/trainer timeline, staleness histogram) are drawn by the same
-functions the simulator uses (``sim.report``), so a real run and a simulated one look
-alike and can be overlaid.
+Every function returns a matplotlib ``Figure`` on the Agg canvas (no pyplot state, no
+display needed), ready for ``savefig`` or to be the last expression of a notebook cell.
+Trace figures (timeline, staleness histogram) are drawn by the functions the simulator
+uses (``sim.report``), so a real run and a simulated one look alike.
+
+- :func:`reward_figure`: training reward per step, held-out pass@1 points;
+- :func:`curves_figure`: one metric per step for several runs (reward, pass rate, ...);
+- :func:`pass_at_k_figure`: held-out pass@k against k for several runs or checkpoints;
+- :func:`update_figure`: what one train step did: ratios against advantages, update size;
+- :func:`comparison_figure`: bars of summary numbers (wall time, samples/s) per run;
+- :func:`scaling_figure`: throughput against fleet size, with linear scaling;
+- :func:`overlay_figure`: a simulated series over a measured one;
+- :func:`plot_run`: a run directory's ``reward.png``, ``staleness.png``, ``timeline.png``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -19,44 +32,291 @@ from rlaxkit.metrics import read_metrics
 from rlaxkit.trace import read_trace, staleness_distribution
 from sim.report import staleness_figure, timeline_figure
 
+__all__ = [
+    "DPI",
+    "SIZE_IN",
+    "comparison_figure",
+    "curves_figure",
+    "overlay_figure",
+    "pass_at_k_figure",
+    "plot_run",
+    "reward_figure",
+    "scaling_figure",
+    "staleness_figure",
+    "timeline_figure",
+    "update_figure",
+]
+
 DPI = 100
-SIZE_IN = (7.0, 4.0)  # every figure: 700 x 400 pixels at DPI
+SIZE_IN = (7.0, 4.0)  # every PNG plot_run writes: 700 x 400 pixels at DPI
 
 
-def reward_figure(metrics: Sequence[dict[str, Any]], evals: Sequence[dict] = ()) -> Figure:
-    """Training reward and pass rate per step, with held-out pass@1 points if given."""
-    fig = Figure(figsize=SIZE_IN, dpi=DPI)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+def _figure(width: float = SIZE_IN[0], height: float = SIZE_IN[1]) -> Figure:
+    figure = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _style(axes: Axes, *, legend: bool = False) -> Axes:
+    """The one look: light grid, no top/right spines, small legend without a frame."""
+    axes.grid(alpha=0.3)
+    axes.spines[["top", "right"]].set_visible(False)
+    if legend and axes.get_legend_handles_labels()[0]:
+        axes.legend(frameon=False, fontsize="small")
+    return axes
+
+
+def _smooth(values: Sequence[float], window: int) -> np.ndarray:
+    """Trailing moving average (the first points average what exists so far)."""
+    values = np.asarray(values, float)
+    if window <= 1 or len(values) == 0:
+        return values
+    cumulative = np.cumsum(np.insert(values, 0, 0.0))
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(ends - window, 0)
+    return (cumulative[ends] - cumulative[starts]) / (ends - starts)
+
+
+def reward_figure(metrics: Sequence[Mapping[str, Any]], evals: Sequence[Mapping] = ()) -> Figure:
+    """Training reward per trainer step, with held-out pass@1 points if given.
+
+    Args:
+        metrics: the run's per-step metrics (``step`` and ``reward/mean`` are read).
+        evals: ``{"step", "pass@1"}`` rows (``summary.json``'s ``evals``).
+    """
+    figure = _figure()
+    axes = figure.add_subplot()
     steps = [m["step"] for m in metrics]
-    ax.plot(steps, [m["reward/mean"] for m in metrics], label="train reward (mean)", lw=1)
+    axes.plot(steps, [m["reward/mean"] for m in metrics], label="train reward (mean)", lw=1)
     if evals:
-        ax.plot(
+        axes.plot(
             [e["step"] for e in evals],
             [e["pass@1"] for e in evals],
             "o-",
             label="held-out pass@1",
             color="black",
         )
-    ax.set_xlabel("trainer step")
-    ax.set_ylabel("reward / accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    return fig
+    axes.set_xlabel("trainer step")
+    axes.set_ylabel("reward / accuracy")
+    axes.set_ylim(0, 1)
+    _style(axes, legend=True)
+    return figure
+
+
+def curves_figure(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]],
+    keys: Sequence[str] = ("reward/mean",),
+    *,
+    x: str = "step",
+    smooth: int = 1,
+) -> Figure:
+    """One panel per metric key; one line per run, ``key`` against ``x``.
+
+    Args:
+        runs: label -> that run's per-step metrics.
+        keys: metrics to draw (a run without a key is skipped in that panel).
+        x: the x-axis metric (``step``, or e.g. ``time/wall_s`` when a caller adds it).
+        smooth: trailing moving-average window, in points.
+    """
+    if not keys:
+        raise ValueError("keys: give at least one metric name, e.g. ('reward/mean',)")
+    figure = _figure(max(SIZE_IN[0], 3.6 * len(keys)), SIZE_IN[1])
+    for i, key in enumerate(keys):
+        axes = figure.add_subplot(1, len(keys), i + 1)
+        for label, metrics in runs.items():
+            rows = [m for m in metrics if key in m and x in m]
+            if rows:
+                values = _smooth([float(m[key]) for m in rows], smooth)
+                axes.plot([m[x] for m in rows], values, label=label, lw=1.2)
+        axes.set_xlabel(x)
+        axes.set_title(key, fontsize="medium")
+        _style(axes, legend=i == 0)
+    return figure
+
+
+def pass_at_k_figure(reports: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figure:
+    """Held-out pass@k against k (log-2 axis), one line per run or checkpoint.
+
+    Args:
+        reports: label -> rows with ``k`` and ``pass@k`` (``EvalReport.rows``).
+    """
+    figure = _figure(5.0, 3.5)
+    axes = figure.add_subplot()
+    ks: set[int] = set()
+    for label, rows in reports.items():
+        rows = sorted(rows, key=lambda r: r["k"])
+        ks.update(r["k"] for r in rows)
+        axes.plot([r["k"] for r in rows], [r["pass@k"] for r in rows], "o-", label=label)
+    axes.set_xscale("log", base=2)
+    if ks:
+        axes.set_xticks(sorted(ks), [str(k) for k in sorted(ks)])
+    axes.set_xlabel("k (samples per problem)")
+    axes.set_ylabel("pass@k")
+    axes.set_ylim(0, 1.02)
+    _style(axes, legend=True)
+    return figure
+
+
+def update_figure(
+    ratios: np.ndarray,
+    advantages: np.ndarray,
+    update_norms: Mapping[str, float],
+    *,
+    clip: tuple[float, float] = (0.2, 0.2),
+    top: int = 12,
+    update_label: str = "||Δθ|| / ||θ||",
+) -> Figure:
+    """What a train step did: per-token ratio against advantage, and the update's size.
+
+    Left: each completion token's ratio ``π_new / π_behaviour`` against its advantage,
+    with the clip band ``[1 - ε_low, 1 + ε_high]``. Right: the size of the change of the
+    ``top`` parameter tensors that moved most.
+
+    Args:
+        ratios: ``[N]`` per-token ratios.
+        advantages: ``[N]`` the same tokens' advantages.
+        update_norms: parameter path -> size of its change (e.g. ``||Δθ|| / ||θ||``).
+        clip: ``(ε_low, ε_high)``.
+        top: how many parameter tensors to list.
+        update_label: the x label of the right panel.
+    """
+    ratios, advantages = np.asarray(ratios, float), np.asarray(advantages, float)
+    if ratios.shape != advantages.shape:
+        raise ValueError(
+            f"ratios {ratios.shape} and advantages {advantages.shape} must have one entry "
+            "per token each"
+        )
+    figure = _figure(10.0, 4.0)
+    left, right = figure.subplots(1, 2, width_ratios=(1.1, 1))
+    jitter = np.random.default_rng(0).uniform(-0.02, 0.02, advantages.shape)
+    inside = (ratios >= 1 - clip[0]) & (ratios <= 1 + clip[1])
+    left.axhspan(1 - clip[0], 1 + clip[1], color="tab:green", alpha=0.12, label="clip band")
+    left.scatter(advantages[inside] + jitter[inside], ratios[inside], s=8, label="inside")
+    left.scatter(
+        advantages[~inside] + jitter[~inside],
+        ratios[~inside],
+        s=8,
+        color="tab:red",
+        label="clipped",
+    )
+    left.axhline(1.0, color="black", lw=0.8)
+    left.set_xlabel("advantage")
+    left.set_ylabel("ratio π_new / π_behaviour")
+    _style(left, legend=True)
+    largest = sorted(update_norms.items(), key=lambda kv: kv[1], reverse=True)[:top]
+    names = [_short(name) for name, _ in largest][::-1]
+    right.barh(names, [norm for _, norm in largest][::-1], color="tab:blue")
+    right.set_xlabel(update_label)
+    right.tick_params(axis="y", labelsize="x-small")
+    _style(right)
+    return figure
+
+
+def _short(path: str) -> str:
+    parts = [p for p in path.split("/") if p not in ("value", "layers", "kernel")]
+    return "/".join(parts[-3:])
+
+
+def comparison_figure(
+    values: Mapping[str, float], *, ylabel: str, title: str | None = None
+) -> Figure:
+    """Bars of one number per run (wall time, trained samples/s, ...)."""
+    figure = _figure(max(5.0, 0.7 * len(values) + 2), 3.5)
+    axes = figure.add_subplot()
+    labels = list(values)
+    axes.bar(range(len(labels)), [values[k] for k in labels], color="tab:blue")
+    axes.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    axes.set_ylabel(ylabel)
+    if title:
+        axes.set_title(title, fontsize="medium")
+    _style(axes)
+    return figure
+
+
+def scaling_figure(
+    sizes: Sequence[float],
+    series: Mapping[str, Sequence[float]],
+    *,
+    xlabel: str = "inference chips",
+    ylabel: str = "trained samples/s",
+    ceiling: float | None = None,
+    ceiling_label: str = "trainer bound",
+) -> Figure:
+    """Throughput against fleet size on log-log axes, with ideal linear scaling.
+
+    The dotted line is linear scaling from each series' first point; ``ceiling`` draws a
+    horizontal bound (e.g. the trainer's samples/s when it never waits).
+    """
+    if not sizes:
+        raise ValueError("sizes: give at least one fleet size")
+    figure = _figure(6.0, 4.0)
+    axes = figure.add_subplot()
+    sizes = np.asarray(sizes, float)
+    for label, values in series.items():
+        values = np.asarray(values, float)
+        if len(values) != len(sizes):
+            raise ValueError(f"series {label!r} has {len(values)} values for {len(sizes)} sizes")
+        line = axes.plot(sizes, values, "o-", label=label)[0]
+        axes.plot(sizes, values[0] * sizes / sizes[0], ":", color=line.get_color(), lw=1)
+    if ceiling is not None:
+        axes.axhline(ceiling, color="black", ls="--", lw=1, label=ceiling_label)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xticks(sizes, [f"{s:g}" for s in sizes])
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel + "  (dotted: linear)")
+    _style(axes, legend=True)
+    return figure
+
+
+def overlay_figure(
+    panels: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    labels: tuple[str, str] = ("measured", "simulated"),
+) -> Figure:
+    """Predicted against measured, one panel per quantity.
+
+    Args:
+        panels: title -> ``(measured, simulated)`` samples of that quantity. Drawn as
+            empirical CDFs, so distributions of different sizes compare directly.
+        labels: legend names of the two series.
+    """
+    if not panels:
+        raise ValueError("panels: give at least one quantity to overlay")
+    figure = _figure(max(SIZE_IN[0], 3.5 * len(panels)), 3.6)
+    for i, (title, pair) in enumerate(panels.items()):
+        axes = figure.add_subplot(1, len(panels), i + 1)
+        for values, label, style in zip(pair, labels, ("-", "--"), strict=True):
+            values = np.sort(np.asarray(values, float))
+            if len(values):
+                cdf = np.arange(1, len(values) + 1) / len(values)
+                axes.step(values, cdf, style, where="post", label=label)
+        axes.set_title(title, fontsize="medium")
+        axes.set_ylabel("CDF" if i == 0 else "")
+        axes.set_ylim(0, 1.02)
+        _style(axes, legend=i == 0)
+    return figure
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Writes ``plots/reward.png``, ``plots/staleness.png`` and ``plots/timeline.png``
-    for a run directory (each written when its inputs exist); returns the paths."""
+    for a run directory (each written when its inputs exist); returns the paths.
+
+    Every PNG is ``SIZE_IN`` inches at ``DPI`` (700 x 400 pixels).
+
+    Raises:
+        FileNotFoundError: the directory has neither ``metrics.jsonl`` nor ``trace.jsonl``.
+    """
     run_dir = Path(run_dir)
+    metrics_file, trace_file = run_dir / "metrics.jsonl", run_dir / "trace.jsonl"
+    if not metrics_file.exists() and not trace_file.exists():
+        raise FileNotFoundError(
+            f"{run_dir} has neither metrics.jsonl nor trace.jsonl; pass a run directory "
+            "written by `rlaxkit train` or Experiment(run_dir=...)"
+        )
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
     written = []
-    metrics_file = run_dir / "metrics.jsonl"
-    if not metrics_file.exists() and not (run_dir / "trace.jsonl").exists():
-        raise FileNotFoundError(f"{run_dir} has neither metrics.jsonl nor trace.jsonl")
     if metrics_file.exists():
         metrics = read_metrics(metrics_file)
         summary_file = run_dir / "summary.json"
@@ -65,7 +325,6 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         )
         if metrics:
             written.append(_save(reward_figure(metrics, evals), out / "reward.png"))
-    trace_file = run_dir / "trace.jsonl"
     if trace_file.exists():
         events = read_trace(trace_file)
         histogram = staleness_distribution(events)
@@ -75,7 +334,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     return written
 
 
-def _save(fig: Figure, path: Path) -> Path:
-    fig.set_size_inches(*SIZE_IN)
-    fig.savefig(path, dpi=DPI)
+def _save(figure: Figure, path: Path) -> Path:
+    """Saves at exactly ``SIZE_IN`` x ``DPI`` (no tight bbox, so the size is fixed)."""
+    figure.set_size_inches(*SIZE_IN)
+    figure.savefig(path, dpi=DPI)
     return path
