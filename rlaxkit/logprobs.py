@@ -32,6 +32,27 @@ def entropy_from_logits(logits: jax.Array, temperature: float | jax.Array = 1.0)
     return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
+def logprobs_and_entropy(
+    logits: jax.Array, targets: jax.Array, temperature: float | jax.Array = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """``logprobs_from_logits`` and ``entropy_from_logits`` in one pass over the logits.
+
+    With ``z = logits / T``, ``m = max z``, ``s = Σ exp(z - m)`` and ``lse = m + log s``:
+    ``log p[target] = z[target] - lse`` and ``H = lse - Σ exp(z - m) z / s``. The
+    trainer's forward reads its ``[B, T, vocab]`` logits once here instead of three times
+    (pick, log-sum-exp, entropy's own log-softmax), and the backward pass goes through a
+    single softmax.
+    """
+    scaled = logits.astype(jnp.float32) / temperature
+    top = jax.lax.stop_gradient(jnp.max(scaled, axis=-1, keepdims=True))
+    unnormalised = jnp.exp(scaled - top)
+    total = jnp.sum(unnormalised, axis=-1)
+    lse = top[..., 0] + jnp.log(total)
+    picked = jnp.take_along_axis(scaled, targets[..., None], axis=-1)[..., 0]
+    entropy = lse - jnp.sum(unnormalised * scaled, axis=-1) / total
+    return picked - lse, entropy
+
+
 def token_logprobs(
     model: Transformer,
     tokens: jax.Array,

@@ -5,7 +5,9 @@ One call consumes one ``TrainBatch`` (one weight version):
 
 1. **Before any update** (no gradients), in micro-batch chunks: reference log-probs
    (when a KL needs them), proximal log-probs (``proximal='recompute'``, AReaL's
-   decoupled PPO) and critic values (GAE); then advantages over the *whole* batch.
+   decoupled PPO; with a single update per step, ``epochs = mini_batches = 1``, they
+   are taken from the update's own forward pass instead, which runs under the same
+   weights) and critic values (GAE); then advantages over the *whole* batch.
 2. **Updates**: ``epochs`` passes; each splits the rows into ``mini_batches`` optimizer
    steps, and each mini-batch into ``micro_batches`` whose gradients are summed with
    ``lax.scan``. Loss weights are normalised over the mini-batch, so the summed
@@ -44,7 +46,7 @@ from rlaxkit.algorithms import (
     rl_loss,
 )
 from rlaxkit.batch import TrainBatch
-from rlaxkit.logprobs import entropy_from_logits, logprobs_from_logits
+from rlaxkit.logprobs import logprobs_and_entropy
 from rlaxkit.models import positions_from_mask
 
 MESH_AXES = ("data", "fsdp", "model")
@@ -288,6 +290,10 @@ def _build(cfg: TrainConfig, graphdef, value_graphdef, mesh: Mesh | None):
     """The pieces of a train step, closed over the static configuration."""
     loss_cfg, adv_cfg = cfg.algorithm.loss, cfg.algorithm.advantage
     tx = make_optimizer(cfg.optimizer)
+    # With one update per step every micro-batch's forward pass runs under the weights
+    # the proximal log-probs would be recomputed with, so they are that pass's own
+    # (stop-gradient) log-probs: one forward pass fewer, the same numbers.
+    fused_proximal = loss_cfg.proximal == "recompute" and cfg.epochs == cfg.mini_batches == 1
     chunks = cfg.mini_batches * cfg.micro_batches
     cast = lambda tree: tree
     if cfg.compute_dtype is not None:
@@ -302,9 +308,10 @@ def _build(cfg: TrainConfig, graphdef, value_graphdef, mesh: Mesh | None):
         return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, P(BATCH_AXES)))
 
     def policy_forward(params, tokens, positions, attention_mask):
-        logits = nnx.merge(graphdef, cast(params))(tokens, positions, attention_mask)[:, :-1]
-        logp = logprobs_from_logits(logits, tokens[:, 1:], cfg.temperature)
-        entropy = entropy_from_logits(logits, cfg.temperature)
+        model = nnx.merge(graphdef, cast(params))
+        # The last position predicts nothing in the batch: no logits for it.
+        hidden = model.hidden_states(tokens, positions, attention_mask)[:, :-1]
+        logp, entropy = logprobs_and_entropy(model.unembed(hidden), tokens[:, 1:], cfg.temperature)
         return jnp.pad(logp, ((0, 0), (1, 0))), jnp.pad(entropy, ((0, 0), (1, 0)))
 
     def value_forward(value_params, tokens, positions, attention_mask):
@@ -337,7 +344,7 @@ def _build(cfg: TrainConfig, graphdef, value_graphdef, mesh: Mesh | None):
             data["ref_logprobs"] = chunked(
                 lambda p, *x: policy_forward(p, *x)[0], state.ref_params, data
             )
-        if loss_cfg.proximal == "recompute":
+        if loss_cfg.proximal == "recompute" and not fused_proximal:
             data["proximal_logprobs"] = chunked(
                 lambda p, *x: policy_forward(p, *x)[0], state.params, data
             )
@@ -393,7 +400,9 @@ def _build(cfg: TrainConfig, graphdef, value_graphdef, mesh: Mesh | None):
             loss_mask=micro["loss_mask"],
             token_weights=micro["token_weights"],
             metric_weights=micro["metric_weights"],
-            proximal_logprobs=micro.get("proximal_logprobs"),
+            proximal_logprobs=(
+                jax.lax.stop_gradient(logp) if fused_proximal else micro.get("proximal_logprobs")
+            ),
             versions=micro["versions"],
             proximal_version=version,
             ref_logprobs=micro.get("ref_logprobs"),
