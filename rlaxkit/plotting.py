@@ -27,6 +27,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from rlaxkit.metrics import read_metrics
 from rlaxkit.trace import read_trace, staleness_distribution
@@ -131,6 +132,70 @@ def curves_figure(
         axes.set_xlabel(x)
         axes.set_title(key, fontsize="medium")
         _style(axes, legend=i == 0)
+    return figure
+
+
+def compare_runs_figure(runs: Mapping[str, Mapping[str, Any]], *, smooth: int = 1) -> Figure:
+    """Four panels comparing runs: reward per step, held-out pass@k, staleness of the
+    trained rollouts, and wall-clock seconds per trainer step.
+
+    Args:
+        runs: label -> ``{"metrics": per-step metrics, "pass_at_k": EvalReport.rows,
+            "staleness": {age: count}, "step_s": seconds per step}``; a missing entry
+            leaves that run out of its panel. Labels ``"head · suffix"`` (e.g.
+            ``"η=2 · decoupled"``) share a colour per head and a line style (and bar
+            hatching) per suffix.
+        smooth: trailing moving-average window of the reward curves, in steps.
+    """
+    figure = _figure(11.0, 7.0)
+    (reward, passk), (stale, timing) = figure.subplots(2, 2)
+    # Label "head · suffix": the head picks the colour, the suffix the line style.
+    suffixes = list(dict.fromkeys(label.rpartition(" · ")[2] for label in runs if " · " in label))
+    styles = dict(zip(suffixes, ("-", "--", ":", "-."), strict=False))
+    colours = {}
+    for label in runs:
+        head = label.rpartition(" · ")[0] or label
+        colours.setdefault(head, f"C{len(colours) % 10}")
+    width = 0.8 / max(len(runs), 1)
+    ages: set[int] = set()
+    for i, (label, run) in enumerate(runs.items()):
+        colour = colours[label.rpartition(" · ")[0] or label]
+        style = styles.get(label.rpartition(" · ")[2], "-") if " · " in label else "-"
+        metrics = run.get("metrics") or []
+        if metrics:
+            values = _smooth([m["reward/mean"] for m in metrics], smooth)
+            reward.plot([m["step"] for m in metrics], values, style, color=colour, label=label)
+        rows = sorted(run.get("pass_at_k") or [], key=lambda r: r["k"])
+        if rows:
+            ks = [r["k"] for r in rows]
+            passk.plot(ks, [r["pass@k"] for r in rows], style, marker="o", color=colour)
+            passk.set_xscale("log", base=2)
+            passk.set_xticks(ks, [str(k) for k in ks])
+        counts = run.get("staleness") or {}
+        if counts:
+            total = sum(counts.values())
+            ages.update(counts)
+            stale.bar(
+                np.array(sorted(counts)) - 0.4 + (i + 0.5) * width,
+                [counts[a] / total for a in sorted(counts)],
+                width,
+                color=colour,
+                hatch="//" if style != "-" else None,
+                edgecolor="white",
+            )
+        if run.get("step_s") is not None:
+            timing.bar(i, run["step_s"], color=colour, hatch="//" if style != "-" else None)
+    reward.set(xlabel="trainer step", ylabel="train reward (mean)", ylim=(0, 1.02))
+    reward.xaxis.set_major_locator(MaxNLocator(integer=True))
+    passk.set(xlabel="k", ylabel="held-out pass@k", ylim=(0, 1.02))
+    stale.set(xlabel="staleness of trained rollouts", ylabel="fraction")
+    if ages:
+        stale.set_xticks(sorted(ages))
+    timing.set_xticks(range(len(runs)), list(runs), rotation=35, ha="right", fontsize="small")
+    timing.set_ylabel("seconds per trainer step")
+    for axes in (reward, passk, stale, timing):
+        _style(axes)
+    reward.legend(frameon=False, fontsize="x-small", ncol=2, loc="lower right")
     return figure
 
 
