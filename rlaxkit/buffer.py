@@ -45,6 +45,7 @@ class RolloutBuffer:
         self._ready: dict[int, RolloutGroup] = {}  # insertion order = completion order
         self.trained: set[int] = set()
         self.dropped: dict[int, str] = {}
+        self.admitted: set[int] = set()  # every group ever admitted (for ``accepted_lost``)
 
     # -- the controller's side -------------------------------------------------------
     def issue(self, group_id: int, problem_id: str) -> None:
@@ -61,6 +62,10 @@ class RolloutBuffer:
     def reset_group(self, group_id: int) -> None:
         """Forgets the partial samples of an in-flight prompt that will be regenerated."""
         self._pending[group_id].samples.clear()
+
+    def is_in_flight(self, group_id: int) -> bool:
+        """True while ``group_id`` was issued and is not complete (e.g. being re-issued)."""
+        return group_id in self._pending
 
     # -- the workers' side -----------------------------------------------------------
     def add(self, rollout: Rollout, trainer_version: int) -> str | None:
@@ -85,6 +90,7 @@ class RolloutBuffer:
             self.dropped[group.group_id] = reason
             return reason
         self._ready[group.group_id] = group
+        self.admitted.add(group.group_id)
         return None
 
     def _reject_reason(self, group: RolloutGroup, trainer_version: int) -> str | None:
@@ -116,6 +122,25 @@ class RolloutBuffer:
             self.trained.add(group.group_id)
         return oldest
 
+    def rollback(self, version: int, lost: list[RolloutGroup]) -> list[int]:
+        """The trainer restored its checkpoint of ``version``; returns the dropped ids.
+
+        ``lost`` are the groups trained by the steps after ``version`` (their updates
+        are gone): they go back to the ready queue, so nothing accepted is lost. Every
+        ready group with a token sampled from weights newer than ``version`` came from
+        the discarded branch and is dropped as ``rolled_back``.
+        """
+        for group in lost:
+            self.trained.discard(group.group_id)
+            self._ready[group.group_id] = group
+        dropped = []
+        for group_id, group in list(self._ready.items()):
+            if max(r.last_version for r in group.rollouts) > version:
+                del self._ready[group_id]
+                self.dropped[group_id] = "rolled_back"
+                dropped.append(group_id)
+        return dropped
+
     # -- books -----------------------------------------------------------------------
     def _known(self, group_id: int) -> bool:
         return group_id in self._ready or group_id in self.trained or group_id in self.dropped
@@ -143,6 +168,11 @@ class RolloutBuffer:
             "dropped_by_reason": dict(Counter(self.dropped.values())),
         }
 
+    def accepted_lost(self) -> list[int]:
+        """Admitted groups that are now neither buffered, trained nor dropped with a
+        reason (must stay empty)."""
+        return sorted(self.admitted - set(self._ready) - self.trained - set(self.dropped))
+
     def check(self, issued: int) -> None:
         """Asserts the accounting invariant for ``issued`` prompts (ids ``0..issued-1``).
 
@@ -156,10 +186,11 @@ class RolloutBuffer:
         doubled = sorted(g for g, c in everything.items() if c > 1)
         missing = sorted(set(range(issued)) - set(everything))
         extra = sorted(set(everything) - set(range(issued)))
-        if doubled or missing or extra:
+        lost = self.accepted_lost()
+        if doubled or missing or extra or lost:
             raise AssertionError(
                 f"accounting broken: in two states {doubled[:10]}, lost {missing[:10]}, "
-                f"never issued {extra[:10]}"
+                f"never issued {extra[:10]}, accepted then lost {lost[:10]}"
             )
 
     # -- checkpointing ---------------------------------------------------------------
@@ -170,6 +201,7 @@ class RolloutBuffer:
             "pending": {g: p.problem_id for g, p in self._pending.items()},
             "trained": sorted(self.trained),
             "dropped": {str(g): r for g, r in self.dropped.items()},
+            "admitted": sorted(self.admitted),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -182,6 +214,7 @@ class RolloutBuffer:
         self._pending = {int(g): _Pending(p) for g, p in state["pending"].items()}
         self.trained = set(state["trained"])
         self.dropped = {int(g): r for g, r in state["dropped"].items()}
+        self.admitted = set(state.get("admitted", [*self._ready, *self.trained]))
 
 
 def _group_to_dict(group: RolloutGroup) -> dict[str, Any]:

@@ -101,6 +101,15 @@ class RuntimeConfig:
         chunk_steps: decode steps between two points where a worker may take weights.
         max_prompt_tokens: longest prompt a worker accepts.
         keep_versions: weight versions the parameter server keeps.
+        round_s: logical seconds one decode round counts for in deterministic mode. In
+            that mode the clock that fires timed faults (``FaultPlan`` ``at_s``), times
+            their downtimes and drives ``CheckpointPolicy.every_s`` is ``rounds ·
+            round_s`` (a round: every live worker decodes one chunk), never the wall
+            clock, so a plan replays identically run after run.
+        restart_s: downtime of a preempted worker, trainer or parameter server whose
+            fault gives no ``restart_after_s`` (seconds of the fault clock).
+        workers_per_slice: workers that share one slice (``slice-i`` holds workers
+            ``i·k .. i·k+k-1``); ``preempt_slice`` takes all of them down together.
     """
 
     backend: Literal["local", "ray"] = "local"
@@ -110,13 +119,26 @@ class RuntimeConfig:
     chunk_steps: int = 4
     max_prompt_tokens: int = 16
     keep_versions: int = 4
+    round_s: float = 1.0
+    restart_s: float = 5.0
+    workers_per_slice: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_workers", "slots_per_worker", "chunk_steps", "max_prompt_tokens"):
+        for name in (
+            "num_workers",
+            "slots_per_worker",
+            "chunk_steps",
+            "max_prompt_tokens",
+            "workers_per_slice",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.keep_versions < 2:
             raise ValueError(f"keep_versions must be >= 2, got {self.keep_versions}")
+        if not self.round_s > 0:
+            raise ValueError(f"round_s must be > 0 (logical seconds per round), got {self.round_s}")
+        if not self.restart_s >= 0:
+            raise ValueError(f"restart_s must be >= 0, got {self.restart_s}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,10 @@ Per kind, the keys this module's helpers read (others are free):
 - ``preemption`` / ``restart``: optional ``lost_steps`` (trainer).
 - ``drop``: ``reason`` (``stale``, ``future_version``, ``preempted``,
   ``reward_timeout``, ...), optional ``rollout``.
-- ``fault``: ``fault`` (the FaultPlan kind injected, when it is not a preemption).
+- ``fault``: ``fault`` (the FaultPlan kind injected, when it is not a preemption);
+  a weight pull that failed is a ``fault`` event of the worker with that kind.
+- ``run_end``: ``goodput`` (useful trainer compute ÷ wall time), optional
+  ``useful_train_s``, ``lost_train_s``, ``wall_s``, ``lost_steps``.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ REQUIRED_FIELDS: Mapping[str, tuple[str, ...]] = {
     "restart": (),
     "drop": ("reason",),
     "fault": ("fault",),
+    "run_end": ("goodput",),
 }
 KINDS: frozenset[str] = frozenset(REQUIRED_FIELDS)
 _CORE = ("t", "kind", "actor", "version")

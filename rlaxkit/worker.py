@@ -6,6 +6,16 @@ so it pulls — at once, recomputing the running rows' KV caches (``in_flight``,
 interruptible generation), or after its running prompts finish (``between_requests``,
 RLAX: every rollout from one version). When all ``n`` samples of a prompt are done it
 scores them with the task's verifiable reward and hands back ``Rollout``s.
+
+Checkpoints (``snapshot`` / ``restore``): a worker's engine holds partly generated
+sequences and KV caches that no checkpoint stores. Instead the worker keeps a *replay
+log* of what it did to its engine since the engine was last idle (the weight version it
+started from, then every submit, decode chunk and in-flight weight update). Sampling
+keys depend only on a request's seed, sample and token index, so replaying the log on a
+fresh engine with the same weights rebuilds the same rows at the same chunk: a restored
+run re-issues its in-flight prompts and continues exactly where the saved one was. The
+log is short: it restarts whenever the engine drains (every pull in
+``between_requests`` mode).
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -91,6 +102,12 @@ class InferenceWorker:
         self.draining = False
         self.requests: dict[int, _Request] = {}
         self.generated_tokens = 0
+        self.failed_pulls = 0
+        # Replay log (see the module docstring): base version and weights, then ops
+        # ``["s", group_id]`` submit, ``["d"]`` decode chunk, ``["u", version, recompute]``.
+        self._base: tuple[int, Any] | None = None
+        self._ops: list[list] = []
+        self._op_params: dict[int, Any] = {}
 
     # -- weights ---------------------------------------------------------------------
     def sync_weights(self) -> bool:
@@ -106,23 +123,48 @@ class InferenceWorker:
             self.draining = True
             return False
         start = self.clock()
-        version, params = self.param_server.pull()
-        if self.engine is None:
-            self.engine = InferenceEngine(
-                (self.graphdef, params),
-                self.sampling,
-                num_slots=self.num_slots,
-                max_prompt_len=self.max_prompt_tokens,
-                version=version,
-                chunk_steps=self.chunk_steps,
+        try:
+            version, params = self.param_server.pull()
+        except (ConnectionError, TimeoutError) as error:
+            # The store is down or the transfer failed: counted, retried next round.
+            self.failed_pulls += 1
+            self.trace.record(
+                self.clock(),
+                "fault",
+                self.worker_id,
+                self.version,
+                fault=getattr(error, "fault", "fail_pull"),
+                error=str(error)[:200],
             )
+            return False
+        if self.engine is None:
+            self.engine = self._new_engine(params, version)
         else:
             self.engine.update_weights(params, version, recompute_cache=bool(self.requests))
+        if self.requests:
+            self._ops.append(["u", version, True])
+            self._op_params[version] = params
+        else:
+            self._reset_log(version, params)
         self.version, self.draining = version, False
         self.trace.record(
             self.clock(), "pull", self.worker_id, version, duration_s=self.clock() - start
         )
         return True
+
+    def _new_engine(self, params, version: int) -> InferenceEngine:
+        return InferenceEngine(
+            (self.graphdef, params),
+            self.sampling,
+            num_slots=self.num_slots,
+            max_prompt_len=self.max_prompt_tokens,
+            version=version,
+            chunk_steps=self.chunk_steps,
+        )
+
+    def _reset_log(self, version: int | None, params) -> None:
+        self._base = None if version is None else (version, params)
+        self._ops, self._op_params = [], {}
 
     # -- prompts ---------------------------------------------------------------------
     @property
@@ -141,8 +183,7 @@ class InferenceWorker:
                 f"runtime.max_prompt_tokens={self.max_prompt_tokens}; raise it"
             )
         now = self.clock()
-        self.requests[issue.group_id] = _Request(issue, problem, prompt, now)
-        self.engine.submit(prompt, rng=issue.seed, request_id=issue.group_id)
+        self._start(issue, problem, prompt, now)
         for j in range(self.sampling.n):
             self.trace.record(
                 now,
@@ -154,12 +195,24 @@ class InferenceWorker:
                 prompt_tokens=len(prompt),
             )
 
+    def _start(self, issue: Issue, problem: Problem, prompt: list[int], now: float) -> None:
+        self.requests[issue.group_id] = _Request(issue, problem, prompt, now)
+        self.engine.submit(prompt, rng=issue.seed, request_id=issue.group_id)
+        self._ops.append(["s", issue.group_id])
+
     # -- generation ------------------------------------------------------------------
     def step(self) -> list[Rollout]:
         """One chunk of decoding; returns the scored rollouts of prompts that finished."""
         if self.engine is None or not self.requests:
             return []
+        complete = self._decode()
+        if not self.requests:  # the engine drained: a fresh one would be the same
+            self._reset_log(self.version, self.engine.params)
+        return self._score(complete)
+
+    def _decode(self) -> list[_Request]:
         finished = self.engine.step()
+        self._ops.append(["d"])
         complete = []
         for completion in finished:
             request = self.requests[completion.request_id]
@@ -167,7 +220,7 @@ class InferenceWorker:
             self.generated_tokens += completion.num_tokens
             if len(request.done) == self.sampling.n:
                 complete.append(self.requests.pop(completion.request_id))
-        return self._score(complete)
+        return complete
 
     def _text(self, completion: Completion) -> str:
         tokens = completion.tokens.tolist()
@@ -240,4 +293,83 @@ class InferenceWorker:
             self.engine.abort()
         self.requests.clear()
         self.engine, self.version, self.draining = None, None, False
+        self._reset_log(None, None)
         return lost
+
+    # -- checkpoints -----------------------------------------------------------------
+    def replay_weights(self) -> dict[int, Any]:
+        """``version -> params`` the replay log needs (save them with the snapshot)."""
+        if self._base is None:
+            return {}
+        return {self._base[0]: self._base[1], **self._op_params}
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able state: weight version, draining flag, counters and the replay log.
+
+        The weights named by ``replay_weights()`` are not included; a checkpoint stores
+        them once for all workers.
+        """
+        return {
+            "worker_id": self.worker_id,
+            "version": self.version,
+            "draining": self.draining,
+            "generated_tokens": self.generated_tokens,
+            "failed_pulls": self.failed_pulls,
+            "base_version": None if self._base is None else self._base[0],
+            "ops": [list(op) for op in self._ops],
+            "in_flight": {str(g): r.issued_s for g, r in sorted(self.requests.items())},
+        }
+
+    def restore(
+        self,
+        snapshot: dict[str, Any],
+        *,
+        issue_for: Callable[[int], Issue],
+        problem_for: Callable[[Issue], Problem],
+        weights_for: Callable[[int], Any],
+    ) -> None:
+        """Rebuilds the state saved by ``snapshot`` by replaying its log on a new engine.
+
+        Args:
+            snapshot: from ``snapshot()`` (possibly of another process).
+            issue_for: the controller's ``issue_for`` (group id -> the same issue).
+            problem_for: the problem of an issue.
+            weights_for: ``version -> params`` for every version of ``replay_weights()``.
+
+        Raises:
+            ValueError: the snapshot belongs to another worker, or the replay does not
+                end with the saved in-flight prompts (the run's code or config changed).
+        """
+        if snapshot["worker_id"] != self.worker_id:
+            raise ValueError(f"snapshot of {snapshot['worker_id']} cannot restore {self.worker_id}")
+        self.preempt()
+        base = snapshot["base_version"]
+        if base is not None:
+            params = weights_for(base)
+            self.engine = self._new_engine(params, base)
+            self._reset_log(base, params)
+            self.version = base
+            issued = {int(g): t for g, t in snapshot["in_flight"].items()}
+            for op in snapshot["ops"]:
+                if op[0] == "s":
+                    issue = issue_for(op[1])
+                    problem = problem_for(issue)
+                    prompt = self.tokenizer.encode(self.task.format_prompt(problem))
+                    self._start(issue, problem, prompt, issued.get(op[1], 0.0))
+                elif op[0] == "d":
+                    self._decode()
+                else:
+                    params = weights_for(op[1])
+                    self.engine.update_weights(params, op[1], recompute_cache=op[2])
+                    self._ops.append(["u", op[1], op[2]])
+                    self._op_params[op[1]] = params
+                    self.version = op[1]
+            if sorted(self.requests) != sorted(issued):
+                raise ValueError(
+                    f"{self.worker_id}: replaying the checkpoint's log left prompts "
+                    f"{sorted(self.requests)} in flight, the checkpoint had {sorted(issued)}"
+                )
+        self.version = snapshot["version"]
+        self.draining = snapshot["draining"]
+        self.generated_tokens = snapshot["generated_tokens"]
+        self.failed_pulls = snapshot["failed_pulls"]

@@ -14,6 +14,10 @@ Two execution modes, chosen per task (``Task.reward_execution``) unless forced:
 Every failure gives reward 0 with a reason code (``REWARD_ERROR``, ``REWARD_TIMEOUT``,
 ``REWARD_CRASHED``, ``INVALID_REWARD``) and is counted in ``RewardRunner.counters``.
 The runner is not thread-safe: call it from one thread.
+
+Fault injection (``inject_hang``): the next items hang. In the pool the worker really
+blocks and the per-item timeout kills it; inline there is no timeout to wait for, so an
+injected hang resolves at once as the timeout would (reward 0, ``REWARD_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -126,6 +130,7 @@ class RewardRunner:
         self.warmup = warmup
         self.mode: RewardExecution = execution if self.config.mode == "auto" else self.config.mode
         self.counters: Counter[str] = Counter()
+        self.hangs_pending = 0
         self._workers: list[_Worker] = []
         self._context = multiprocessing.get_context(self.config.start_method)
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
@@ -149,13 +154,30 @@ class RewardRunner:
                 f"got {len(problems)} problems and {len(completions)} completions; "
                 "repeat each problem once per completion"
             )
+        hung = self._take_hangs(len(problems))
         if self.mode == "inline":
-            results = [self._score_inline(p, c) for p, c in zip(problems, completions, strict=True)]
+            results = [
+                _INLINE_HANG if i in hung else self._score_inline(p, c)
+                for i, (p, c) in enumerate(zip(problems, completions, strict=True))
+            ]
         else:
-            results = self._score_pool(problems, completions)
+            results = self._score_pool(problems, completions, hung)
         self.counters["scored"] += len(results)
         self.counters.update(r.reason for r in results if r.reason is not None)
         return results
+
+    def inject_hang(self, count: int = 1) -> None:
+        """Makes the next ``count`` scored items hang until the reward timeout (counted
+        as ``injected_hang`` and ``REWARD_TIMEOUT``)."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count: must be an integer >= 1, got {count!r}")
+        self.hangs_pending += count
+
+    def _take_hangs(self, size: int) -> set[int]:
+        hung = set(range(min(self.hangs_pending, size)))
+        self.hangs_pending -= len(hung)
+        self.counters["injected_hang"] += len(hung)
+        return hung
 
     def start(self) -> RewardRunner:
         """Starts the pool workers now rather than on the first ``score`` call, and waits
@@ -187,7 +209,7 @@ class RewardRunner:
         return validate_reward(value)
 
     def _score_pool(
-        self, problems: Sequence[Problem], completions: Sequence[str]
+        self, problems: Sequence[Problem], completions: Sequence[str], hung: set[int] = frozenset()
     ) -> list[RewardResult]:
         for index, worker in enumerate(self._workers):
             if worker.item is not None:  # left busy by an interrupted call: its answer is stale
@@ -205,7 +227,7 @@ class RewardRunner:
                 while worker.ready and worker.item is None and queue:
                     item = queue.popleft()
                     try:
-                        worker.conn.send((item, problems[item], completions[item]))
+                        worker.conn.send((item, problems[item], completions[item], item in hung))
                     except Exception as error:  # unpicklable input: the pipe is untouched
                         results[item] = RewardResult(0.0, None, REWARD_ERROR, _describe(error))
                         continue
@@ -324,7 +346,9 @@ def _worker_main(conn, reward_fn: RewardFn, warmup: Callable[[], Any] | None) ->
             return
         if message is None:
             return
-        item, problem, completion = message
+        item, problem, completion, hang = message
+        while hang:  # injected fault: block until the parent's timeout kills this process
+            time.sleep(3600)
         try:
             outcome = ("ok", reward_fn(problem, completion))
         except BaseException as error:  # a reward calling sys.exit is still the reward's fault
@@ -333,6 +357,11 @@ def _worker_main(conn, reward_fn: RewardFn, warmup: Callable[[], Any] | None) ->
             conn.send((item, *outcome))
         except Exception as error:  # an unpicklable result
             conn.send((item, "error", f"result could not be sent: {_describe(error)}"))
+
+
+_INLINE_HANG = RewardResult(
+    0.0, None, REWARD_TIMEOUT, "injected hang (inline rewards resolve it at once as a timeout)"
+)
 
 
 def _describe(error: BaseException) -> str:
