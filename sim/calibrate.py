@@ -16,6 +16,14 @@ simulator trace calibrate the same way:
 
 :func:`calibrate` then simulates the fitted scenario and reports predicted against
 measured throughput and staleness.
+
+**The measured window.** A real run spends time before its loop starts (warm start,
+a first evaluation) and compiles its programs in the first train step and the first
+decode chunks. Neither is part of the fleet the simulator models, so both sides are
+measured over the same window: from the end of train step ``warmup_steps`` (or, with
+``warmup_steps=0``, from the first event after ``run_start``) to the last train step.
+Fits use only the events of that window. The simulated run is cut the same way, so
+its pipeline fill is left out exactly as the real one's is.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import numpy as np
 from rlaxkit.faults import Fault, FaultPlan
 from rlaxkit.policies import policy_from_dict
 from rlaxkit.trace import (
+    MemoryTrace,
     TraceEvent,
     TraceSummary,
     durations,
@@ -53,7 +62,7 @@ from .specs import (
     WorkloadSpec,
 )
 
-__all__ = ["Calibration", "calibrate", "fit_scenario"]
+__all__ = ["Calibration", "calibrate", "fit_scenario", "window_start", "window_summary"]
 
 
 def _config(events: list[TraceEvent]) -> dict[str, Any]:
@@ -112,8 +121,34 @@ def _nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
     return coef
 
 
-def _fit_decode(events: list[TraceEvent], *, pauses_fleet: bool) -> dict[str, float]:
-    records = [r for r in generation_records(events) if not r.interrupted]
+def window_start(events: list[TraceEvent], warmup_steps: int) -> float:
+    """Start of the measured window (see the module docstring)."""
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps: must be an integer >= 0, got {warmup_steps!r}")
+    steps = sorted(e.t for e in events if e.kind == "train_step")
+    if warmup_steps:
+        if len(steps) <= warmup_steps:
+            raise ValueError(
+                f"warmup_steps: the trace has {len(steps)} train steps; it needs more than "
+                f"warmup_steps = {warmup_steps} to measure anything (lower warmup_steps or "
+                "run longer)"
+            )
+        return steps[warmup_steps - 1]
+    loop = [e.t for e in events if e.kind != "run_start"]
+    return min(loop) if loop else 0.0
+
+
+def window_summary(events: list[TraceEvent], warmup_steps: int) -> TraceSummary:
+    """``summarize`` over the measured window: the steps that end after its start."""
+    start = window_start(events, warmup_steps)
+    inside = [e for e in events if e.t > start and e.kind != "run_start"]
+    return summarize([TraceEvent(start, "run_start", "controller", None, {}), *inside])
+
+
+def _fit_decode(
+    events: list[TraceEvent], *, pauses_fleet: bool, start_s: float = float("-inf")
+) -> dict[str, float]:
+    records = [r for r in generation_records(events) if not r.interrupted and r.start_s >= start_s]
     if not records:
         raise ValueError("trace: no completed generation_start/generation_end pairs to fit")
     overlap = np.zeros(len(records))
@@ -143,8 +178,8 @@ def _fit_decode(events: list[TraceEvent], *, pauses_fleet: bool) -> dict[str, fl
     }
 
 
-def _fit_trainer(events: list[TraceEvent]) -> dict[str, float]:
-    steps = [e for e in events if e.kind == "train_step" and "tokens" in e.fields]
+def _fit_trainer(events: list[TraceEvent], start_s: float = float("-inf")) -> dict[str, float]:
+    steps = [e for e in events if e.kind == "train_step" and "tokens" in e.fields and e.t > start_s]
     if not steps:
         raise ValueError("trace: no train_step events with tokens to fit the trainer")
     tokens = np.array([e["tokens"] for e in steps], dtype=float)
@@ -184,7 +219,10 @@ def _mean(values: list[float], default: float) -> float:
 
 
 def fit_scenario(
-    trace: Iterable[TraceEvent] | str | os.PathLike, *, name: str = "calibrated"
+    trace: Iterable[TraceEvent] | str | os.PathLike,
+    *,
+    name: str = "calibrated",
+    warmup_steps: int = 0,
 ) -> tuple[Scenario, dict[str, float]]:
     """A scenario fitted to ``trace``, and the fitted timing parameters.
 
@@ -195,12 +233,15 @@ def fit_scenario(
     (``runtime.num_workers``, ``runtime.slots_per_worker``, ``sampling.n``, ...). A
     local deterministic backend shares its device between trainer and workers, so the
     train-step time inside each generation is taken out before fitting decode times.
+    Timings are fitted on the window after ``warmup_steps`` train steps (compilation
+    and pipeline fill left out); lengths and counts use the whole trace.
     """
     events = _load(trace)
     config = _config(events)
     shape = _shape(config)
-    decode = _fit_decode(events, pauses_fleet=bool(shape["pauses_fleet"]))
-    trainer = _fit_trainer(events)
+    start_s = window_start(events, warmup_steps) if warmup_steps else float("-inf")
+    decode = _fit_decode(events, pauses_fleet=bool(shape["pauses_fleet"]), start_s=start_s)
+    trainer = _fit_trainer(events, start_s)
     records = generation_records(events)
     lengths = Empirical(values=tuple(r.tokens for r in records))
     prompts = [r.prompt_tokens for r in records if r.prompt_tokens is not None]
@@ -272,6 +313,7 @@ class Calibration:
     measured: TraceSummary
     measured_staleness: dict[int, int]
     predicted: SimResult
+    predicted_window: TraceSummary
 
     @property
     def measured_mean_staleness(self) -> float:
@@ -280,20 +322,22 @@ class Calibration:
 
     def errors(self) -> dict[str, float]:
         """Relative errors (predicted / measured - 1) of the headline figures."""
-        measured, predicted = self.measured, self.predicted
+        measured, predicted = self.measured, self.predicted_window
         return {
             "samples_per_s": float(predicted.samples_per_s / measured.samples_per_s - 1.0),
             "tokens_per_s": float(predicted.tokens_per_s / max(measured.tokens_per_s, 1e-12) - 1),
-            "mean_staleness_abs": float(predicted.mean_staleness - self.measured_mean_staleness),
+            "mean_staleness_abs": float(
+                self.predicted.mean_staleness - self.measured_mean_staleness
+            ),
         }
 
     def report(self) -> str:
-        """Predicted vs measured, one line per figure."""
-        m, p = self.measured, self.predicted
+        """Predicted vs measured, one line per figure (throughput over the window)."""
+        m, p = self.measured, self.predicted_window
         rows = [
             ("samples/s", m.samples_per_s, p.samples_per_s),
             ("tokens/s", m.tokens_per_s, p.tokens_per_s),
-            ("mean staleness", self.measured_mean_staleness, p.mean_staleness),
+            ("mean staleness", self.measured_mean_staleness, self.predicted.mean_staleness),
             ("steps", m.steps, p.steps),
         ]
         lines = [f"{'figure':>16} {'measured':>12} {'predicted':>12}"]
@@ -306,6 +350,7 @@ def calibrate(
     *,
     overrides: Mapping[str, Any] | None = None,
     seed: int = 0,
+    warmup_steps: int = 1,
 ) -> Calibration:
     """Fit ``trace``, re-simulate the fitted scenario, compare with the measurement.
 
@@ -314,16 +359,21 @@ def calibrate(
         overrides: Dotted-path changes applied to the fitted scenario before
             simulating (predict a different configuration from the same fit).
         seed: Seed of the re-simulation.
+        warmup_steps: train steps left out of the fit and of both throughputs (a real
+            run compiles in its first step; see the module docstring).
     """
     events = _load(trace)
-    scenario, fitted = fit_scenario(events)
+    scenario, fitted = fit_scenario(events, warmup_steps=warmup_steps)
     scenario = with_overrides(scenario, {**(overrides or {}), "seed": seed})
+    simulated = MemoryTrace()
+    predicted = simulate(scenario, trace=simulated)
     return Calibration(
         scenario=scenario,
         fitted=fitted,
-        measured=summarize(events),
+        measured=window_summary(events, warmup_steps),
         measured_staleness=staleness_distribution(events),
-        predicted=simulate(scenario),
+        predicted=predicted,
+        predicted_window=window_summary(simulated.events, warmup_steps),
     )
 
 

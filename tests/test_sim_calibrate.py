@@ -4,6 +4,7 @@ import pytest
 
 from rlaxkit.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
 from sim import calibrate, fit_scenario, presets, simulate
+from sim.calibrate import window_start, window_summary
 
 
 def _trace(scenario):
@@ -90,3 +91,21 @@ def test_trace_preemptions_are_replayed():
     events = _trace(with_overrides(scenario, {"fault_plan": plan}))
     fitted, _ = fit_scenario(events)
     assert fitted.fault_plan == plan
+
+
+def test_measured_window_leaves_out_the_time_before_the_loop_and_warmup_steps():
+    # A runtime trace starts with run_start, then warm start and a first evaluation
+    # (no events), then the loop. Shift a simulated trace by 100 s to stand for that.
+    events = _trace(presets.local_runtime(target_steps=10))
+    shifted = [events[0]] + [
+        TraceEvent(e.t + 100.0, e.kind, e.actor, e.version, e.fields) for e in events[1:]
+    ]
+    steps = [e for e in shifted if e.kind == "train_step"]
+    whole = window_summary(events, 0)
+    assert window_start(shifted, 0) == pytest.approx(100.0 + min(e.t for e in events[1:]))
+    assert window_summary(shifted, 0).samples_per_s == pytest.approx(whole.samples_per_s)
+    after_two = window_summary(shifted, 2)
+    assert after_two.steps == len(steps) - 2
+    assert after_two.duration_s == pytest.approx(steps[-1].t - steps[1].t)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        window_start(shifted, len(steps))
