@@ -1,0 +1,229 @@
+"""Local runtime throughput: samples/s of ``rlaxkit.runtime.Experiment`` for η in {0,1,2,4}, and
+the share of wall time spent outside jitted compute.
+
+Each η runs the deterministic local backend (2 workers, tiny character-level Qwen3 model,
+arithmetic task, GRPO) for a few warm-up trainer steps, then times ``--steps`` more.
+``samples/s`` counts the samples the trainer consumed in the timed steps (batches x
+group size); ``generated_per_s`` every completion the workers finished meanwhile (with
+η > 0 the two differ by what the buffer holds at the start and the end).
+
+**Compute vs overhead.** Every jitted program the loop runs is wrapped (from outside the
+runtime) in a timer that calls it and then ``jax.block_until_ready`` on its result: the
+sampler's ``start_rows`` (prefill), ``decode_steps``, ``recompute_cache``, ``take_rows``,
+``release_rows``, ``init_state`` and the trainer's ``train_step``. Their summed wall time
+is the *jitted compute*; everything else (Python orchestration: admission, buffer,
+scoring, tokenising, collation, tracing, metrics, weight pushes, and jit dispatch
+outside those calls) is *overhead*. The wrapper's time includes each call's own
+dispatch, so the overhead figure is if anything an underestimate. A call that compiled
+(new shape bucket) counts as overhead, not compute; compilations in the timed steps are
+reported. Each η builds a fresh ``Experiment``; a temporary persistent compilation cache
+spares the rebuilt, identical programs a second compile (not timed either way).
+Goal: ``overhead_fraction <= 0.10``.
+
+``--profile`` adds a cProfile of the η = 2 run: the functions where the overhead goes.
+
+Note: ``Experiment`` filters groups whose rewards are all equal; an untrained model fails
+every problem, so the benchmark turns that filter off (``exp.buffer.dynamic_filter``)
+instead of paying for a warm start: the loop does the same work either way.
+
+Usage::
+
+    python benchmarks/runtime.py --quick   # < 60 s on 2 cores
+    python benchmarks/runtime.py           # more timed steps
+
+The last line printed is one JSON object with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import io
+import json
+import os
+import pstats
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+from rlaxkit.config import RunConfig  # noqa: E402
+from rlaxkit.configio import apply_overrides  # noqa: E402
+from rlaxkit.inference import programs  # noqa: E402
+from rlaxkit.runtime import Experiment  # noqa: E402
+
+GOAL_OVERHEAD = 0.10
+ETAS = (0, 1, 2, 4)
+TINY = [
+    "model.config.hidden_size=32",
+    "model.config.intermediate_size=64",
+    "model.config.num_layers=2",
+    "task.options.max_digits=1",
+    "task.num_train=80",
+    "sft.steps=0",
+    "staleness.batch_size=4",
+    "sampling.n=4",
+    "runtime.slots_per_worker=16",
+]
+SMOKE = [*TINY, "model.config.num_layers=1", "staleness.batch_size=2", "sampling.n=2"]
+_PROGRAMS = (
+    "init_state",
+    "start_rows",
+    "decode_steps",
+    "recompute_cache",
+    "take_rows",
+    "release_rows",
+)
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class ComputeClock:
+    """Sums the wall time of jitted calls (each followed by ``block_until_ready``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.compile_s = 0.0
+        self.compiles = 0
+        self._lock = threading.Lock()
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration_s: float, **_: object) -> None:
+        if event == _COMPILE_EVENT:
+            with self._lock:
+                self.compiles += 1
+
+    def wrap(self, name: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            compiles, start = self.compiles, time.perf_counter()
+            out = jax.block_until_ready(fn(*args, **kwargs))
+            elapsed = time.perf_counter() - start
+            if self.compiles != compiles:  # tracing + compiling is not compute
+                self.compile_s += elapsed
+            else:
+                self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
+            return out
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds, self.compile_s, self.compiles = {}, 0.0, 0
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+
+def run_config(overrides: list[str], eta: int, steps: int) -> RunConfig:
+    base = RunConfig().to_dict()
+    return RunConfig.from_dict(
+        apply_overrides(base, [*overrides, f"staleness.max_staleness={eta}", f"steps={steps}"])
+    )
+
+
+def measure(config: RunConfig, clock: ComputeClock, warmup: int, steps: int, profile=None):
+    """Runs ``warmup`` then ``steps`` trainer steps; returns the timed steps' figures."""
+    with Experiment(config) as exp:
+        exp.buffer.dynamic_filter = False
+        exp._train_step = clock.wrap("train_step", exp._train_step)
+        exp.run(warmup)
+        clock.reset()
+        samples_before = exp.buffer.counts()["trained"] * config.group_size
+        generated_before = sum(1 for _ in _completed(exp))
+        start = time.perf_counter()
+        if profile is not None:
+            profile.enable()
+        history = exp.run(steps)
+        if profile is not None:
+            profile.disable()
+        wall_s = time.perf_counter() - start
+        samples = sum(1 for _ in _completed(exp)) - generated_before
+        trained = exp.buffer.counts()["trained"] * config.group_size - samples_before
+    compute_s = clock.total_s
+    return {
+        "wall_s": wall_s,
+        "samples": samples,
+        "trained_samples": trained,
+        "samples_per_s": trained / wall_s,
+        "generated_per_s": samples / wall_s,
+        "compute_s": compute_s,
+        "compute_by_program_s": dict(clock.seconds),
+        "compiles": clock.compiles,
+        "compile_s": clock.compile_s,
+        "overhead_fraction": 1.0 - compute_s / wall_s,
+        "staleness_max": max(m["staleness/max"] for m in history),
+    }
+
+
+def _completed(exp: Experiment):
+    """Every finished completion so far (one ``generation_end`` trace event each)."""
+    return (e for e in exp.trace.memory.events if e.kind == "generation_end")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer timed steps, < 60 s")
+    parser.add_argument("--smoke", action="store_true", help="tiny run (tests only)")
+    parser.add_argument("--steps", type=int, default=None, help="timed trainer steps per η")
+    parser.add_argument("--profile", action="store_true", help="cProfile the η = 2 run")
+    args = parser.parse_args(argv)
+    overrides = SMOKE if args.smoke else TINY
+    steps = args.steps or (2 if args.smoke else 30 if args.quick else 100)
+    warmup = 1 if args.smoke else 3
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="rlaxkit-bench-"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    clock = ComputeClock()
+    for name in _PROGRAMS:  # the engine looks these up on the module at call time
+        setattr(programs, name, clock.wrap(name, getattr(programs, name)))
+    print(f"devices: {jax.devices()}")
+    header = ("eta", "samples", "wall_s", "samples/s", "compute_s", "overhead")
+    print("\n" + " ".join(f"{h:>9}" for h in header))
+    results = {}
+    for eta in ETAS:
+        profile = cProfile.Profile() if args.profile and eta == 2 else None
+        r = measure(run_config(overrides, eta, warmup + steps), clock, warmup, steps, profile)
+        results[eta] = r
+        print(
+            f"{eta:>9} {r['samples']:>9} {r['wall_s']:>9.2f} {r['samples_per_s']:>9.1f} "
+            f"{r['compute_s']:>9.2f} {r['overhead_fraction']:>9.2f}"
+            + (f"  ({r['compiles']} compiles, {r['compile_s']:.2f} s)" if r["compiles"] else "")
+        )
+        if profile is not None:
+            out = io.StringIO()
+            pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(40)
+            print("\ncProfile of the η = 2 timed steps (by cumulative time):")
+            print("\n".join(out.getvalue().splitlines()[:60]))
+    wall = sum(r["wall_s"] for r in results.values())
+    compute = sum(r["compute_s"] for r in results.values())
+    report = {
+        "quick": args.quick,
+        "smoke": args.smoke,
+        "timed_steps": steps,
+        "samples_per_s": {str(eta): r["samples_per_s"] for eta, r in results.items()},
+        "generated_per_s": {str(eta): r["generated_per_s"] for eta, r in results.items()},
+        "overhead_fraction": 1.0 - compute / wall,
+        "overhead_fraction_by_eta": {str(e): r["overhead_fraction"] for e, r in results.items()},
+        "compute_by_program_s": {
+            name: sum(r["compute_by_program_s"].get(name, 0.0) for r in results.values())
+            for name in ("train_step", *_PROGRAMS)
+        },
+        "compiles_in_timed_steps": sum(r["compiles"] for r in results.values()),
+        "staleness_max_by_eta": {str(e): r["staleness_max"] for e, r in results.items()},
+        "goal_overhead_fraction": GOAL_OVERHEAD,
+    }
+    print(
+        f"\noverhead (outside jitted compute): {report['overhead_fraction']:.2f} of wall time "
+        f"(goal <= {GOAL_OVERHEAD})"
+    )
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Smoke tests of the benchmarks: each ``main`` runs with ``--smoke`` (tiny models, a step
+or two) and prints one JSON object with the documented keys as its last line. No timing
+is asserted: the numbers only have to exist and be finite."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def last_json(capsys) -> dict:
+    lines = capsys.readouterr().out.strip().splitlines()
+    return json.loads(lines[-1])
+
+
+def finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def test_train_step_benchmark_reports_tokens_per_s_and_mfu(capsys):
+    assert load("train_step").main(["--smoke"]) == 0
+    report = last_json(capsys)
+    assert finite(report["tokens_per_s"]) and report["tokens_per_s"] > 0
+    assert finite(report["mfu"]) and report["mfu"] > 0
+    assert report["loss_finite"]
+
+
+def test_grpo_step_benchmark_reports_step_times(capsys):
+    assert load("grpo_step").main(["--smoke"]) == 0
+    report = last_json(capsys)
+    for key in ("small_step_s", "large_step_s", "first_step_s"):
+        assert finite(report[key]) and report[key] > 0, key
+    # On-policy (η = 0): the ratio to the recomputed log-probs is 1.
+    assert report["small_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_runtime_benchmark_reports_samples_per_s_by_eta_and_overhead(capsys):
+    assert load("runtime").main(["--smoke"]) == 0
+    report = last_json(capsys)
+    assert set(report["samples_per_s"]) == {"0", "1", "2", "4"}
+    assert all(finite(v) and v > 0 for v in report["samples_per_s"].values())
+    assert 0.0 <= report["overhead_fraction"] <= 1.0
