@@ -27,7 +27,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
 from rlaxkit.metrics import read_metrics
 from rlaxkit.trace import read_trace, staleness_distribution
@@ -328,6 +328,10 @@ def scaling_figure(
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xticks(sizes, [f"{s:g}" for s in sizes])
+    plain = ScalarFormatter()
+    plain.set_scientific(False)
+    axes.yaxis.set_major_formatter(plain)
+    axes.yaxis.set_minor_formatter(ScalarFormatter(useOffset=False))
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel + "  (dotted: linear)")
     _style(axes, legend=True)

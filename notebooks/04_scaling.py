@@ -1,0 +1,150 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · Scaling the inference fleet
+#
+# RLAX scales the inference fleet against a fixed trainer (a v5p-512 trainer with
+# fleets of 128 to 1024 chips, RLAX Fig. 3). We simulate that setting with the SimPy
+# model (`sim.presets.rlax_like`: QwQ-32B, long reasoning completions, preemptions;
+# every number is sourced or marked as an assumption in its docstring) from 64 to 1024
+# inference chips, synchronously (η = 0) and asynchronously (η = 2).
+#
+# Throughput grows with the fleet until the trainer is the bottleneck; asynchrony moves
+# that point because workers keep generating while the trainer steps and the long tail
+# of a batch no longer holds everyone up.
+#
+# Then the same question for rlaxkit's **local runtime**: real runs with 1, 2 and 4
+# workers.
+
+# %% tags=["parameters"]
+import os
+
+SMALL = os.environ.get("RLAXKIT_NOTEBOOK_SMALL", "0") == "1"
+CHIPS = (64, 128, 256, 512, 1024)
+ETAS = (0, 2)
+HOURS = 2.0 if SMALL else 13.0  # simulated hours per run (RLAX's run took 12 h 48 min)
+SEEDS = (0,) if SMALL else (0, 1, 2)
+LOCAL_WORKERS = (1, 2, 4)
+LOCAL_STEPS = 8 if SMALL else 30
+
+# %%
+# %matplotlib inline
+import tempfile
+
+import numpy as np
+
+import sim
+from rlaxkit.config import RunConfig
+from rlaxkit.configio import apply_overrides
+from rlaxkit.plotting import scaling_figure
+from rlaxkit.runtime import Experiment
+from rlaxkit.trace import summarize
+
+# %% [markdown]
+# ## The RLAX-like fleet, 64 to 1024 chips
+#
+# `sim.sweep` runs every combination of the grid (and seed) in parallel processes,
+# with common random numbers: every fleet size sees the same preemption times and
+# completion lengths for a given seed.
+
+# %%
+base = sim.rlax_like(hours=HOURS)
+grid = {
+    "fleet.num_workers": [chips // base.fleet.chips_per_worker for chips in CHIPS],
+    "staleness.max_staleness": list(ETAS),
+}
+points = sim.sweep(base, grid, seeds=SEEDS)
+rows = [
+    {"chips": p.overrides["fleet.num_workers"] * base.fleet.chips_per_worker, **p.row()}
+    for p in points
+]
+columns = ["chips", "staleness.max_staleness", "seed", "samples_per_s", "trainer_util"]
+columns += ["worker_util", "mean_staleness", "preemptions", "lost_steps"]
+print(sim.format_table(rows, columns))
+
+
+# %%
+def mean_over_seeds(chips: int, eta: int) -> float:
+    runs = [r for r in rows if r["chips"] == chips and r["staleness.max_staleness"] == eta]
+    return float(np.mean([r["samples_per_s"] for r in runs]))
+
+
+throughput = {f"η = {eta}": [mean_over_seeds(chips, eta) for chips in CHIPS] for eta in ETAS}
+workload = base.workload
+tokens_per_step = workload.samples_per_step * (
+    workload.prompt_tokens.mean() + workload.response_tokens.mean()
+)
+trainer_bound = workload.samples_per_step / base.trainer.step_s(tokens_per_step)
+print(f"trainer bound: {trainer_bound:.2f} samples/s (a {base.trainer.chips}-chip trainer)")
+for eta, values in throughput.items():
+    print(eta, "speed-up 64 -> 1024 chips:", round(values[-1] / values[0], 1), "x")
+
+# %% [markdown]
+# ## The local runtime: 1, 2 and 4 workers
+#
+# Real runs of the tiny default model with 1, 2 and 4 workers, measured in trained
+# samples per second from their traces (`rlaxkit.trace.summarize`). The local backend
+# interleaves its workers in one process, so more workers mean more sequences in
+# flight on the same cores, not more cores: past the point where the decode batches
+# fill the cores, adding workers only adds scheduling. (Notebook 05 fits the simulator
+# to such a trace.) On a machine shared with other jobs these numbers move with the
+# load; compare them within one execution only.
+
+# %%
+small_model = [
+    "model.config.hidden_size=32",
+    "model.config.intermediate_size=64",
+    "model.config.num_layers=2",
+    "task.options.max_digits=1",
+    "task.num_train=80",
+    "sft.steps=200",
+    "sft.batch_size=32",
+    "staleness.batch_size=4",
+    "sampling.n=4",
+    "runtime.slots_per_worker=16",
+]
+cache = tempfile.mkdtemp(prefix="rlaxkit-nb04-")
+
+
+def local_config(workers: int) -> RunConfig:
+    overrides = [*(small_model if SMALL else []), f"runtime.num_workers={workers}"]
+    return RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), overrides))
+
+
+# A throw-away step first: the warm start (cached for all runs) and the compilations
+# would otherwise be timed as part of the first run's trace.
+with Experiment(local_config(LOCAL_WORKERS[0]), cache_dir=cache) as exp:
+    exp.step()
+traces = {}
+for workers in LOCAL_WORKERS:
+    with Experiment(local_config(workers), cache_dir=cache) as exp:
+        exp.run(LOCAL_STEPS)
+        traces[workers] = list(exp.trace.memory.events)
+measured = [summarize(traces[workers]).samples_per_s for workers in LOCAL_WORKERS]
+for workers, rate in zip(LOCAL_WORKERS, measured, strict=True):
+    print(f"{workers} workers: {rate:6.1f} trained samples/s")
+
+scaling_figure(
+    LOCAL_WORKERS, {"local runtime (measured)": measured}, xlabel="inference workers (one process)"
+)
+
+# %% [markdown]
+# ## The RLAX-style figure
+#
+# Trained samples/s against inference chips on log-log axes; dotted lines are linear
+# scaling from 64 chips; the dashed line is the trainer's bound (samples per step over
+# the step time when it never waits for data).
+
+# %%
+scaling_figure(CHIPS, throughput, ceiling=trainer_bound)
