@@ -2,6 +2,8 @@
 
 rlaxkit demo                                  # the embedded default run
 rlaxkit train configs/arithmetic_grpo.yaml --set staleness.max_staleness=4
+rlaxkit train CONFIG --run-dir RUN --faults configs/faults/standard.yaml   # inject faults
+rlaxkit train CONFIG --run-dir RUN            # again after a preemption: resumes
 rlaxkit sft configs/arithmetic_grpo.yaml      # warm start only (cached in the run dir)
 rlaxkit eval RUN_DIR                          # held-out pass@k of a run's final policy
 rlaxkit plot RUN_DIR                          # PNGs from metrics.jsonl and trace.jsonl
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,13 +23,57 @@ from typing import Any
 from rlaxkit.config import RunConfig
 
 
+class StopRequest:
+    """SIGTERM/SIGINT handling for a job: the first signal asks the job to stop after the
+    current trainer step (it then checkpoints and exits 0, as a spot VM or TPU
+    preemption notice expects); a second one stops at once (the last checkpoint stands).
+
+    Use as a context manager; the previous handlers come back on exit.
+    """
+
+    def __init__(self, log=print):
+        self.requested: str | None = None
+        self._log = log
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        self.requested = signal.Signals(signum).name
+        self._log(f"{self.requested}: finishing the current step, then checkpointing")
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may take signals (a notebook's worker)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def run_job(
-    config: RunConfig, run_dir: str | Path, *, progress: bool = True, log=print
+    config: RunConfig,
+    run_dir: str | Path,
+    *,
+    progress: bool = True,
+    log=print,
+    faults: str | Path | None = None,
+    cache_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """The main job: warm start, held-out eval, RL for ``config.steps``, eval, plots.
 
     Writes into ``run_dir``: ``config.yaml``, ``metrics.jsonl``, ``trace.jsonl``,
-    ``summary.json``, ``final/`` (an HF checkpoint of the trained policy) and ``plots/``.
+    ``checkpoints/``, ``summary.json``, ``final/`` (an HF checkpoint of the trained
+    policy) and ``plots/``. A run directory with checkpoints is resumed. On SIGTERM or
+    SIGINT the job finishes its current step, checkpoints and returns a summary with
+    ``"preempted": true`` (no final eval, no plots).
+
+    Args:
+        faults: a FaultPlan file to inject.
+        cache_dir: where the warm start is cached (default: ``run_dir``).
     """
     from rlaxkit.models import save_hf_checkpoint
     from rlaxkit.plotting import plot_run
@@ -34,20 +82,36 @@ def run_job(
     run_dir = Path(run_dir)
     start = time.perf_counter()
     log(f"run directory: {run_dir}")
-    with Experiment(config, run_dir=run_dir, progress=progress) as exp:
+    with (
+        StopRequest(log) as stop,
+        Experiment(
+            config, run_dir=run_dir, progress=progress, faults=faults, cache_dir=cache_dir
+        ) as exp,
+    ):
         ws = exp.warm_start
         if ws["steps"]:
             how = "loaded from cache" if ws["cached"] else f"final loss {ws['final_loss']:.3f}"
             log(f"warm start: {ws['steps']} supervised steps ({how})")
-        evals = []
-        before = exp.evaluate()
-        evals.append({"step": 0, **_row(before, 1)})
-        log(f"held-out pass@1 before RL: {evals[0]['pass@1']:.3f}")
+        evals = exp.extra.setdefault("evals", [])
+        if exp.resumed_from is not None:
+            log(f"resumed from the checkpoint of step {exp.resumed_from}")
+        if not evals:
+            before = exp.evaluate()
+            evals.append({"step": 0, **_row(before, 1)})
+            log(f"held-out pass@1 before RL: {evals[0]['pass@1']:.3f}")
         every = config.eval.every_steps
-        for step in range(1, config.steps + 1):
+        while exp.version < config.steps and not stop.requested:
             exp.step()
+            step = exp.version
             if every and step % every == 0 and step < config.steps:
                 evals.append({"step": step, **_row(exp.evaluate(), 1)})
+        if stop.requested:
+            saved = exp.save_checkpoint()
+            summary = {"preempted": True, "signal": stop.requested, "step": exp.version}
+            summary |= {"checkpoint_saved": saved, **exp.summary()}
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            log(f"stopped at step {exp.version}; run again with --run-dir {run_dir} to resume")
+            return summary
         after = exp.evaluate()
         evals.append({"step": config.steps, **_row(after, 1)})
         exp.check_accounting()
@@ -60,6 +124,7 @@ def run_job(
             "buffer": exp.buffer.counts(),
             "wall_s": time.perf_counter() - start,
             "eval_after": after.rows,
+            **{k: v for k, v in exp.summary().items() if k not in ("buffer", "wall_s")},
         }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plots = plot_run(run_dir)
@@ -69,7 +134,7 @@ def run_job(
     )
     log(after.table())
     log("plots: " + ", ".join(str(p) for p in plots))
-    log(f"wall time: {summary['wall_s']:.0f} s")
+    log(f"wall time: {summary['wall_s']:.0f} s, goodput {summary['goodput']:.3f}")
     return summary
 
 
@@ -103,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--run-dir", default=None, help="output directory")
         p.add_argument("--no-progress", action="store_true")
 
-    with_config(sub.add_parser("train", help="run RL from a config"), optional=True)
-    with_config(sub.add_parser("demo", help="the embedded default run"), optional=True)
+    for name, text in (("train", "run RL from a config"), ("demo", "the embedded default run")):
+        p_run = sub.add_parser(name, help=text)
+        with_config(p_run, optional=True)
+        p_run.add_argument("--faults", default=None, help="FaultPlan YAML/JSON to inject")
+        p_run.add_argument("--cache-dir", default=None, help="warm-start cache directory")
     with_config(sub.add_parser("sft", help="supervised warm start only"), optional=True)
     p_eval = sub.add_parser("eval", help="held-out pass@k of a run's final policy")
     p_eval.add_argument("run_dir")
@@ -119,7 +187,13 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = args.run_dir or (
                 "runs/demo" if args.command == "demo" else f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
             )
-            run_job(config, run_dir, progress=not args.no_progress)
+            run_job(
+                config,
+                run_dir,
+                progress=not args.no_progress,
+                faults=args.faults,
+                cache_dir=args.cache_dir,
+            )
         elif args.command == "sft":
             from rlaxkit.runtime.build import build_policy, build_task, warm_start
 

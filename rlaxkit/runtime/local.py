@@ -140,6 +140,7 @@ class Experiment(FaultHandling):
                 checkpoint_state.check_compatible(
                     resume_meta, str(self.checkpoints.directory), config.to_dict(), {}
                 )
+            checkpoint_state.check_plan(self.checkpoints, self.plan)
         if self.run_dir:
             config.save(self.run_dir / "config.yaml")
         self._t0 = time.perf_counter()
@@ -174,7 +175,12 @@ class Experiment(FaultHandling):
             temperature=config.sampling.temperature or 1.0,
         )
         ref = params if algo.needs_reference else None
-        self.state = create_train_state(self.train_config, params, seed=config.seed, ref_params=ref)
+        # Committed to the device like a state restored by Orbax, so that a restore
+        # does not recompile the train step (committed arrays key another program).
+        self.state = jax.device_put(
+            create_train_state(self.train_config, params, seed=config.seed, ref_params=ref),
+            jax.devices()[0],
+        )
         self._train_step = make_train_step(self.train_config, self.graphdef)
         self.param_server = UnreliableParameterServer(
             lambda: InProcessParameterServer(

@@ -98,6 +98,17 @@ def check_compatible(meta: dict[str, Any], directory: str, config: dict, shapes:
             )
 
 
+def check_plan(manager: Any, plan: Any, step: int | None = None) -> None:
+    """Raises ``ValueError`` when checkpoint ``step`` was written under another plan."""
+    saved = manager.restore(step, json=["faults"])["faults"]["plan"]
+    if saved != plan.to_dicts():
+        raise ValueError(
+            f"faults: the checkpoint in {manager.directory} was written with another fault "
+            f"plan ({len(saved)} faults; this run has {len(plan)}); resume with the same "
+            "--faults plan or start a new run directory"
+        )
+
+
 def weights_key(version: int) -> str:
     """Key of a weight version in the ``weights`` item."""
     return f"v{version}"

@@ -1,0 +1,195 @@
+"""Preemption tolerance: SIGTERM then resume equals the uninterrupted run, bit for bit;
+kill -9 during a checkpoint write leaves the previous checkpoint; mismatches fail early.
+
+One uninterrupted reference run (in process, through the CLI) is shared by the module;
+the preempted runs are real subprocesses of ``rlaxkit train``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from rlaxkit.cli import main
+from rlaxkit.config import RunConfig
+from rlaxkit.configio import apply_overrides
+from rlaxkit.metrics import read_metrics
+from rlaxkit.runtime import Experiment
+from rlaxkit.trace import read_trace
+
+# chunk_steps=1: prompts take several rounds, so every checkpoint has prompts in flight.
+SMALL = [
+    "model.config.hidden_size=32",
+    "model.config.intermediate_size=64",
+    "model.config.num_layers=2",
+    "task.options.max_digits=1",
+    "task.num_train=80",
+    "sft.steps=200",
+    "sft.batch_size=32",
+    "staleness.batch_size=4",
+    "sampling.n=4",
+    "runtime.slots_per_worker=16",
+    "runtime.chunk_steps=1",
+    "eval.num_problems=4",
+    "eval.samples=2",
+    "checkpoint.every_steps=2",
+    "steps=8",
+]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli_args(run_dir, cache, *overrides):
+    sets = [x for o in [*SMALL, *overrides] for x in ("--set", o)]
+    return ["train", *sets, "--run-dir", str(run_dir), "--cache-dir", str(cache), "--no-progress"]
+
+
+def small_config(*overrides):
+    return RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), [*SMALL, *overrides]))
+
+
+def learning(rows):
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows
+    ]
+
+
+def final_params(run_dir):
+    (path,) = (Path(run_dir) / "final").glob("*.safetensors")
+    return load_file(path)
+
+
+def subprocess_env(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    # Share the test session's compiled programs with the child process.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache/d/jax_compilation_cache"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    return env
+
+
+def wait_for_rows(process, metrics, rows, timeout_s=240):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"rlaxkit train exited early: {process.communicate()}")
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
+            return
+        time.sleep(0.05)
+    process.kill()
+    pytest.fail("no metrics within the time limit")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run (its warm start is cached for every run in this module)."""
+    root = tmp_path_factory.mktemp("preemption")
+    cache, run = root / "cache", root / "uninterrupted"
+    assert main(cli_args(run, cache)) == 0
+    return {"cache": cache, "run": run, "root": root}
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_equals_the_uninterrupted_run(reference, tmp_path):
+    run = tmp_path / "preempted"
+    command = [sys.executable, "-m", "rlaxkit.cli", *cli_args(run, reference["cache"])]
+    process = subprocess.Popen(
+        command, env=subprocess_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    wait_for_rows(process, run / "metrics.jsonl", rows=3)
+    process.send_signal(__import__("signal").SIGTERM)
+    out, _ = process.communicate(timeout=240)
+    assert process.returncode == 0, out.decode()[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["preempted"] and summary["signal"] == "SIGTERM"
+    stopped = summary["step"]
+    assert 3 <= stopped < 8
+    assert not (run / "final").exists()
+
+    assert main(cli_args(run, reference["cache"])) == 0  # resumes from the checkpoint
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["resumed_from"] == stopped
+    expected, got = final_params(reference["run"]), final_params(run)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    # Every step's learning metrics, before and after the preemption, match.
+    assert learning(read_metrics(run / "metrics.jsonl")) == learning(
+        read_metrics(reference["run"] / "metrics.jsonl")
+    )
+    kinds = [e.kind for e in read_trace(run / "trace.jsonl")]
+    assert "checkpoint_restore" in kinds and kinds.count("run_end") == 2
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    import orbax.checkpoint._src.path.async_path as async_path
+    sys.path.insert(0, {tests!r})
+    from test_preemption import small_config
+    from rlaxkit.runtime import Experiment
+
+    rename = async_path.rename
+
+    async def stalled_rename(src, dst):
+        if Path(str(dst)).name == "4":  # the data of step 4 is written, not committed
+            print("WRITING", flush=True)
+            await asyncio.sleep(600)
+        return await rename(src, dst)
+
+    async_path.rename = stalled_rename
+    exp = Experiment(small_config(), run_dir={run!r}, cache_dir={cache!r})
+    exp.run(5)
+    """
+)
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(reference, tmp_path):
+    run = tmp_path / "killed"
+    script = KILLED_WRITER.format(
+        tests=str(ROOT / "tests"), run=str(run), cache=str(reference["cache"])
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=subprocess_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    line = b""
+    deadline = time.monotonic() + 240
+    while b"WRITING" not in line and time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line and process.poll() is not None:
+            pytest.fail(f"the writer exited: {process.communicate()}")
+    process.kill()  # SIGKILL: no handler, no cleanup
+    process.communicate()
+    checkpoints = run / "checkpoints"
+    assert any("tmp" in p.name for p in checkpoints.iterdir()), list(checkpoints.iterdir())
+    assert not (checkpoints / "4").exists()
+
+    with Experiment(small_config(), run_dir=run, cache_dir=reference["cache"]) as exp:
+        assert exp.resumed_from == 2
+        exp.run()
+        exp.check_accounting()
+        history = exp.history
+    assert learning(history) == learning(read_metrics(reference["run"] / "metrics.jsonl"))
+    assert [row["step"] for row in read_metrics(run / "metrics.jsonl")] == list(range(1, 9))
+
+
+def test_checkpoint_of_another_model_or_plan_is_a_clear_error(reference, capsys):
+    run = reference["run"]  # holds checkpoints of the reference config
+    with pytest.raises(ValueError, match=r"model\.config\.hidden_size is 32 in the checkpoint"):
+        Experiment(small_config("model.config.hidden_size=48"), run_dir=run)
+    assert main(cli_args(run, reference["cache"], "sampling.n=8")) == 2
+    assert "sampling.n is 4 in the checkpoint, 8 now" in capsys.readouterr().err
+    plan = reference["root"] / "plan.yaml"
+    plan.write_text("faults: [{kind: hang_reward, at_s: 1}]\n")
+    with pytest.raises(ValueError, match="another fault plan"):
+        Experiment(small_config(), run_dir=run, cache_dir=reference["cache"], faults=plan)
