@@ -24,6 +24,7 @@ saves (as in the simulator, a trainer preempted after step ``s`` loses step ``s`
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -250,10 +251,13 @@ class FaultState:
         self.trainer_down_until = state["trainer_down_until"]
 
 
-def load_plan(plan: FaultPlan | str | None) -> FaultPlan:
-    """A plan given as a ``FaultPlan``, a path to YAML/JSON, or ``None`` (no faults)."""
+def load_plan(plan: FaultPlan | str | os.PathLike | list | None) -> FaultPlan:
+    """A plan given as a ``FaultPlan``, a path to YAML/JSON, a list of fault mappings,
+    or ``None`` (no faults)."""
     if plan is None:
         return FaultPlan()
     if isinstance(plan, FaultPlan):
         return plan
+    if isinstance(plan, list | tuple):
+        return FaultPlan.from_dicts(plan)
     return FaultPlan.load(plan)

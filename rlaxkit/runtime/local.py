@@ -93,7 +93,7 @@ class Experiment(FaultHandling):
         progress: show progress bars.
         cache_dir: where the warm-start cache lives (default: ``run_dir``); runs that
             share a model, task and SFT config share the warm start.
-        faults: a ``FaultPlan`` (or a path to one) to inject.
+        faults: a ``FaultPlan`` (or a path to one, or a list of fault mappings).
         resume: continue from the newest checkpoint in ``run_dir/checkpoints`` if there
             is one (``resumed_from`` is its step).
 
@@ -108,7 +108,7 @@ class Experiment(FaultHandling):
         run_dir: str | Path | None = None,
         progress: bool = False,
         cache_dir: str | Path | None = None,
-        faults: FaultPlan | str | Path | None = None,
+        faults: FaultPlan | str | Path | list | None = None,
         resume: bool = True,
     ):
         if config.runtime.backend != "local":
@@ -123,6 +123,12 @@ class Experiment(FaultHandling):
             )
         self.config = config
         self.plan = load_plan(faults)
+        self.faults = FaultState(
+            self.plan,
+            [f"worker-{i}" for i in range(config.runtime.num_workers)],
+            config.runtime.workers_per_slice,
+            config.runtime.restart_s,
+        )
         self.run_dir = Path(run_dir) if run_dir else None
         if self.run_dir is None and any(f.kind == "preempt_trainer" for f in self.plan):
             raise ValueError(
@@ -215,12 +221,6 @@ class Experiment(FaultHandling):
         self.last_batch: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}  # the caller's JSON, saved with every checkpoint
-        self.faults = FaultState(
-            self.plan,
-            [w.worker_id for w in self.workers],
-            config.runtime.workers_per_slice,
-            config.runtime.restart_s,
-        )
         self.rounds = 0  # decode rounds: the deterministic fault clock
         self.last_save_step, self.last_save_s = 0, 0.0
         self.trained_since_save: dict[int, list[RolloutGroup]] = {}

@@ -1,0 +1,148 @@
+"""Fault injection in the local runtime: a random plan of worker and trainer preemptions
+loses no accepted rollout; hung rewards and failed pulls are survived and counted."""
+
+from pathlib import Path
+
+import pytest
+
+from rlaxkit.config import RunConfig
+from rlaxkit.configio import apply_overrides
+from rlaxkit.faults import Fault, FaultPlan, random_preemptions
+from rlaxkit.runtime import Experiment
+from rlaxkit.tasks import RewardRunner, make_task
+from rlaxkit.tasks.base import REWARD_TIMEOUT
+from rlaxkit.trace import drop_counts
+
+STANDARD = Path(__file__).resolve().parents[1] / "configs" / "faults" / "standard.yaml"
+SMALL = [
+    "model.config.hidden_size=32",
+    "model.config.intermediate_size=64",
+    "model.config.num_layers=2",
+    "task.options.max_digits=1",
+    "task.num_train=80",
+    "sft.steps=200",
+    "sft.batch_size=32",
+    "staleness.batch_size=4",
+    "sampling.n=4",
+    "runtime.slots_per_worker=16",
+    "runtime.chunk_steps=2",
+    "runtime.restart_s=2",
+]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("warm_start")
+
+
+def small_config(*overrides: str) -> RunConfig:
+    return RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), [*SMALL, *overrides]))
+
+
+def events(exp, kind, actor=None):
+    return [
+        e
+        for e in exp.trace.memory.events
+        if e.kind == kind and (actor is None or e.actor.startswith(actor))
+    ]
+
+
+def test_random_preemptions_lose_no_accepted_rollout(cache, tmp_path):
+    # ~16 worker preemptions in the first 12 logical seconds (the run takes longer),
+    # plus two trainer preemptions that roll back to the last checkpoint.
+    workers = random_preemptions(
+        targets=["worker-0", "worker-1"], horizon_s=12.0, mtbf_s=1.5, seed=0
+    )
+    trainer = FaultPlan(
+        (
+            Fault(kind="preempt_trainer", at_step=3, restart_after_s=2.0),
+            Fault(kind="preempt_trainer", at_step=5),
+        )
+    )
+    plan = workers.merged(trainer)
+    assert len(workers) >= 10
+    config = small_config("steps=6", "checkpoint.every_steps=2")
+    with Experiment(config, run_dir=tmp_path, cache_dir=cache, faults=plan) as exp:
+        exp.run()
+        exp.check_accounting()  # in flight, buffered, trained or dropped with a reason
+        summary = exp.summary()
+        assert exp.version == 6 and summary["accepted_lost"] == 0
+        assert len(events(exp, "preemption", "worker")) >= 10
+        assert len(events(exp, "preemption", "trainer")) == 2
+        assert len(events(exp, "checkpoint_restore", "trainer")) == 2
+        assert summary["lost_steps"] == 2  # steps 3 and 5, one past a checkpoint each
+        # What was trained is exactly the groups of the surviving steps' batches.
+        assert exp.buffer.counts()["trained"] == 6 * config.staleness.batch_size
+        reissued = sum(e["reissued"] for e in events(exp, "preemption", "worker"))
+        assert reissued > 0  # in-flight prompts were lost and generated again
+        drops = drop_counts(exp.trace.memory.events)
+        assert set(drops) <= {"filtered", "stale", "rolled_back"}
+        assert events(exp, "run_end") == [] and summary["goodput"] > 0
+    (end,) = events(exp, "run_end")
+    assert 0 < end["goodput"] < 1
+
+
+def test_hung_reward_failed_pulls_and_a_dead_parameter_server_are_counted(cache):
+    plan = FaultPlan(
+        (
+            Fault(kind="hang_reward", at_s=1.0, count=2),
+            Fault(kind="fail_pull", target="worker-0", at_step=1, count=2),
+            Fault(kind="kill_param_server", at_s=3.0, restart_after_s=2.0),
+            Fault(kind="slow_worker", target="worker-1", at_s=0.0, factor=3.0, duration_s=4.0),
+        )
+    )
+    with Experiment(small_config("steps=3"), cache_dir=cache, faults=plan) as exp:
+        exp.run()
+        exp.check_accounting()
+        summary = exp.summary()
+    assert summary["reward_failures"] == {REWARD_TIMEOUT: 2}
+    assert summary["failed_pulls"] >= 2
+    # A failed pull is a fault event of the worker that carries the error.
+    failed = [e for e in events(exp, "fault", "worker") if "error" in e.fields]
+    failed = [e for e in failed if e["fault"] == "fail_pull"]
+    assert len(failed) == 2 and {e.actor for e in failed} == {"worker-0"}
+    assert [e.actor for e in events(exp, "restart")] == ["param_server"]
+    injected = {e["fault"] for e in events(exp, "fault")}
+    assert {"hang_reward", "fail_pull", "kill_param_server", "slow_worker"} <= injected
+
+
+def test_standard_plan_replays_identically(cache, tmp_path):
+    plan = FaultPlan.load(STANDARD)
+    assert {f.kind for f in plan} == {
+        "slow_worker", "fail_pull", "preempt_worker", "hang_reward", "preempt_trainer",
+        "preempt_slice", "kill_param_server",
+    }  # fmt: skip
+    runs = []
+    for name in ("a", "b"):
+        config = small_config("steps=6", "checkpoint.every_steps=2")
+        with Experiment(config, run_dir=tmp_path / name, cache_dir=cache, faults=plan) as exp:
+            exp.run()
+            exp.check_accounting()
+            wall = ("time/", "throughput/")
+            runs.append(
+                [{k: v for k, v in m.items() if not k.startswith(wall)} for m in exp.history]
+            )
+            assert exp.summary()["lost_steps"] == 1
+    assert runs[0] == runs[1]
+
+
+def test_pool_reward_really_hangs_and_times_out():
+    task = make_task("arithmetic")
+    problems = task.problems("test", 2)
+    answers = [task.demonstration(p) for p in problems]
+    with RewardRunner.for_task(task, "pool") as runner:
+        runner.config = runner.config.__class__(mode="pool", num_workers=1, timeout_s=0.5)
+        runner.inject_hang(1)
+        first, second = runner.score(problems, answers)
+    assert (first.score, first.reason) == (0.0, REWARD_TIMEOUT) and second.score == 1.0
+    assert runner.counters[REWARD_TIMEOUT] == 1 and runner.counters["workers_replaced"] == 1
+
+
+def test_bad_plans_fail_before_any_work(tmp_path):
+    config = small_config()
+    with pytest.raises(ValueError, match=r"faults\[0\]\.target: no worker named 'worker-9'"):
+        Experiment(
+            config, faults=FaultPlan((Fault(kind="preempt_worker", target="worker-9", at_s=1),))
+        )
+    with pytest.raises(ValueError, match="preempt_trainer restores the last checkpoint"):
+        Experiment(config, faults=[{"kind": "preempt_trainer", "at_step": 1}])
