@@ -4,6 +4,9 @@
 - :class:`InProcessParameterServer`: zero-copy, thread-safe; the local backend's default.
 - :class:`TensorStoreParameterServer`: versioned zarr3 snapshots in a directory that any
   process can pull from, published atomically.
+- :class:`RayObjectStoreParameterServer` (``rlaxkit.param_server.ray_store``, extra
+  ``ray``): the trainer puts each version in Ray's object store once; workers get it
+  zero-copy on the same host. Imported on first use, so Ray stays optional.
 - :func:`tree_nbytes`: bytes of a pytree's arrays; :class:`TransferStats`: what moved.
 """
 
@@ -21,8 +24,18 @@ __all__ = [
     "EventHook",
     "InProcessParameterServer",
     "ParameterServer",
+    "RayObjectStoreParameterServer",
     "TensorStoreParameterServer",
     "TransferRecord",
     "TransferStats",
     "tree_nbytes",
 ]
+
+
+def __getattr__(name: str):
+    # Ray is an optional extra and slow to import: load its store only when asked for.
+    if name == "RayObjectStoreParameterServer":
+        from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer
+
+        return RayObjectStoreParameterServer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,260 @@
+"""A parameter server on Ray's object store: put once, many zero-copy gets per host.
+
+The trainer ``ray.put``\\ s each version's host arrays **once**, in its own process, and
+registers the resulting ``ObjectRef`` with a small :class:`ParameterServerActor` that
+keeps the newest ``keep`` versions. A worker asks the actor for the newest reference and
+``ray.get``\\ s it: on the trainer's host that maps the shared-memory object store
+(``numpy`` views, no copy); on another host Ray moves the object once to that host's store
+and every worker there shares it. The actor only holds references, never bytes, so it
+stays light and a slow reader never blocks a push.
+
+**Ownership and failures.** Ray makes the process that called ``ray.put`` the owner of
+the object, so the weights live as long as the trainer does:
+
+- the *actor* may die and be restarted by Ray (``max_restarts``); it comes back empty
+  and the trainer registers its newest reference again (:meth:`republish`, no new put);
+- the *trainer* may die: its objects go with it. Readers then get
+  :class:`WeightsLostError`, and the restarted trainer publishes afresh with
+  ``reset=True``, which forgets the dead references.
+
+Ray dropped ``ray.put(..., _owner=...)`` (2.56), which would have let the actor own the
+objects; a copy into an actor-owned object would cost a second full copy per version.
+
+>>> # doctest: +SKIP
+>>> actor = parameter_server_actor(keep=2)
+>>> trainer_side = RayObjectStoreParameterServer(actor)
+>>> trainer_side.push(1, {"w": np.ones(3)})
+>>> RayObjectStoreParameterServer(actor).pull(min_version=1)[0]
+1
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import ray
+from ray.exceptions import ObjectLostError
+
+from rlaxkit.param_server.base import (
+    EventHook,
+    TransferRecord,
+    TransferStats,
+    check_keep,
+    check_new_version,
+    pull_timeout_error,
+    record_transfer,
+    tree_nbytes,
+)
+
+__all__ = [
+    "ParameterServerActor",
+    "RayObjectStoreParameterServer",
+    "WeightsLostError",
+    "is_zero_copy",
+    "parameter_server_actor",
+]
+
+
+class WeightsLostError(RuntimeError):
+    """The newest version's object is gone (its owner, the trainer, died).
+
+    The version stays registered until the restarted trainer publishes again; a reader
+    should keep its current weights and try again later.
+    """
+
+
+class ParameterServerActor:
+    """The actor's body: the newest ``keep`` versions as object references.
+
+    A plain class (usable without Ray in tests); :func:`parameter_server_actor` starts
+    it as an actor. References are passed wrapped in a list so Ray hands the actor the
+    reference itself, not the object's value.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = check_keep(keep)
+        self._versions: collections.OrderedDict[int, tuple[ray.ObjectRef, int]] = (
+            collections.OrderedDict()
+        )
+        self.registrations = 0
+
+    def register(
+        self, version: int, ref: list[ray.ObjectRef], nbytes: int, reset: bool = False
+    ) -> None:
+        """Publishes ``ref[0]`` as ``version``; ``reset`` first forgets every version
+        (their owner died), so ``version`` need only be new to an empty store."""
+        if reset:
+            self._versions.clear()
+        check_new_version(version, self.latest_version())
+        self._versions[int(version)] = (ref[0], int(nbytes))
+        while len(self._versions) > self.keep:
+            self._versions.popitem(last=False)  # Dropping the reference frees the object.
+        self.registrations += 1
+
+    def latest(self, min_version: int | None = None) -> tuple[int, list[ray.ObjectRef], int] | None:
+        """``(version, [ref], nbytes)`` of the newest version if it is ``>= min_version``."""
+        version = self.latest_version()
+        if version is None or (min_version is not None and version < min_version):
+            return None
+        ref, nbytes = self._versions[version]
+        return version, [ref], nbytes
+
+    def latest_version(self) -> int | None:
+        """The newest registered version, or ``None`` (also right after a restart)."""
+        return next(reversed(self._versions), None)
+
+    def versions(self) -> list[int]:
+        """Versions retained, oldest first."""
+        return list(self._versions)
+
+
+def parameter_server_actor(
+    keep: int = 2,
+    *,
+    num_cpus: float = 0,
+    max_restarts: int = 3,
+    resources: dict[str, float] | None = None,
+    name: str | None = None,
+) -> ray.actor.ActorHandle:
+    """Starts a :class:`ParameterServerActor` that Ray restarts up to ``max_restarts``
+    times; calls made while it restarts wait for it (``max_task_retries=-1``)."""
+    options: dict[str, Any] = {
+        "num_cpus": num_cpus,
+        "max_restarts": max_restarts,
+        "max_task_retries": -1,
+        "resources": resources or {},
+    }
+    if name is not None:
+        options["name"] = name
+    return ray.remote(ParameterServerActor).options(**options).remote(keep)
+
+
+class RayObjectStoreParameterServer:
+    """Client of a :class:`ParameterServerActor`: the ``ParameterServer`` protocol.
+
+    Picklable (the actor handle travels; the retained reference does not), so the same
+    object configures the trainer and every worker actor.
+
+    Args:
+        actor: handle from :func:`parameter_server_actor`.
+        to_device: ``jax.device_put`` pulled arrays (a pull otherwise returns read-only
+            ``numpy`` views of the object store).
+        poll_interval_s: how often a waiting pull asks the actor again.
+        on_event: optional ``on_event(kind, version, duration_s=..., bytes=..., ...)``.
+    """
+
+    def __init__(
+        self,
+        actor: ray.actor.ActorHandle,
+        *,
+        to_device: bool = True,
+        poll_interval_s: float = 0.01,
+        on_event: EventHook | None = None,
+    ) -> None:
+        if poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
+        self.actor = actor
+        self.to_device = to_device
+        self.poll_interval_s = poll_interval_s
+        self.on_event = on_event
+        self.stats = TransferStats()
+        self._retained: tuple[int, ray.ObjectRef, int] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "actor": self.actor,
+            "to_device": self.to_device,
+            "poll_interval_s": self.poll_interval_s,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state.pop("actor"), **state)
+
+    # -- the trainer's side ------------------------------------------------------------
+    def push(self, version: int, params: Any, *, reset: bool = False) -> None:
+        """Copies ``params`` to host memory, puts them in the object store once, and
+        registers the reference as ``version`` (``reset``: forget older versions first).
+
+        Raises:
+            ValueError: ``version`` is not newer than the latest registered version.
+        """
+        start = time.perf_counter()
+        host = jax.device_get(params)
+        nbytes = tree_nbytes(host)
+        ref = ray.put(host)
+        ray.get(self.actor.register.remote(int(version), [ref], nbytes, reset))
+        self._retained = (int(version), ref, nbytes)  # Kept for republish(); older freed.
+        record = TransferRecord(
+            kind="push", version=int(version), duration_s=time.perf_counter() - start, bytes=nbytes
+        )
+        record_transfer(self.stats, self.on_event, record)
+
+    def republish(self) -> int | None:
+        """Registers the newest pushed reference again (after the actor restarted empty);
+        returns its version, or ``None`` if this client has not pushed."""
+        if self._retained is None:
+            return None
+        version, ref, nbytes = self._retained
+        latest = self.latest_version()
+        if latest is None or latest < version:
+            ray.get(self.actor.register.remote(version, [ref], nbytes))
+        return version
+
+    # -- the workers' side -------------------------------------------------------------
+    def latest_version(self) -> int | None:
+        """The newest registered version, or ``None``."""
+        return ray.get(self.actor.latest_version.remote())
+
+    def versions(self) -> list[int]:
+        """Versions the actor retains, oldest first."""
+        return ray.get(self.actor.versions.remote())
+
+    def pull(self, min_version: int | None = None, timeout: float | None = None) -> tuple[int, Any]:
+        """``(version, params)`` of the newest version, waiting for one ``>= min_version``.
+
+        Raises:
+            TimeoutError: no such version was registered within ``timeout`` seconds.
+            WeightsLostError: the newest version's owner died (retry after the trainer
+                publishes again).
+        """
+        start = time.perf_counter()
+        while True:
+            found = ray.get(self.actor.latest.remote(min_version))
+            if found is not None:
+                break
+            if timeout is not None and time.perf_counter() - start >= timeout:
+                raise pull_timeout_error(
+                    min_version, timeout, self.latest_version(), "the Ray object store"
+                )
+            time.sleep(self.poll_interval_s)
+        ready_at = time.perf_counter()
+        version, (ref,), nbytes = found
+        try:
+            params = ray.get(ref)
+        except ObjectLostError as error:
+            raise WeightsLostError(
+                f"weights version {version} are lost ({type(error).__name__}): the trainer "
+                "that put them died; keep the current weights until it publishes again"
+            ) from error
+        if self.to_device:
+            params = jax.device_put(params)
+            jax.block_until_ready(params)
+        record = TransferRecord(
+            kind="pull",
+            version=version,
+            duration_s=time.perf_counter() - ready_at,
+            bytes=nbytes,
+            wait_s=ready_at - start,
+        )
+        record_transfer(self.stats, self.on_event, record)
+        return version, params
+
+
+def is_zero_copy(params: Any) -> bool:
+    """True when every array leaf is a read-only view (as the object store hands out)."""
+    leaves = [x for x in jax.tree.leaves(params) if isinstance(x, np.ndarray)]
+    return bool(leaves) and all(not x.flags.writeable for x in leaves)

@@ -1,0 +1,407 @@
+"""The Ray backend's actors: the trainer and the inference workers.
+
+Each actor is a plain class (so it can be read and tested without Ray) that the driver
+starts with ``ray.remote(cls).options(...)``. They wrap the very objects the local
+backend runs: an inference worker actor holds one ``rlaxkit.worker.InferenceWorker``;
+the trainer actor holds the ``TrainState`` and the jitted ``make_train_step``. Both
+record trace events in memory and hand them to the driver with each reply, so the
+driver writes one trace with the local backend's schema.
+
+Clocks: every actor measures seconds since the driver's ``t0_wall`` (``time.time()``
+at run start), so events from different processes share one time axis (across hosts up
+to their clock skew).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import ray
+from flax import nnx
+
+from rlaxkit.algorithms import algorithm
+from rlaxkit.batch import TrainBatch
+from rlaxkit.checkpoint import CheckpointManager, restore_train_state, save_train_state
+from rlaxkit.config import RunConfig
+from rlaxkit.controller import Issue
+from rlaxkit.param_server import ParameterServer, TensorStoreParameterServer
+from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer, WeightsLostError
+from rlaxkit.runtime.build import build_policy, build_task, warm_start
+from rlaxkit.tasks import Problem, RewardRunner
+from rlaxkit.trace import MemoryTrace, TraceEvent
+from rlaxkit.trainer import TrainConfig, create_train_state, make_train_step
+from rlaxkit.worker import InferenceWorker
+
+# jax.config options copied from the driver into every actor (same platform, same
+# persistent compilation cache: a restarted actor does not compile again).
+JAX_OPTIONS = (
+    "jax_platforms",
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+)
+
+
+def driver_jax_options() -> dict[str, Any]:
+    """The driver's values of :data:`JAX_OPTIONS` that are set."""
+    out = {}
+    for name in JAX_OPTIONS:
+        value = getattr(jax.config, name, None)
+        if value not in (None, ""):
+            out[name] = value
+    return out
+
+
+def _configure_jax(options: dict[str, Any]) -> None:
+    for name, value in options.items():
+        jax.config.update(name, value)
+
+
+def train_config_for(config: RunConfig) -> TrainConfig:
+    """The trainer's configuration for a run (the same as the local backend builds)."""
+    overrides = {
+        k: v
+        for k, v in (("advantage", config.algorithm.advantage), ("loss", config.algorithm.loss))
+        if v
+    }
+    return TrainConfig(
+        algorithm=algorithm(config.algorithm.preset, **overrides),
+        optimizer=config.optimizer,
+        micro_batches=config.trainer.micro_batches,
+        mini_batches=config.trainer.mini_batches,
+        epochs=config.trainer.epochs,
+        temperature=config.sampling.temperature or 1.0,
+    )
+
+
+class TrainerRestartedError(RuntimeError):
+    """The trainer's state is not at the step the driver expects: Ray restarted the
+    actor (fresh state) and the driver has not restored it yet."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightStore:
+    """How every actor reaches the parameter server (picklable, sent to each actor).
+
+    The parameter-server actor is found by name rather than by a handle in the
+    arguments: Ray keeps actor-handle arguments in the object store, tying a restarted
+    actor's arguments to references the driver holds.
+
+    Attributes:
+        kind: ``object_store`` (via ``actor_name``) or ``tensorstore`` (via
+            ``directory``).
+        actor_name: the ``ParameterServerActor``'s name (in the job's namespace).
+        directory: the TensorStore snapshot directory, seen by every host.
+        keep: versions retained (TensorStore; the actor was started with its own).
+        template: abstract params (``ShapeDtypeStruct`` leaves) giving TensorStore
+            pulls the ``nnx.State`` structure.
+        durable: fsync TensorStore snapshots before publishing.
+    """
+
+    kind: Literal["object_store", "tensorstore"]
+    actor_name: str | None = None
+    directory: str | None = None
+    keep: int = 2
+    template: Any = None
+    durable: bool = True
+
+    def connect(self, on_event=None) -> ParameterServer:
+        """A client of this store for the calling process."""
+        if self.kind == "object_store":
+            return RayObjectStoreParameterServer(ray.get_actor(self.actor_name), on_event=on_event)
+        return TensorStoreParameterServer(
+            self.directory,
+            keep=self.keep,
+            template=self.template,
+            durable=self.durable,
+            on_event=on_event,
+        )
+
+
+class TrainerActor:
+    """The trainer: owns the train state, steps on batches, pushes, checkpoints.
+
+    On a first start it saves step 0 (so a restart always has a checkpoint to load).
+    After Ray restarts it, the driver calls :meth:`restore` with the newest step it
+    knows was taken, replays the batches since with ``push=False`` and calls
+    :meth:`publish` with ``reset=True``; the trainer's state then equals the state it
+    had before it died (same batches, same jitted step).
+
+    Args:
+        config: the run configuration.
+        store: the parameter server.
+        cache_dir: where the warm start is cached (shared with the driver's host).
+        checkpoint_dir: where train-state checkpoints go (``None``: none; a restart then
+            replays from step 0).
+        t0_wall: the driver's ``time.time()`` at run start.
+        jax_options: ``jax.config`` values to apply first.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        store: WeightStore,
+        cache_dir: str | None,
+        checkpoint_dir: str | None,
+        t0_wall: float,
+        jax_options: dict[str, Any],
+    ):
+        _configure_jax(jax_options)
+        self.config, self.t0_wall = config, t0_wall
+        self.trace = MemoryTrace()
+        task = build_task(config)
+        model, tokenizer = build_policy(config, task)
+        model, self.warm_start = warm_start(
+            config, task, model, tokenizer, Path(cache_dir) if cache_dir else None
+        )
+        graphdef, params = nnx.split(model)
+        train_config = train_config_for(config)
+        ref = params if train_config.algorithm.needs_reference else None
+        self.state = create_train_state(train_config, params, seed=config.seed, ref_params=ref)
+        self._train_step = make_train_step(train_config, graphdef)
+        self.store_kind = store.kind
+        self.param_server = store.connect(on_event=self._on_transfer)
+        self.checkpoints = None
+        self.last_save = (0, 0.0)
+        if checkpoint_dir is not None:
+            self.checkpoints = CheckpointManager(
+                checkpoint_dir, max_to_keep=config.checkpoint.keep, async_save=False
+            )
+            if self.checkpoints.latest_step() is None:
+                self._save()
+        # (version, host params) to publish when the store lacks the newest version.
+        self._to_publish: tuple[int, Any] | None = (0, jax.device_get(self.state.params))
+
+    def clock(self) -> float:
+        return time.time() - self.t0_wall
+
+    def _on_transfer(self, kind: str, version: int, **fields: Any) -> None:
+        if kind == "push":
+            self.trace.record(self.clock(), "push", "trainer", version, **fields)
+
+    def _drain(self) -> list[TraceEvent]:
+        events, self.trace.events = self.trace.events, []
+        return events
+
+    @property
+    def version(self) -> int:
+        return int(self.state.step)
+
+    def _expect(self, step: int) -> None:
+        if self.version != step:
+            raise TrainerRestartedError(
+                f"the trainer is at step {self.version}, the driver at step {step}: restore it"
+            )
+
+    # -- checkpoints -----------------------------------------------------------------
+    def _save(self) -> int:
+        start = self.clock()
+        save_train_state(self.checkpoints, self.state, force=True)
+        self.last_save = (self.version, self.clock())
+        self.trace.record(
+            self.clock(),
+            "checkpoint_save",
+            "trainer",
+            self.version,
+            step=self.version,
+            duration_s=self.clock() - start,
+        )
+        return self.version
+
+    def restore(self, max_step: int) -> int:
+        """Loads the newest checkpoint at or below ``max_step`` (the fresh step-0 state
+        when there is none); returns its step."""
+        steps = [
+            s for s in (self.checkpoints.all_steps() if self.checkpoints else ()) if s <= max_step
+        ]
+        if steps:
+            start = self.clock()
+            self.state = restore_train_state(self.checkpoints, self.state, step=max(steps))
+            self.last_save = (self.version, self.clock())
+            self.trace.record(
+                self.clock(),
+                "checkpoint_restore",
+                "trainer",
+                self.version,
+                step=self.version,
+                duration_s=self.clock() - start,
+            )
+        self._to_publish = (self.version, jax.device_get(self.state.params))
+        return self.version
+
+    # -- training --------------------------------------------------------------------
+    def train(self, batch: TrainBatch, step: int, push: bool = True) -> dict[str, Any]:
+        """One train step; pushes per the weight-sync policy and checkpoints per the
+        checkpoint policy.
+
+        Args:
+            batch: the collated batch.
+            step: the step this is (the state must be at ``step - 1``).
+            push: ``False`` while replaying after a restart (the store already has, or
+                will be given by :meth:`publish`, the versions these steps made).
+
+        Returns:
+            ``metrics`` (floats), ``version``, ``duration_s``, ``checkpoint_step`` (the
+            newest checkpoint, whether saved now or before) and ``events``.
+
+        Raises:
+            TrainerRestartedError: the state is not at ``step - 1``.
+        """
+        self._expect(step - 1)
+        start = time.perf_counter()
+        self.state, metrics = self._train_step(self.state, batch)
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        duration_s = time.perf_counter() - start
+        if self.config.weight_sync.should_push(self.version):
+            if push:
+                self.param_server.push(self.version, self.state.params)
+                self._to_publish = None
+            else:
+                self._to_publish = (self.version, jax.device_get(self.state.params))
+        policy = self.config.checkpoint
+        if self.checkpoints is not None and policy.should_save(
+            self.version, self.clock(), *self.last_save
+        ):
+            self._save()
+        return {
+            "metrics": metrics,
+            "version": self.version,
+            "duration_s": duration_s,
+            "checkpoint_step": self.last_save[0] if self.checkpoints is not None else None,
+            "events": self._drain(),
+        }
+
+    def publish(self, step: int, reset: bool = False) -> dict[str, Any]:
+        """Makes sure the store holds this trainer's newest published version.
+
+        After the parameter server restarted empty, registers the retained object again
+        (no new copy). After this trainer restarted (``reset``), pushes the newest
+        version it should have published, forgetting references that died with it.
+        Returns ``version`` (what the store now holds) and ``events``.
+
+        Raises:
+            TrainerRestartedError: the state is not at ``step``.
+        """
+        self._expect(step)
+        store = self.param_server
+        latest = store.latest_version()
+        if self._to_publish is not None and (
+            reset or latest is None or latest < self._to_publish[0]
+        ):
+            version, params = self._to_publish
+            if self.store_kind == "object_store":
+                store.push(version, params, reset=reset)
+            elif latest is None or latest < version:
+                store.push(version, params)
+            self._to_publish = None
+        elif self.store_kind == "object_store" and (latest is None or reset):
+            store.republish()
+        return {"version": store.latest_version(), "events": self._drain()}
+
+    def host_params(self, step: int) -> Any:
+        """The params at ``step`` copied to host memory (for evaluation in the driver)."""
+        self._expect(step)
+        return jax.device_get(self.state.params)
+
+    def close(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+
+
+class WorkerActor:
+    """One inference worker: an ``InferenceWorker`` in its own process.
+
+    The driver calls :meth:`sync` (pull if the staleness policy says so; report free
+    room) and then :meth:`submit_and_step` (start the prompts it was given, decode one
+    chunk, return finished rollouts), every worker once per round, as the local loop
+    does.
+
+    Args:
+        worker_id: the worker's name in the trace.
+        config: the run configuration.
+        graphdef: the policy's graph (weights come from the parameter server).
+        tokenizer: the run's tokenizer.
+        store: the parameter server.
+        t0_wall: the driver's ``time.time()`` at run start.
+        jax_options: ``jax.config`` values to apply first.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        config: RunConfig,
+        graphdef: Any,
+        tokenizer: Any,
+        store: WeightStore,
+        t0_wall: float,
+        jax_options: dict[str, Any],
+    ):
+        _configure_jax(jax_options)
+        self.t0_wall = t0_wall
+        self.trace = MemoryTrace()
+        task = build_task(config)
+        self.scorer = RewardRunner.for_task(task).start()
+        self.lost_weights = 0
+        self.worker = InferenceWorker(
+            worker_id,
+            graphdef,
+            config.sampling,
+            task=task,
+            tokenizer=tokenizer,
+            scorer=self.scorer,
+            param_server=store.connect(),
+            staleness=config.staleness,
+            weight_sync=config.weight_sync,
+            trace=self.trace,
+            clock=self.clock,
+            num_slots=config.runtime.slots_per_worker,
+            chunk_steps=config.runtime.chunk_steps,
+            max_prompt_tokens=config.runtime.max_prompt_tokens,
+        )
+
+    def clock(self) -> float:
+        return time.time() - self.t0_wall
+
+    def _drain(self) -> list[TraceEvent]:
+        events, self.trace.events = self.trace.events, []
+        return events
+
+    def sync(self) -> dict[str, Any]:
+        """Pulls if this worker lags too far; returns ``free`` room, ``version``,
+        ``weights_lost`` (the newest version died with the trainer: nothing changed,
+        call again once it has published) and ``events``."""
+        lost = False
+        try:
+            self.worker.sync_weights()
+        except WeightsLostError:
+            self.lost_weights += 1
+            lost = True
+        return {
+            "free": self.worker.free,
+            "version": self.worker.version,
+            "weights_lost": lost,
+            "events": self._drain(),
+        }
+
+    def submit_and_step(self, work: list[tuple[Issue, Problem]]) -> dict[str, Any]:
+        """Starts ``work`` and decodes one chunk; returns ``rollouts`` (finished, scored),
+        ``busy`` (prompts still running), ``generated_tokens`` (total) and ``events``."""
+        for issue, problem in work:
+            self.worker.submit(issue, problem)
+        rollouts = self.worker.step()
+        return {
+            "rollouts": rollouts,
+            "busy": bool(self.worker.requests),
+            "generated_tokens": self.worker.generated_tokens,
+            "events": self._drain(),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for tests and dashboards."""
+        return {"version": self.worker.version, "lost_weights": self.lost_weights}
+
+    def close(self) -> None:
+        self.scorer.close()

@@ -1,0 +1,638 @@
+"""The Ray backend: the local runtime's loop with the trainer, the parameter server and
+each inference worker in its own Ray actor; elastic and self-healing.
+
+``RayExperiment(config, ray_config=RayConfig(...))`` has the notebook API of
+``rlaxkit.runtime.Experiment`` (``step``, ``run``, ``last_batch``, ``history``,
+``trace``, ``evaluate``, ``check_accounting``, ``close``) plus ``scale_workers(n)``.
+
+Placement. The prompt controller and the rollout buffer stay in the driver, so the
+accounting invariant is kept by one process and survives any actor's death. Workers
+(``WorkerActor``, each wrapping an ``InferenceWorker``) and the trainer
+(``TrainerActor``) are actors with the resources ``RayConfig`` asks for; weights go
+through a ``ParameterServerActor`` over Ray's object store, or a TensorStore directory.
+
+The loop is the local backend's, round by round: every worker pulls if it must and
+reports its room (all workers at once); the driver issues prompts in worker order under
+the ``StalenessPolicy``; every worker starts its prompts and decodes one chunk (all at
+once); the driver adds the finished rollouts to the buffer in worker order; when a batch
+is ready the trainer steps and pushes. Workers run in parallel within a phase, but each
+one's inputs are what the local loop would give it, so in deterministic mode a seed
+gives the same prompts, rollouts and metrics on both backends (timings aside).
+
+Faults:
+
+- a worker actor that dies (``ray.kill``, a lost host) is detected at its next call; its
+  in-flight prompts keep their place in the books (``buffer.reset_group``) and are
+  re-issued with the same ids and seeds (``controller.requeue``); a new worker actor
+  replaces it (``RayConfig.replace_dead_workers``);
+- the parameter-server actor restarts (``max_restarts``) empty; the driver notices
+  that it holds less than the trainer published and has the trainer register its
+  newest version again;
+- the trainer actor restarts (``max_restarts``), restores its newest checkpoint (Orbax,
+  ``rlaxkit.checkpoint``), and the driver replays the batches trained since, so the
+  state is the one it lost; nothing accepted is lost.
+
+The driver itself is not fault tolerant: run it on a machine that is not preempted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import ray
+from flax import nnx
+from ray.exceptions import RayActorError
+
+from rlaxkit.batch import collate
+from rlaxkit.buffer import RolloutBuffer
+from rlaxkit.config import RunConfig
+from rlaxkit.controller import Issue, PromptController
+from rlaxkit.evaluation import EvalReport, evaluate_policy
+from rlaxkit.inference import make_text_generate
+from rlaxkit.metrics import MetricsLogger
+from rlaxkit.param_server.ray_store import parameter_server_actor
+from rlaxkit.rollout import RolloutGroup
+from rlaxkit.runtime.build import build_policy, build_task
+from rlaxkit.runtime.local import _BUCKETS
+from rlaxkit.runtime.ray_actors import (
+    TrainerActor,
+    TrainerRestartedError,
+    WeightStore,
+    WorkerActor,
+    driver_jax_options,
+)
+from rlaxkit.runtime.ray_config import RayConfig
+from rlaxkit.tasks import RewardRunner
+from rlaxkit.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
+
+__all__ = ["RayExperiment"]
+
+_RECOVERY_WAIT_S = 120.0  # How long a restarting actor may take to answer again.
+
+
+@functools.cache
+def _remote(cls):
+    return ray.remote(cls)
+
+
+class _Trace:
+    """Every event in memory and, with a run directory, in trace.jsonl."""
+
+    def __init__(self, path: Path | None):
+        self.memory = MemoryTrace()
+        self.file = JsonlTraceWriter(path, append=True) if path else None
+
+    def record(self, t, kind, actor, version=None, **fields):
+        self.emit(TraceEvent(t, kind, actor, version, fields))
+
+    def emit(self, event: TraceEvent) -> None:
+        self.memory.emit(event)
+        if self.file:
+            self.file.emit(event)
+
+    def extend(self, events: list[TraceEvent]) -> None:
+        for event in events:
+            self.emit(event)
+
+    def close(self):
+        if self.file:
+            self.file.close()
+
+
+def _stop_actor(handle: Any, timeout_s: float = 30.0) -> None:
+    """Asks an actor to ``close`` (release its pools and files), then kills it."""
+    with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
+        ray.get(handle.close.remote(), timeout=timeout_s)
+    ray.kill(handle)
+
+
+@dataclass
+class _Worker:
+    """The driver's view of one worker actor."""
+
+    worker_id: str
+    handle: Any
+    in_flight: dict[int, Issue] = field(default_factory=dict)
+    generated_tokens: int = 0
+
+
+class RayExperiment:
+    """An RL run on Ray you can step through, like ``Experiment``.
+
+    Args:
+        config: the run configuration (``runtime.backend`` must be ``ray``).
+        run_dir: config.yaml, metrics.jsonl, trace.jsonl, the trainer's checkpoints and
+            the warm-start cache; on a multi-host cluster it must be a directory every
+            host sees. ``None`` keeps everything in memory (a restarted trainer then
+            replays every batch from step 0).
+        progress: show progress bars.
+        cache_dir: where the warm-start cache lives (default: ``run_dir``).
+        ray_config: placement, weight store and fault handling (default ``RayConfig()``).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        run_dir: str | Path | None = None,
+        progress: bool = False,
+        cache_dir: str | Path | None = None,
+        ray_config: RayConfig | None = None,
+    ):
+        if config.runtime.backend != "ray":
+            raise ValueError(
+                f"runtime.backend is {config.runtime.backend!r}; RayExperiment runs the ray "
+                "backend: set runtime.backend=ray (or use rlaxkit.runtime.Experiment)"
+            )
+        if config.runtime.mode != "deterministic":
+            raise ValueError(
+                f"runtime.mode {config.runtime.mode!r} is not available on the ray backend; "
+                "use runtime.mode=deterministic"
+            )
+        self.config = config
+        self.ray_config = ray_config or RayConfig()
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=self.ray_config.address, include_dashboard=False)
+        self.run_dir = Path(run_dir).absolute() if run_dir else None
+        if self.run_dir:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            config.save(self.run_dir / "config.yaml")
+        cache = Path(cache_dir).absolute() if cache_dir else self.run_dir
+        self._t0, self._t0_wall = time.perf_counter(), time.time()
+        self.trace = _Trace(self.run_dir / "trace.jsonl" if self.run_dir else None)
+        self.trace.record(0.0, "run_start", "controller", None, config=config.to_dict())
+        self.task = build_task(config)
+        model, self.tokenizer = build_policy(config, self.task)
+        self.graphdef, params = nnx.split(model)
+        del model
+        self.problems = self.task.problems("train", config.task.num_train)
+        self.controller = PromptController(len(self.problems), seed=config.seed)
+        self.buffer = RolloutBuffer(config.staleness, group_size=config.group_size)
+        self._jax_options = driver_jax_options()
+        self._scratch: Path | None = None
+        self._ps_actor = None
+        self.store = self._make_store(params)
+        # The driver reads the published version from the store.
+        self.param_server = self.store.connect()
+        trainer_options = {
+            **self.ray_config.trainer.options(),
+            "max_restarts": self.ray_config.trainer_max_restarts,
+            "max_task_retries": 0,  # A step is never re-run silently: the driver replays.
+        }
+        checkpoints = str(self.run_dir / "checkpoints" / "trainer") if self.run_dir else None
+        self.trainer = (
+            _remote(TrainerActor)
+            .options(**trainer_options)
+            .remote(
+                config,
+                self.store,
+                str(cache) if cache else None,
+                checkpoints,
+                self._t0_wall,
+                self._jax_options,
+            )
+        )
+        self.workers: list[_Worker] = []
+        self._next_worker = 0
+        self._replacements = 0
+        self._retired_tokens = 0
+        self._requeued: set[int] = set()
+        self._replay: list[tuple[int, Any]] = []  # (step, batch) since the last checkpoint
+        self.scale_workers(config.runtime.num_workers)  # They start while the trainer does.
+        reply = self._trainer("publish", 0)
+        self.trace.extend(reply["events"])
+        self._published = reply["version"]
+        self.version = 0
+        self.last_batch: dict[str, Any] | None = None
+        self.history: list[dict[str, Any]] = []
+        self.logger = MetricsLogger(
+            self.run_dir / "metrics.jsonl" if self.run_dir else None,
+            total_steps=config.steps,
+            progress=progress,
+        )
+        self._scorer: RewardRunner | None = None
+        self._since = {"t": self.clock(), "tokens": 0, "samples": 0}
+
+    # -- construction ------------------------------------------------------------------
+    def _make_store(self, params) -> WeightStore:
+        rc, keep = self.ray_config, self.config.runtime.keep_versions
+        if rc.weight_store == "object_store":
+            name = f"rlaxkit-parameter-server-{uuid.uuid4().hex[:12]}"
+            actor = parameter_server_actor(
+                keep,
+                name=name,
+                num_cpus=rc.param_server.num_cpus,
+                resources=rc.param_server.resources,
+                max_restarts=rc.param_server_max_restarts,
+            )
+            self._ps_actor = actor
+            return WeightStore("object_store", actor_name=name)
+        if rc.weight_store_dir:
+            directory = Path(rc.weight_store_dir)
+        elif self.run_dir:
+            directory = self.run_dir / "weights"
+        else:
+            directory = self._scratch = Path(tempfile.mkdtemp(prefix="rlaxkit-weights-"))
+        template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        return WeightStore(
+            "tensorstore",
+            directory=str(directory.absolute()),
+            keep=keep,
+            template=template,
+            durable=rc.tensorstore_durable,
+        )
+
+    @property
+    def param_server_actor(self) -> Any:
+        """The ``ParameterServerActor`` handle (``None`` with the TensorStore store)."""
+        return self._ps_actor
+
+    def clock(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self._t0
+
+    # -- the fleet ---------------------------------------------------------------------
+    def scale_workers(self, n: int) -> _Worker | None:
+        """Grows or shrinks the fleet to ``n`` worker actors, now; returns the newest
+        worker (``None`` when the fleet is empty).
+
+        New workers pull the newest weights before their first prompt. Removed workers
+        (the newest first) lose their in-flight prompts, which are re-issued to the
+        others with the same ids and seeds; the staleness policy applies unchanged.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"scale_workers: n must be an int >= 0, got {n!r}")
+        while len(self.workers) < n:
+            self._add_worker()
+        while len(self.workers) > n:
+            slot = self.workers[-1]
+            self._lose_worker(slot, "scaled_down")
+            _stop_actor(slot.handle)
+        return self.workers[-1] if self.workers else None
+
+    def _add_worker(self) -> _Worker:
+        worker_id = f"worker-{self._next_worker}"
+        self._next_worker += 1
+        options = {**self.ray_config.worker.options(), "max_restarts": 0, "max_task_retries": 0}
+        handle = (
+            _remote(WorkerActor)
+            .options(**options)
+            .remote(
+                worker_id,
+                self.config,
+                self.graphdef,
+                self.tokenizer,
+                self.store,
+                self._t0_wall,
+                self._jax_options,
+            )
+        )
+        slot = _Worker(worker_id, handle)
+        self.workers.append(slot)
+        return slot
+
+    def _lose_worker(self, slot: _Worker, reason: str) -> None:
+        """Takes ``slot`` out of the fleet; its in-flight prompts are queued again."""
+        lost = sorted(slot.in_flight.values(), key=lambda issue: issue.group_id)
+        for issue in lost:
+            self.buffer.reset_group(issue.group_id)
+            self._requeued.add(issue.group_id)
+        self.controller.requeue(lost)
+        self._retired_tokens += slot.generated_tokens
+        self.workers.remove(slot)
+        self.trace.record(
+            self.clock(), "preemption", slot.worker_id, None, reason=reason, requeued=len(lost)
+        )
+
+    def _call_workers(self, method: str, args: dict[str, tuple]) -> dict[str, Any]:
+        """Calls ``method`` on every worker at once; returns replies by worker id.
+
+        A worker that died is taken out of the fleet (and replaced, if configured)."""
+        refs = [
+            (slot, getattr(slot.handle, method).remote(*args.get(slot.worker_id, ())))
+            for slot in list(self.workers)
+        ]
+        replies, dead = {}, []
+        for slot, ref in refs:
+            try:
+                replies[slot.worker_id] = ray.get(ref)
+            except RayActorError:
+                dead.append(slot)
+        for slot in dead:
+            self._lose_worker(slot, "actor_died")
+            ray.kill(slot.handle)
+            if self.ray_config.replace_dead_workers:
+                self._replacements += 1
+                if self._replacements > self.ray_config.max_worker_replacements:
+                    raise RuntimeError(
+                        f"{self._replacements} worker actors died; giving up (raise "
+                        "RayConfig.max_worker_replacements if the cluster is really that "
+                        "unreliable, else look at the workers' logs)"
+                    )
+                new = self._add_worker()
+                self.trace.record(
+                    self.clock(), "restart", new.worker_id, None, replaces=slot.worker_id
+                )
+        return replies
+
+    # -- the trainer and the parameter server ------------------------------------------
+    def _call_restarting(self, method: str, *args: Any) -> Any:
+        """Calls the trainer once, waiting while Ray restarts it."""
+        deadline = time.perf_counter() + _RECOVERY_WAIT_S
+        while True:
+            try:
+                return ray.get(getattr(self.trainer, method).remote(*args))
+            except RayActorError as error:
+                if time.perf_counter() > deadline or "max_restarts" in str(error):
+                    raise RuntimeError(
+                        f"the trainer actor is gone ({type(error).__name__}); it may have "
+                        "used up RayConfig.trainer_max_restarts: see its log"
+                    ) from error
+                time.sleep(0.2)
+
+    def _trainer(self, method: str, *args: Any) -> Any:
+        """Calls the trainer; if it died or came back with a fresh state, restores it
+        (:meth:`_recover_trainer`) and calls again."""
+        for _ in range(self.ray_config.trainer_max_restarts + 1):
+            try:
+                return ray.get(getattr(self.trainer, method).remote(*args))
+            except (RayActorError, TrainerRestartedError):
+                self._recover_trainer()
+        raise RuntimeError(
+            f"the trainer failed {self.ray_config.trainer_max_restarts + 1} times in a row "
+            f"at step {self.version}; see its log"
+        )
+
+    def _train(self, batch) -> dict[str, Any]:
+        step = self.version + 1
+        self._replay.append((step, batch))
+        result = self._trainer("train", batch, step)
+        if result["checkpoint_step"] is not None:
+            self._replay = [(s, b) for s, b in self._replay if s > result["checkpoint_step"]]
+        if self.config.weight_sync.should_push(step):
+            self._published = step
+        return result
+
+    def _recover_trainer(self) -> None:
+        """Restores the restarted trainer and replays the batches since its checkpoint,
+        so its state is the one it lost; then it publishes again."""
+        self.trace.record(self.clock(), "preemption", "trainer", self.version)
+        restored = self._call_restarting("restore", self.version)
+        replay = [(s, b) for s, b in self._replay if restored < s <= self.version]
+        if [s for s, _ in replay] != list(range(restored + 1, self.version + 1)):
+            raise RuntimeError(
+                f"the trainer restored step {restored} but the driver no longer holds the "
+                f"batches of steps {restored + 1}..{self.version}"
+            )
+        for step, batch in replay:
+            self.trace.extend(self._call_restarting("train", batch, step, False)["events"])
+        reply = self._call_restarting("publish", self.version, True)
+        self.trace.extend(reply["events"])
+        self._published = reply["version"]
+        self.trace.record(
+            self.clock(), "restart", "trainer", self.version, lost_steps=self.version - restored
+        )
+
+    def _ensure_published(self) -> int | None:
+        """The published version; has the trainer publish again if the store lost it."""
+        latest = self.param_server.latest_version()
+        if latest is None or latest < self._published:
+            self.trace.record(self.clock(), "restart", "param_server", latest)
+            reply = self._trainer("publish", self.version)
+            self.trace.extend(reply["events"])
+            latest = reply["version"]
+        return latest
+
+    def _sync_workers(self) -> dict[str, Any]:
+        """Every worker pulls if it must; returns their rooms. Weights that died with
+        the trainer mean it died: it is restored and the workers sync again."""
+        rooms = self._call_workers("sync", {})
+        if any(reply["weights_lost"] for reply in rooms.values()):
+            self._trainer("publish", self.version)  # Restores a dead trainer first.
+            for worker_id, reply in self._call_workers("sync", {}).items():
+                rooms[worker_id]["free"] = reply["free"]
+                rooms[worker_id]["events"] += reply["events"]
+        return rooms
+
+    # -- the loop ----------------------------------------------------------------------
+    def _issue(self, rooms: dict[str, Any], published: int | None) -> dict[str, tuple]:
+        """Prompts per worker, in worker order, while the staleness policy admits more."""
+        policy = self.config.staleness
+        work: dict[str, tuple] = {}
+        for slot in self.workers:
+            if slot.worker_id not in rooms:
+                continue
+            # Re-issued prompts are already counted in flight: they need no new capacity.
+            capacity = policy.capacity(self.buffer.accepted, self.buffer.in_flight, published or 0)
+            room = min(rooms[slot.worker_id]["free"], capacity + len(self.controller.reissue))
+            items = []
+            for issue in self.controller.next_issues(room) if room > 0 else []:
+                problem = self.problems[issue.problem_index]
+                if issue.group_id in self._requeued:
+                    self._requeued.discard(issue.group_id)
+                else:
+                    self.buffer.issue(issue.group_id, problem.id)
+                slot.in_flight[issue.group_id] = issue
+                items.append((issue, problem))
+            work[slot.worker_id] = (items,)
+        return work
+
+    def round(self) -> bool:
+        """One round of the loop over the fleet: every worker pulls if it must, the
+        driver issues prompts, every worker decodes one chunk and its finished rollouts
+        go to the buffer. Returns whether anything moved. ``step`` repeats this until a
+        batch is ready; call it directly to stop mid-generation (e.g. to inject a fault).
+        """
+        if not self.workers:
+            raise RuntimeError("no inference workers are left: call scale_workers(n) with n >= 1")
+        published = self._ensure_published()
+        rooms = self._sync_workers()
+        for reply in rooms.values():
+            self.trace.extend(reply["events"])
+        work = self._issue(rooms, published)
+        progressed = any(items for (items,) in work.values())
+        replies = self._call_workers("submit_and_step", work)
+        for slot in self.workers:
+            reply = replies.get(slot.worker_id)
+            if reply is None:
+                continue
+            self.trace.extend(reply["events"])
+            slot.generated_tokens = reply["generated_tokens"]
+            progressed |= bool(reply["rollouts"]) or reply["busy"]
+            for rollout in reply["rollouts"]:
+                slot.in_flight.pop(rollout.group_id, None)
+                reason = self.buffer.add(rollout, self.version)
+                self._since["samples"] += 1
+                if reason is not None:
+                    self.trace.record(
+                        self.clock(),
+                        "drop",
+                        "buffer",
+                        rollout.first_version,
+                        reason=reason,
+                        rollout=rollout.group_id,
+                    )
+        return progressed
+
+    def _collect_batch(self) -> list[RolloutGroup]:
+        idle_rounds = 0
+        dropped_before = len(self.buffer.dropped)
+        patience = 50 * self.config.staleness.batch_size
+        while True:
+            batch = self.buffer.take_batch(self.version)
+            if batch is not None:
+                return batch
+            progressed = self.round()
+            if len(self.buffer.dropped) - dropped_before > patience:
+                raise RuntimeError(
+                    f"{patience} prompt groups in a row were dropped "
+                    f"({self.buffer.counts()['dropped_by_reason']}) without one batch; see "
+                    "Experiment for the usual fixes (sft.steps, an easier task, η)"
+                )
+            idle_rounds = 0 if progressed else idle_rounds + 1
+            if idle_rounds > 2:
+                raise RuntimeError(
+                    "the loop stalled: no prompt is in flight and no batch is ready "
+                    f"(buffer {self.buffer.counts()}); check staleness.batch_size against "
+                    "the fleet's slots (num_workers * slots_per_worker / sampling.n)"
+                )
+
+    def step(self) -> dict[str, Any]:
+        """Runs until the trainer has taken one step; returns its metrics."""
+        t_start = self.clock()
+        groups = self._collect_batch()
+        t_gen = self.clock()
+        samples = [r for g in groups for r in g.rollouts]
+        batch = collate(samples, bucket=_BUCKETS, pad_token_id=self.tokenizer.pad_id)
+        result = self._train(batch)
+        self.trace.extend(result["events"])
+        self.version += 1
+        t_train = self.clock()
+        metrics = self._metrics(groups, samples, result["metrics"], t_start, t_gen, t_train)
+        self.trace.record(
+            self.clock(),
+            "train_step",
+            "trainer",
+            self.version,
+            step=self.version,
+            samples=len(samples),
+            tokens=int(np.asarray(batch.loss_mask).sum()),
+            duration_s=result["duration_s"],
+            staleness=[self.version - 1 - g.first_version for g in groups],
+        )
+        self.last_batch = {"groups": groups, "batch": batch, "metrics": metrics}
+        self.history.append(metrics)
+        self.logger.log(metrics)
+        return metrics
+
+    def _metrics(self, groups, samples, train_metrics, t_start, t_gen, t_train) -> dict[str, Any]:
+        rewards = np.array([s.reward for s in samples])
+        staleness = np.array([self.version - 1 - g.first_version for g in groups])
+        correct = np.array([s.reward_info["correct"] for s in samples])
+        tokens = self._retired_tokens + sum(w.generated_tokens for w in self.workers)
+        elapsed = max(t_train - self._since["t"], 1e-9)
+        counts = self.buffer.counts()
+        out = {
+            "step": self.version,
+            "reward/mean": float(rewards.mean()),
+            "reward/pass_rate": float(correct.mean()),
+            "staleness/mean": float(staleness.mean()),
+            "staleness/max": int(staleness.max()),
+            "completion/mean_tokens": float(np.mean([s.num_tokens for s in samples])),
+            "buffer/in_flight": counts["in_flight"],
+            "buffer/buffered": counts["buffered"],
+            "buffer/trained": counts["trained"],
+            "buffer/dropped": counts["dropped"],
+            **{f"dropped/{k}": v for k, v in counts["dropped_by_reason"].items()},
+            **{f"train/{k}": v for k, v in train_metrics.items()},
+            "fleet/workers": len(self.workers),
+            "time/generate_s": t_gen - t_start,
+            "time/train_s": t_train - t_gen,
+            "throughput/tokens_per_s": (tokens - self._since["tokens"]) / elapsed,
+            "throughput/samples_per_s": self._since["samples"] / elapsed,
+        }
+        self._since = {"t": t_train, "tokens": tokens, "samples": 0}
+        return out
+
+    def run(self, steps: int | None = None) -> list[dict[str, Any]]:
+        """Takes ``steps`` trainer steps (default: the config's) and returns their metrics."""
+        return [self.step() for _ in range(self.config.steps if steps is None else steps)]
+
+    def check_accounting(self) -> None:
+        """Asserts the buffer's invariant, and that every in-flight prompt is on exactly
+        one live worker or queued to be issued again."""
+        self.buffer.check(self.controller.next_group_id)
+        held = [g for w in self.workers for g in w.in_flight]
+        queued = [i.group_id for i in self.controller.reissue]
+        if len(held) + len(queued) != len(set(held) | set(queued)) or (
+            len(held) + len(queued) != self.buffer.in_flight
+        ):
+            raise AssertionError(
+                f"accounting broken: buffer has {self.buffer.in_flight} prompts in flight, "
+                f"workers hold {sorted(held)[:10]}..., re-issue queue {queued[:10]}"
+            )
+
+    # -- evaluation and teardown -------------------------------------------------------
+    def params(self) -> Any:
+        """The trainer's current params (copied from its actor to this process)."""
+        return jax.device_put(self._trainer("host_params", self.version))
+
+    def current_model(self) -> nnx.Module:
+        """The trainer's current policy as a model in this process."""
+        return nnx.merge(self.graphdef, self.params())
+
+    def evaluate(
+        self, num_problems: int | None = None, samples: int | None = None, seed: int = 1234
+    ) -> EvalReport:
+        """Held-out pass@1 (and pass@k) of the trainer's current weights, in the driver."""
+        cfg = self.config.eval
+        n = samples or cfg.samples
+        if self._scorer is None:
+            self._scorer = RewardRunner.for_task(self.task).start()
+        generate = make_text_generate(
+            (self.graphdef, self.params()), self.tokenizer, self.config.sampling
+        )
+        problems = self.task.problems("test", num_problems or cfg.num_problems)
+        return evaluate_policy(
+            self.task,
+            generate,
+            problems=problems,
+            n=n,
+            ks=sorted({1, n}),
+            seed=seed,
+            runner=self._scorer,
+        )
+
+    def close(self) -> None:
+        """Stops the actors, closes the files, and shuts Ray down if this object
+        started it."""
+        for slot in self.workers:
+            _stop_actor(slot.handle)
+        self.workers = []
+        _stop_actor(self.trainer, timeout_s=60.0)
+        if self._ps_actor is not None:
+            ray.kill(self._ps_actor)
+        if self._scorer is not None:
+            self._scorer.close()
+        self.logger.close()
+        self.trace.close()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> RayExperiment:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

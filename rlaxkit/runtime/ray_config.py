@@ -1,0 +1,111 @@
+"""Settings of the Ray backend: where actors go, which weight store, how faults heal.
+
+Kept apart from ``rlaxkit.config.RunConfig`` for now: ``RayExperiment(config,
+ray_config=RayConfig(...))`` takes it as an argument. The same run config therefore
+runs on either backend; only placement and fault handling are configured here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+WeightStoreKind = Literal["object_store", "tensorstore"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorResources:
+    """What one actor asks Ray's scheduler for.
+
+    Attributes:
+        num_cpus: logical CPUs (fractions allowed; ``0`` places it anywhere).
+        num_gpus: GPUs (fractions share one device).
+        resources: custom resources, e.g. ``{"TPU": 4}`` for a TPU VM host's chips
+            (Ray's TPU nodes advertise ``TPU`` and a ``TPU-<type>-head`` resource).
+    """
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("num_cpus", "num_gpus"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: must be a number >= 0, got {value!r}")
+        for key, value in self.resources.items():
+            if not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"resources[{key!r}]: must be a number >= 0, got {value!r}")
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments for ``ActorClass.options``."""
+        return {
+            "num_cpus": self.num_cpus,
+            "num_gpus": self.num_gpus,
+            "resources": dict(self.resources),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class RayConfig:
+    """Placement, weight transfer and fault handling of a ``RayExperiment``.
+
+    Attributes:
+        address: the cluster to join (``"auto"``: the one ``ray start`` runs on this
+            host; ``"ray://host:10001"``: a remote one). ``None`` uses the Ray already
+            initialised in this process, else starts a local one.
+        weight_store: ``object_store`` (the trainer puts each version into Ray's shared
+            memory once; workers on one host share it) or ``tensorstore`` (versioned
+            snapshots in ``weight_store_dir``, for hosts without a shared object store,
+            e.g. across a slow cluster network with a fast shared file system).
+        weight_store_dir: the TensorStore directory; every host must see it. Default: the
+            run directory's ``weights/`` (or a temporary directory without one).
+        tensorstore_durable: fsync snapshots before publishing them.
+        trainer: resources of the trainer actor.
+        worker: resources of each inference worker actor.
+        param_server: resources of the parameter-server actor (object store only).
+        trainer_max_restarts: how often Ray restarts a dead trainer; it then restores
+            its newest checkpoint and the driver replays the batches since.
+        param_server_max_restarts: how often Ray restarts a dead parameter server; the
+            trainer then registers its newest version again.
+        replace_dead_workers: start a new worker actor for each one that dies.
+        max_worker_replacements: give up (raise) after this many replacements, so a
+            worker that dies on start does not loop forever.
+    """
+
+    address: str | None = None
+    weight_store: WeightStoreKind = "object_store"
+    weight_store_dir: str | None = None
+    tensorstore_durable: bool = True
+    trainer: ActorResources = field(default_factory=ActorResources)
+    worker: ActorResources = field(default_factory=ActorResources)
+    param_server: ActorResources = field(default_factory=lambda: ActorResources(num_cpus=0))
+    trainer_max_restarts: int = 3
+    param_server_max_restarts: int = 3
+    replace_dead_workers: bool = True
+    max_worker_replacements: int = 16
+
+    def __post_init__(self) -> None:
+        if self.weight_store not in ("object_store", "tensorstore"):
+            raise ValueError(
+                f"weight_store: must be 'object_store' or 'tensorstore', got {self.weight_store!r}"
+            )
+        for name in ("trainer", "worker", "param_server"):
+            if not isinstance(getattr(self, name), ActorResources):
+                raise ValueError(f"{name}: must be an ActorResources, got {getattr(self, name)!r}")
+        for name in (
+            "trainer_max_restarts",
+            "param_server_max_restarts",
+            "max_worker_replacements",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
+
+
+def small_cluster_config(**changes: Any) -> RayConfig:
+    """A ``RayConfig`` whose actors fit a small local cluster (fractional CPUs)."""
+    small = ActorResources(num_cpus=0.25)
+    defaults: dict[str, Any] = {"trainer": small, "worker": small}
+    return RayConfig(**{**defaults, **changes})
