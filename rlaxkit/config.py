@@ -193,18 +193,29 @@ class RunConfig:
 
     @property
     def group_size(self) -> int:
+        """Samples per prompt (``sampling.n``): the size of a GRPO group."""
         return self.sampling.n
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as nested plain dicts (what ``config.yaml`` holds)."""
         return to_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """A validated config from nested dicts; a wrong name or value names its path.
+
+        >>> from rlaxkit.configio import apply_overrides
+        >>> RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), ["steps=5"])).steps
+        5
+        """
         return from_dict(cls, data, path="config")
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+        """Reads a YAML config (only the fields it changes), then ``section.field=value``
+        ``overrides``."""
         return load_yaml(cls, path, overrides)
 
     def save(self, path: str | Path) -> None:
+        """Writes the full config as YAML (every field, so the run can be reproduced)."""
         dump_yaml(self, path)

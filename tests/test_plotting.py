@@ -1,0 +1,127 @@
+"""``rlaxkit plot RUN_DIR`` writes PNGs of the expected size; every figure draws."""
+
+import struct
+
+import numpy as np
+import pytest
+from matplotlib.figure import Figure
+
+import sim
+from rlaxkit import plotting
+from rlaxkit.cli import main
+from rlaxkit.config import RunConfig
+from rlaxkit.configio import apply_overrides
+from rlaxkit.metrics import MetricsLogger
+from rlaxkit.runtime import Experiment
+from rlaxkit.trace import JsonlTraceWriter
+
+WIDTH, HEIGHT = (round(s * plotting.DPI) for s in plotting.SIZE_IN)  # 700 x 400
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk (the first chunk, right after the signature)."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path.name} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def check_plots(run_dir, capsys, expected):
+    assert main(["plot", str(run_dir)]) == 0
+    printed = capsys.readouterr().out.split()
+    names = sorted(p.name for p in (run_dir / "plots").glob("*.png"))
+    assert names == sorted(expected)
+    assert sorted(p.rsplit("/", 1)[-1] for p in printed) == names
+    for name in names:
+        path = run_dir / "plots" / name
+        assert path.stat().st_size > 1000, name  # a real image, not an empty canvas
+        assert png_size(path) == (WIDTH, HEIGHT), name
+
+
+def test_plot_writes_png_files_of_the_expected_size_for_a_simulated_run(tmp_path, capsys):
+    # A run directory in the shared format, written by the simulator and a metrics log.
+    with JsonlTraceWriter(tmp_path / "trace.jsonl") as trace:
+        result = sim.simulate(sim.presets.toy(target_steps=4), trace=trace)
+    logger = MetricsLogger(tmp_path / "metrics.jsonl", progress=False)
+    for step in range(1, result.steps + 1):
+        logger.log({"step": step, "reward/mean": 0.1 * step})
+    logger.close()
+    check_plots(tmp_path, capsys, ["reward.png", "staleness.png", "timeline.png"])
+
+
+def test_plot_of_a_trace_only_directory_writes_the_trace_figures(tmp_path, capsys):
+    with JsonlTraceWriter(tmp_path / "trace.jsonl") as trace:
+        sim.simulate(sim.presets.toy(target_steps=2), trace=trace)
+    check_plots(tmp_path, capsys, ["staleness.png", "timeline.png"])
+
+
+def test_plot_of_a_directory_without_a_run_exits_2_with_a_message(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "neither metrics.jsonl nor trace.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_plot_writes_png_files_for_a_real_local_run(tmp_path, capsys):
+    small = [
+        "model.config.hidden_size=32",
+        "model.config.intermediate_size=64",
+        "model.config.num_layers=2",
+        "task.options.max_digits=1",
+        "task.num_train=80",
+        "sft.steps=200",
+        "sft.batch_size=32",
+        "staleness.batch_size=4",
+        "sampling.n=4",
+        "runtime.slots_per_worker=16",
+    ]
+    config = RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), small))
+    with Experiment(config, run_dir=tmp_path) as exp:
+        exp.run(3)
+    check_plots(tmp_path, capsys, ["reward.png", "staleness.png", "timeline.png"])
+
+
+def metrics(n, offset=0.0):
+    return [
+        {"step": i, "reward/mean": offset + 0.05 * i, "train/ratio_mean": 1.0} for i in range(n)
+    ]
+
+
+def test_every_figure_function_returns_a_drawn_figure():
+    rows = [{"k": 1, "pass@k": 0.2}, {"k": 2, "pass@k": 0.3}, {"k": 4, "pass@k": 0.4}]
+    figures = [
+        plotting.reward_figure(metrics(5), [{"step": 0, "pass@1": 0.1}]),
+        plotting.curves_figure({"a": metrics(5), "b": metrics(5, 0.1)}, ["reward/mean"]),
+        plotting.pass_at_k_figure({"before": rows, "after": rows}),
+        plotting.compare_runs_figure(
+            {
+                "η=0 · grpo": {
+                    "metrics": metrics(4),
+                    "pass_at_k": rows,
+                    "staleness": {0: 8},
+                    "step_s": 0.5,
+                },
+                "η=2 · decoupled": {"metrics": metrics(4), "staleness": {0: 5, 1: 3}},
+            }
+        ),
+        plotting.update_figure(
+            np.array([0.7, 1.0, 1.3]), np.array([-1.0, 0.5, 1.0]), {"a/b": 0.1, "c": 0.2}
+        ),
+        plotting.comparison_figure({"a": 1.0, "b": 2.0}, ylabel="s"),
+        plotting.scaling_figure([64, 128, 256], {"η = 0": [1.0, 1.8, 3.0]}, ceiling=4.0),
+        plotting.overlay_figure({"latency (s)": ([0.1, 0.2, 0.3], [0.15, 0.25])}),
+    ]
+    for figure in figures:
+        assert isinstance(figure, Figure)
+        assert figure.axes and all(ax.has_data() for ax in figure.axes if ax.get_visible())
+
+
+def test_bad_figure_input_names_the_problem():
+    with pytest.raises(ValueError, match="one entry per token"):
+        plotting.update_figure(np.ones(3), np.ones(2), {})
+    with pytest.raises(ValueError, match="has 2 values for 3 sizes"):
+        plotting.scaling_figure([1, 2, 4], {"x": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="keys"):
+        plotting.curves_figure({"a": metrics(2)}, [])
+    with pytest.raises(ValueError, match="panels"):
+        plotting.overlay_figure({})
