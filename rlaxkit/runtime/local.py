@@ -449,7 +449,12 @@ class Experiment(FaultHandling):
         return checkpoint_state.save_experiment(self, force=True)
 
     def summary(self) -> dict[str, Any]:
-        """Goodput (useful trainer compute ÷ wall time), lost steps, fault counters."""
+        """Goodput (useful trainer compute ÷ wall time), lost steps, fault counters.
+
+        In deterministic mode downtimes pass on the logical fault clock and cost no wall
+        time, so wall goodput shows the compute faults waste (lost steps, restores,
+        regenerated prompts, checkpoint writes); ``rounds`` (the logical duration)
+        shows what downtimes cost."""
         wall = self.trace.offset_s + self.clock()
         useful = sum(self.useful_train_s)
         return {
@@ -459,6 +464,7 @@ class Experiment(FaultHandling):
             "lost_steps": self.lost_steps,
             "wall_s": wall,
             "steps": self.version,
+            "rounds": self.rounds,
             "accepted_lost": len(self.buffer.accepted_lost()),
             "failed_pulls": sum(w.failed_pulls for w in self.workers),
             "reward_failures": {
