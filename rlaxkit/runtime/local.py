@@ -138,15 +138,16 @@ class Experiment(FaultHandling):
         self.checkpoints = self._open_checkpoints() if self.run_dir else None
         resume_meta = None
         if self.checkpoints and resume and self.checkpoints.latest_step() is not None:
-            resume_meta = checkpoint_state.read_meta(self.checkpoints)
-            differences = checkpoint_state.config_differences(
-                resume_meta["config"], config.to_dict()
-            )
-            if differences:  # fail before any work (shapes are checked once built)
-                checkpoint_state.check_compatible(
-                    resume_meta, str(self.checkpoints.directory), config.to_dict(), {}
-                )
-            checkpoint_state.check_plan(self.checkpoints, self.plan)
+            try:  # fail before any work (shapes are checked once the state is built)
+                resume_meta = checkpoint_state.read_meta(self.checkpoints)
+                if checkpoint_state.config_differences(resume_meta["config"], config.to_dict()):
+                    checkpoint_state.check_compatible(
+                        resume_meta, str(self.checkpoints.directory), config.to_dict(), {}
+                    )
+                checkpoint_state.check_plan(self.checkpoints, self.plan)
+            except ValueError:
+                self.checkpoints.close()
+                raise
         if self.run_dir:
             config.save(self.run_dir / "config.yaml")
         self._t0 = time.perf_counter()
