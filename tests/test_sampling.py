@@ -24,6 +24,7 @@ from rlaxkit.inference import (
     make_text_generate,
     sample_tokens,
 )
+from rlaxkit.inference.sampler import inverse_cdf_sample
 from rlaxkit.jaxutil import count_compilations
 from rlaxkit.logprobs import token_logprobs
 from rlaxkit.models import CharTokenizer, ModelConfig, abstract_model, load_hf_checkpoint
@@ -214,6 +215,18 @@ def test_untruncated_sampling_records_equal_logprobs_and_greedy_is_argmax():
     expected = np.asarray(jax.nn.log_softmax(logits))[np.arange(8), np.asarray(tokens)]
     np.testing.assert_allclose(logprobs, expected, atol=1e-6)
     np.testing.assert_array_equal(logprobs, plain)
+
+
+def test_inverse_cdf_sampling_draws_the_softmax_distribution_and_skips_masked_tokens():
+    # p = softmax([0, log 2, log 3, -inf, log 4]) = [1, 2, 3, 0, 4] / 10; 40000 draws give
+    # a standard error of sqrt(0.4 * 0.6 / 40000) ~ 0.0025 per frequency, so 0.012 is
+    # about 5 standard errors.
+    logits = jnp.log(jnp.array([1.0, 2.0, 3.0, 0.0, 4.0]))
+    keys = jax.random.split(jax.random.key(0), 40_000)
+    tokens = jax.jit(inverse_cdf_sample)(keys, jnp.broadcast_to(logits, (40_000, 5)))
+    frequencies = np.bincount(np.asarray(tokens), minlength=5) / 40_000
+    assert frequencies[3] == 0.0
+    np.testing.assert_allclose(frequencies, [0.1, 0.2, 0.3, 0.0, 0.4], atol=0.012)
 
 
 # --- generation: equivalence and parity -----------------------------------------------

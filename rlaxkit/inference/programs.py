@@ -97,8 +97,8 @@ def start_rows(
     prefill = KVCache.zeros(model.config, num_prompts, width, state.cache.k[0].dtype)
     _, prefill = model.decode(prompts, positions, prefill, context_mask)
 
-    def copy(full, part):
-        return full.at[dest, :width].set(part[source], mode="drop")
+    def copy(full, part):  # cache layout [rows, kv_heads, slots, head_dim]
+        return full.at[dest, :, :width].set(part[source], mode="drop")
 
     valid = jnp.pad(prefill.valid[source], ((0, 0), (0, slots - width)))
     cache = KVCache(

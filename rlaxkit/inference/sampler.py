@@ -55,6 +55,34 @@ def kept_tokens(
     return keep
 
 
+def inverse_cdf_sample(keys: jax.Array, scaled_logits: jax.Array) -> jax.Array:
+    """One token per row drawn from ``softmax(scaled_logits)`` by inverting its CDF.
+
+    With ``w = exp(z - max z)`` and ``c = cumsum(w)``, row ``b`` takes the first token
+    ``i`` with ``c_i > u_b · c_V`` for one uniform ``u_b ~ U[0, 1)`` drawn with
+    ``keys[b]``: token ``i`` is chosen with probability ``w_i / Σ w``, exactly the
+    categorical distribution. Tokens with ``z = -inf`` (truncated away) have ``w = 0``
+    and are never chosen. Compared with the Gumbel-max trick (``jax.random.categorical``)
+    this draws one random number per row instead of one per vocabulary entry, which is
+    most of a CPU decode step's sampling time.
+
+    Args:
+        keys: ``[rows]`` PRNG keys.
+        scaled_logits: ``[rows, vocab]`` float32, ``-inf`` allowed where the most likely
+            token is finite.
+
+    Returns:
+        ``[rows]`` int32 token ids.
+    """
+    weights = jnp.exp(scaled_logits - jnp.max(scaled_logits, axis=-1, keepdims=True))
+    cdf = jnp.cumsum(weights, axis=-1)
+    uniform = jax.vmap(jax.random.uniform)(keys)
+    tokens = jnp.sum(cdf <= (uniform[:, None] * cdf[:, -1:]), axis=-1)
+    # u · c_V rounds to at most c_V; never step past the last token with weight.
+    last = weights.shape[-1] - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)
+    return jnp.minimum(tokens, last).astype(jnp.int32)
+
+
 def sample_tokens(
     keys: jax.Array, logits: jax.Array, config: SamplingConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -85,7 +113,7 @@ def sample_tokens(
     if config.truncates:
         keep = kept_tokens(scaled, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p)
         scaled = jnp.where(keep, scaled, -jnp.inf)
-    tokens = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    tokens = inverse_cdf_sample(keys, scaled)
     plain = logprobs_from_logits(logits, tokens, config.temperature)
     if not config.truncates:
         return tokens, plain, plain

@@ -35,7 +35,9 @@ class KVCache:
     """Preallocated keys and values of every layer.
 
     Attributes:
-        k: one array per layer, ``[batch, slots, kv_heads, head_dim]``.
+        k: one array per layer, ``[batch, kv_heads, slots, head_dim]`` (heads before
+            slots: the layout attention contracts in, so a decode step reads the cache
+            without transposing it).
         v: like ``k``.
         valid: ``[batch, slots]`` bool, the slot holds a real (non-padding) token.
         end: ``[batch]`` int32, the next slot each row writes to.
@@ -57,7 +59,7 @@ class KVCache:
     ) -> KVCache:
         """An empty cache for ``batch`` rows of ``slots`` tokens each."""
         dtype = dtype or jnp.dtype(config.param_dtype)
-        shape = (batch, slots, config.num_kv_heads, config.head_dim)
+        shape = (batch, config.num_kv_heads, slots, config.head_dim)
         return cls(
             k=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
             v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
@@ -162,15 +164,15 @@ class Attention(nnx.Module):
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-        """Softmax attention of ``q [B,T,H,D]`` over ``k, v [B,S,KV,D]``; ``mask [B,T,S]``."""
+        """Softmax attention of ``q [B,T,H,D]`` over ``k, v [B,KV,S,D]``; ``mask [B,T,S]``."""
         b, t, _, d = q.shape
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(b, t, self.num_kv_heads, groups, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
         scores = scores * (d**-0.5)
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+        out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
         return self.o_proj(out.reshape(b, t, self.num_heads * d))
 
 
@@ -207,11 +209,12 @@ class Block(nnx.Module):
         cache_kv: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         q, k, v = self.self_attn.project(self.input_layernorm(x), positions, inv_freq)
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KV, T, D]
         new_kv = None
         if cache_kv is not None:
             cache_k, cache_v, start = cache_kv
             write = jax.vmap(
-                lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new, i, 0)
+                lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new, i, 1)
             )
             cache_k = write(cache_k, k.astype(cache_k.dtype), start)
             cache_v = write(cache_v, v.astype(cache_v.dtype), start)
