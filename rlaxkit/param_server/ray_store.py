@@ -144,6 +144,8 @@ class RayObjectStoreParameterServer:
         to_device: ``jax.device_put`` pulled arrays (a pull otherwise returns read-only
             ``numpy`` views of the object store).
         poll_interval_s: how often a waiting pull asks the actor again.
+        default_timeout_s: the timeout of a pull that gives none (``None``: wait
+            forever, as the protocol says).
         on_event: optional ``on_event(kind, version, duration_s=..., bytes=..., ...)``.
     """
 
@@ -153,6 +155,7 @@ class RayObjectStoreParameterServer:
         *,
         to_device: bool = True,
         poll_interval_s: float = 0.01,
+        default_timeout_s: float | None = None,
         on_event: EventHook | None = None,
     ) -> None:
         if poll_interval_s <= 0:
@@ -160,6 +163,7 @@ class RayObjectStoreParameterServer:
         self.actor = actor
         self.to_device = to_device
         self.poll_interval_s = poll_interval_s
+        self.default_timeout_s = default_timeout_s
         self.on_event = on_event
         self.stats = TransferStats()
         self._retained: tuple[int, ray.ObjectRef, int] | None = None
@@ -169,6 +173,7 @@ class RayObjectStoreParameterServer:
             "actor": self.actor,
             "to_device": self.to_device,
             "poll_interval_s": self.poll_interval_s,
+            "default_timeout_s": self.default_timeout_s,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -221,6 +226,7 @@ class RayObjectStoreParameterServer:
             WeightsLostError: the newest version's owner died (retry after the trainer
                 publishes again).
         """
+        timeout = self.default_timeout_s if timeout is None else timeout
         start = time.perf_counter()
         while True:
             found = ray.get(self.actor.latest.remote(min_version))

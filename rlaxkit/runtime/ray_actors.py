@@ -108,10 +108,14 @@ class WeightStore:
     template: Any = None
     durable: bool = True
 
-    def connect(self, on_event=None) -> ParameterServer:
-        """A client of this store for the calling process."""
+    def connect(self, on_event=None, pull_timeout_s: float | None = None) -> ParameterServer:
+        """A client of this store for the calling process; ``pull_timeout_s`` bounds a
+        pull that gives no timeout of its own (object store only)."""
         if self.kind == "object_store":
-            return RayObjectStoreParameterServer(ray.get_actor(self.actor_name), on_event=on_event)
+            actor = ray.get_actor(self.actor_name)
+            return RayObjectStoreParameterServer(
+                actor, on_event=on_event, default_timeout_s=pull_timeout_s
+            )
         return TensorStoreParameterServer(
             self.directory,
             keep=self.keep,
@@ -311,6 +315,29 @@ class TrainerActor:
             self.checkpoints.close()
 
 
+# A worker's pull waits this long for a version on an empty store (the parameter server
+# restarting) before it fails, is counted, and the driver repairs the store.
+_WORKER_PULL_TIMEOUT_S = 1.0
+
+
+class _Observed:
+    """A parameter-server client that remembers the latest version it last reported."""
+
+    def __init__(self, server: ParameterServer):
+        self.server = server
+        self.seen: int | None = -1
+
+    def latest_version(self) -> int | None:
+        self.seen = self.server.latest_version()
+        return self.seen
+
+    def pull(self, min_version: int | None = None, timeout: float | None = None):
+        return self.server.pull(min_version, timeout)
+
+    def push(self, version: int, params: Any) -> None:
+        self.server.push(version, params)
+
+
 class WorkerActor:
     """One inference worker: an ``InferenceWorker`` in its own process.
 
@@ -345,6 +372,7 @@ class WorkerActor:
         task = build_task(config)
         self.scorer = RewardRunner.for_task(task).start()
         self.lost_weights = 0
+        self.store = _Observed(store.connect(pull_timeout_s=_WORKER_PULL_TIMEOUT_S))
         self.worker = InferenceWorker(
             worker_id,
             graphdef,
@@ -352,7 +380,7 @@ class WorkerActor:
             task=task,
             tokenizer=tokenizer,
             scorer=self.scorer,
-            param_server=store.connect(),
+            param_server=self.store,
             staleness=config.staleness,
             weight_sync=config.weight_sync,
             trace=self.trace,
@@ -370,19 +398,36 @@ class WorkerActor:
         return events
 
     def sync(self) -> dict[str, Any]:
-        """Pulls if this worker lags too far; returns ``free`` room, ``version``,
-        ``weights_lost`` (the newest version died with the trainer: nothing changed,
-        call again once it has published) and ``events``."""
+        """Pulls if this worker lags too far.
+
+        Returns ``free`` room, ``version``, ``events``, ``weights_lost`` (the newest
+        version died with the trainer) and ``retry``: this sync may not have done what
+        the local loop would (weights lost, a failed pull, or an empty store, as while
+        the parameter server restarts); nothing changed, so the driver repairs the store
+        and calls again.
+        """
         lost = False
+        failed_before = self.worker.failed_pulls
+        self.store.seen = -1
         try:
             self.worker.sync_weights()
-        except WeightsLostError:
+        except WeightsLostError as error:
             self.lost_weights += 1
             lost = True
+            self.trace.record(
+                self.clock(),
+                "fault",
+                self.worker.worker_id,
+                self.worker.version,
+                fault="weights_lost",
+                error=str(error)[:200],
+            )
+        failed = self.worker.failed_pulls > failed_before
         return {
             "free": self.worker.free,
             "version": self.worker.version,
             "weights_lost": lost,
+            "retry": lost or failed or self.store.seen is None,
             "events": self._drain(),
         }
 

@@ -19,31 +19,20 @@ is ready the trainer steps and pushes. Workers run in parallel within a phase, b
 one's inputs are what the local loop would give it, so in deterministic mode a seed
 gives the same prompts, rollouts and metrics on both backends (timings aside).
 
-Faults:
-
-- a worker actor that dies (``ray.kill``, a lost host) is detected at its next call; its
-  in-flight prompts keep their place in the books (``buffer.reset_group``) and are
-  re-issued with the same ids and seeds (``controller.requeue``); a new worker actor
-  replaces it (``RayConfig.replace_dead_workers``);
-- the parameter-server actor restarts (``max_restarts``) empty; the driver notices
-  that it holds less than the trainer published and has the trainer register its
-  newest version again;
-- the trainer actor restarts (``max_restarts``), restores its newest checkpoint (Orbax,
-  ``rlaxkit.checkpoint``), and the driver replays the batches trained since, so the
-  state is the one it lost; nothing accepted is lost.
+Faults (``rlaxkit.runtime.ray_recovery``): a dead worker actor is replaced and its
+in-flight prompts re-issued; a restarted parameter server gets the trainer's newest
+version again; a restarted trainer restores its checkpoint and the driver replays the
+batches since, so the run goes on as if nothing happened.
 
 The driver itself is not fault tolerant: run it on a machine that is not preempted.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import shutil
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +40,11 @@ import jax
 import numpy as np
 import ray
 from flax import nnx
-from ray.exceptions import RayActorError
 
 from rlaxkit.batch import collate
 from rlaxkit.buffer import RolloutBuffer
 from rlaxkit.config import RunConfig
-from rlaxkit.controller import Issue, PromptController
+from rlaxkit.controller import PromptController
 from rlaxkit.evaluation import EvalReport, evaluate_policy
 from rlaxkit.inference import make_text_generate
 from rlaxkit.metrics import MetricsLogger
@@ -64,25 +52,13 @@ from rlaxkit.param_server.ray_store import parameter_server_actor
 from rlaxkit.rollout import RolloutGroup
 from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.local import _BUCKETS
-from rlaxkit.runtime.ray_actors import (
-    TrainerActor,
-    TrainerRestartedError,
-    WeightStore,
-    WorkerActor,
-    driver_jax_options,
-)
+from rlaxkit.runtime.ray_actors import TrainerActor, WeightStore, driver_jax_options
 from rlaxkit.runtime.ray_config import RayConfig
+from rlaxkit.runtime.ray_recovery import RayFaultHandling, WorkerSlot, remote, stop_actor
 from rlaxkit.tasks import RewardRunner
 from rlaxkit.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
 
 __all__ = ["RayExperiment"]
-
-_RECOVERY_WAIT_S = 120.0  # How long a restarting actor may take to answer again.
-
-
-@functools.cache
-def _remote(cls):
-    return ray.remote(cls)
 
 
 class _Trace:
@@ -109,24 +85,7 @@ class _Trace:
             self.file.close()
 
 
-def _stop_actor(handle: Any, timeout_s: float = 30.0) -> None:
-    """Asks an actor to ``close`` (release its pools and files), then kills it."""
-    with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
-        ray.get(handle.close.remote(), timeout=timeout_s)
-    ray.kill(handle)
-
-
-@dataclass
-class _Worker:
-    """The driver's view of one worker actor."""
-
-    worker_id: str
-    handle: Any
-    in_flight: dict[int, Issue] = field(default_factory=dict)
-    generated_tokens: int = 0
-
-
-class RayExperiment:
+class RayExperiment(RayFaultHandling):
     """An RL run on Ray you can step through, like ``Experiment``.
 
     Args:
@@ -191,7 +150,7 @@ class RayExperiment:
         }
         checkpoints = str(self.run_dir / "checkpoints" / "trainer") if self.run_dir else None
         self.trainer = (
-            _remote(TrainerActor)
+            remote(TrainerActor)
             .options(**trainer_options)
             .remote(
                 config,
@@ -202,11 +161,10 @@ class RayExperiment:
                 self._jax_options,
             )
         )
-        self.workers: list[_Worker] = []
+        self.workers: list[WorkerSlot] = []
         self._next_worker = 0
         self._replacements = 0
         self._retired_tokens = 0
-        self._requeued: set[int] = set()
         self._replay: list[tuple[int, Any]] = []  # (step, batch) since the last checkpoint
         self.scale_workers(config.runtime.num_workers)  # They start while the trainer does.
         reply = self._trainer("publish", 0)
@@ -261,169 +219,6 @@ class RayExperiment:
         """Seconds since the run started."""
         return time.perf_counter() - self._t0
 
-    # -- the fleet ---------------------------------------------------------------------
-    def scale_workers(self, n: int) -> _Worker | None:
-        """Grows or shrinks the fleet to ``n`` worker actors, now; returns the newest
-        worker (``None`` when the fleet is empty).
-
-        New workers pull the newest weights before their first prompt. Removed workers
-        (the newest first) lose their in-flight prompts, which are re-issued to the
-        others with the same ids and seeds; the staleness policy applies unchanged.
-        """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"scale_workers: n must be an int >= 0, got {n!r}")
-        while len(self.workers) < n:
-            self._add_worker()
-        while len(self.workers) > n:
-            slot = self.workers[-1]
-            self._lose_worker(slot, "scaled_down")
-            _stop_actor(slot.handle)
-        return self.workers[-1] if self.workers else None
-
-    def _add_worker(self) -> _Worker:
-        worker_id = f"worker-{self._next_worker}"
-        self._next_worker += 1
-        options = {**self.ray_config.worker.options(), "max_restarts": 0, "max_task_retries": 0}
-        handle = (
-            _remote(WorkerActor)
-            .options(**options)
-            .remote(
-                worker_id,
-                self.config,
-                self.graphdef,
-                self.tokenizer,
-                self.store,
-                self._t0_wall,
-                self._jax_options,
-            )
-        )
-        slot = _Worker(worker_id, handle)
-        self.workers.append(slot)
-        return slot
-
-    def _lose_worker(self, slot: _Worker, reason: str) -> None:
-        """Takes ``slot`` out of the fleet; its in-flight prompts are queued again."""
-        lost = sorted(slot.in_flight.values(), key=lambda issue: issue.group_id)
-        for issue in lost:
-            self.buffer.reset_group(issue.group_id)
-            self._requeued.add(issue.group_id)
-        self.controller.requeue(lost)
-        self._retired_tokens += slot.generated_tokens
-        self.workers.remove(slot)
-        self.trace.record(
-            self.clock(), "preemption", slot.worker_id, None, reason=reason, requeued=len(lost)
-        )
-
-    def _call_workers(self, method: str, args: dict[str, tuple]) -> dict[str, Any]:
-        """Calls ``method`` on every worker at once; returns replies by worker id.
-
-        A worker that died is taken out of the fleet (and replaced, if configured)."""
-        refs = [
-            (slot, getattr(slot.handle, method).remote(*args.get(slot.worker_id, ())))
-            for slot in list(self.workers)
-        ]
-        replies, dead = {}, []
-        for slot, ref in refs:
-            try:
-                replies[slot.worker_id] = ray.get(ref)
-            except RayActorError:
-                dead.append(slot)
-        for slot in dead:
-            self._lose_worker(slot, "actor_died")
-            ray.kill(slot.handle)
-            if self.ray_config.replace_dead_workers:
-                self._replacements += 1
-                if self._replacements > self.ray_config.max_worker_replacements:
-                    raise RuntimeError(
-                        f"{self._replacements} worker actors died; giving up (raise "
-                        "RayConfig.max_worker_replacements if the cluster is really that "
-                        "unreliable, else look at the workers' logs)"
-                    )
-                new = self._add_worker()
-                self.trace.record(
-                    self.clock(), "restart", new.worker_id, None, replaces=slot.worker_id
-                )
-        return replies
-
-    # -- the trainer and the parameter server ------------------------------------------
-    def _call_restarting(self, method: str, *args: Any) -> Any:
-        """Calls the trainer once, waiting while Ray restarts it."""
-        deadline = time.perf_counter() + _RECOVERY_WAIT_S
-        while True:
-            try:
-                return ray.get(getattr(self.trainer, method).remote(*args))
-            except RayActorError as error:
-                if time.perf_counter() > deadline or "max_restarts" in str(error):
-                    raise RuntimeError(
-                        f"the trainer actor is gone ({type(error).__name__}); it may have "
-                        "used up RayConfig.trainer_max_restarts: see its log"
-                    ) from error
-                time.sleep(0.2)
-
-    def _trainer(self, method: str, *args: Any) -> Any:
-        """Calls the trainer; if it died or came back with a fresh state, restores it
-        (:meth:`_recover_trainer`) and calls again."""
-        for _ in range(self.ray_config.trainer_max_restarts + 1):
-            try:
-                return ray.get(getattr(self.trainer, method).remote(*args))
-            except (RayActorError, TrainerRestartedError):
-                self._recover_trainer()
-        raise RuntimeError(
-            f"the trainer failed {self.ray_config.trainer_max_restarts + 1} times in a row "
-            f"at step {self.version}; see its log"
-        )
-
-    def _train(self, batch) -> dict[str, Any]:
-        step = self.version + 1
-        self._replay.append((step, batch))
-        result = self._trainer("train", batch, step)
-        if result["checkpoint_step"] is not None:
-            self._replay = [(s, b) for s, b in self._replay if s > result["checkpoint_step"]]
-        if self.config.weight_sync.should_push(step):
-            self._published = step
-        return result
-
-    def _recover_trainer(self) -> None:
-        """Restores the restarted trainer and replays the batches since its checkpoint,
-        so its state is the one it lost; then it publishes again."""
-        self.trace.record(self.clock(), "preemption", "trainer", self.version)
-        restored = self._call_restarting("restore", self.version)
-        replay = [(s, b) for s, b in self._replay if restored < s <= self.version]
-        if [s for s, _ in replay] != list(range(restored + 1, self.version + 1)):
-            raise RuntimeError(
-                f"the trainer restored step {restored} but the driver no longer holds the "
-                f"batches of steps {restored + 1}..{self.version}"
-            )
-        for step, batch in replay:
-            self.trace.extend(self._call_restarting("train", batch, step, False)["events"])
-        reply = self._call_restarting("publish", self.version, True)
-        self.trace.extend(reply["events"])
-        self._published = reply["version"]
-        self.trace.record(
-            self.clock(), "restart", "trainer", self.version, lost_steps=self.version - restored
-        )
-
-    def _ensure_published(self) -> int | None:
-        """The published version; has the trainer publish again if the store lost it."""
-        latest = self.param_server.latest_version()
-        if latest is None or latest < self._published:
-            self.trace.record(self.clock(), "restart", "param_server", latest)
-            reply = self._trainer("publish", self.version)
-            self.trace.extend(reply["events"])
-            latest = reply["version"]
-        return latest
-
-    def _sync_workers(self) -> dict[str, Any]:
-        """Every worker pulls if it must; returns their rooms. Weights that died with
-        the trainer mean it died: it is restored and the workers sync again."""
-        rooms = self._call_workers("sync", {})
-        if any(reply["weights_lost"] for reply in rooms.values()):
-            self._trainer("publish", self.version)  # Restores a dead trainer first.
-            for worker_id, reply in self._call_workers("sync", {}).items():
-                rooms[worker_id]["free"] = reply["free"]
-                rooms[worker_id]["events"] += reply["events"]
-        return rooms
-
     # -- the loop ----------------------------------------------------------------------
     def _issue(self, rooms: dict[str, Any], published: int | None) -> dict[str, tuple]:
         """Prompts per worker, in worker order, while the staleness policy admits more."""
@@ -438,9 +233,7 @@ class RayExperiment:
             items = []
             for issue in self.controller.next_issues(room) if room > 0 else []:
                 problem = self.problems[issue.problem_index]
-                if issue.group_id in self._requeued:
-                    self._requeued.discard(issue.group_id)
-                else:
+                if not self.buffer.is_in_flight(issue.group_id):  # else: a re-issue
                     self.buffer.issue(issue.group_id, problem.id)
                 slot.in_flight[issue.group_id] = issue
                 items.append((issue, problem))
@@ -617,9 +410,9 @@ class RayExperiment:
         """Stops the actors, closes the files, and shuts Ray down if this object
         started it."""
         for slot in self.workers:
-            _stop_actor(slot.handle)
+            stop_actor(slot.handle)
         self.workers = []
-        _stop_actor(self.trainer, timeout_s=60.0)
+        stop_actor(self.trainer, timeout_s=60.0)
         if self._ps_actor is not None:
             ray.kill(self._ps_actor)
         if self._scorer is not None:
