@@ -154,8 +154,12 @@ class Attention(nnx.Module):
     def project(
         self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries ``[B,T,H,D]``, keys and values ``[B,T,KV,D]``, RoPE applied."""
-        b, t, _ = x.shape
+        """Queries ``[B,T,H,D]``, keys and values ``[B,T,KV,D]``, RoPE applied.
+
+        ``x`` is ``[B·T, hidden]``: the projections are plain 2-D matmuls, whose weight
+        gradients XLA's CPU backend computes without transposing a 3-D activation.
+        """
+        b, t = positions.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -173,7 +177,7 @@ class Attention(nnx.Module):
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
-        return self.o_proj(out.reshape(b, t, self.num_heads * d))
+        return self.o_proj(out.reshape(b * t, self.num_heads * d))  # [B·T, hidden]
 
 
 class MLP(nnx.Module):
@@ -208,6 +212,8 @@ class Block(nnx.Module):
         mask: jax.Array,
         cache_kv: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        b, t, h = x.shape
+        x = x.reshape(b * t, h)  # dense layers see 2-D activations (see ``project``)
         q, k, v = self.self_attn.project(self.input_layernorm(x), positions, inv_freq)
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KV, T, D]
         new_kv = None
@@ -221,7 +227,7 @@ class Block(nnx.Module):
             k, v, new_kv = cache_k, cache_v, (cache_k, cache_v)
         x = x + self.self_attn.attend(q, k, v, mask)
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_kv
+        return x.reshape(b, t, h), new_kv
 
 
 class Transformer(nnx.Module):
