@@ -19,8 +19,11 @@ Per kind, the keys this module's helpers read (others are free):
   (completion tokens), ``first_version`` (oldest version of its tokens; defaults to
   ``version``), ``finish`` (``stop`` | ``length``).
 - ``reward``: ``sample``, ``duration_s`` (verifier latency).
-- ``train_step``: ``step``, ``samples``, ``tokens``, ``duration_s`` (compute), and
-  ``staleness`` (list: trainer version minus oldest version, per rollout trained).
+- ``train_step``: ``step``, ``samples``, ``tokens`` (every token of the trained
+  sequences, prompt and completion: the work of the step's forward and backward
+  passes), optional ``completion_tokens`` (the tokens trained on), ``duration_s``
+  (compute), and ``staleness`` (list: trainer version minus oldest version, per
+  rollout trained).
 - ``push`` / ``pull``: ``duration_s``, optional ``bytes``.
 - ``checkpoint_save`` / ``checkpoint_restore``: ``step``, ``duration_s``.
 - ``preemption`` / ``restart``: optional ``lost_steps`` (trainer).

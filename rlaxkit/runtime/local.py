@@ -380,7 +380,10 @@ class Experiment(FaultHandling):
             self.version,
             step=self.version,
             samples=len(samples),
-            tokens=int(batch.loss_mask.sum()),
+            # tokens: every real token the step processed (prompt + completion), as
+            # the simulator counts them; completion_tokens: the ones trained on.
+            tokens=int(np.asarray(batch.attention_mask).sum()),
+            completion_tokens=int(np.asarray(batch.loss_mask).sum()),
             duration_s=t_train - t_gen,
             staleness=[self.version - 1 - g.first_version for g in groups],
         )
