@@ -18,8 +18,14 @@ Stores:
   that knows only the directory, as another process would.
 - ``tensorstore_nosync``: the same without fsync (atomic against a killed process, not
   against a machine crash).
+- ``ray_object_store``: the Ray backend's store. This process, as the trainer, puts
+  each version into Ray's object store once and registers it with a parameter-server
+  actor; a reader actor (another process, as an inference worker) gets it (zero-copy
+  views of shared memory) and puts it on the device (``jax.device_put``), as a worker
+  does before decoding. "pull" is that whole round trip, actor call included. A local Ray cluster
+  is started for it (its start-up is not timed); skipped when Ray is not installed.
 
-To add a store (a Ray object-store one comes later), add a factory to ``STORES``.
+To add a store, add a factory to ``STORES``.
 
 Usage::
 
@@ -40,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -80,11 +87,94 @@ def _tensorstore(durable: bool) -> StoreFactory:
     return make
 
 
+def digest(params: dict[str, Any]) -> dict[str, int]:
+    """CRC-32 of every leaf's bytes: how a reader in another process proves what it got."""
+    return {name: zlib.crc32(np.ascontiguousarray(np.asarray(x))) for name, x in params.items()}
+
+
+class _PullActor:
+    """A Ray actor reading the store as an inference worker would."""
+
+    def __init__(self, actor_name: str):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        import ray
+
+        from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer
+
+        self.store = RayObjectStoreParameterServer(ray.get_actor(actor_name), to_device=True)
+
+    def ready(self) -> bool:
+        return True
+
+    def pull(self, min_version: int, timeout: float, check: bool):
+        version, params = self.store.pull(min_version=min_version, timeout=timeout)
+        jax.block_until_ready(params)
+        return version, (digest(params) if check else None)
+
+
+class _RemoteReader:
+    """The ``pull`` side of the protocol, run by a ``_PullActor`` in another process.
+
+    Returns ``(version, digests)``: CRC-32 per leaf on the first pull (checked by
+    ``time_store``), ``None`` afterwards.
+    """
+
+    def __init__(self, handle: Any, server: Any):
+        self.handle, self.server, self.pulls = handle, server, 0
+
+    def pull(self, min_version: int | None = None, timeout: float | None = None):
+        import ray
+
+        check = self.pulls == 0
+        self.pulls += 1
+        return ray.get(self.handle.pull.remote(min_version, timeout, check))
+
+    def close(self) -> None:
+        """Stops both actors, freeing the versions held in the object store."""
+        import ray
+
+        ray.kill(self.handle)
+        ray.kill(self.server)
+
+
+def _ray_object_store(_: Path) -> tuple[ParameterServer, ParameterServer]:
+    import ray
+
+    from rlaxkit.param_server.ray_store import (
+        RayObjectStoreParameterServer,
+        parameter_server_actor,
+    )
+
+    if not ray.is_initialized():
+        # A short session dir: Ray's socket paths must fit in 107 bytes.
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            _temp_dir=tempfile.mkdtemp(prefix="ray-"),
+        )
+    name = f"weight-sync-{os.getpid()}-{time.monotonic_ns()}"
+    server = parameter_server_actor(keep=2, name=name)
+    reader = ray.remote(_PullActor).options(num_cpus=0).remote(name)
+    ray.get(reader.ready.remote())  # Start-up (imports) is not part of the timing.
+    return RayObjectStoreParameterServer(server), _RemoteReader(reader, server)
+
+
+def _ray_available() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 STORES: dict[str, StoreFactory] = {
     "in_process": _in_process,
     "tensorstore": _tensorstore(durable=True),
     "tensorstore_nosync": _tensorstore(durable=False),
 }
+if _ray_available():
+    STORES["ray_object_store"] = _ray_object_store
 
 
 def make_params(total_bytes: int, seed: int = 0) -> dict[str, jax.Array]:
@@ -134,13 +224,19 @@ def time_store(
         if got_version != version:
             raise RuntimeError(f"pulled version {got_version}, pushed {version}")
         if round_index == 0:
-            for name, leaf in params.items():
-                if not np.array_equal(np.asarray(pulled[name]), np.asarray(leaf)):
-                    raise RuntimeError(f"leaf {name} came back different")
+            if isinstance(reader, _RemoteReader):  # another process: compare digests
+                if pulled != digest(params):
+                    raise RuntimeError("the reader process got different bytes")
+            else:
+                for name, leaf in params.items():
+                    if not np.array_equal(np.asarray(pulled[name]), np.asarray(leaf)):
+                        raise RuntimeError(f"leaf {name} came back different")
         else:
             pushes.append(pushed_at - start)
             pulls.append(pulled_at - pushed_at)
         del pulled
+    if hasattr(reader, "close"):
+        reader.close()
     return statistics.median(pushes), statistics.median(pulls)
 
 
