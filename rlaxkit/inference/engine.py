@@ -256,7 +256,9 @@ class InferenceEngine:
             prompt_of.setdefault(sample.request_id, len(prompt_of))
         firsts = {s.request_id: s for s in reversed(admitted)}
         unique = [firsts[rid] for rid in prompt_of]
-        num_prompts, num_rows = bucket_rows(len(unique)), bucket_rows(len(admitted))
+        # Rows are always padded to ``num_slots`` (copying a prefilled prompt to a row is
+        # cheap), so only the number of distinct prompts and their width key programs.
+        num_prompts, num_rows = bucket_rows(len(unique)), self.num_slots
         width = bucket_length(max(len(s.prompt) for s in unique), cap=self.prompt_width)
         prompts = np.zeros((num_prompts, width), np.int32)
         lengths = np.ones((num_prompts,), np.int32)
