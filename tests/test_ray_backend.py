@@ -103,6 +103,8 @@ def test_two_worker_actors_learn_exactly_as_the_local_backend(ray_cluster, cache
         assert {e.actor for e in events(exp, "generation_end")} == {"worker-0", "worker-1"}
         assert {e.actor for e in events(exp, "pull")} == {"worker-0", "worker-1"}
         assert [e.version for e in events(exp, "push")] == list(range(STEPS + 1))
+        keep = config.runtime.keep_versions
+        assert exp.param_server.versions() == list(range(STEPS + 1))[-keep:]  # bounded
         report = exp.evaluate(num_problems=4, samples=2)
         assert 0.0 <= report.rows[0]["pass@k"] <= 1.0
 

@@ -35,7 +35,6 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 import ray
 from ray.exceptions import ObjectLostError
 
@@ -54,7 +53,6 @@ __all__ = [
     "ParameterServerActor",
     "RayObjectStoreParameterServer",
     "WeightsLostError",
-    "is_zero_copy",
     "parameter_server_actor",
 ]
 
@@ -258,9 +256,3 @@ class RayObjectStoreParameterServer:
         )
         record_transfer(self.stats, self.on_event, record)
         return version, params
-
-
-def is_zero_copy(params: Any) -> bool:
-    """True when every array leaf is a read-only view (as the object store hands out)."""
-    leaves = [x for x in jax.tree.leaves(params) if isinstance(x, np.ndarray)]
-    return bool(leaves) and all(not x.flags.writeable for x in leaves)

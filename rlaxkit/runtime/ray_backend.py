@@ -166,8 +166,12 @@ class RayExperiment(RayFaultHandling):
         self._replacements = 0
         self._retired_tokens = 0
         self._replay: list[tuple[int, Any]] = []  # (step, batch) since the last checkpoint
-        self.scale_workers(config.runtime.num_workers)  # They start while the trainer does.
-        reply = self._trainer("publish", 0)
+        try:
+            self.scale_workers(config.runtime.num_workers)  # They start as the trainer does.
+            reply = self._trainer("publish", 0)
+        except BaseException:
+            self._stop_actors()  # A failed start leaves no actors behind.
+            raise
         self.trace.extend(reply["events"])
         self._published = reply["version"]
         self.version = 0
@@ -406,15 +410,18 @@ class RayExperiment(RayFaultHandling):
             runner=self._scorer,
         )
 
-    def close(self) -> None:
-        """Stops the actors, closes the files, and shuts Ray down if this object
-        started it."""
+    def _stop_actors(self) -> None:
         for slot in self.workers:
             stop_actor(slot.handle)
         self.workers = []
         stop_actor(self.trainer, timeout_s=60.0)
         if self._ps_actor is not None:
             ray.kill(self._ps_actor)
+
+    def close(self) -> None:
+        """Stops the actors, closes the files, and shuts Ray down if this object
+        started it."""
+        self._stop_actors()
         if self._scorer is not None:
             self._scorer.close()
         self.logger.close()
