@@ -323,7 +323,9 @@ class RayExperiment(RayFaultHandling):
             self.version,
             step=self.version,
             samples=len(samples),
-            tokens=int(np.asarray(batch.loss_mask).sum()),
+            # As the local backend: every real token processed, and the trained ones.
+            tokens=int(np.asarray(batch.attention_mask).sum()),
+            completion_tokens=int(np.asarray(batch.loss_mask).sum()),
             duration_s=result["duration_s"],
             staleness=[self.version - 1 - g.first_version for g in groups],
         )
