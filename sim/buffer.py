@@ -15,8 +15,11 @@ can be sampled with ``v``.
 
 from __future__ import annotations
 
+import zlib
 from collections import deque
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:
     from .engine import Simulation
@@ -106,6 +109,14 @@ class RolloutBuffer:
         self._waiting: deque = deque()
         self._batch_event = None
         self._restores: list[int] = []
+        # Its own stream, drawn only when filtering is on, so runs without it keep
+        # every other random draw (and their exact event logs) unchanged.
+        self._filtered_fraction = sim.scenario.workload.filtered_fraction
+        self._filter = (
+            np.random.default_rng([sim.scenario.seed, zlib.crc32(b"filter")])
+            if self._filtered_fraction > 0
+            else None
+        )
 
     @property
     def accepted(self) -> int:
@@ -154,8 +165,13 @@ class RolloutBuffer:
     # --- groups coming back ----------------------------------------------------------
 
     def deliver(self, group: Group) -> None:
-        """A fully generated and scored group joins the queue."""
+        """A fully generated and scored group joins the queue, unless dynamic filtering
+        drops it (``workload.filtered_fraction``: all its rewards were equal)."""
         self.running -= 1
+        if self._filter is not None and self._filter.random() < self._filtered_fraction:
+            self._drop(group, "filtered")
+            self._dispatch()
+            return
         self.ready.append(group)
         if self._batch_event is not None and len(self.ready) >= self.batch_size:
             event, self._batch_event = self._batch_event, None

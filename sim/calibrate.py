@@ -251,6 +251,13 @@ def fit_scenario(
     staleness = policy_from_dict("staleness", config["staleness"])
     steps = [e for e in events if e.kind == "train_step"]
     end_s = max(e.t for e in events)
+    # Dynamic filtering: groups dropped for equal rewards, out of all groups that
+    # finished (trained, waiting, or dropped for any reason after finishing).
+    filtered = sum(1 for e in events if e.kind == "drop" and e.get("reason") == "filtered")
+    finished = len(
+        {str(e["rollout"]) for e in events if e.kind == "generation_end" and "rollout" in e.fields}
+    )
+    filtered_fraction = min(filtered / finished, 0.95) if finished else 0.0
     fitted = {
         **decode,
         "trainer_tokens_per_s": trainer["tokens_per_s"],
@@ -259,6 +266,7 @@ def fit_scenario(
         "reward_s": _mean(rewards, 0.0),
         "push_s": _mean(pushes, 0.0),
         "pull_s": _mean(pulls, 0.0),
+        "filtered_fraction": filtered_fraction,
     }
     scenario = Scenario(
         name=name,
@@ -293,6 +301,7 @@ def fit_scenario(
             prompt_tokens=Empirical(values=tuple(prompts)) if prompts else Constant(value=0.0),
             response_tokens=lengths,
             max_response_tokens=shape["max_response_tokens"],
+            filtered_fraction=filtered_fraction,
         ),
         staleness=staleness,
         weight_sync=policy_from_dict("weight_sync", config.get("weight_sync", {})),

@@ -274,6 +274,10 @@ class WorkloadSpec:
         response_tokens: Distribution of completion lengths, in tokens.
         max_response_tokens: Truncation length (finish reason ``length``); ``None``:
             never truncated.
+        filtered_fraction: Share of finished groups that dynamic filtering drops
+            because all their rewards are equal (no learning signal; DAPO, AReaL). The
+            runtime's buffer does this; a calibrated scenario takes the share it
+            measured. Each group is dropped independently with this probability.
     """
 
     prompts_per_step: int
@@ -281,10 +285,17 @@ class WorkloadSpec:
     prompt_tokens: Distribution = field(default_factory=lambda: Constant(value=0.0))
     response_tokens: Distribution = field(default_factory=lambda: Constant(value=1.0))
     max_response_tokens: int | None = None
+    filtered_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         _check("prompts_per_step", self.prompts_per_step, integer=True)
         _check("group_size", self.group_size, integer=True)
+        value = self.filtered_fraction
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+            raise ValueError(
+                f"filtered_fraction: must be a number in [0, 1), got {value!r} (at 1 no "
+                "group would ever be trained)"
+            )
         if self.max_response_tokens is not None:
             _check("max_response_tokens", self.max_response_tokens, integer=True)
 

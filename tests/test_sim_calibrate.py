@@ -5,6 +5,7 @@ import pytest
 from rlaxkit.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
 from sim import calibrate, fit_scenario, presets, simulate
 from sim.calibrate import window_start, window_summary
+from sim.scenario import with_overrides
 
 
 def _trace(scenario):
@@ -109,3 +110,19 @@ def test_measured_window_leaves_out_the_time_before_the_loop_and_warmup_steps():
     assert after_two.duration_s == pytest.approx(steps[-1].t - steps[1].t)
     with pytest.raises(ValueError, match="warmup_steps"):
         window_start(shifted, len(steps))
+
+
+def test_dynamic_filtering_is_simulated_and_fitted():
+    # A quarter of the finished groups dropped for equal rewards costs a quarter more
+    # generation per trained group; calibration recovers the share from the drops.
+    base = presets.local_runtime(target_steps=30)
+    filtered = with_overrides(base, {"workload.filtered_fraction": 0.25})
+    trace = MemoryTrace()
+    result = simulate(filtered, trace=trace)
+    drops = [e for e in trace.events if e.kind == "drop"]
+    assert "filtered" in {e["reason"] for e in drops}
+    assert result.samples_per_s < simulate(base).samples_per_s
+    _, fitted = fit_scenario(trace.events)
+    assert fitted["filtered_fraction"] == pytest.approx(0.25, abs=0.05)
+    with pytest.raises(ValueError, match="filtered_fraction"):
+        with_overrides(base, {"workload.filtered_fraction": 1.0})
