@@ -162,7 +162,7 @@ class RunConfig:
     """Everything an RL run needs; ``RunConfig()`` is the embedded default run."""
 
     seed: int = 0
-    steps: int = 150
+    steps: int = 200
     model: ModelSpec = field(default_factory=ModelSpec)
     task: TaskSpec = field(default_factory=TaskSpec)
     sampling: SamplingConfig = field(
@@ -170,11 +170,11 @@ class RunConfig:
     )
     algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
     optimizer: OptimizerConfig = field(
-        default_factory=lambda: OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
+        default_factory=lambda: OptimizerConfig(learning_rate=3e-4, warmup_steps=10)
     )
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
     staleness: StalenessPolicy = field(
-        default_factory=lambda: StalenessPolicy(max_staleness=2, batch_size=16)
+        default_factory=lambda: StalenessPolicy(max_staleness=2, batch_size=32)
     )
     weight_sync: WeightSyncPolicy = field(default_factory=WeightSyncPolicy)
     checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
