@@ -176,7 +176,8 @@ class Attention(nnx.Module):
         scores = scores * (d**-0.5)
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+        # Batch dims leading in the output too: the dot writes a contiguous result.
+        out = jnp.einsum("bkgts,bksd->bkgtd", probs, v).transpose(0, 3, 1, 2, 4)
         return self.o_proj(out.reshape(b * t, self.num_heads * d))  # [B·T, hidden]
 
 
