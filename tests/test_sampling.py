@@ -18,6 +18,7 @@ from rlaxkit.inference import (
     SamplingConfig,
     bucket_length,
     bucket_rows,
+    compile_generate,
     generate,
     generate_by_recompute,
     kept_tokens,
@@ -402,6 +403,18 @@ def test_no_recompilation_within_seen_buckets(model):
         generate((graphdef, params), ragged_prompts([16, 1, 7, 2], seed=13), config, 1)
         generate((graphdef, params), ragged_prompts([11, 4, 8], seed=14), config, [7, 8, 9])
     assert compiles.count == 0
+
+
+def test_compile_generate_leaves_nothing_for_generate_to_compile(model):
+    # A shape no other test uses (n=3: 2 prompts x 3 = 6 rows, bucket 8; width 32).
+    config = dataclasses.replace(BASE, n=3, max_new_tokens=5)
+    graphdef, params = nnx.split(model)
+    for thread in compile_generate((graphdef, params), config, 2, 20):
+        thread.join()
+    with count_compilations() as compiles:
+        result = generate((graphdef, params), ragged_prompts([20, 17], seed=15), config, 2)
+    assert compiles.count == 0
+    assert result.tokens.shape == (2, 3, 5)
 
 
 def test_text_adapter():

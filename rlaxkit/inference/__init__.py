@@ -5,7 +5,7 @@ generation.
 
 from rlaxkit.inference.config import SamplingConfig, bucket_length, bucket_rows
 from rlaxkit.inference.engine import InferenceEngine
-from rlaxkit.inference.generate import generate
+from rlaxkit.inference.generate import compile_generate, generate
 from rlaxkit.inference.reference import generate_by_recompute
 from rlaxkit.inference.results import Completion, GenerationResult
 from rlaxkit.inference.sampler import kept_tokens, sample_tokens
@@ -18,6 +18,7 @@ __all__ = [
     "SamplingConfig",
     "bucket_length",
     "bucket_rows",
+    "compile_generate",
     "generate",
     "generate_by_recompute",
     "kept_tokens",

@@ -4,6 +4,8 @@ to its end inside one compiled ``lax.while_loop``.
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -15,6 +17,7 @@ from rlaxkit.inference.results import (
     GenerationResult,
     KeyLike,
     ModelLike,
+    key_data,
     prompt_keys,
     split_model,
 )
@@ -125,6 +128,50 @@ def generate(
         config=config,
     )
     return collect_result(state.rows, prompts, config)
+
+
+def compile_generate(
+    model: ModelLike, config: SamplingConfig, num_prompts: int, max_prompt_len: int
+) -> list[threading.Thread]:
+    """Starts compiling ``generate``'s programs for one batch shape, one thread each.
+
+    ``generate(model, prompts, config, ...)`` with ``num_prompts`` prompts of at most
+    ``max_prompt_len`` tokens then compiles nothing: its calls find these executables.
+    XLA compiles without holding the GIL, so the programs compile side by side and
+    alongside whatever the caller does next (e.g. compiling a train step). Join the
+    returned threads to wait; a compile error surfaces when ``generate`` is called.
+    """
+    graphdef, params = split_model(model)
+    model_config = graphdef.merge(params).config
+    rows, padded_prompts = bucket_rows(num_prompts * config.n), bucket_rows(num_prompts)
+    width = bucket_length(max_prompt_len)
+    spec = jax.ShapeDtypeStruct
+    params = jax.tree.map(lambda x: spec(x.shape, x.dtype), params)
+    state = jax.eval_shape(
+        functools.partial(programs.init_state, model_config, config, rows, width)
+    )
+    key_shape = key_data(0).shape
+    row = spec((rows,), np.int32)
+    jobs = [
+        lambda: programs.init_state.lower(model_config, config, rows, width).compile(),
+        lambda: programs.start_rows.lower(
+            graphdef,
+            params,
+            state,
+            spec((padded_prompts, width), np.int32),
+            spec((padded_prompts,), np.int32),
+            row,
+            row,
+            spec((rows, *key_shape), np.uint32),
+            row,
+            row,
+        ).compile(),
+        lambda: programs.compile_decode_steps(graphdef, params, state, config),
+    ]
+    threads = [threading.Thread(target=job, name="compile-generate") for job in jobs]
+    for thread in threads:
+        thread.start()
+    return threads
 
 
 def collect_result(

@@ -155,6 +155,14 @@ def decode_steps(
     )
 
 
+def compile_decode_steps(graphdef: StaticGraph, params, state, config: SamplingConfig) -> None:
+    """Compiles ``decode_steps`` for abstract (or concrete) ``params`` and ``state``."""
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    _decode_steps.lower(
+        graphdef, params, state, scalar, scalar, scalar, config=step_config(config)
+    ).compile()
+
+
 @functools.cache
 def step_config(config: SamplingConfig) -> SamplingConfig:
     """``config`` without the fields a decode step reads from shapes (``n``,
