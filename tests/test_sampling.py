@@ -25,6 +25,7 @@ from rlaxkit.inference import (
     make_text_generate,
     sample_tokens,
 )
+from rlaxkit.inference.results import key_data, split_model
 from rlaxkit.inference.sampler import inverse_cdf_sample
 from rlaxkit.jaxutil import count_compilations
 from rlaxkit.logprobs import token_logprobs
@@ -415,6 +416,19 @@ def test_compile_generate_leaves_nothing_for_generate_to_compile(model):
         result = generate((graphdef, params), ragged_prompts([20, 17], seed=15), config, 2)
     assert compiles.count == 0
     assert result.tokens.shape == (2, 3, 5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 123_456_789, 2**31 - 1, 2**31, 2**40 + 3, -1])
+def test_key_data_of_a_seed_equals_jax_random_key(seed):
+    expected = np.asarray(jax.random.key_data(jax.random.key(seed)))
+    np.testing.assert_array_equal(key_data(seed), expected)
+    assert key_data(seed).dtype == np.uint32
+
+
+def test_equal_graph_definitions_share_one_static_graph(model):
+    first, _ = split_model(model)
+    second, _ = split_model(nnx.split(model))
+    assert first is second
 
 
 def test_text_adapter():
