@@ -4,7 +4,10 @@
 has taken one step and returns that step's metrics; ``exp.run(n)`` repeats it. In
 ``deterministic`` mode the loop interleaves, in a fixed order, one chunk of decoding on
 each worker and a trainer step whenever the buffer holds a full batch, so a seed fixes
-every metric except wall-clock timings (keys under ``time/`` and ``throughput/``).
+every metric except wall-clock timings (keys under ``time/`` and ``throughput/``). In
+``concurrent`` mode each worker runs in a thread of its own and the trainer in the
+caller's (``rlaxkit.runtime.concurrent``): faster, same admission and staleness bound,
+not reproducible, and without fault plans or RL-state checkpoints.
 
 One iteration of the loop:
 
@@ -29,6 +32,7 @@ goodput: the compute of the surviving trainer steps ÷ wall time.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +55,7 @@ from rlaxkit.param_server import InProcessParameterServer
 from rlaxkit.rollout import RolloutGroup
 from rlaxkit.runtime import state as checkpoint_state
 from rlaxkit.runtime.build import build_policy, build_task, warm_start
+from rlaxkit.runtime.concurrent import ConcurrentCollector, check_supported
 from rlaxkit.runtime.injection import FaultState, UnreliableParameterServer, load_plan
 from rlaxkit.runtime.recovery import FaultHandling
 from rlaxkit.tasks import RewardRunner
@@ -62,17 +67,20 @@ _BUCKETS = BucketSpec(lengths=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
 
 
 class _Tee:
-    """Records every event in memory and, with a run directory, in trace.jsonl."""
+    """Records every event in memory and, with a run directory, in trace.jsonl
+    (under ``lock``: worker threads record too in concurrent mode)."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, lock: threading.RLock):
         self.memory = MemoryTrace()
         self.file = JsonlTraceWriter(path, append=True) if path else None
         self.offset_s = 0.0  # a resumed run's clock goes on from its checkpoint's
+        self.lock = lock
 
     def record(self, t, kind, actor, version=None, **fields):
-        self.memory.record(t + self.offset_s, kind, actor, version, **fields)
-        if self.file:
-            self.file.emit(self.memory.events[-1])
+        with self.lock:
+            self.memory.record(t + self.offset_s, kind, actor, version, **fields)
+            if self.file:
+                self.file.emit(self.memory.events[-1])
 
     def close(self):
         if self.file:
@@ -116,13 +124,10 @@ class Experiment(FaultHandling):
                 f"runtime.backend is {config.runtime.backend!r}; Experiment runs the local "
                 "backend (use rlaxkit.runtime.ray_backend for ray)"
             )
-        if config.runtime.mode != "deterministic":
-            raise ValueError(
-                f"runtime.mode {config.runtime.mode!r} is not available in this version; "
-                "use runtime.mode=deterministic"
-            )
         self.config = config
         self.plan = load_plan(faults)
+        if config.runtime.mode == "concurrent":
+            check_supported(config, self.plan)
         self.faults = FaultState(
             self.plan,
             [f"worker-{i}" for i in range(config.runtime.num_workers)],
@@ -138,6 +143,12 @@ class Experiment(FaultHandling):
         self.checkpoints = self._open_checkpoints() if self.run_dir else None
         resume_meta = None
         if self.checkpoints and resume and self.checkpoints.latest_step() is not None:
+            if config.runtime.mode == "concurrent":
+                self.checkpoints.close()
+                raise ValueError(
+                    f"run_dir {self.run_dir} holds checkpoints; runtime.mode=concurrent "
+                    "cannot resume them (use runtime.mode=deterministic, or resume=False)"
+                )
             try:  # fail before any work (shapes are checked once the state is built)
                 resume_meta = checkpoint_state.read_meta(self.checkpoints)
                 if checkpoint_state.config_differences(resume_meta["config"], config.to_dict()):
@@ -151,7 +162,11 @@ class Experiment(FaultHandling):
         if self.run_dir:
             config.save(self.run_dir / "config.yaml")
         self._t0 = time.perf_counter()
-        self.trace = _Tee(self.run_dir / "trace.jsonl" if self.run_dir else None)
+        # Guards shared state against concurrent mode's worker threads (uncontended in
+        # deterministic mode); see rlaxkit.runtime.concurrent.
+        self._lock = threading.RLock()
+        self._collector: ConcurrentCollector | None = None
+        self.trace = _Tee(self.run_dir / "trace.jsonl" if self.run_dir else None, self._lock)
         if resume_meta is None:
             self.trace.record(0.0, "run_start", "controller", None, config=config.to_dict())
         else:
@@ -326,6 +341,10 @@ class Experiment(FaultHandling):
         self.trace.record(self.clock(), "drop", "buffer", version, reason=reason, rollout=group_id)
 
     def _collect_batch(self) -> list[RolloutGroup]:
+        if self.config.runtime.mode == "concurrent":
+            if self._collector is None:
+                self._collector = ConcurrentCollector(self)
+            return self._collector.collect()
         idle_rounds = 0
         dropped_before = len(self.buffer.dropped)
         patience = 50 * self.config.staleness.batch_size
@@ -372,7 +391,10 @@ class Experiment(FaultHandling):
         trainer_up = self.faults.trainer_down_until is None
         if trainer_up and self.config.weight_sync.should_push(self.version):
             self.param_server.push(self.version, self.state.params)
-        metrics = self._metrics(groups, samples, batch, train_metrics, t_start, t_gen, t_train)
+        if self._collector is not None:
+            self._collector.wake()  # more admission room, newer weights to pull
+        with self._lock:
+            metrics = self._metrics(groups, samples, batch, train_metrics, t_start, t_gen, t_train)
         self.trace.record(
             self.clock(),
             "train_step",
@@ -441,14 +463,16 @@ class Experiment(FaultHandling):
         """Asserts that every issued prompt is in flight, buffered, trained or dropped,
         that no admitted group was lost, and that the trained books are the groups of
         the steps the current weights descend from."""
-        self.buffer.check(self.controller.next_group_id)
+        with self._lock:
+            self.buffer.check(self.controller.next_group_id)
 
     # -- checkpoints and goodput -----------------------------------------------------
     def save_checkpoint(self) -> bool:
         """Saves the RL state as checkpoint ``version`` now and waits until it is
         durable (what SIGTERM handling calls); False if there is nothing to save (no
-        run_dir, already saved, or the trainer is down and its last checkpoint stands)."""
-        if self.faults.trainer_down_until is not None:
+        run_dir, already saved, the trainer is down and its last checkpoint stands, or the
+        run is concurrent, whose in-flight work no checkpoint can replay)."""
+        if self.faults.trainer_down_until is not None or self.config.runtime.mode == "concurrent":
             return False
         return checkpoint_state.save_experiment(self, force=True)
 
@@ -459,6 +483,10 @@ class Experiment(FaultHandling):
         time, so wall goodput shows the compute faults waste (lost steps, restores,
         regenerated prompts, checkpoint writes); ``rounds`` (the logical duration)
         shows what downtimes cost."""
+        with self._lock:
+            return self._summary()
+
+    def _summary(self) -> dict[str, Any]:
         wall = self.trace.offset_s + self.clock()
         useful = sum(self.useful_train_s)
         return {
@@ -472,7 +500,7 @@ class Experiment(FaultHandling):
             "accepted_lost": len(self.buffer.accepted_lost()),
             "failed_pulls": sum(w.failed_pulls for w in self.workers),
             "reward_failures": {
-                k: v for k, v in self.scorer.counters.items() if k.startswith("reward_")
+                k: v for k, v in dict(self.scorer.counters).items() if k.startswith("reward_")
             },
             "buffer": self.buffer.counts(),
             "resumed_from": self.resumed_from,
@@ -508,6 +536,8 @@ class Experiment(FaultHandling):
         if self._closed:
             return
         self._closed = True
+        if self._collector is not None:
+            self._collector.close()
         summary = self.summary()
         self.trace.record(
             self.clock(),
