@@ -2,6 +2,7 @@
 
 rlaxkit demo                                  # the embedded default run
 rlaxkit train configs/arithmetic_grpo.yaml --set staleness.max_staleness=4
+rlaxkit train configs/arithmetic_ray.yaml     # the same run on the Ray backend (actors)
 rlaxkit train CONFIG --run-dir RUN --faults configs/faults/standard.yaml   # inject faults
 rlaxkit train CONFIG --run-dir RUN            # again after a preemption: resumes
 rlaxkit sft configs/arithmetic_grpo.yaml      # warm start only (cached in the run dir)
@@ -71,20 +72,32 @@ def run_job(
     SIGINT the job finishes its current step, checkpoints and returns a summary with
     ``"preempted": true`` (no final eval, no plots).
 
+    ``runtime.backend`` picks the backend: ``local`` runs ``Experiment``, ``ray`` runs
+    ``RayExperiment`` (placed per ``config.ray``), which neither resumes a run
+    directory nor injects fault plans (it then raises ``ValueError`` before starting).
+
     Args:
-        faults: a FaultPlan file to inject.
+        faults: a FaultPlan file to inject (local backend only).
         cache_dir: where the warm start is cached (default: ``run_dir``).
     """
+    from rlaxkit import runtime
     from rlaxkit.models import save_hf_checkpoint
     from rlaxkit.plotting import plot_run
-    from rlaxkit.runtime import Experiment
 
+    local = config.runtime.backend == "local"
+    if faults and not local:
+        raise ValueError(
+            f"--faults: fault plans are injected by the local backend only, and "
+            f"runtime.backend is {config.runtime.backend!r}; run with "
+            "--set runtime.backend=local to inject one (on Ray, kill actors with ray.kill)"
+        )
+    backend = runtime.Experiment if local else runtime.RayExperiment
     run_dir = Path(run_dir)
     start = time.perf_counter()
-    log(f"run directory: {run_dir}")
+    log(f"run directory: {run_dir} ({config.runtime.backend} backend)")
     with (
         StopRequest(log) as stop,
-        Experiment(
+        backend(
             config, run_dir=run_dir, progress=progress, faults=faults, cache_dir=cache_dir
         ) as exp,
     ):
@@ -110,7 +123,13 @@ def run_job(
             summary = {"preempted": True, "signal": stop.requested, "step": exp.version}
             summary |= {"checkpoint_saved": saved, **exp.summary()}
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            log(f"stopped at step {exp.version}; run again with --run-dir {run_dir} to resume")
+            if local:
+                log(f"stopped at step {exp.version}; run again with --run-dir {run_dir} to resume")
+            else:
+                log(
+                    f"stopped at step {exp.version}; the ray backend does not resume runs "
+                    "(the trainer's state is in checkpoints/trainer)"
+                )
             return summary
         after = exp.evaluate()
         evals.append({"step": config.steps, **_row(after, 1)})

@@ -17,6 +17,7 @@ from rlaxkit.configio import dump_yaml, from_dict, load_yaml, to_dict
 from rlaxkit.inference import SamplingConfig
 from rlaxkit.models.config import ModelConfig
 from rlaxkit.policies import CheckpointPolicy, StalenessPolicy, WeightSyncPolicy
+from rlaxkit.ray_config import RayConfig
 from rlaxkit.sft import SFTConfig
 from rlaxkit.trainer import OptimizerConfig
 
@@ -159,7 +160,13 @@ class EvalConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """Everything an RL run needs; ``RunConfig()`` is the embedded default run."""
+    """Everything an RL run needs; ``RunConfig()`` is the embedded default run.
+
+    The same config runs on either backend: ``runtime.backend`` picks ``local``
+    (``rlaxkit.runtime.Experiment``) or ``ray`` (``rlaxkit.runtime.RayExperiment``), and
+    ``ray`` (a ``rlaxkit.ray_config.RayConfig``: actor resources, weight store, restarts)
+    says where the Ray backend places its actors; the local backend ignores it.
+    """
 
     seed: int = 0
     steps: int = 200
@@ -181,6 +188,7 @@ class RunConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
         if self.steps < 0:

@@ -1,8 +1,12 @@
 """Settings of the Ray backend: where actors go, which weight store, how faults heal.
 
-Kept apart from ``rlaxkit.config.RunConfig`` for now: ``RayExperiment(config,
-ray_config=RayConfig(...))`` takes it as an argument. The same run config therefore
-runs on either backend; only placement and fault handling are configured here.
+``RunConfig.ray`` holds a ``RayConfig``, so one YAML file runs on either backend
+(``runtime.backend``: ``local`` or ``ray``); the local backend ignores this section.
+``RayExperiment(config, ray_config=RayConfig(...))`` still takes one as an argument,
+which then wins over ``config.ray``. Only placement, weight transfer and fault handling
+are configured here; everything that shapes the RL run is in the rest of ``RunConfig``.
+
+This module imports neither Ray nor JAX (``rlaxkit.config`` imports it).
 """
 
 from __future__ import annotations

@@ -1,18 +1,26 @@
 """The Ray backend: same results as the local backend; it heals worker, parameter-server
-and trainer deaths; the fleet grows and shrinks mid-run under the staleness policy."""
+and trainer deaths; the fleet grows and shrinks mid-run under the staleness policy; the
+same config and the same ``rlaxkit train`` job run on it."""
 
+import json
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
 from test_runtime import learning_metrics, small_config
 
+from rlaxkit.cli import main, run_job
+from rlaxkit.config import RunConfig
+from rlaxkit.metrics import read_metrics
 from rlaxkit.runtime import Experiment
+from rlaxkit.trace import read_trace
 
 ray = pytest.importorskip("ray")
 
+from rlaxkit.ray_config import ActorResources, RayConfig, small_cluster_config  # noqa: E402
 from rlaxkit.runtime.ray_backend import RayExperiment  # noqa: E402
-from rlaxkit.runtime.ray_config import ActorResources, RayConfig, small_cluster_config  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -178,6 +186,10 @@ def test_parameter_server_and_trainer_restarts_heal_without_changing_results(
         assert exp.param_server.latest_version() == exp.version
         assert_same_metrics(exp.history, local_metrics)
         exp.check_accounting()
+        summary = exp.summary()  # The replayed step's first run is lost compute.
+        assert summary["lost_steps"] == 1 and summary["lost_train_s"] > 0
+        assert summary["restarts"]["trainer"] == 1 and summary["restarts"]["param_server"] >= 1
+        assert len(exp.useful_train_s) == exp.version and summary["accepted_lost"] == 0
 
 
 def test_bad_ray_settings_fail_early():
@@ -187,3 +199,76 @@ def test_bad_ray_settings_fail_early():
         ActorResources(num_gpus=-1)
     with pytest.raises(ValueError, match="runtime.backend"):
         RayExperiment(small_config())
+
+
+# Actors that fit the 2-CPU test cluster, set in the run config itself.
+SMALL_ACTORS = ("ray.trainer.num_cpus=0.25", "ray.worker.num_cpus=0.25")
+
+
+def test_ray_settings_live_in_the_run_config_and_round_trip_through_yaml(tmp_path):
+    config = small_config(
+        "runtime.backend=ray",
+        "ray.address=auto",
+        "ray.weight_store=tensorstore",
+        "ray.worker.resources={TPU: 4}",
+        "ray.trainer.num_gpus=0.5",
+        "ray.max_worker_replacements=2",
+    )
+    assert config.ray.worker == ActorResources(num_cpus=1.0, resources={"TPU": 4})
+    config.save(tmp_path / "c.yaml")
+    assert RunConfig.from_yaml(tmp_path / "c.yaml") == config
+    assert "TPU: 4" in (tmp_path / "c.yaml").read_text()
+    with pytest.raises(ValueError, match=r"config\.ray\.worker: num_cpus: must be a number"):
+        small_config("ray.worker.num_cpus=-1")
+    with pytest.raises(ValueError, match=r"config\.ray: unknown field\(s\) \['gpus'\]"):
+        small_config("ray.gpus=1")
+
+
+def test_importing_the_runtime_does_not_import_ray():
+    code = (
+        "import sys, rlaxkit.runtime, rlaxkit.config; "
+        "assert 'ray' not in sys.modules, 'ray imported'; "
+        "from rlaxkit.runtime import RayExperiment; assert 'ray' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_train_job_runs_the_same_config_on_ray(ray_cluster, cache, tmp_path):
+    """``rlaxkit.cli.run_job`` picks RayExperiment from runtime.backend, places its
+    actors per ``config.ray`` (here: TensorStore weights) and writes a full run dir."""
+    config = small_config(
+        "runtime.backend=ray", "steps=2", "ray.weight_store=tensorstore", *SMALL_ACTORS
+    )
+    run = tmp_path / "run"
+    lines = []
+    summary = run_job(config, run, progress=False, log=lines.append, cache_dir=cache)
+    assert any("ray backend" in line for line in lines)
+    assert any((run / "weights").iterdir())  # config.ray.weight_store was used
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2]
+    kinds = [e.kind for e in read_trace(run / "trace.jsonl")]
+    assert {"run_start", "generation_end", "train_step", "push", "pull"} <= set(kinds)
+    assert kinds[-1] == "run_end"
+    saved = json.loads((run / "summary.json").read_text())
+    assert saved["backend"] == "ray" and saved["steps"] == 2
+    assert saved["accepted_lost"] == 0 and saved["lost_steps"] == 0
+    assert 0 < saved["goodput"] <= 1 and saved["useful_train_s"] > 0
+    assert saved["buffer"]["trained"] == 2 * config.staleness.batch_size
+    assert 0 <= summary["pass@1_after"] <= 1
+    assert (run / "final" / "config.json").exists()
+    assert RunConfig.from_yaml(run / "config.yaml") == config
+    # The ray backend does not resume: a second run in the same directory is refused.
+    with pytest.raises(ValueError, match="does not resume"):
+        run_job(config, run, progress=False, log=lines.append, cache_dir=cache)
+
+
+def test_fault_plans_are_refused_on_ray_with_a_clear_error(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("faults:\n- {kind: preempt_worker, at_step: 1, target: worker-0}\n")
+    overrides = ["runtime.backend=ray", "steps=1", *SMALL_ACTORS]
+    argv = [x for o in overrides for x in ("--set", o)]
+    code = main(["train", *argv, "--run-dir", str(tmp_path / "run"), "--faults", str(plan)])
+    assert code == 2
+    assert "local backend only" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before anything started
+    with pytest.raises(ValueError, match="local backend only"):
+        RayExperiment(small_config("runtime.backend=ray"), faults=str(plan))

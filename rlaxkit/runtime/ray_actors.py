@@ -305,6 +305,30 @@ class TrainerActor:
             store.republish()
         return {"version": store.latest_version(), "events": self._drain()}
 
+    def warm_start_info(self) -> dict[str, Any]:
+        """What the warm start did: ``cached``, ``steps`` (and ``final_loss`` or
+        ``path``), as ``rlaxkit.runtime.build.warm_start`` reports it."""
+        return self.warm_start
+
+    def save_checkpoint(self, step: int) -> dict[str, Any]:
+        """Saves the state now unless its checkpoint exists (on a SIGTERM).
+
+        Returns ``saved``, ``checkpoint_step`` (the newest; ``None`` without a
+        checkpoint directory) and ``events``.
+
+        Raises:
+            TrainerRestartedError: the state is not at ``step``.
+        """
+        self._expect(step)
+        saved = self.checkpoints is not None and self.last_save[0] != self.version
+        if saved:
+            self._save()
+        return {
+            "saved": saved,
+            "checkpoint_step": self.last_save[0] if self.checkpoints is not None else None,
+            "events": self._drain(),
+        }
+
     def host_params(self, step: int) -> Any:
         """The params at ``step`` copied to host memory (for evaluation in the driver)."""
         self._expect(step)
@@ -426,6 +450,7 @@ class WorkerActor:
         return {
             "free": self.worker.free,
             "version": self.worker.version,
+            "failed_pulls": self.worker.failed_pulls,
             "weights_lost": lost,
             "retry": lost or failed or self.store.seen is None,
             "events": self._drain(),

@@ -1,9 +1,11 @@
 """The Ray backend: the local runtime's loop with the trainer, the parameter server and
 each inference worker in its own Ray actor; elastic and self-healing.
 
-``RayExperiment(config, ray_config=RayConfig(...))`` has the notebook API of
-``rlaxkit.runtime.Experiment`` (``step``, ``run``, ``last_batch``, ``history``,
-``trace``, ``evaluate``, ``check_accounting``, ``close``) plus ``scale_workers(n)``.
+``RayExperiment(config)`` has the notebook API of ``rlaxkit.runtime.Experiment``
+(``step``, ``run``, ``last_batch``, ``history``, ``trace``, ``evaluate``,
+``check_accounting``, ``save_checkpoint``, ``summary``, ``close``) plus
+``scale_workers(n)``; placement comes from ``config.ray`` (a ``RayConfig``) unless a
+``ray_config`` argument is given. ``rlaxkit train`` runs it for ``runtime.backend=ray``.
 
 Placement. The prompt controller and the rollout buffer stay in the driver, so the
 accounting invariant is kept by one process and survives any actor's death. Workers
@@ -24,7 +26,9 @@ in-flight prompts re-issued; a restarted parameter server gets the trainer's new
 version again; a restarted trainer restores its checkpoint and the driver replays the
 batches since, so the run goes on as if nothing happened.
 
-The driver itself is not fault tolerant: run it on a machine that is not preempted.
+The driver itself is not fault tolerant: run it on a machine that is not preempted. A
+run is not resumed from a run directory (the driver's books are not checkpointed), and
+fault plans (``FaultPlan``) are injected by the local backend only.
 """
 
 from __future__ import annotations
@@ -49,11 +53,11 @@ from rlaxkit.evaluation import EvalReport, evaluate_policy
 from rlaxkit.inference import make_text_generate
 from rlaxkit.metrics import MetricsLogger
 from rlaxkit.param_server.ray_store import parameter_server_actor
+from rlaxkit.ray_config import RayConfig
 from rlaxkit.rollout import RolloutGroup
 from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.local import _BUCKETS
 from rlaxkit.runtime.ray_actors import TrainerActor, WeightStore, driver_jax_options
-from rlaxkit.runtime.ray_config import RayConfig
 from rlaxkit.runtime.ray_recovery import RayFaultHandling, WorkerSlot, remote, stop_actor
 from rlaxkit.tasks import RewardRunner
 from rlaxkit.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
@@ -96,7 +100,14 @@ class RayExperiment(RayFaultHandling):
             replays every batch from step 0).
         progress: show progress bars.
         cache_dir: where the warm-start cache lives (default: ``run_dir``).
-        ray_config: placement, weight store and fault handling (default ``RayConfig()``).
+        ray_config: placement, weight store and fault handling (default:
+            ``config.ray``).
+        faults: must be ``None``: fault plans are injected by the local backend only
+            (here, kill actors with ``ray.kill``).
+
+    Raises:
+        ValueError: another backend or mode, a fault plan, or a ``run_dir`` that already
+            holds a run (this backend does not resume).
     """
 
     def __init__(
@@ -106,6 +117,7 @@ class RayExperiment(RayFaultHandling):
         progress: bool = False,
         cache_dir: str | Path | None = None,
         ray_config: RayConfig | None = None,
+        faults: Any = None,
     ):
         if config.runtime.backend != "ray":
             raise ValueError(
@@ -117,12 +129,20 @@ class RayExperiment(RayFaultHandling):
                 f"runtime.mode {config.runtime.mode!r} is not available on the ray backend; "
                 "use runtime.mode=deterministic"
             )
+        if faults:
+            raise ValueError(
+                "faults: fault plans are injected by the local backend only; use "
+                "runtime.backend=local to inject one, or kill Ray actors with ray.kill "
+                "(docs/running_at_scale.md)"
+            )
+        self.run_dir = Path(run_dir).absolute() if run_dir else None
+        if self.run_dir:
+            _check_new_run_dir(self.run_dir)
         self.config = config
-        self.ray_config = ray_config or RayConfig()
+        self.ray_config = ray_config or config.ray
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=self.ray_config.address, include_dashboard=False)
-        self.run_dir = Path(run_dir).absolute() if run_dir else None
         if self.run_dir:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             config.save(self.run_dir / "config.yaml")
@@ -165,16 +185,23 @@ class RayExperiment(RayFaultHandling):
         self._next_worker = 0
         self._replacements = 0
         self._retired_tokens = 0
+        self._retired_failed_pulls = 0
         self._replay: list[tuple[int, Any]] = []  # (step, batch) since the last checkpoint
+        self.version = 0
+        self.rounds = 0
+        self.useful_train_s: list[float] = []  # compute of each surviving step
+        self.lost_train_s, self.lost_steps = 0.0, 0
+        self.resumed_from: int | None = None  # never resumed (see the module docstring)
+        self.extra: dict[str, Any] = {}  # the caller's JSON (not checkpointed here)
         try:
             self.scale_workers(config.runtime.num_workers)  # They start as the trainer does.
+            self.warm_start = self._trainer("warm_start_info")
             reply = self._trainer("publish", 0)
         except BaseException:
             self._stop_actors()  # A failed start leaves no actors behind.
             raise
         self.trace.extend(reply["events"])
         self._published = reply["version"]
-        self.version = 0
         self.last_batch: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
         self.logger = MetricsLogger(
@@ -183,6 +210,7 @@ class RayExperiment(RayFaultHandling):
             progress=progress,
         )
         self._scorer: RewardRunner | None = None
+        self._closed = False
         self._since = {"t": self.clock(), "tokens": 0, "samples": 0}
 
     # -- construction ------------------------------------------------------------------
@@ -254,8 +282,10 @@ class RayExperiment(RayFaultHandling):
             raise RuntimeError("no inference workers are left: call scale_workers(n) with n >= 1")
         published = self._ensure_published()
         rooms = self._sync_workers()
-        for reply in rooms.values():
-            self.trace.extend(reply["events"])
+        for slot in self.workers:
+            if slot.worker_id in rooms:
+                self.trace.extend(rooms[slot.worker_id]["events"])
+                slot.failed_pulls = rooms[slot.worker_id]["failed_pulls"]
         work = self._issue(rooms, published)
         progressed = any(items for (items,) in work.values())
         replies = self._call_workers("submit_and_step", work)
@@ -279,6 +309,7 @@ class RayExperiment(RayFaultHandling):
                         reason=reason,
                         rollout=rollout.group_id,
                     )
+        self.rounds += 1
         return progressed
 
     def _collect_batch(self) -> list[RolloutGroup]:
@@ -314,6 +345,7 @@ class RayExperiment(RayFaultHandling):
         result = self._train(batch)
         self.trace.extend(result["events"])
         self.version += 1
+        self.useful_train_s.append(result["duration_s"])
         t_train = self.clock()
         metrics = self._metrics(groups, samples, result["metrics"], t_start, t_gen, t_train)
         self.trace.record(
@@ -421,8 +453,20 @@ class RayExperiment(RayFaultHandling):
             ray.kill(self._ps_actor)
 
     def close(self) -> None:
-        """Stops the actors, closes the files, and shuts Ray down if this object
-        started it."""
+        """Records goodput, stops the actors, closes the files, and shuts Ray down if
+        this object started it (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        summary = self.summary()
+        self.trace.record(
+            self.clock(),
+            "run_end",
+            "controller",
+            self.version,
+            **{k: summary[k] for k in ("goodput", "useful_train_s", "lost_train_s", "wall_s")},
+            lost_steps=summary["lost_steps"],
+        )
         self._stop_actors()
         if self._scorer is not None:
             self._scorer.close()
@@ -438,3 +482,15 @@ class RayExperiment(RayFaultHandling):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_new_run_dir(run_dir: Path) -> None:
+    """Raises ``ValueError`` when ``run_dir`` already holds a run: the Ray backend starts
+    runs but does not resume them, and would mix two runs' traces and checkpoints."""
+    checkpoints = run_dir / "checkpoints"
+    if (run_dir / "trace.jsonl").exists() or (checkpoints.is_dir() and any(checkpoints.iterdir())):
+        raise ValueError(
+            f"run_dir {run_dir} already holds a run (trace.jsonl or checkpoints/); the ray "
+            "backend does not resume runs: give it a new run directory, or resume this one "
+            "with runtime.backend=local if the local backend wrote it"
+        )

@@ -18,6 +18,10 @@ to the actor fails (``RayActorError``), so they cost nothing until then:
   the run back to the checkpoint (``buffer.rollback``): here the driver, which survives,
   still holds those batches. Weights lost with the trainer (it owned the objects) make
   workers' pulls fail; the driver then recovers the trainer and the workers sync again.
+
+Goodput (``summary``) is the local backend's: the trainer compute of the steps that
+survive ÷ wall time; a trainer restart makes the first run of each replayed step lost
+compute (``lost_train_s``, ``lost_steps``).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class WorkerSlot:
     handle: Any
     in_flight: dict[int, Issue] = field(default_factory=dict)
     generated_tokens: int = 0
+    failed_pulls: int = 0
 
 
 class RayFaultHandling:
@@ -112,6 +117,7 @@ class RayFaultHandling:
             self.buffer.reset_group(issue.group_id)
         self.controller.requeue(lost)
         self._retired_tokens += slot.generated_tokens
+        self._retired_failed_pulls += slot.failed_pulls
         self.workers.remove(slot)
         self.trace.record(
             self.clock(), "preemption", slot.worker_id, None, reason=reason, reissued=len(lost)
@@ -202,7 +208,12 @@ class RayFaultHandling:
                 f"batches of steps {restored + 1}..{self.version}"
             )
         for step, batch in replay:
-            self.trace.extend(self._call_restarting("train", batch, step, False)["events"])
+            result = self._call_restarting("train", batch, step, False)
+            self.trace.extend(result["events"])
+            # The step's first run was lost compute; the replay is what survives.
+            self.lost_train_s += self.useful_train_s[step - 1]
+            self.useful_train_s[step - 1] = result["duration_s"]
+        self.lost_steps += len(replay)
         reply = self._call_restarting("publish", self.version, True)
         self.trace.extend(reply["events"])
         self._published = reply["version"]
@@ -241,3 +252,52 @@ class RayFaultHandling:
                 reply["events"] = rooms[worker_id]["events"] + reply["events"]
                 rooms[worker_id] = reply
         return rooms
+
+    # -- checkpoints and goodput -------------------------------------------------------
+    def save_checkpoint(self) -> bool:
+        """Saves the trainer's state as checkpoint ``version`` now (what SIGTERM handling
+        calls) and drops the replay log it covers; False without a ``run_dir`` or when
+        that checkpoint exists already.
+
+        Only the trainer's state is saved (``run_dir/checkpoints/trainer``, Orbax): it is
+        what a restarted trainer actor restores; the driver's books are not, so a new
+        ``RayExperiment`` does not resume from it.
+        """
+        reply = self._trainer("save_checkpoint", self.version)
+        self.trace.extend(reply["events"])
+        if reply["checkpoint_step"] is not None:
+            self._replay = [(s, b) for s, b in self._replay if s > reply["checkpoint_step"]]
+        return reply["saved"]
+
+    def summary(self) -> dict[str, Any]:
+        """Goodput (useful trainer compute ÷ wall time), lost steps and fault counters,
+        with the local backend's keys where they mean the same here.
+
+        ``useful_train_s`` is the train steps' compute as the trainer actor times it
+        (batch transfer excluded); ``worker_replacements`` counts dead worker actors
+        replaced; ``restarts`` counts ``restart`` trace events by actor.
+        """
+        wall = self.clock()
+        useful = sum(self.useful_train_s)
+        restarts: dict[str, int] = {}
+        for event in self.trace.memory.events:
+            if event.kind == "restart":
+                actor = "worker" if event.actor.startswith("worker-") else event.actor
+                restarts[actor] = restarts.get(actor, 0) + 1
+        return {
+            "backend": "ray",
+            "goodput": useful / max(wall, 1e-9),
+            "useful_train_s": useful,
+            "lost_train_s": self.lost_train_s,
+            "lost_steps": self.lost_steps,
+            "wall_s": wall,
+            "steps": self.version,
+            "rounds": self.rounds,
+            "accepted_lost": len(self.buffer.accepted_lost()),
+            "failed_pulls": self._retired_failed_pulls + sum(w.failed_pulls for w in self.workers),
+            "workers": len(self.workers),
+            "worker_replacements": self._replacements,
+            "restarts": restarts,
+            "buffer": self.buffer.counts(),
+            "resumed_from": self.resumed_from,
+        }
