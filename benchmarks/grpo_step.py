@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--serial-compile", action="store_true", help="no background compilation")
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     if not args.smoke:  # a cold start: the first step traces and compiles everything
         jax.config.update("jax_enable_compilation_cache", False)
     settings = SMOKE if args.smoke else (SMALL, LARGE)
@@ -299,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         f"large {report['large_step_s']:.4f} s (target <= {TARGET_STEP_S['large']}), "
         f"first step {report['first_step_s']:.2f} s (target < {TARGET_FIRST_STEP_S})"
     )
+    report["load_average_1m"] = [load_before, os.getloadavg()[0]]
     print(json.dumps(report))
     return 0
 

@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed trainer steps per η")
     parser.add_argument("--profile", action="store_true", help="cProfile the η = 2 run")
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     overrides = SMOKE if args.smoke else TINY
     steps = args.steps or (2 if args.smoke else 30 if args.quick else 100)
     warmup = 1 if args.smoke else 3
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\noverhead (outside jitted compute): {report['overhead_fraction']:.2f} of wall time "
         f"(goal <= {GOAL_OVERHEAD})"
     )
+    report["load_average_1m"] = [load_before, os.getloadavg()[0]]
     print(json.dumps(report))
     return 0
 

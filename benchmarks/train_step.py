@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny model (tests only)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     setting = SMOKE if args.smoke else QUICK if args.quick else FULL
     config, rows, length = setting.model, setting.rows, setting.length
     print(f"devices: {jax.devices()}")
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({', '.join(f'{k} {v / 1e9:.1f}' for k, v in peaks.items())}); "
         f"MFU {report['mfu']:.2f} (target >= {TARGET_MFU})"
     )
+    report["load_average_1m"] = [load_before, os.getloadavg()[0]]
     print(json.dumps(report))
     return 0
 
