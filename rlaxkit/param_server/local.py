@@ -34,6 +34,12 @@ from rlaxkit.param_server.base import (
 __all__ = ["InProcessParameterServer"]
 
 
+@jax.jit
+def _copy_tree(tree: Any) -> Any:
+    """Fresh buffers for every leaf in one dispatch (not one ``jnp.copy`` per leaf)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
 class InProcessParameterServer:
     """Thread-safe versioned store of pytrees inside one process (zero copy).
 
@@ -81,7 +87,7 @@ class InProcessParameterServer:
         check_new_version(version, self.latest_version())
         start = time.perf_counter()
         if self.copy_on_push:
-            params = jax.tree.map(jnp.copy, params)
+            params = _copy_tree(params)
             jax.block_until_ready(params)
         nbytes = tree_nbytes(params)
         with self._cond:
