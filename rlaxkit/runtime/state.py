@@ -33,8 +33,9 @@ FORMAT = 1
 PYTREE_ITEMS = ("train_state", "weights")
 JSON_ITEMS = ("meta", "controller", "buffer", "workers", "faults", "history", "extra")
 # Fields that may change between a save and a resume: how long to run, how to evaluate,
-# when to checkpoint. Everything else shapes the RL state and must match.
-RESUMABLE_FIELDS = ("steps", "eval", "checkpoint")
+# when to checkpoint, where Ray would place actors (the local backend ignores it).
+# Everything else shapes the RL state and must match.
+RESUMABLE_FIELDS = ("steps", "eval", "checkpoint", "ray")
 
 
 def param_shapes(tree: Any) -> dict[str, list]:
