@@ -302,10 +302,12 @@ def _build(cfg: TrainConfig, graphdef, value_graphdef, mesh: Mesh | None):
             lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
         )
 
-    def constrain_rows(tree):
+    def constrain_rows(tree, leading: int = 0):
+        """Rows (after ``leading`` chunk axes) split over ``data × fsdp``."""
         if mesh is None:
             return tree
-        return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, P(BATCH_AXES)))
+        spec = P(*([None] * leading), BATCH_AXES)
+        return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, spec))
 
     def policy_forward(params, tokens, positions, attention_mask):
         model = nnx.merge(graphdef, cast(params))
@@ -320,7 +322,7 @@ def _build(cfg: TrainConfig, graphdef, value_graphdef, mesh: Mesh | None):
     def chunked(fn, params, data):
         """``fn`` over the batch in micro-batch-sized chunks, without gradients."""
         inputs = [data[k] for k in ("tokens", "positions", "attention_mask")]
-        split = [constrain_rows(_split_rows(x, chunks)) for x in inputs]
+        split = [constrain_rows(_split_rows(x, chunks), leading=1) for x in inputs]
         out = jax.lax.map(lambda xs: fn(jax.lax.stop_gradient(params), *xs), split)
         return _merge_rows(out)
 
