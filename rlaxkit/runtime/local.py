@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from rlaxkit.algorithms import algorithm
-from rlaxkit.batch import BucketSpec, TrainBatch, collate
+from rlaxkit.batch import TrainBatch, collate
 from rlaxkit.buffer import RolloutBuffer
 from rlaxkit.checkpoint import CheckpointManager
 from rlaxkit.config import RunConfig
@@ -55,6 +55,7 @@ from rlaxkit.param_server import InProcessParameterServer
 from rlaxkit.rollout import RolloutGroup
 from rlaxkit.runtime import state as checkpoint_state
 from rlaxkit.runtime.build import build_policy, build_task, warm_start
+from rlaxkit.runtime.common import TRAIN_BUCKETS, batch_metrics
 from rlaxkit.runtime.concurrent import ConcurrentCollector, check_supported
 from rlaxkit.runtime.injection import FaultState, UnreliableParameterServer, load_plan
 from rlaxkit.runtime.recovery import FaultHandling
@@ -62,8 +63,6 @@ from rlaxkit.tasks import RewardRunner
 from rlaxkit.trace import JsonlTraceWriter, MemoryTrace
 from rlaxkit.trainer import TrainConfig, create_train_state, make_train_step
 from rlaxkit.worker import InferenceWorker
-
-_BUCKETS = BucketSpec(lengths=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
 
 
 class _Tee:
@@ -379,7 +378,7 @@ class Experiment(FaultHandling):
         groups = self._collect_batch()
         t_gen = self.clock()
         samples = [r for g in groups for r in g.rollouts]
-        batch = collate(samples, bucket=_BUCKETS, pad_token_id=self.tokenizer.pad_id)
+        batch = collate(samples, bucket=TRAIN_BUCKETS, pad_token_id=self.tokenizer.pad_id)
         self.state, train_metrics = self._train_step(self.state, batch)
         train_metrics = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
         self.version += 1
@@ -422,25 +421,10 @@ class Experiment(FaultHandling):
     def _metrics(
         self, groups, samples, batch: TrainBatch, train_metrics, t_start, t_gen, t_train
     ) -> dict[str, Any]:
-        rewards = np.array([s.reward for s in samples])
-        staleness = np.array([self.version - 1 - g.first_version for g in groups])
-        correct = np.array([s.reward_info["correct"] for s in samples])
         tokens = sum(w.generated_tokens for w in self.workers)
         elapsed = max(t_train - self._since["t"], 1e-9)
-        counts = self.buffer.counts()
         out = {
-            "step": self.version,
-            "reward/mean": float(rewards.mean()),
-            "reward/pass_rate": float(correct.mean()),
-            "staleness/mean": float(staleness.mean()),
-            "staleness/max": int(staleness.max()),
-            "completion/mean_tokens": float(np.mean([s.num_tokens for s in samples])),
-            "buffer/in_flight": counts["in_flight"],
-            "buffer/buffered": counts["buffered"],
-            "buffer/trained": counts["trained"],
-            "buffer/dropped": counts["dropped"],
-            **{f"dropped/{k}": v for k, v in counts["dropped_by_reason"].items()},
-            **{f"train/{k}": v for k, v in train_metrics.items()},
+            **batch_metrics(self.version, groups, samples, self.buffer.counts(), train_metrics),
             "time/generate_s": t_gen - t_start,
             "time/train_s": t_train - t_gen,
             "throughput/tokens_per_s": (tokens - self._since["tokens"]) / elapsed,

@@ -56,7 +56,7 @@ from rlaxkit.param_server.ray_store import parameter_server_actor
 from rlaxkit.ray_config import RayConfig
 from rlaxkit.rollout import RolloutGroup
 from rlaxkit.runtime.build import build_policy, build_task
-from rlaxkit.runtime.local import _BUCKETS
+from rlaxkit.runtime.common import TRAIN_BUCKETS, batch_metrics
 from rlaxkit.runtime.ray_actors import TrainerActor, WeightStore, driver_jax_options
 from rlaxkit.runtime.ray_recovery import RayFaultHandling, WorkerSlot, remote, stop_actor
 from rlaxkit.tasks import RewardRunner
@@ -341,7 +341,7 @@ class RayExperiment(RayFaultHandling):
         groups = self._collect_batch()
         t_gen = self.clock()
         samples = [r for g in groups for r in g.rollouts]
-        batch = collate(samples, bucket=_BUCKETS, pad_token_id=self.tokenizer.pad_id)
+        batch = collate(samples, bucket=TRAIN_BUCKETS, pad_token_id=self.tokenizer.pad_id)
         result = self._train(batch)
         self.trace.extend(result["events"])
         self.version += 1
@@ -367,25 +367,10 @@ class RayExperiment(RayFaultHandling):
         return metrics
 
     def _metrics(self, groups, samples, train_metrics, t_start, t_gen, t_train) -> dict[str, Any]:
-        rewards = np.array([s.reward for s in samples])
-        staleness = np.array([self.version - 1 - g.first_version for g in groups])
-        correct = np.array([s.reward_info["correct"] for s in samples])
         tokens = self._retired_tokens + sum(w.generated_tokens for w in self.workers)
         elapsed = max(t_train - self._since["t"], 1e-9)
-        counts = self.buffer.counts()
         out = {
-            "step": self.version,
-            "reward/mean": float(rewards.mean()),
-            "reward/pass_rate": float(correct.mean()),
-            "staleness/mean": float(staleness.mean()),
-            "staleness/max": int(staleness.max()),
-            "completion/mean_tokens": float(np.mean([s.num_tokens for s in samples])),
-            "buffer/in_flight": counts["in_flight"],
-            "buffer/buffered": counts["buffered"],
-            "buffer/trained": counts["trained"],
-            "buffer/dropped": counts["dropped"],
-            **{f"dropped/{k}": v for k, v in counts["dropped_by_reason"].items()},
-            **{f"train/{k}": v for k, v in train_metrics.items()},
+            **batch_metrics(self.version, groups, samples, self.buffer.counts(), train_metrics),
             "fleet/workers": len(self.workers),
             "time/generate_s": t_gen - t_start,
             "time/train_s": t_train - t_gen,
