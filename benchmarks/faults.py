@@ -41,23 +41,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from rlaxkit.config import RunConfig  # noqa: E402
+from rlaxkit.config import SMALL_RUN, RunConfig  # noqa: E402
 from rlaxkit.configio import apply_overrides  # noqa: E402
 from rlaxkit.faults import FaultPlan, random_preemptions  # noqa: E402
 from rlaxkit.runtime import Experiment  # noqa: E402
 
 STANDARD = Path(__file__).resolve().parents[1] / "configs" / "faults" / "standard.yaml"
 TINY = [
-    "model.config.hidden_size=32",
-    "model.config.intermediate_size=64",
-    "model.config.num_layers=2",
-    "task.options.max_digits=1",
-    "task.num_train=80",
-    "sft.steps=200",
-    "sft.batch_size=32",
-    "staleness.batch_size=4",
-    "sampling.n=4",
-    "runtime.slots_per_worker=16",
+    *SMALL_RUN,
     "runtime.chunk_steps=2",
     "checkpoint.every_steps=2",
 ]

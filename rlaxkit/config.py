@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlaxkit.configio import dump_yaml, from_dict, load_yaml, to_dict
+from rlaxkit.configio import apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
 from rlaxkit.inference import SamplingConfig
 from rlaxkit.models.config import ModelConfig
 from rlaxkit.policies import CheckpointPolicy, StalenessPolicy, WeightSyncPolicy
@@ -227,3 +227,26 @@ class RunConfig:
     def save(self, path: str | Path) -> None:
         """Writes the full config as YAML (every field, so the run can be reproduced)."""
         dump_yaml(self, path)
+
+
+# A run small enough for a test, a notebook's CI settings or a quick benchmark: a
+# 2-layer, 32-wide char model on one-digit sums, a short warm start, 4 prompts × 4
+# samples per step. Seconds per run on two CPU cores.
+SMALL_RUN: tuple[str, ...] = (
+    "model.config.hidden_size=32",
+    "model.config.intermediate_size=64",
+    "model.config.num_layers=2",
+    "task.options.max_digits=1",
+    "task.num_train=80",
+    "sft.steps=200",
+    "sft.batch_size=32",
+    "staleness.batch_size=4",
+    "sampling.n=4",
+    "runtime.slots_per_worker=16",
+)
+
+
+def small_run_config(*overrides: str) -> RunConfig:
+    """``RunConfig()`` with ``SMALL_RUN`` and then ``overrides`` (``"section.field=value"``)
+    applied, e.g. ``small_run_config("staleness.max_staleness=0")``."""
+    return RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), [*SMALL_RUN, *overrides]))

@@ -3,20 +3,12 @@
 import json
 
 from rlaxkit.cli import main
+from rlaxkit.config import SMALL_RUN
 from rlaxkit.metrics import read_metrics
 from rlaxkit.trace import read_trace
 
 SMALL = [
-    "model.config.hidden_size=32",
-    "model.config.intermediate_size=64",
-    "model.config.num_layers=2",
-    "task.options.max_digits=1",
-    "task.num_train=80",
-    "sft.steps=200",
-    "sft.batch_size=32",
-    "staleness.batch_size=4",
-    "sampling.n=4",
-    "runtime.slots_per_worker=16",
+    *SMALL_RUN,
     "eval.num_problems=8",
     "eval.samples=2",
     "steps=3",

@@ -4,22 +4,13 @@ import threading
 
 import pytest
 
-from rlaxkit.config import RunConfig
+from rlaxkit.config import SMALL_RUN, RunConfig
 from rlaxkit.configio import apply_overrides
 from rlaxkit.runtime import Experiment
 
 # The tiny run of test_runtime.py: a 2-layer, 32-wide char model, short warm start.
 SMALL = [
-    "model.config.hidden_size=32",
-    "model.config.intermediate_size=64",
-    "model.config.num_layers=2",
-    "task.options.max_digits=1",
-    "task.num_train=80",
-    "sft.steps=200",
-    "sft.batch_size=32",
-    "staleness.batch_size=4",
-    "sampling.n=4",
-    "runtime.slots_per_worker=16",
+    *SMALL_RUN,
     "runtime.mode=concurrent",
 ]
 

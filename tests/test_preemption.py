@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from rlaxkit.cli import main
-from rlaxkit.config import RunConfig
+from rlaxkit.config import SMALL_RUN, RunConfig
 from rlaxkit.configio import apply_overrides
 from rlaxkit.metrics import read_metrics
 from rlaxkit.runtime import Experiment
@@ -26,16 +26,7 @@ from rlaxkit.trace import read_trace
 
 # chunk_steps=1: prompts take several rounds, so every checkpoint has prompts in flight.
 SMALL = [
-    "model.config.hidden_size=32",
-    "model.config.intermediate_size=64",
-    "model.config.num_layers=2",
-    "task.options.max_digits=1",
-    "task.num_train=80",
-    "sft.steps=200",
-    "sft.batch_size=32",
-    "staleness.batch_size=4",
-    "sampling.n=4",
-    "runtime.slots_per_worker=16",
+    *SMALL_RUN,
     "runtime.chunk_steps=1",
     "eval.num_problems=4",
     "eval.samples=2",
