@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -47,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 import sim
-from rlaxkit.config import RunConfig
+from rlaxkit.config import SMALL_RUN, RunConfig
 from rlaxkit.configio import apply_overrides
 from rlaxkit.faults import FaultPlan
 from rlaxkit.plotting import timeline_figure
@@ -114,18 +116,7 @@ print(f"chosen: η = {eta}, checkpoint every {every_steps} steps")
 # decode round is `runtime.round_s` seconds.
 
 # %%
-small_model = [
-    "model.config.hidden_size=32",
-    "model.config.intermediate_size=64",
-    "model.config.num_layers=2",
-    "task.options.max_digits=1",
-    "task.num_train=80",
-    "sft.steps=200",
-    "sft.batch_size=32",
-    "staleness.batch_size=4",
-    "sampling.n=4",
-    "runtime.slots_per_worker=16",
-]
+small_model = list(SMALL_RUN)  # rlaxkit.config's tiny run, for CI
 overrides = [
     *(small_model if SMALL else []),
     f"staleness.max_staleness={eta}",

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -37,24 +39,13 @@ import tempfile
 from pathlib import Path
 
 import sim
-from rlaxkit.config import RunConfig
+from rlaxkit.config import SMALL_RUN, RunConfig
 from rlaxkit.configio import apply_overrides
 from rlaxkit.plotting import overlay_figure
 from rlaxkit.runtime import Experiment
 from rlaxkit.trace import MemoryTrace, durations, generation_records, read_trace
 
-small_model = [
-    "model.config.hidden_size=32",
-    "model.config.intermediate_size=64",
-    "model.config.num_layers=2",
-    "task.options.max_digits=1",
-    "task.num_train=80",
-    "sft.steps=200",
-    "sft.batch_size=32",
-    "staleness.batch_size=4",
-    "sampling.n=4",
-    "runtime.slots_per_worker=16",
-]
+small_model = list(SMALL_RUN)  # rlaxkit.config's tiny run, for CI
 overrides = [*(small_model if SMALL else []), f"staleness.max_staleness={MAX_STALENESS}"]
 config = RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), overrides))
 workdir = Path(tempfile.mkdtemp(prefix="rlaxkit-nb05-"))

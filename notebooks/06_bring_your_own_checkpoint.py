@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -38,7 +40,7 @@ EVAL_PROBLEMS = 8 if SMALL else 200
 import tempfile
 from pathlib import Path
 
-from rlaxkit.config import RunConfig
+from rlaxkit.config import SMALL_RUN, RunConfig
 from rlaxkit.configio import apply_overrides
 from rlaxkit.evaluation import evaluate_policy
 from rlaxkit.inference import make_text_generate
@@ -47,18 +49,7 @@ from rlaxkit.plotting import pass_at_k_figure
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.build import build_policy, build_task, warm_start
 
-small = [
-    "model.config.hidden_size=32",
-    "model.config.intermediate_size=64",
-    "model.config.num_layers=2",
-    "task.options.max_digits=1",
-    "task.num_train=80",
-    "sft.steps=200",
-    "sft.batch_size=32",
-    "staleness.batch_size=4",
-    "sampling.n=4",
-    "runtime.slots_per_worker=16",
-]
+small = list(SMALL_RUN)  # rlaxkit.config's tiny run, for CI
 base = RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), small if SMALL else []))
 workdir = Path(tempfile.mkdtemp(prefix="rlaxkit-nb06-"))
 
