@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -48,7 +50,7 @@ import time
 
 import numpy as np
 
-from rlaxkit.config import RunConfig
+from rlaxkit.config import SMALL_RUN, RunConfig
 from rlaxkit.configio import apply_overrides
 from rlaxkit.evaluation import evaluate_policy
 from rlaxkit.inference import make_text_generate
@@ -56,18 +58,7 @@ from rlaxkit.plotting import compare_runs_figure
 from rlaxkit.runtime import Experiment
 from rlaxkit.trace import staleness_distribution
 
-SMALL_MODEL = [
-    "model.config.hidden_size=32",
-    "model.config.intermediate_size=64",
-    "model.config.num_layers=2",
-    "task.options.max_digits=1",
-    "task.num_train=80",
-    "sft.steps=200",
-    "sft.batch_size=32",
-    "staleness.batch_size=4",
-    "sampling.n=4",
-    "runtime.slots_per_worker=32",
-]
+SMALL_MODEL = [*SMALL_RUN, "runtime.slots_per_worker=32"]  # config.SMALL_RUN, wider
 
 
 def config_for(eta: int, preset: str) -> RunConfig:

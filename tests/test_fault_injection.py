@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rlaxkit.config import RunConfig
+from rlaxkit.config import SMALL_RUN, RunConfig
 from rlaxkit.configio import apply_overrides
 from rlaxkit.faults import Fault, FaultPlan, random_preemptions
 from rlaxkit.runtime import Experiment
@@ -15,16 +15,7 @@ from rlaxkit.trace import drop_counts
 
 STANDARD = Path(__file__).resolve().parents[1] / "configs" / "faults" / "standard.yaml"
 SMALL = [
-    "model.config.hidden_size=32",
-    "model.config.intermediate_size=64",
-    "model.config.num_layers=2",
-    "task.options.max_digits=1",
-    "task.num_train=80",
-    "sft.steps=200",
-    "sft.batch_size=32",
-    "staleness.batch_size=4",
-    "sampling.n=4",
-    "runtime.slots_per_worker=16",
+    *SMALL_RUN,
     "runtime.chunk_steps=2",
     "runtime.restart_s=2",
 ]

@@ -9,8 +9,7 @@ from matplotlib.figure import Figure
 import sim
 from rlaxkit import plotting
 from rlaxkit.cli import main
-from rlaxkit.config import RunConfig
-from rlaxkit.configio import apply_overrides
+from rlaxkit.config import small_run_config
 from rlaxkit.metrics import MetricsLogger
 from rlaxkit.runtime import Experiment
 from rlaxkit.trace import JsonlTraceWriter
@@ -63,19 +62,7 @@ def test_plot_of_a_directory_without_a_run_exits_2_with_a_message(tmp_path, caps
 
 @pytest.mark.slow
 def test_plot_writes_png_files_for_a_real_local_run(tmp_path, capsys):
-    small = [
-        "model.config.hidden_size=32",
-        "model.config.intermediate_size=64",
-        "model.config.num_layers=2",
-        "task.options.max_digits=1",
-        "task.num_train=80",
-        "sft.steps=200",
-        "sft.batch_size=32",
-        "staleness.batch_size=4",
-        "sampling.n=4",
-        "runtime.slots_per_worker=16",
-    ]
-    config = RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), small))
+    config = small_run_config()
     with Experiment(config, run_dir=tmp_path) as exp:
         exp.run(3)
     check_plots(tmp_path, capsys, ["reward.png", "staleness.png", "timeline.png"])
