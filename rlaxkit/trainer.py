@@ -46,6 +46,7 @@ from rlaxkit.algorithms import (
     rl_loss,
 )
 from rlaxkit.batch import TrainBatch
+from rlaxkit.jaxutil import TieredJit
 from rlaxkit.logprobs import logprobs_and_entropy
 from rlaxkit.models import positions_from_mask
 
@@ -458,6 +459,7 @@ def make_train_step(
     value_graphdef: nnx.GraphDef | None = None,
     mesh: Mesh | None = None,
     donate: bool = True,
+    tiered: bool = False,
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]]:
     """The jitted ``train_step(state, batch) -> (state, metrics)``.
 
@@ -469,6 +471,9 @@ def make_train_step(
         mesh: shard over this mesh (place inputs with ``shard_train_state`` and
             ``shard_batch``); ``None`` runs where the inputs live.
         donate: donate the input state's buffers to the output state.
+        tiered: compile in two tiers (``rlaxkit.jaxutil.TieredJit``): the first step of
+            each batch shape runs a quickly compiled executable while the optimised one
+            compiles in the background for the steps after it.
 
     Metrics (scalars): ``loss``, ``pg_loss``, ``clip_fraction``, ``ratio_mean``,
     ``ratio_max``, ``kl_old`` (to the trust-region centre), ``kl_ref`` (when a reference
@@ -511,7 +516,10 @@ def make_train_step(
             )
         return new_state, {**metrics, **stats}
 
-    return jax.jit(train_step, donate_argnums=(0,) if donate else ())
+    donate_argnums = (0,) if donate else ()
+    if tiered:
+        return TieredJit(train_step, donate_argnums=donate_argnums)
+    return jax.jit(train_step, donate_argnums=donate_argnums)
 
 
 def make_gradient_fn(
