@@ -19,6 +19,14 @@ Per kind, the keys this module's helpers read (others are free):
   (completion tokens), ``first_version`` (oldest version of its tokens; defaults to
   ``version``), ``finish`` (``stop`` | ``length``).
 - ``reward``: ``sample``, ``duration_s`` (verifier latency).
+- ``decode``: one chunk of decode steps on a worker (written by the runtime's workers,
+  which decode in chunks, and by the simulator's serial host; its per-sequence
+  workers write none).
+  ``duration_s`` (wall time of the chunk: prefill of the prompts it starts, the decode
+  steps, fetching finished rows), ``rows`` (sequences decoding in it), ``started``
+  (sequences it started, i.e. prefilled), ``finished`` (sequences it finished),
+  optional ``steps`` (decode steps it ran: fewer than the chunk's when every row
+  stopped early).
 - ``train_step``: ``step``, ``samples``, ``tokens`` (every token of the trained
   sequences, prompt and completion: the work of the step's forward and backward
   passes), optional ``completion_tokens`` (the tokens trained on), ``duration_s``
@@ -69,6 +77,7 @@ REQUIRED_FIELDS: Mapping[str, tuple[str, ...]] = {
     "generation_start": ("sample",),
     "generation_end": ("sample", "tokens"),
     "reward": ("sample", "duration_s"),
+    "decode": ("duration_s", "rows", "started", "finished"),
     "train_step": ("step", "samples", "duration_s"),
     "push": ("duration_s",),
     "pull": ("duration_s",),

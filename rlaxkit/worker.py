@@ -46,6 +46,7 @@ class _Request:
     prompt_tokens: list[int]
     issued_s: float
     done: list[Completion] = field(default_factory=list)
+    chunks: int = 0  # decode chunks run since it was submitted
 
 
 class InferenceWorker:
@@ -202,17 +203,49 @@ class InferenceWorker:
 
     # -- generation ------------------------------------------------------------------
     def step(self) -> list[Rollout]:
-        """One chunk of decoding; returns the scored rollouts of prompts that finished."""
+        """One chunk of decoding; returns the scored rollouts of prompts that finished.
+
+        Records a ``decode`` event for the chunk (``rlaxkit.trace``): its wall time
+        (prefill of the prompts it starts, the decode steps, fetching finished rows;
+        not scoring, which the ``reward`` event times) and how many rows it ran.
+        """
         if self.engine is None or not self.requests:
             return []
-        complete = self._decode()
+        n = self.sampling.n
+        rows = sum(n - len(r.done) for r in self.requests.values())
+        started = sum(n for r in self.requests.values() if r.chunks == 0)
+        chunks_before = {g: r.chunks for g, r in self.requests.items()}
+        start = self.clock()
+        complete, finished = self._decode()
+        end = self.clock()
+        if self.engine.num_running:  # rows still decoding: the chunk ran all its steps
+            steps = self.chunk_steps
+        else:  # it stopped when its longest row did
+            steps = max(
+                (c.num_tokens - self.chunk_steps * chunks_before[c.request_id] for c in finished),
+                default=0,
+            )
+        self.trace.record(
+            end,
+            "decode",
+            self.worker_id,
+            self.version,
+            duration_s=end - start,
+            rows=rows,
+            started=started,
+            finished=len(finished),
+            steps=int(steps),
+        )
         if not self.requests:  # the engine drained: a fresh one would be the same
             self._reset_log(self.version, self.engine.params)
         return self._score(complete)
 
-    def _decode(self) -> list[_Request]:
+    def _decode(self) -> tuple[list[_Request], list[Completion]]:
+        """One engine chunk; returns the prompts it completed and the rows it finished."""
         finished = self.engine.step()
         self._ops.append(["d"])
+        for request in self.requests.values():
+            request.chunks += 1
         complete = []
         for completion in finished:
             request = self.requests[completion.request_id]
@@ -220,7 +253,7 @@ class InferenceWorker:
             self.generated_tokens += completion.num_tokens
             if len(request.done) == self.sampling.n:
                 complete.append(self.requests.pop(completion.request_id))
-        return complete
+        return complete, finished
 
     def _text(self, completion: Completion) -> str:
         tokens = completion.tokens.tolist()
