@@ -42,6 +42,7 @@ from .scenario import (
 from .specs import (
     CheckpointSpec,
     FleetSpec,
+    HostSpec,
     ParamServerSpec,
     PreemptionSpec,
     TrainerSpec,
@@ -66,6 +67,7 @@ __all__ = [
     "Empirical",
     "EtaPoint",
     "FleetSpec",
+    "HostSpec",
     "Lognormal",
     "LongTail",
     "ParamServerSpec",

@@ -32,7 +32,7 @@ import os
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
@@ -49,13 +49,16 @@ from rlaxkit.trace import (
     summarize,
 )
 
+from .calibrate_host import fit_host
 from .distributions import Constant, Empirical
 from .engine import simulate
 from .metrics import SimResult
 from .scenario import Scenario, with_overrides
 from .specs import (
     CheckpointSpec,
+    Executor,
     FleetSpec,
+    HostSpec,
     ParamServerSpec,
     TrainerSpec,
     VerifierSpec,
@@ -89,6 +92,14 @@ def _shape(config: Mapping[str, Any]) -> dict[str, Any]:
             local and runtime.get("mode", "deterministic") == "deterministic",
         ),
         "weight_bytes": config.get("weight_bytes"),
+        # The deterministic local runtime is one serial thread (sim.host).
+        "executor": config.get(
+            "host_executor",
+            "serial"
+            if local and runtime.get("mode", "deterministic") == "deterministic"
+            else "parallel",
+        ),
+        "chunk_steps": config.get("chunk_steps", runtime.get("chunk_steps", 1)),
     }
     for key in ("staleness", "num_workers", "slots_per_worker"):
         if (config.get(key) if key == "staleness" else shape[key]) is None:
@@ -187,7 +198,14 @@ def _fit_trainer(events: list[TraceEvent], start_s: float = float("-inf")) -> di
     if np.ptp(tokens) <= 1e-9 * max(1.0, tokens.mean()):
         return {"tokens_per_s": float(tokens.sum() / seconds.sum()), "step_overhead_s": 0.0}
     overhead, per_token = _nonnegative_lstsq(np.stack([np.ones_like(tokens), tokens], 1), seconds)
-    if per_token <= 0:
+    # When every step trains about as many tokens (a small run's batches), noise decides
+    # how the time splits into overhead and rate: a slope with a standard error above
+    # half its value is not measured. Then take the time as proportional to tokens,
+    # the safer extrapolation to other batch sizes.
+    residual = seconds - overhead - per_token * tokens
+    spread = float(np.sum((tokens - tokens.mean()) ** 2))
+    slope_se = np.sqrt(np.sum(residual**2) / max(len(tokens) - 2, 1) / spread)
+    if per_token <= 0 or slope_se > 0.5 * per_token:
         return {"tokens_per_s": float(tokens.sum() / seconds.sum()), "step_overhead_s": 0.0}
     return {"tokens_per_s": float(1.0 / per_token), "step_overhead_s": float(overhead)}
 
@@ -223,6 +241,7 @@ def fit_scenario(
     *,
     name: str = "calibrated",
     warmup_steps: int = 0,
+    executor: Executor | None = None,
 ) -> tuple[Scenario, dict[str, float]]:
     """A scenario fitted to ``trace``, and the fitted timing parameters.
 
@@ -235,18 +254,33 @@ def fit_scenario(
     train-step time inside each generation is taken out before fitting decode times.
     Timings are fitted on the window after ``warmup_steps`` train steps (compilation
     and pipeline fill left out); lengths and counts use the whole trace.
+
+    ``executor`` picks the model: ``serial`` (:mod:`sim.host`, fitted by
+    :mod:`sim.calibrate_host` from the trace's ``decode`` events) or ``parallel`` (the
+    per-token fleet). By default it is ``serial`` when the config says the run was the
+    local backend in deterministic mode (or a simulated serial host), else
+    ``parallel``.
     """
     events = _load(trace)
     config = _config(events)
     shape = _shape(config)
+    executor = executor or shape["executor"]
+    if executor not in get_args(Executor):
+        raise ValueError(f"executor: must be one of {get_args(Executor)}, got {executor!r}")
     start_s = window_start(events, warmup_steps) if warmup_steps else float("-inf")
+    host, host_fitted = HostSpec(), {}
+    if executor == "serial":
+        host, host_fitted = fit_host(events, chunk_steps=int(shape["chunk_steps"]), start_s=start_s)
     decode = _fit_decode(events, pauses_fleet=bool(shape["pauses_fleet"]), start_s=start_s)
     trainer = _fit_trainer(events, start_s)
     records = generation_records(events)
     lengths = Empirical(values=tuple(r.tokens for r in records))
     prompts = [r.prompt_tokens for r in records if r.prompt_tokens is not None]
-    rewards = durations(events, "reward")
-    pushes, pulls = durations(events, "push"), durations(events, "pull")
+    # Transfer and reward times from the window too (a first push or pull may
+    # compile); checkpoints are rare, so all of them count.
+    window = [e for e in events if e.t > start_s]
+    rewards = durations(window, "reward")
+    pushes, pulls = durations(window, "push"), durations(window, "pull")
     weight_bytes = float(shape["weight_bytes"] or 1.0)
     staleness = policy_from_dict("staleness", config["staleness"])
     steps = [e for e in events if e.kind == "train_step"]
@@ -267,6 +301,7 @@ def fit_scenario(
         "push_s": _mean(pushes, 0.0),
         "pull_s": _mean(pulls, 0.0),
         "filtered_fraction": filtered_fraction,
+        **host_fitted,
     }
     scenario = Scenario(
         name=name,
@@ -306,6 +341,7 @@ def fit_scenario(
         staleness=staleness,
         weight_sync=policy_from_dict("weight_sync", config.get("weight_sync", {})),
         checkpointing=policy_from_dict("checkpoint", config.get("checkpoint", {})),
+        host=host,
         fault_plan=_faults(events),
         target_steps=len(steps) or None,
         horizon_s=max(2.0 * end_s, 1.0),
@@ -313,9 +349,19 @@ def fit_scenario(
     return scenario, fitted
 
 
+# The fewest train steps a calibration's prediction simulates (see ``calibrate``).
+MIN_SIMULATED_STEPS = 200
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """A fitted scenario, what the trace measured, and what the fitted model predicts."""
+    """A fitted scenario, what the trace measured, and what the fitted model predicts.
+
+    ``scenario`` is the fitted scenario (overrides applied) with the trace's number of
+    steps; ``predicted`` is that scenario simulated for ``simulated_steps`` steps (see
+    :func:`calibrate`) and ``predicted_window`` the same window of that simulation as
+    ``measured`` is of the trace.
+    """
 
     scenario: Scenario
     fitted: dict[str, float]
@@ -360,6 +406,8 @@ def calibrate(
     overrides: Mapping[str, Any] | None = None,
     seed: int = 0,
     warmup_steps: int = 1,
+    executor: Executor | None = None,
+    simulated_steps: int | None = None,
 ) -> Calibration:
     """Fit ``trace``, re-simulate the fitted scenario, compare with the measurement.
 
@@ -370,12 +418,29 @@ def calibrate(
         seed: Seed of the re-simulation.
         warmup_steps: train steps left out of the fit and of both throughputs (a real
             run compiles in its first step; see the module docstring).
+        executor: ``serial`` or ``parallel`` model (default: from the trace's
+            config; see :func:`fit_scenario`).
+        simulated_steps: train steps the prediction simulates (default: the
+            trace's, but at least ``MIN_SIMULATED_STEPS``). A short real run makes its
+            random draws (lengths, which groups filtering drops) once; a longer
+            simulated run averages them out, so its window measures the expected
+            throughput. ``Calibration.scenario`` keeps the trace's length.
     """
     events = _load(trace)
-    scenario, fitted = fit_scenario(events, warmup_steps=warmup_steps)
+    scenario, fitted = fit_scenario(events, warmup_steps=warmup_steps, executor=executor)
     scenario = with_overrides(scenario, {**(overrides or {}), "seed": seed})
+    steps = scenario.target_steps or 0
+    if simulated_steps is None:
+        simulated_steps = max(steps, MIN_SIMULATED_STEPS)
+    longer = with_overrides(
+        scenario,
+        {
+            "target_steps": simulated_steps,
+            "horizon_s": scenario.horizon_s * max(1.0, simulated_steps / max(steps, 1)),
+        },
+    )
     simulated = MemoryTrace()
-    predicted = simulate(scenario, trace=simulated)
+    predicted = simulate(longer, trace=simulated)
     return Calibration(
         scenario=scenario,
         fitted=fitted,

@@ -18,6 +18,7 @@ from rlaxkit.trace import TraceSink
 
 from .buffer import Group, RolloutBuffer, Sample
 from .distributions import Stream
+from .host import SerialHost
 from .injector import FaultInjector, plan_for
 from .metrics import Counters, SimResult, build_result
 from .param_server import ParameterServer
@@ -63,7 +64,14 @@ class Simulation:
         self.ps = ParameterServer(self)
         self.buffer = RolloutBuffer(self)
         self.verifier = VerifierPool(self)
-        self.workers = [InferenceWorker(self, i) for i in range(scenario.fleet.num_workers)]
+        # A serial host (the deterministic local runtime) runs the workers' chunks in the
+        # trainer's thread; otherwise every worker slot is a process of its own.
+        self.host = SerialHost(self) if scenario.host.serial else None
+        self.workers = (
+            []
+            if self.host is not None
+            else [InferenceWorker(self, i) for i in range(scenario.fleet.num_workers)]
+        )
         self.trainer = Trainer(self)
         self.injector = FaultInjector(self, plan_for(scenario))
 
@@ -128,6 +136,8 @@ def run_config(scenario: Scenario) -> dict[str, Any]:
         "weight_bytes": scenario.param_server.weight_bytes,
         "trainer_chips": scenario.trainer.chips,
         "trainer_pauses_fleet": scenario.trainer.pauses_fleet,
+        "host_executor": scenario.host.executor,
+        "chunk_steps": scenario.host.chunk_steps,
         "target_steps": scenario.target_steps,
     }
 

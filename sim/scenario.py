@@ -24,6 +24,7 @@ from .distributions import distribution_from_dict, distribution_to_dict
 from .specs import (
     CheckpointSpec,
     FleetSpec,
+    HostSpec,
     ParamServerSpec,
     PreemptionSpec,
     TrainerSpec,
@@ -51,6 +52,7 @@ _SECTIONS: dict[str, type] = {
     "weight_sync": WeightSyncPolicy,
     "checkpointing": CheckpointPolicy,
     "preemptions": PreemptionSpec,
+    "host": HostSpec,
 }
 _DISTRIBUTION_FIELDS = {
     "verifier": {"latency_s"},
@@ -70,6 +72,8 @@ class Scenario:
         trainer, fleet, param_server, verifier, checkpoint, workload: Entity specs.
         staleness, weight_sync, checkpointing: The shared ``rlaxkit.policies`` objects.
         preemptions: Random preemptions (turned into a FaultPlan at start).
+        host: How trainer and workers are scheduled: a parallel fleet (default) or
+            the serial host of the deterministic local runtime (:mod:`sim.host`).
         fault_plan: Explicit faults, added to the random ones.
         target_steps: Stop when the trainer reaches this version (``None``: run to the
             horizon).
@@ -88,6 +92,7 @@ class Scenario:
     weight_sync: WeightSyncPolicy = field(default_factory=WeightSyncPolicy)
     checkpointing: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     preemptions: PreemptionSpec = field(default_factory=PreemptionSpec)
+    host: HostSpec = field(default_factory=HostSpec)
     fault_plan: FaultPlan = field(default_factory=FaultPlan)
     target_steps: int | None = None
     horizon_s: float = 30 * 24 * 3600.0
@@ -106,6 +111,15 @@ class Scenario:
             raise ValueError(
                 f"staleness.max_staleness: must be >= weight_sync.push_every_steps - 1 "
                 f"({lag}) or admission deadlocks, got {self.staleness.max_staleness}"
+            )
+        preempts = self.preemptions
+        random_faults = (preempts.worker_mtbf_s, preempts.slice_mtbf_s, preempts.trainer_mtbf_s)
+        if self.host.serial and (len(self.fault_plan) or any(random_faults)):
+            # The runtime's deterministic mode fires faults on a logical clock (rounds),
+            # not in wall time; the serial host models the fault-free loop only.
+            raise ValueError(
+                "host.executor: 'serial' (the deterministic local runtime) simulates no "
+                "faults; remove fault_plan and preemptions, or use executor 'parallel'"
             )
         if self.target_steps is not None and (
             not isinstance(self.target_steps, int) or self.target_steps < 1

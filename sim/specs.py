@@ -11,7 +11,12 @@ the SimPy processes use, so a test can compute by hand what the simulator must d
   when it starts: continuous batching makes each step slower as the batch grows;
 - weight push: ``latency_s + weight_bytes / push_bytes_per_s``; a pull gets
   ``min(pull_bytes_per_s, total_bytes_per_s / n)`` while ``n`` pulls share the store
-  (processor sharing), after ``latency_s``.
+  (processor sharing), after ``latency_s``;
+- serial host (``HostSpec.executor="serial"``, rlaxkit's deterministic local runtime):
+  a decode chunk costs ``chunk_s + chunk_s_per_step · steps + prefill_s_per_seq ·
+  started + finish_s_per_seq · finished``, scoring ``score_s + score_s_per_seq ·
+  sequences``, plus host time per round, issued sequence, chunk, scored sequence and
+  train step (see :class:`HostSpec`); nothing overlaps.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ from .distributions import Constant, Distribution
 
 __all__ = [
     "CheckpointSpec",
+    "Executor",
     "FleetSpec",
+    "HOST_COSTS",
+    "HostSpec",
     "OccupancyScope",
     "ParamServerSpec",
     "PreemptionSpec",
@@ -36,6 +44,7 @@ __all__ = [
 ]
 
 OccupancyScope = Literal["worker", "host"]
+Executor = Literal["parallel", "serial"]
 
 
 def _check(name: str, value, *, low: float = 0.0, strict: bool = True, integer: bool = False):
@@ -185,6 +194,109 @@ class FleetSpec:
     def prefill_s(self, tokens: float) -> float:
         """Seconds to prefill ``tokens`` prompt (or recomputed) tokens."""
         return tokens / self.prefill_tokens_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostSpec:
+    """How the work of trainer and workers is scheduled.
+
+    ``parallel`` (the default, a real fleet): the trainer and every worker slot are
+    concurrent processes; decode time follows :class:`FleetSpec`'s per-token model and
+    the other fields here are unused. ``serial``: rlaxkit's deterministic local runtime,
+    where one thread runs everything in a fixed order (:mod:`sim.host`): rounds in
+    which every busy worker decodes one chunk of ``chunk_steps`` steps over all its
+    rows, and a train step between rounds whenever a full batch is ready. A chunk's
+    cost hardly depends on how many rows are occupied (the engine's shapes are
+    static), so it is modelled per chunk, not per token. :func:`sim.calibrate` fits
+    these costs from a local trace (:mod:`sim.calibrate_host`).
+
+    Costs, in the order the serial host pays them:
+
+    - per round: pulls (:class:`ParamServerSpec`), then ``issue_s_per_seq`` per
+      sequence issued (tokenizing, submitting, admission);
+    - per chunk on the device: ``chunk_s + chunk_s_per_step · steps +
+      prefill_s_per_seq · started + finish_s_per_seq · finished``, plus
+      ``chunk_s_after_step`` for the first chunk after a train step (the step evicted
+      the decoder's state from the caches);
+    - per chunk that completed prompt groups, scoring: ``score_s + score_s_per_seq ·
+      scored``;
+    - per chunk on the host: ``chunk_host_s + sample_s · scored`` (rollouts, trace
+      records, the buffer, and the round's few policy checks, which a trace cannot
+      tell apart from a chunk's);
+    - per train step: its compute (:class:`TrainerSpec`), its push, and ``step_s``
+      (metrics, logging).
+
+    Attributes:
+        executor: ``parallel`` or ``serial``.
+        chunk_steps: Decode steps per chunk (the runtime's ``runtime.chunk_steps``); a
+            chunk stops earlier when all its rows have stopped.
+        chunk_s, chunk_s_per_step, prefill_s_per_seq, finish_s_per_seq,
+            chunk_s_after_step: Device time of a chunk (above).
+        score_s, score_s_per_seq: Time of one scoring call.
+        issue_s_per_seq, chunk_host_s, sample_s, step_s: Host time outside the
+            device and the timed transfers (above).
+    """
+
+    executor: Executor = "parallel"
+    chunk_steps: int = 1
+    chunk_s: float = 0.0
+    chunk_s_per_step: float = 0.0
+    prefill_s_per_seq: float = 0.0
+    finish_s_per_seq: float = 0.0
+    chunk_s_after_step: float = 0.0
+    score_s: float = 0.0
+    score_s_per_seq: float = 0.0
+    issue_s_per_seq: float = 0.0
+    chunk_host_s: float = 0.0
+    sample_s: float = 0.0
+    step_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.executor not in get_args(Executor):
+            raise ValueError(
+                f"executor: must be one of {get_args(Executor)}, got {self.executor!r}"
+            )
+        _check("chunk_steps", self.chunk_steps, integer=True)
+        for name in HOST_COSTS:
+            _check(name, getattr(self, name), strict=False)
+
+    @property
+    def serial(self) -> bool:
+        """True for the serial host (the deterministic local runtime)."""
+        return self.executor == "serial"
+
+    def chunk_time_s(
+        self, steps: int, started: int, finished: int, *, after_step: bool = False
+    ) -> float:
+        """Device seconds of one chunk that runs ``steps`` decode steps, starts
+        ``started`` sequences and finishes ``finished``."""
+        return (
+            self.chunk_s
+            + self.chunk_s_per_step * steps
+            + self.prefill_s_per_seq * started
+            + self.finish_s_per_seq * finished
+            + (self.chunk_s_after_step if after_step else 0.0)
+        )
+
+    def score_time_s(self, sequences: int) -> float:
+        """Seconds of one scoring call over ``sequences`` sequences."""
+        return self.score_s + self.score_s_per_seq * sequences
+
+
+# The cost fields of HostSpec (seconds), in declaration order.
+HOST_COSTS: tuple[str, ...] = (
+    "chunk_s",
+    "chunk_s_per_step",
+    "prefill_s_per_seq",
+    "finish_s_per_seq",
+    "chunk_s_after_step",
+    "score_s",
+    "score_s_per_seq",
+    "issue_s_per_seq",
+    "chunk_host_s",
+    "sample_s",
+    "step_s",
+)
 
 
 @dataclass(frozen=True, kw_only=True)

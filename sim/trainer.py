@@ -1,6 +1,7 @@
 """The simulated trainer: batches in, steps, pushes, checkpoints, preemptions.
 
-One process loops: wait for a full batch, compute for ``TrainerSpec.step_s(tokens)``,
+One process loops: wait for a full batch (on a serial host, run the host's rounds
+until there is one: :mod:`sim.host`), compute for ``TrainerSpec.step_s(tokens)``,
 bump the version, push when ``WeightSyncPolicy.should_push`` says so (the push blocks
 the trainer for its transfer), save when ``CheckpointPolicy.should_save`` says so (the
 save blocks it for ``save_s``).
@@ -62,9 +63,13 @@ class Trainer:
         sim = self.sim
         buffer = sim.buffer
         waited_from = env.now
+        host = sim.host
         batch = buffer.take_batch()
         while batch is None:
-            yield buffer.wait_batch()
+            if host is not None:  # one thread: the trainer's wait is the host's rounds
+                yield from host.round()
+            else:
+                yield buffer.wait_batch()
             batch = buffer.take_batch()
         sim.counters.trainer_wait_s += env.now - waited_from
         tokens = sum(group.tokens for group in batch)
@@ -81,6 +86,10 @@ class Trainer:
                     worker.resume()
         else:
             yield env.timeout(compute_s)
+        if host is not None:
+            host.note_step()
+            if host.spec.step_s:
+                yield env.timeout(host.spec.step_s)
         self._batch = None
         self.version += 1
         staleness = [self.version - 1 - group.first_version for group in batch]

@@ -68,11 +68,16 @@ def test_runtime_style_config_is_understood():
         "sampling": {"n": 4, "max_new_tokens": 128},
     }  # fmt: skip
     events[0] = TraceEvent(0.0, "run_start", "controller", None, {"config": runtime_config})
-    scenario, _ = fit_scenario(events)
+    scenario, _ = fit_scenario(events, executor="parallel")
     assert (scenario.fleet.num_workers, scenario.fleet.slots_per_worker) == (2, 4)
     assert scenario.workload.group_size == 4
     assert scenario.workload.max_response_tokens == 128
     assert scenario.trainer.pauses_fleet and scenario.fleet.occupancy_scope == "host"
+    assert not scenario.host.serial
+    # A local deterministic run is the serial host by default, fitted from the decode
+    # events this simulated (parallel) trace lacks.
+    with pytest.raises(ValueError, match="no decode events"):
+        fit_scenario(events)
 
 
 def test_missing_config_is_an_error():

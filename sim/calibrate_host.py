@@ -1,0 +1,185 @@
+"""Fitting the serial host (:mod:`sim.host`) to a trace of the deterministic local runtime.
+
+In that runtime one thread does everything, so the run's wall time is the sum of what
+it did, and the trace times most of it directly:
+
+- ``decode`` events (one per worker chunk) fit, by non-negative least squares,
+  ``duration = chunk_s + chunk_s_per_step · steps + prefill_s_per_seq · started +
+  finish_s_per_seq · finished + chunk_s_after_step · [first chunk after a train step]``;
+- ``reward`` events (one scoring call per chunk that completed groups) fit
+  ``duration = score_s + score_s_per_seq · samples``;
+- ``train_step``, ``push`` and ``pull`` events are fitted by :mod:`sim.calibrate` as
+  for any run.
+
+What no event times (issuing prompts, building rollouts, trace records, the buffer,
+metrics) is host time. Cut the timeline at every chunk: each *gap* between the end
+of one chunk and the start of the next (or the window's ends) holds, besides timed
+events, the host work of the chunk before it, the prompt issues of a round starting
+in it, and the work of any train step in it. Per gap, by non-negative least squares::
+
+    gap - timed = chunk_host_s · [a chunk before it] + sample_s · scored
+                  + issue_s_per_seq · issued + step_s · train_steps
+
+``scored`` and ``issued`` count the gap's ``generation_end`` and ``generation_start``
+events. One gap per chunk makes enough rows to tell these terms apart: in a two-worker
+run half the gaps lie inside a round (no issues), half between rounds. A fixed cost
+per round is not fitted: where every round issues about as many sequences it cannot
+be told from the issue cost (the fit then swings between the two), and the runtime
+does little per round besides issuing, so ``chunk_host_s`` carries it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from rlaxkit.trace import TraceEvent
+
+from .specs import HOST_COSTS, HostSpec
+
+__all__ = ["fit_host", "host_gaps"]
+
+_TIMED = ("reward", "pull", "push", "train_step", "checkpoint_save")
+
+
+def _nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients forced >= 0 by dropping negative columns.
+
+    Columns that never vary are left out, except the first (the intercept): they
+    could not be told from it.
+    """
+    active = [0] + [j for j in range(1, design.shape[1]) if np.ptp(design[:, j]) > 0]
+    coef = np.zeros(design.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(design[:, active], target, rcond=None)
+        if np.all(solution >= -1e-12):
+            coef[active] = np.maximum(solution, 0.0)
+            return coef
+        active.pop(int(np.argmin(solution)))
+    return coef
+
+
+class _Gap:
+    """Host time between two chunks and what happened in it."""
+
+    __slots__ = ("begin_s", "timed_s", "after_chunk", "scored", "issued", "steps")
+
+    def __init__(self, begin_s: float, after_chunk: bool) -> None:
+        self.begin_s = begin_s
+        self.timed_s = 0.0
+        self.after_chunk = after_chunk
+        self.scored = self.issued = self.steps = 0
+
+    def row(self, end_s: float) -> tuple[float, list[float]]:
+        """``(untimed seconds, [after_chunk, scored, issued, steps])``."""
+        features = [self.after_chunk, self.scored, self.issued, self.steps]
+        return end_s - self.begin_s - self.timed_s, [float(x) for x in features]
+
+
+def host_gaps(
+    events: Iterable[TraceEvent], start_s: float, end_s: float, *, opens_after_step: bool
+) -> tuple[np.ndarray, np.ndarray, list[bool]]:
+    """The gaps of the window ``(start_s, end_s]`` (see the module docstring);
+    ``opens_after_step``: the window starts at the end of a train step.
+
+    Returns:
+        ``(untimed_s, features, after_step)``: per gap its untimed seconds and its
+        features ``[after_chunk, scored, issued, train_steps]``; and per chunk,
+        whether it is the first after a train step.
+    """
+    untimed, rows, after_step = [], [], []
+    gap = _Gap(start_s, after_chunk=False)
+    trained = opens_after_step
+    for event in sorted(events, key=lambda e: e.t):
+        if not start_s < event.t <= end_s:
+            continue
+        kind = event.kind
+        if kind == "decode":
+            seconds, features = gap.row(event.t - float(event["duration_s"]))
+            untimed.append(seconds)
+            rows.append(features)
+            after_step.append(trained)
+            trained = False
+            gap = _Gap(event.t, after_chunk=True)
+            continue
+        if kind in _TIMED:
+            gap.timed_s += float(event.get("duration_s", 0.0))
+        if kind == "train_step":
+            gap.steps += 1
+            trained = True
+        elif kind == "generation_start":
+            gap.issued += 1
+        elif kind == "generation_end":
+            gap.scored += 1
+    seconds, features = gap.row(end_s)
+    untimed.append(seconds)
+    rows.append(features)
+    return np.array(untimed), np.array(rows), after_step
+
+
+def fit_host(
+    events: list[TraceEvent], *, chunk_steps: int, start_s: float = float("-inf")
+) -> tuple[HostSpec, dict[str, float]]:
+    """A serial :class:`HostSpec` fitted to the events after ``start_s``.
+
+    Raises:
+        ValueError: the trace has no ``decode`` events (it predates them, or was not
+            written by the local runtime's workers).
+    """
+    steps = [e.t for e in events if e.kind == "train_step" and e.t > start_s]
+    chunks = sorted((e for e in events if e.kind == "decode" and e.t > start_s), key=lambda e: e.t)
+    if not chunks or not steps:
+        raise ValueError(
+            "trace: no decode events to fit the serial host (the deterministic local "
+            "runtime's workers write one per chunk; record the trace with this version, "
+            "or calibrate with executor='parallel')"
+        )
+    windowed = bool(np.isfinite(start_s))  # a window opens at the end of a train step
+    begin = start_s if windowed else min(e.t for e in events)
+    end = max(steps)
+    untimed, features, after_step = host_gaps(events, begin, end, opens_after_step=windowed)
+    inside = [e for e in chunks if e.t <= end]
+    duration = np.array([float(e["duration_s"]) for e in inside])
+    design = np.array(
+        [
+            [
+                1.0,
+                float(e.get("steps", chunk_steps)),
+                float(e["started"]),
+                float(e["finished"]),
+                float(first),
+            ]
+            for e, first in zip(inside, after_step, strict=True)
+        ]
+    )
+    chunk = _nonnegative_lstsq(design, duration)
+
+    scoring = [e for e in events if e.kind == "reward" and start_s < e.t <= end]
+    score = np.zeros(2)
+    if scoring:
+        seconds = np.array([float(e["duration_s"]) for e in scoring])
+        samples = np.array([float(e.get("samples", 1)) for e in scoring])
+        score = _nonnegative_lstsq(np.stack([np.ones_like(samples), samples], axis=1), seconds)
+
+    # Host terms: the intercept column (a chunk before the gap) is the first.
+    host = _nonnegative_lstsq(features, np.maximum(untimed, 0.0))
+    spec = HostSpec(
+        executor="serial",
+        chunk_steps=chunk_steps,
+        chunk_s=float(chunk[0]),
+        chunk_s_per_step=float(chunk[1]),
+        prefill_s_per_seq=float(chunk[2]),
+        finish_s_per_seq=float(chunk[3]),
+        chunk_s_after_step=float(chunk[4]),
+        score_s=float(score[0]),
+        score_s_per_seq=float(score[1]),
+        chunk_host_s=float(host[0]),
+        sample_s=float(host[1]),
+        issue_s_per_seq=float(host[2]),
+        step_s=float(host[3]),
+    )
+    fitted = {f"host_{name}": float(getattr(spec, name)) for name in HOST_COSTS}
+    fitted["host_mean_chunk_s"] = float(duration.mean())
+    fitted["host_untimed_s"] = float(untimed.sum())
+    return spec, fitted

@@ -1,0 +1,230 @@
+"""The serial host: rlaxkit's deterministic local runtime, one thread for everything.
+
+``rlaxkit.runtime.local`` in ``deterministic`` mode runs the trainer and every inference
+worker in one thread, in a fixed order. Until the buffer yields a full batch it runs
+*rounds*; a round is
+
+1. every worker whose weights the ``StalenessPolicy`` calls too old pulls, or, in
+   ``between_requests`` mode with sequences still running, stops taking prompts until
+   they are done (it pulls in a later round);
+2. prompt groups are issued worker by worker while the policy admits more and the
+   worker has room (``slots_per_worker // group_size`` groups);
+3. every worker with sequences decodes one chunk: ``chunk_steps`` decode steps over all
+   its rows at once, fewer when every row stops earlier. The chunk prefills the
+   sequences it starts and fetches those that finish; a group whose last sequence
+   finished is scored at once and goes to the buffer.
+
+Then the trainer takes its step (compute, push, bookkeeping) and the rounds go on.
+Nothing overlaps, so a run's time is the sum of its parts, each costed by
+:class:`~sim.specs.HostSpec`. A sequence of ``t`` completion tokens takes ``t`` decode
+steps, all rows of a worker step together, and rows start at chunk boundaries.
+
+This is a different machine from the parallel fleet of :mod:`sim.worker` (per-token
+decode, workers and trainer concurrent); it exists to calibrate on, and predict, local
+runs. It writes the same trace as the runtime, ``decode`` events included, so a
+simulated serial trace calibrates like a real one. Faults are not simulated (the
+runtime replays them on a logical clock; the scenario rejects them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .buffer import Group, Sample
+
+if TYPE_CHECKING:
+    from .engine import Simulation
+
+__all__ = ["ChunkWorker", "SerialHost"]
+
+
+class ChunkWorker:
+    """One worker of the serial host: its prompt groups and each row's tokens to go."""
+
+    def __init__(self, index: int, capacity: int) -> None:
+        self.name = f"worker-{index}"
+        self.capacity = capacity
+        self.version: int | None = None
+        self.lineage = 0
+        self.draining = False
+        self.groups: list[Group] = []
+        self.left: dict[Sample, int] = {}  # decode steps each running row still needs
+        self.unstarted = 0  # sequences issued, prefilled by the next chunk
+
+    @property
+    def free(self) -> int:
+        """Prompt groups this worker takes now (the runtime's ``InferenceWorker.free``)."""
+        if self.draining or self.version is None:
+            return 0
+        return self.capacity - len(self.groups)
+
+
+class SerialHost:
+    """Runs the local runtime's rounds for the trainer, which calls :meth:`round`."""
+
+    name = "host"
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.env = sim.env
+        self.spec = sim.scenario.host
+        self.policy = sim.scenario.staleness
+        self._interrupting = sim.scenario.weight_sync.interrupts_generation
+        fleet, workload = sim.scenario.fleet, sim.scenario.workload
+        capacity = max(1, fleet.slots_per_worker // workload.group_size)
+        self.workers = [ChunkWorker(i, capacity) for i in range(fleet.num_workers)]
+        self.rounds = 0
+        self._after_step = False  # the next chunk is the first since a train step
+
+    def note_step(self) -> None:
+        """The trainer finished a step (its next chunk starts with cold caches)."""
+        self._after_step = True
+
+    def round(self):
+        """Process body: one round (pulls, issues, one chunk per busy worker).
+
+        Raises:
+            RuntimeError: nothing runs and nothing may start, so no batch can ever
+                form (the runtime stops with the same diagnosis). A valid scenario
+                never gets there; the check stops an endless loop of empty rounds.
+        """
+        self.rounds += 1
+        for worker in self.workers:
+            yield from self._sync(worker)
+        issued = self._issue()
+        if issued and self.spec.issue_s_per_seq:
+            yield self.env.timeout(self.spec.issue_s_per_seq * issued)
+        busy = [worker for worker in self.workers if worker.left]
+        if not busy:
+            raise RuntimeError(
+                "the simulated local loop stalled: no sequence runs and admission lets "
+                f"none start (buffer: {len(self.sim.buffer.ready)} ready groups, batch "
+                f"{self.policy.batch_size}); check staleness.batch_size against "
+                "fleet.num_workers * slots_per_worker / workload.group_size"
+            )
+        for worker in busy:
+            yield from self._chunk(worker)
+
+    # --- the phases of a round ---------------------------------------------------------
+
+    def _sync(self, worker: ChunkWorker):
+        ps = self.sim.ps
+        if not self.policy.must_pull(worker.version, ps.latest):
+            return
+        if worker.groups and not self._interrupting:
+            worker.draining = True
+            return
+        start = self.env.now
+        from_version = worker.version
+        version, lineage = yield from ps.pull(worker.name)
+        worker.version, worker.lineage, worker.draining = version, lineage, False
+        for group in worker.groups:  # in flight: their next tokens come from it
+            group.note_version(version, lineage)
+        counters = self.sim.counters
+        counters.pulls += 1
+        counters.pull_s += self.env.now - start
+        self.sim.record(
+            worker.name,
+            "pull",
+            version,
+            duration_s=self.env.now - start,
+            from_version=from_version,
+            bytes=self.sim.scenario.param_server.weight_bytes,
+        )
+
+    def _issue(self) -> int:
+        """Issues prompt groups as the runtime does; returns the sequences issued."""
+        buffer = self.sim.buffer
+        issued = 0
+        for worker in self.workers:
+            for _ in range(worker.free):
+                if not buffer.try_start():
+                    return issued
+                group = self.sim.new_group(worker.name)
+                group.started = True
+                group.note_version(worker.version, worker.lineage)
+                worker.groups.append(group)
+                worker.unstarted += len(group.samples)
+                issued += len(group.samples)
+                for sample in group.samples:
+                    worker.left[sample] = sample.tokens
+                for sample in group.samples:
+                    self.sim.record(
+                        worker.name,
+                        "generation_start",
+                        worker.version,
+                        sample=sample.sample_id,
+                        rollout=str(group.group_id),
+                        prompt_tokens=sample.prompt_tokens,
+                        occupancy=len(worker.left),
+                    )
+        return issued
+
+    def _chunk(self, worker: ChunkWorker):
+        env, spec, sim = self.env, self.spec, self.sim
+        counters = sim.counters
+        left = worker.left
+        rows, started = len(left), worker.unstarted
+        steps = min(spec.chunk_steps, max(left.values()))
+        finished = [sample for sample, n in left.items() if n <= steps]
+        for sample in left:
+            left[sample] -= steps
+        for sample in finished:
+            del left[sample]
+        worker.unstarted = 0
+        duration = spec.chunk_time_s(steps, started, len(finished), after_step=self._after_step)
+        self._after_step = False
+        yield env.timeout(duration)
+        counters.slot_busy_s += duration * rows
+        sim.record(
+            worker.name,
+            "decode",
+            worker.version,
+            duration_s=duration,
+            rows=rows,
+            started=started,
+            finished=len(finished),
+            steps=steps,
+        )
+        for sample in finished:
+            group = sample.group
+            group.unfinished -= 1
+            group.tokens += sample.prompt_tokens + sample.tokens
+            counters.samples_generated += 1
+            counters.tokens_generated += sample.tokens
+        complete = [group for group in worker.groups if group.unfinished == 0]
+        if not complete:
+            if spec.chunk_host_s:
+                yield env.timeout(spec.chunk_host_s)
+            return
+        worker.groups = [group for group in worker.groups if group.unfinished > 0]
+        scored = sum(len(group.samples) for group in complete)
+        score_s = spec.score_time_s(scored)
+        if score_s:
+            yield env.timeout(score_s)
+        sim.record(
+            "verifier",
+            "reward",
+            None,
+            sample=str(complete[0].group_id),
+            duration_s=score_s,
+            samples=scored,
+        )
+        for group in complete:
+            for sample in group.samples:
+                sim.record(
+                    worker.name,
+                    "generation_end",
+                    group.last_version,
+                    sample=sample.sample_id,
+                    rollout=str(group.group_id),
+                    tokens=sample.tokens,
+                    first_version=group.first_version,
+                    finish="length" if sample.truncated else "stop",
+                )
+        host_s = spec.chunk_host_s + spec.sample_s * scored
+        if host_s:
+            yield env.timeout(host_s)
+        for group in complete:
+            group.unscored = 0
+            sim.buffer.deliver(group)

@@ -1,0 +1,132 @@
+"""The serial host (sim/host.py): hand-derived timings, exact fits, clear errors."""
+
+import pytest
+
+from rlaxkit.faults import Fault, FaultPlan
+from rlaxkit.trace import MemoryTrace
+from sim import (
+    Constant,
+    HostSpec,
+    ParamServerSpec,
+    PreemptionSpec,
+    TrainerSpec,
+    Uniform,
+    calibrate,
+    fit_scenario,
+    presets,
+    simulate,
+    with_overrides,
+)
+from sim.specs import HOST_COSTS
+
+COSTS = {
+    "chunk_s": 0.010,
+    "chunk_s_per_step": 0.001,
+    "prefill_s_per_seq": 0.0005,
+    "finish_s_per_seq": 0.0002,
+    "chunk_s_after_step": 0.003,
+    "score_s": 0.002,
+    "score_s_per_seq": 0.0001,
+    "issue_s_per_seq": 0.0003,
+    "chunk_host_s": 0.0004,
+    "sample_s": 0.00005,
+    "step_s": 0.001,
+}
+
+
+def _serial(*, workers=1, eta=0, response=None, target_steps=3, **overrides):
+    """One worker of 8 slots (2 groups of 4), 2 groups per step, 4-token prompts;
+    pushes and pulls take their 2 ms latency (no bytes); 8000 trained tokens/s."""
+    base = presets.local_runtime(num_workers=workers, max_staleness=eta, target_steps=target_steps)
+    return with_overrides(
+        base,
+        {
+            "host": HostSpec(executor="serial", chunk_steps=4, **COSTS),
+            "trainer": TrainerSpec.from_rate(tokens_per_s=8000.0),
+            "param_server": ParamServerSpec(
+                weight_bytes=0.0, push_bytes_per_s=1.0, pull_bytes_per_s=1.0, latency_s=0.002
+            ),
+            "fleet.slots_per_worker": 8,
+            "workload.prompts_per_step": 2,
+            "workload.prompt_tokens": Constant(value=4.0),
+            "workload.response_tokens": response or Constant(value=6.0),
+            **overrides,
+        },
+    )
+
+
+def test_synchronous_serial_host_exact_timeline():
+    # Round 1: pull 0.002; issue 2 groups = 8 seqs x 0.0003 = 0.0024 (t = 0.0044); chunk
+    # of 4 steps starting 8: 0.010 + 0.004 + 8 x 0.0005 = 0.018 (t = 0.0224); nothing
+    # complete: host 0.0004 (t = 0.0228). Round 2: chunk of the last 2 steps finishing
+    # 8: 0.010 + 0.002 + 8 x 0.0002 = 0.0136 (t = 0.0364); scoring 0.002 + 8 x 0.0001 =
+    # 0.0028 (t = 0.0392); host 0.0004 + 8 x 0.00005 = 0.0008 (t = 0.0400). Train 80
+    # tokens / 8000 = 0.010 + step_s 0.001: train_step at 0.051, push ends at 0.053.
+    # Every later step adds the pull 0.002, the same rounds with 0.003 more for the
+    # first chunk after a train step, and the train step and push: 0.056 s.
+    trace = MemoryTrace()
+    result = simulate(_serial(), trace=trace)
+    chunks = [(round(e.t, 9), e["rows"], e["started"], e["finished"], e["steps"])
+              for e in trace.events if e.kind == "decode"]  # fmt: skip
+    assert chunks[:4] == [
+        (0.0224, 8, 8, 0, 4),
+        (0.0364, 8, 0, 8, 2),
+        (0.0784, 8, 8, 0, 4),  # 0.053 + 0.002 + 0.0024 + 0.018 + 0.003
+        (0.0924, 8, 0, 8, 2),
+    ]
+    steps = [e.t for e in trace.events if e.kind == "train_step"]
+    assert steps == pytest.approx([0.051, 0.107, 0.163])
+    assert result.samples_per_s == pytest.approx(3 * 8 / 0.163)
+    assert result.staleness == {0: 6}  # eta = 0: on-policy
+    rewards = [e for e in trace.events if e.kind == "reward"]
+    assert [e["samples"] for e in rewards] == [8, 8, 8]
+    assert [e["duration_s"] for e in rewards] == pytest.approx([0.0028] * 3)
+
+
+def test_fit_recovers_the_serial_host_from_its_own_trace():
+    # Two workers at eta = 1 with lengths of 1-12 tokens: chunks start, finish and step
+    # in every combination, so every cost is identifiable and the fit is exact.
+    truth = _serial(workers=2, eta=1, response=Uniform(low=1.0, high=12.0), target_steps=40)
+    trace = MemoryTrace()
+    simulate(truth, trace=trace)
+    scenario, fitted = fit_scenario(trace.events)
+    assert scenario.host.serial and scenario.host.chunk_steps == 4
+    for name in HOST_COSTS:
+        assert getattr(scenario.host, name) == pytest.approx(COSTS[name], abs=1e-9), name
+        assert fitted[f"host_{name}"] == pytest.approx(COSTS[name], abs=1e-9)
+    assert fitted["trainer_tokens_per_s"] == pytest.approx(8000.0)
+    assert fitted["push_s"] == pytest.approx(0.002) and fitted["pull_s"] == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize("overrides", [{"staleness.max_staleness": 0}, {"fleet.num_workers": 1}])
+def test_calibrated_serial_host_predicts_another_setting(overrides):
+    # Fitted on an eta = 1, two-worker run, predict a run with other settings.
+    kind = {"response": Uniform(low=1.0, high=12.0), "target_steps": 30}
+    fitted_on = MemoryTrace()
+    simulate(_serial(workers=2, eta=1, **kind), trace=fitted_on)
+    second = simulate(with_overrides(_serial(workers=2, eta=1, **kind), {**overrides, "seed": 7}))
+    prediction = calibrate(fitted_on.events, overrides=overrides)
+    assert prediction.predicted.samples_per_s == pytest.approx(second.samples_per_s, rel=0.05)
+
+
+def test_calibration_simulates_a_longer_run_than_the_trace():
+    trace = MemoryTrace()
+    simulate(_serial(target_steps=10), trace=trace)
+    result = calibrate(trace.events)
+    assert result.scenario.target_steps == 10  # the run as measured
+    assert result.predicted.steps == 200  # the prediction: random draws averaged out
+    assert abs(result.errors()["samples_per_s"]) < 1e-6  # constant lengths: steady
+
+
+def test_serial_host_rejects_faults_and_bad_costs():
+    plan = FaultPlan((Fault(kind="preempt_worker", target="worker-0", at_s=1.0),))
+    with pytest.raises(ValueError, match=r"host\.executor.*faults"):
+        with_overrides(_serial(), {"fault_plan": plan})
+    with pytest.raises(ValueError, match=r"host\.executor.*faults"):
+        with_overrides(_serial(), {"preemptions": PreemptionSpec(worker_mtbf_s=60.0)})
+    with pytest.raises(ValueError, match="executor"):
+        HostSpec(executor="threads")
+    with pytest.raises(ValueError, match="chunk_s_per_step"):
+        HostSpec(executor="serial", chunk_s_per_step=-1.0)
+    with pytest.raises(ValueError, match="chunk_steps"):
+        HostSpec(executor="serial", chunk_steps=0)
