@@ -46,6 +46,20 @@ from jax.sharding import PartitionSpec as P
 from rlaxkit.batch import TrainBatch
 from rlaxkit.trainer import BATCH_AXES, TrainState, make_mesh, state_shardings
 
+__all__ = [
+    "DistributedConfig",
+    "broadcast_from_process_0",
+    "gather_to_host",
+    "global_mesh",
+    "initialize",
+    "metrics_to_host",
+    "place_batch",
+    "place_global",
+    "place_train_state",
+    "resolve_mesh_shape",
+    "shutdown",
+]
+
 # Environment variables read by ``DistributedConfig.from_env`` (JAX itself reads the
 # first and the last; launchers and job specs commonly set all four).
 ENV_VARS = {
@@ -183,12 +197,6 @@ def initialize(config: DistributedConfig | None = None) -> None:
                 "process"
             )
         return
-    if jax._src.xla_bridge.backends_are_initialized():
-        raise RuntimeError(
-            "rlaxkit.distributed.initialize must run before anything touches a JAX device "
-            "(jax.devices(), building a model, any computation) in this process: call it "
-            "first, right after the imports"
-        )
     if config.cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
     try:
@@ -204,6 +212,14 @@ def initialize(config: DistributedConfig | None = None) -> None:
         )
     except ValueError as error:
         raise ValueError(_explain(error)) from error
+    except RuntimeError as error:
+        if "must be called before" not in str(error):
+            raise
+        raise RuntimeError(
+            "rlaxkit.distributed.initialize must run before anything touches a JAX device "
+            "(jax.devices(), building a model, any computation) in this process: call it "
+            "first, right after the imports"
+        ) from error
 
 
 def _explain(error: ValueError) -> str:

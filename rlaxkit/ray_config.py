@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 WeightStoreKind = Literal["object_store", "tensorstore"]
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,11 +67,27 @@ class RayConfig:
         weight_store_dir: the TensorStore directory; every host must see it. Default: the
             run directory's ``weights/`` (or a temporary directory without one).
         tensorstore_durable: fsync snapshots before publishing them.
-        trainer: resources of the trainer actor.
+        trainer: resources of the trainer actor (of each, with several trainer processes).
         worker: resources of each inference worker actor.
         param_server: resources of the parameter-server actor (object store only).
         trainer_max_restarts: how often Ray restarts a dead trainer; it then restores
-            its newest checkpoint and the driver replays the batches since.
+            its newest checkpoint and the driver replays the batches since. With several
+            trainer processes the driver restarts the whole group instead (a
+            ``jax.distributed`` group cannot take a lone new member); this bounds those
+            restarts.
+        trainer_processes: trainer actors forming one multi-process (SPMD) trainer, one
+            per host usually (``rlaxkit.distributed``): each runs the same train step on
+            the same batch, over a mesh of all their devices, with the weights sharded
+            over it. 1 (the default) is one trainer process with no mesh.
+        trainer_mesh: ``(data, fsdp, model)`` sizes of that mesh (several trainer
+            processes only); one size may be ``-1`` for the devices left over, and the
+            product must be the processes' device count.
+        trainer_placement: the Ray placement-group strategy for the trainer processes:
+            ``STRICT_SPREAD`` puts each on its own host (what a pod slice or GPU hosts
+            want); ``SPREAD`` (the default) spreads where it can, so several also fit on
+            one machine.
+        trainer_coordinator_port: the port of the ``jax.distributed`` coordinator on
+            trainer process 0's host; ``None`` picks a free one.
         param_server_max_restarts: how often Ray restarts a dead parameter server; the
             trainer then registers its newest version again.
         replace_dead_workers: start a new worker actor for each one that dies.
@@ -89,6 +106,10 @@ class RayConfig:
     param_server_max_restarts: int = 3
     replace_dead_workers: bool = True
     max_worker_replacements: int = 16
+    trainer_processes: int = 1
+    trainer_mesh: tuple[int, int, int] = (1, -1, 1)
+    trainer_placement: PlacementStrategy = "SPREAD"
+    trainer_coordinator_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.weight_store not in ("object_store", "tensorstore"):
@@ -106,6 +127,43 @@ class RayConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
+        processes = self.trainer_processes
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+            raise ValueError(
+                f"trainer_processes: must be an int >= 1 (1: one trainer process), got "
+                f"{processes!r}"
+            )
+        mesh = tuple(self.trainer_mesh) if isinstance(self.trainer_mesh, tuple | list) else ()
+        if (
+            len(mesh) != 3
+            or any(
+                isinstance(s, bool) or not isinstance(s, int) or (s < 1 and s != -1) for s in mesh
+            )
+            or mesh.count(-1) > 1
+        ):
+            raise ValueError(
+                "trainer_mesh: must be three sizes (data, fsdp, model), each an int >= 1, at "
+                f"most one of them -1 (the devices left over), got {self.trainer_mesh!r}"
+            )
+        size = math.prod(mesh)
+        if -1 not in mesh and size % processes:
+            raise ValueError(
+                f"trainer_mesh: {tuple(mesh)} has {size} devices, which {processes} trainer "
+                "processes with equal devices each cannot cover: make its size a multiple of "
+                "trainer_processes, or use -1 for one axis"
+            )
+        if self.trainer_placement not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(
+                "trainer_placement: must be one of 'PACK', 'SPREAD', 'STRICT_PACK', "
+                f"'STRICT_SPREAD', got {self.trainer_placement!r}"
+            )
+        port = self.trainer_coordinator_port
+        if port is not None and (
+            isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
+        ):
+            raise ValueError(
+                f"trainer_coordinator_port: must be a port in 1..65535 or None, got {port!r}"
+            )
 
 
 def small_cluster_config(**changes: Any) -> RayConfig:

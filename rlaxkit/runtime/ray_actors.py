@@ -144,6 +144,12 @@ class TrainerActor:
         jax_options: ``jax.config`` values to apply first.
     """
 
+    # A one-process trainer: no mesh, arrays on this process's default device, and
+    # this process pushes. ``TrainerProcessActor`` (``ray_trainer_group``) overrides
+    # these for one process of a multi-process trainer.
+    mesh: Any = None
+    pushes: bool = True  # This process talks to the parameter server.
+
     def __init__(
         self,
         config: RunConfig,
@@ -154,20 +160,31 @@ class TrainerActor:
         jax_options: dict[str, Any],
     ):
         _configure_jax(jax_options)
+        self._setup(config, store, cache_dir, checkpoint_dir, t0_wall)
+
+    def _setup(
+        self,
+        config: RunConfig,
+        store: WeightStore,
+        cache_dir: str | None,
+        checkpoint_dir: str | None,
+        t0_wall: float,
+    ) -> None:
         self.config, self.t0_wall = config, t0_wall
         self.trace = MemoryTrace()
         task = build_task(config)
         model, tokenizer = build_policy(config, task)
-        model, self.warm_start = warm_start(
+        model, self.warm_start = self._warm_start(
             config, task, model, tokenizer, Path(cache_dir) if cache_dir else None
         )
         graphdef, params = nnx.split(model)
         train_config = train_config_for(config)
         ref = params if train_config.algorithm.needs_reference else None
-        self.state = create_train_state(train_config, params, seed=config.seed, ref_params=ref)
-        self._train_step = make_train_step(train_config, graphdef)
+        state = create_train_state(train_config, params, seed=config.seed, ref_params=ref)
+        self.state = self._place_state(state)
+        self._train_step = make_train_step(train_config, graphdef, mesh=self.mesh)
         self.store_kind = store.kind
-        self.param_server = store.connect(on_event=self._on_transfer)
+        self.param_server = store.connect(on_event=self._on_transfer) if self.pushes else None
         self.checkpoints = None
         self.last_save = (0, 0.0)
         if checkpoint_dir is not None:
@@ -177,7 +194,33 @@ class TrainerActor:
             if self.checkpoints.latest_step() is None:
                 self._save()
         # (version, host params) to publish when the store lacks the newest version.
-        self._to_publish: tuple[int, Any] | None = (0, jax.device_get(self.state.params))
+        self._to_publish: tuple[int, Any] | None = (0, self._publishable(self.state.params))
+
+    # -- where arrays live (overridden by a multi-process trainer) -------------------
+    def _warm_start(self, config, task, model, tokenizer, cache_dir):
+        return warm_start(config, task, model, tokenizer, cache_dir)
+
+    def _place_state(self, state: Any) -> Any:
+        return state
+
+    def _place_batch(self, batch: TrainBatch) -> TrainBatch:
+        return batch
+
+    def _host(self, tree: Any) -> Any:
+        """Full host copies of ``tree`` (a collective with several processes)."""
+        return jax.device_get(tree)
+
+    def _agree(self, decision: bool) -> bool:
+        """The decision every process acts on (process 0's: clocks differ)."""
+        return decision
+
+    def _for_push(self, params: Any) -> Any:
+        """What ``push`` is given: device arrays here (the store copies them)."""
+        return params
+
+    def _publishable(self, params: Any) -> Any:
+        """The host copy :meth:`publish` may push later."""
+        return self._host(params)
 
     def clock(self) -> float:
         return time.time() - self.t0_wall
@@ -233,7 +276,7 @@ class TrainerActor:
                 step=self.version,
                 duration_s=self.clock() - start,
             )
-        self._to_publish = (self.version, jax.device_get(self.state.params))
+        self._to_publish = (self.version, self._publishable(self.state.params))
         return self.version
 
     # -- training --------------------------------------------------------------------
@@ -256,18 +299,20 @@ class TrainerActor:
         """
         self._expect(step - 1)
         start = time.perf_counter()
-        self.state, metrics = self._train_step(self.state, batch)
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        self.state, metrics = self._train_step(self.state, self._place_batch(batch))
+        metrics = {k: float(v) for k, v in self._host(metrics).items()}
         duration_s = time.perf_counter() - start
         if self.config.weight_sync.should_push(self.version):
             if push:
-                self.param_server.push(self.version, self.state.params)
+                params = self._for_push(self.state.params)
+                if self.pushes:
+                    self.param_server.push(self.version, params)
                 self._to_publish = None
             else:
-                self._to_publish = (self.version, jax.device_get(self.state.params))
+                self._to_publish = (self.version, self._publishable(self.state.params))
         policy = self.config.checkpoint
-        if self.checkpoints is not None and policy.should_save(
-            self.version, self.clock(), *self.last_save
+        if self.checkpoints is not None and self._agree(
+            policy.should_save(self.version, self.clock(), *self.last_save)
         ):
             self._save()
         return {
@@ -332,7 +377,7 @@ class TrainerActor:
     def host_params(self, step: int) -> Any:
         """The params at ``step`` copied to host memory (for evaluation in the driver)."""
         self._expect(step)
-        return jax.device_get(self.state.params)
+        return self._host(self.state.params)
 
     def close(self) -> None:
         if self.checkpoints is not None:

@@ -12,6 +12,9 @@ accounting invariant is kept by one process and survives any actor's death. Work
 (``WorkerActor``, each wrapping an ``InferenceWorker``) and the trainer
 (``TrainerActor``) are actors with the resources ``RayConfig`` asks for; weights go
 through a ``ParameterServerActor`` over Ray's object store, or a TensorStore directory.
+With ``RayConfig.trainer_processes > 1`` the trainer is a group of actors, one
+``jax.distributed`` process each, training one model sharded over all their devices
+(``rlaxkit.runtime.ray_trainer_group``); the driver feeds them the same batches.
 
 The loop is the local backend's, round by round: every worker pulls if it must and
 reports its room (all workers at once); the driver issues prompts in worker order under
@@ -57,8 +60,9 @@ from rlaxkit.ray_config import RayConfig
 from rlaxkit.rollout import RolloutGroup
 from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.common import TRAIN_BUCKETS, batch_metrics
-from rlaxkit.runtime.ray_actors import TrainerActor, WeightStore, driver_jax_options
-from rlaxkit.runtime.ray_recovery import RayFaultHandling, WorkerSlot, remote, stop_actor
+from rlaxkit.runtime.ray_actors import WeightStore, driver_jax_options
+from rlaxkit.runtime.ray_recovery import RayFaultHandling, WorkerSlot, stop_actor
+from rlaxkit.runtime.ray_trainer_group import TrainerGroup
 from rlaxkit.tasks import RewardRunner
 from rlaxkit.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
 
@@ -163,24 +167,16 @@ class RayExperiment(RayFaultHandling):
         self.store = self._make_store(params)
         # The driver reads the published version from the store.
         self.param_server = self.store.connect()
-        trainer_options = {
-            **self.ray_config.trainer.options(),
-            "max_restarts": self.ray_config.trainer_max_restarts,
-            "max_task_retries": 0,  # A step is never re-run silently: the driver replays.
-        }
         checkpoints = str(self.run_dir / "checkpoints" / "trainer") if self.run_dir else None
-        self.trainer = (
-            remote(TrainerActor)
-            .options(**trainer_options)
-            .remote(
-                config,
-                self.store,
-                str(cache) if cache else None,
-                checkpoints,
-                self._t0_wall,
-                self._jax_options,
-            )
+        trainer_arguments = (
+            config,
+            self.store,
+            str(cache) if cache else None,
+            checkpoints,
+            self._t0_wall,
+            self._jax_options,
         )
+        self.trainer_group: TrainerGroup | None = None
         self.workers: list[WorkerSlot] = []
         self._next_worker = 0
         self._replacements = 0
@@ -194,6 +190,8 @@ class RayExperiment(RayFaultHandling):
         self.resumed_from: int | None = None  # never resumed (see the module docstring)
         self.extra: dict[str, Any] = {}  # the caller's JSON (not checkpointed here)
         try:
+            # One trainer actor, or config.ray.trainer_processes of them (one SPMD trainer).
+            self.trainer_group = TrainerGroup(self.ray_config, trainer_arguments)
             self.scale_workers(config.runtime.num_workers)  # They start as the trainer does.
             self.warm_start = self._trainer("warm_start_info")
             reply = self._trainer("publish", 0)
@@ -241,6 +239,12 @@ class RayExperiment(RayFaultHandling):
             template=template,
             durable=rc.tensorstore_durable,
         )
+
+    @property
+    def trainer(self) -> Any:
+        """The trainer actor's handle (process 0's, with several trainer processes;
+        all of them are ``trainer_group.handles``)."""
+        return self.trainer_group.leader
 
     @property
     def param_server_actor(self) -> Any:
@@ -433,7 +437,8 @@ class RayExperiment(RayFaultHandling):
         for slot in self.workers:
             stop_actor(slot.handle)
         self.workers = []
-        stop_actor(self.trainer, timeout_s=60.0)
+        if self.trainer_group is not None:
+            self.trainer_group.stop(timeout_s=60.0)
         if self._ps_actor is not None:
             ray.kill(self._ps_actor)
 

@@ -11,13 +11,15 @@ to the actor fails (``RayActorError``), so they cost nothing until then:
 - **parameter server**: Ray restarts it (``max_restarts``) empty; at the next round the
   driver sees it holds less than the trainer published and has the trainer register its
   newest object again (no new copy: the trainer owns it).
-- **trainer**: Ray restarts it (``max_restarts``); the driver has it restore its newest
-  checkpoint at or below the driver's step and replays the batches trained since (kept
-  until a checkpoint covers them), so the state is exactly the one lost and no trained
-  group is undone. This differs from the local backend, whose ``preempt_trainer`` rolls
-  the run back to the checkpoint (``buffer.rollback``): here the driver, which survives,
-  still holds those batches. Weights lost with the trainer (it owned the objects) make
-  workers' pulls fail; the driver then recovers the trainer and the workers sync again.
+- **trainer**: Ray restarts it (``max_restarts``; a multi-process trainer is stopped
+  and started anew as a whole by the driver: ``rlaxkit.runtime.ray_trainer_group``);
+  the driver has it restore its newest checkpoint at or below the driver's step and
+  replays the batches trained since (kept until a checkpoint covers them), so the
+  state is exactly the one lost and no trained group is undone. This differs from the
+  local backend, whose ``preempt_trainer`` rolls the run back to the checkpoint
+  (``buffer.rollback``): here the driver, which survives, still holds those batches.
+  Weights lost with the trainer (it owned the objects) make workers' pulls fail; the
+  driver then recovers the trainer and the workers sync again.
 
 Goodput (``summary``) is the local backend's: the trainer compute of the steps that
 survive ÷ wall time; a trainer restart makes the first run of each replayed step lost
@@ -68,7 +70,7 @@ class WorkerSlot:
 
 class RayFaultHandling:
     """The fleet and fault recovery of ``RayExperiment`` (uses its config, buffer,
-    controller, trace, trainer handle and replay log)."""
+    controller, trace, trainer group and replay log)."""
 
     # -- the fleet ---------------------------------------------------------------------
     def scale_workers(self, n: int) -> WorkerSlot | None:
@@ -160,11 +162,14 @@ class RayFaultHandling:
 
     # -- the trainer and the parameter server ------------------------------------------
     def _call_restarting(self, method: str, *args: Any) -> Any:
-        """Calls the trainer once, waiting while Ray restarts it."""
+        """Calls the trainer once, waiting while Ray restarts it (a group of trainer
+        processes was restarted by :meth:`_recover_trainer` already)."""
+        if self.trainer_group.size > 1:
+            return self.trainer_group.call(method, *args)
         deadline = time.perf_counter() + _RECOVERY_WAIT_S
         while True:
             try:
-                return ray.get(getattr(self.trainer, method).remote(*args))
+                return self.trainer_group.call(method, *args)
             except RayActorError as error:
                 if time.perf_counter() > deadline or "max_restarts" in str(error):
                     raise RuntimeError(
@@ -178,7 +183,7 @@ class RayFaultHandling:
         (:meth:`_recover_trainer`) and calls again."""
         for _ in range(self.ray_config.trainer_max_restarts + 1):
             try:
-                return ray.get(getattr(self.trainer, method).remote(*args))
+                return self.trainer_group.call(method, *args)
             except (RayActorError, TrainerRestartedError):
                 self._recover_trainer()
         raise RuntimeError(
@@ -200,6 +205,7 @@ class RayFaultHandling:
         """Restores the restarted trainer and replays the batches since its checkpoint,
         so its state is the one it lost; then it publishes again."""
         self.trace.record(self.clock(), "preemption", "trainer", self.version)
+        self.trainer_group.restart()  # A group starts anew; one trainer Ray restarts.
         restored = self._call_restarting("restore", self.version)
         replay = [(s, b) for s, b in self._replay if restored < s <= self.version]
         if [s for s, _ in replay] != list(range(restored + 1, self.version + 1)):
