@@ -1,7 +1,8 @@
 """Parameter servers: the protocol, checked on every store, and the nnx round trip.
 
 Every test parametrised by ``store_kind`` runs against the in-process store and the
-TensorStore store with the same assertions.
+TensorStore store (default, and durable: fsync before publishing) with the same
+assertions.
 """
 
 import threading
@@ -22,7 +23,7 @@ from rlaxkit.param_server import (
     tree_nbytes,
 )
 
-STORE_KINDS = ["in_process", "tensorstore"]
+STORE_KINDS = ["in_process", "tensorstore", "tensorstore_durable"]
 
 
 @pytest.fixture(params=STORE_KINDS)
@@ -32,7 +33,8 @@ def make_store(request, tmp_path):
     def make(keep=2, **kwargs):
         if request.param == "in_process":
             return InProcessParameterServer(keep=keep, **kwargs)
-        return TensorStoreParameterServer(tmp_path / "ps", keep=keep, **kwargs)
+        durable = request.param == "tensorstore_durable"
+        return TensorStoreParameterServer(tmp_path / "ps", keep=keep, durable=durable, **kwargs)
 
     return make
 

@@ -1,6 +1,7 @@
-"""The TensorStore store in one process: formats, templates, leases, debris."""
+"""The TensorStore store in one process: formats, templates, leases, mapped reads, debris."""
 
 import fcntl
+import gc
 import json
 import os
 import threading
@@ -11,9 +12,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import tensorstore as ts
 from flax import nnx
 
-from rlaxkit.param_server import InProcessParameterServer, TensorStoreParameterServer
+from rlaxkit.param_server import InProcessParameterServer, TensorStoreParameterServer, layout
 from rlaxkit.param_server.layout import chunk_shape, version_dirname
 from rlaxkit.param_server.treepaths import nested_dict
 
@@ -24,7 +26,8 @@ def assert_bits_equal(got, want):
     assert got.tobytes() == want.tobytes()
 
 
-def test_every_dtype_and_shape_round_trips_bit_exact(tmp_path):
+@pytest.mark.parametrize("chunk_bytes", [None, 4096], ids=["mapped", "chunked"])
+def test_every_dtype_and_shape_round_trips_bit_exact(tmp_path, chunk_bytes):
     rng = np.random.default_rng(0)
     tree = {
         "f32": rng.standard_normal((33, 7), np.float32),
@@ -36,14 +39,20 @@ def test_every_dtype_and_shape_round_trips_bit_exact(tmp_path):
         "mask": rng.random((2, 3)) > 0.5,
         "scalar": np.float32(np.nan),  # NaN payload bits survive too.
         "empty": np.zeros((0, 4), np.float32),
-        # 40 000 bytes in chunks of 4 096 bytes at most: many chunks, a ragged last one.
-        "chunked": rng.standard_normal((100, 100), np.float32),
+        # 40 000 bytes; chunked: in chunks of 4 096 bytes at most, a ragged last one.
+        "large": rng.standard_normal((100, 100), np.float32),
     }
-    store = TensorStoreParameterServer(tmp_path, chunk_bytes=4096)
+    store = TensorStoreParameterServer(tmp_path, chunk_bytes=chunk_bytes)
     store.push(0, tree)
     _, pulled = TensorStoreParameterServer(tmp_path, template=tree).pull()
     jax.tree.map(assert_bits_equal, pulled, tree)
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(pulled))
+    # Every leaf is a zarr3 array that TensorStore itself reads back.
+    manifest = json.loads((tmp_path / version_dirname(0) / "manifest.json").read_text())
+    for leaf in manifest["leaves"]:
+        path = str(tmp_path / version_dirname(0) / leaf["array"])
+        array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}})
+        assert_bits_equal(array.result().read().result(), tree[leaf["path"][0][1]])
 
 
 def test_chunk_shapes_stay_under_the_target():
@@ -122,12 +131,17 @@ def test_a_reader_mid_copy_is_never_corrupted_and_never_stalls_the_writer(tmp_pa
     assert writer.versions() == [1, 4]
     release.set()
     thread.join(timeout=20)
-    version, params = result["got"]
+    version, params = result.pop("got")
     assert version == 1
     for leaf in params.values():
         np.testing.assert_array_equal(leaf, np.full((64, 64), 1.0, np.float32))
+    # The pulled arrays map version 1's files: it stays while they are alive.
     writer.push(5, {k: np.full((64, 64), 5, np.float32) for k in leaves})
-    assert writer.versions() == [5]
+    assert writer.versions() == [1, 5]
+    del params, leaf
+    gc.collect()  # JAX lets go of aliased host buffers lazily: at its next call or a gc pass.
+    writer.push(6, {k: np.full((64, 64), 6, np.float32) for k in leaves})
+    assert writer.versions() == [6]
 
 
 def test_a_reader_that_finds_its_version_evicted_reads_the_newest(tmp_path):
@@ -206,9 +220,86 @@ def test_the_manifest_names_every_leaf_by_key_path(tmp_path):
     assert manifest["bytes"] == 16 and manifest["version"] == 1
 
 
-def test_evicted_versions_leave_the_disk(tmp_path):
-    store = TensorStoreParameterServer(tmp_path, keep=2, durable=False)
+def test_evicted_versions_leave_the_disk_but_one_spare(tmp_path):
+    store = TensorStoreParameterServer(tmp_path, keep=2)
     for version in range(1, 6):
         store.push(version, {"w": np.full(3, version)})
     store.wait_for_cleanup()
-    assert sorted(os.listdir(tmp_path)) == ["latest.json", version_dirname(4), version_dirname(5)]
+    names = sorted(os.listdir(tmp_path))
+    spares = [name for name in names if name.startswith(".spare-v")]
+    assert len(spares) == 1, names  # Version 3's files, for push 6 to overwrite.
+    assert sorted(set(names) - set(spares)) == ["latest.json", *map(version_dirname, (4, 5))]
+
+
+def raw_file(directory, version: int, leaf: int = 0):
+    manifest = json.loads((directory / version_dirname(version) / "manifest.json").read_text())
+    entry = manifest["leaves"][leaf]
+    return directory / version_dirname(version) / entry["array"] / entry["raw"]
+
+
+def test_a_push_overwrites_the_files_of_the_version_it_evicted(tmp_path):
+    store = TensorStoreParameterServer(tmp_path, keep=1)
+    for version in (1, 2):
+        store.push(version, {"w": np.full((64, 64), version, np.float32)})
+    inode_of_2 = raw_file(tmp_path, 2).stat().st_ino
+    store.push(3, {"w": np.full((64, 64), 3, np.float32)})  # Version 1's files, recycled.
+    store.push(4, {"w": np.full((64, 64), 4, np.float32)})
+    assert raw_file(tmp_path, 4).stat().st_ino == inode_of_2
+    version, params = TensorStoreParameterServer(tmp_path).pull()
+    assert version == 4
+    np.testing.assert_array_equal(params["w"], np.full((64, 64), 4, np.float32))
+    del params
+    gc.collect()
+    # A tree of another shape cannot reuse them: the spare is deleted, new files written.
+    store.push(5, {"w": np.full((8, 8), 5, np.float32), "b": np.zeros(3, np.float32)})
+    store.wait_for_cleanup()
+    _, params = TensorStoreParameterServer(tmp_path).pull()
+    np.testing.assert_array_equal(params["w"], np.full((8, 8), 5, np.float32))
+    np.testing.assert_array_equal(params["b"], np.zeros(3, np.float32))
+
+
+def mapped_files() -> set[str]:
+    with open("/proc/self/maps") as f:
+        return {line.split(maxsplit=5)[5].strip() for line in f if len(line.split()) == 6}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_a_pull_maps_the_leaf_files_and_holds_the_version_while_they_live(tmp_path):
+    writer = TensorStoreParameterServer(tmp_path, keep=1)
+    writer.push(1, {"w": np.full((64, 64), 1, np.float32), "b": np.ones(5, np.int8)})
+    _, params = TensorStoreParameterServer(tmp_path).pull()
+    files = {str(raw_file(tmp_path, 1, leaf)) for leaf in (0, 1)}
+    assert files <= mapped_files(), "the pulled leaves are not the mapped files"
+    writer.push(2, {"w": np.zeros((64, 64), np.float32), "b": np.zeros(5, np.int8)})
+    writer.push(3, {"w": np.zeros((64, 64), np.float32), "b": np.zeros(5, np.int8)})
+    assert writer.versions() == [1, 3], "a version evicted (or overwritten) while mapped"
+    np.testing.assert_array_equal(params["w"], np.full((64, 64), 1, np.float32))
+    del params
+    gc.collect()  # JAX lets go of aliased host buffers lazily: at its next call or a gc pass.
+    assert not files & mapped_files()
+    writer.push(4, {"w": np.zeros((64, 64), np.float32), "b": np.zeros(5, np.int8)})
+    assert writer.versions() == [4]
+
+
+def test_a_damaged_snapshot_is_refused_not_read_as_zeros(tmp_path):
+    store = TensorStoreParameterServer(tmp_path)
+    store.push(1, {"w": np.ones((16, 16), np.float32), "b": np.ones(4, np.float32)})
+    w = raw_file(tmp_path, 1, 1)  # Leaves in key order: "b", then "w".
+    os.truncate(w, 100)  # As a machine crash before the data reached the disk may leave it.
+    with pytest.raises(ValueError, match=r"100 bytes on disk, the manifest says 1024.*damaged"):
+        store.pull()
+    w.unlink()
+    with pytest.raises(ValueError, match="missing; the snapshot is damaged"):
+        store.pull()
+
+
+def test_a_file_system_that_cannot_map_gets_copies(tmp_path, monkeypatch):
+    store = TensorStoreParameterServer(tmp_path)
+    store.push(1, {"w": np.arange(12, dtype=np.float32).reshape(3, 4)})
+
+    def cannot_map(*args, **kwargs):
+        raise OSError(19, "No such device")  # ENODEV: what mmap says on such file systems
+
+    monkeypatch.setattr(layout, "map_array", cannot_map)
+    _, params = store.pull()
+    np.testing.assert_array_equal(params["w"], np.arange(12, dtype=np.float32).reshape(3, 4))

@@ -9,31 +9,56 @@ that knows the directory can pull, with no server to run. Layout::
       v000000000006/            a complete version (manifest.json + one array per leaf)
       v000000000007/
         manifest.json           format, version, bytes, and per leaf: key path, dtype,
-        00000/ 00001/ ...       shape, array name (see ``treepaths`` for key paths)
+        00000/ 00001/ ...       shape, array name, raw chunk file (see ``treepaths``
+                                for key paths)
       .tmp-v000000000008-...    a push in progress (never read)
+      .spare-v000000000005-...  an evicted version whose files the next push overwrites
 
 **Publishing.** A push writes every array and then the manifest into a ``.tmp-``
-directory, fsyncs them (``durable=True``), renames the directory to its final name in
-one atomic step and only then replaces ``latest.json`` atomically (``os.replace``).
-Readers follow ``latest.json`` alone, so a half-written version is never visible, and a
-writer killed mid-push leaves the previous version as the newest. The next writer
-removes the debris of dead writers.
+directory, renames the directory to its final name in one atomic step and only then
+replaces ``latest.json`` atomically (``os.replace``). Readers follow ``latest.json``
+alone, so a half-written version is never visible, and a writer killed mid-push leaves
+the previous version as the newest. The next writer removes the debris of dead writers.
 
-**Eviction and readers: shared-lock leases.** A reader holds a shared ``flock`` on the
-version's ``manifest.json`` for as long as it copies that version. The writer evicts a
-version only if it gets the exclusive lock *without waiting*; it then renames the
-directory away and deletes it on a background thread. A version a reader still holds
-is skipped and retried at the next push (so the directory may briefly hold more than
-``keep`` versions), which means a slow reader never stalls the trainer and eviction
-never pulls files from under a reader. ``flock`` leases vanish with their process, so
-a crashed reader leaks nothing. This relies on POSIX ``flock`` on a local file system;
-on network file systems, whose lock semantics vary, keep ``keep`` well above the number
-of versions a read can span.
+**No fsync by default.** Atomic renames are what protect readers from a killed writer;
+fsync adds nothing there. It only matters if the *machine* crashes: the page cache is
+lost and a published version may lack data that never reached the disk. Surviving that
+is the checkpoint's job (the trainer restarts from its checkpoint and pushes again), not
+the parameter server's, and an fsync per push costs the disk's write bandwidth (on the
+test machine, durable pushes ran at about half the speed of a memory copy).
+``durable=True`` fsyncs data, manifest, directories and pointer before publishing, for
+a directory that must outlive machine crashes. A reader that finds a leaf file of the
+wrong size says the snapshot is damaged.
 
-**Copies.** Large leaves are stored in chunks of about ``chunk_bytes`` so TensorStore
-writes and reads them on several threads. A pull reads into 64-byte-aligned host
-buffers, which JAX's CPU client adopts without another copy; on an accelerator the pull
-costs one more host-to-device transfer.
+**Copies.** Each leaf is a zarr3 array of one uncompressed chunk, so its chunk file
+holds exactly the array's bytes (any zarr3 reader, TensorStore included, reads a leaf).
+TensorStore creates the arrays (their ``zarr.json``); the push writes each chunk file
+from the trainer's host arrays itself (one copy, into the page cache, two leaves at a
+time), and a reader *memory-maps* the chunk files instead of copying them: a pulled
+``jax.Array`` on CPU aliases the page cache (on an accelerator, ``device_put`` makes the
+one host-to-device copy from it). With ``chunk_bytes`` set, larger leaves are split
+into chunks that TensorStore writes and readers copy.
+
+**Recycling.** A new file needs fresh memory pages, and their first touch is most of
+what writing costs (on the test machine, 256 MB took 0.1-0.7 s onto fresh pages and
+about 40 ms over pages in use). So the first version evicted by a push is kept as a
+spare (``.spare-*``), and the next push of a tree of the same shapes and dtypes writes
+over its files in place. Nothing can see a spare: it was renamed away under the
+exclusive lock, so no reader held it and none can reach it.
+
+**Leases: readers hold versions, Python reference counting ends the hold.** A reader
+holds a shared ``flock`` on the version's ``manifest.json`` while it reads that version
+and for as long as any array mapped from it is alive (the lease ends when the last such
+array is garbage-collected; JAX lets go of host memory it aliases at its next call or a
+gc pass). The writer evicts a version only if it gets the exclusive
+lock *without waiting*; it then renames the directory away, to be recycled or deleted
+on a background thread. A version a reader holds is skipped and retried at the next push
+(so the directory holds ``keep`` versions plus those readers still use), which means a
+slow reader never stalls the trainer and eviction never pulls files from under a
+reader. ``flock`` leases vanish with their process, so a crashed reader leaks nothing.
+This relies on POSIX ``flock`` and ``mmap`` on a local file system; on network file
+systems, whose lock semantics vary, keep ``keep`` well above the number of versions a
+reader can hold.
 
 One process writes at a time; any number of processes and threads may read.
 """
@@ -43,8 +68,10 @@ from __future__ import annotations
 import concurrent.futures
 import fcntl
 import json
+import math
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -68,6 +95,8 @@ from rlaxkit.param_server.base import (
 
 __all__ = ["TensorStoreParameterServer"]
 
+WRITE_THREADS = 2  # Leaves written at once (each a copy into the page cache).
+
 
 class TensorStoreParameterServer:
     """Versioned weight snapshots in a directory, readable by any process.
@@ -81,10 +110,12 @@ class TensorStoreParameterServer:
             this object last pushed when that matches, else a nested ``dict`` (see
             :func:`rlaxkit.param_server.treepaths.nested_dict`).
         durable: fsync data, manifest, directories and pointer before publishing (safe
-            against machine crashes); without it a version is still atomic against a
-            killed process, which the page cache survives.
-        chunk_bytes: target size of one stored chunk; larger leaves are split so their
-            chunks are written and read in parallel.
+            against machine crashes, at the disk's write bandwidth); without it (the
+            default) a version is still atomic against a killed process, which the page
+            cache survives (see the module docstring).
+        chunk_bytes: ``None`` (the default) stores each leaf as one raw chunk that
+            readers memory-map; a size splits larger leaves into chunks of about that
+            many bytes, which readers copy.
         poll_interval_s: how often a waiting pull re-reads the pointer.
         on_event: optional ``on_event(kind, version, duration_s=..., bytes=..., ...)``
             called after every push and pull.
@@ -96,16 +127,18 @@ class TensorStoreParameterServer:
         keep: int = 2,
         *,
         template: Any = None,
-        durable: bool = True,
-        chunk_bytes: int = 4 << 20,
+        durable: bool = False,
+        chunk_bytes: int | None = None,
         poll_interval_s: float = 0.01,
         on_event: EventHook | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.keep = check_keep(keep)
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes: must be >= 1, got {chunk_bytes}")
+        if chunk_bytes is not None and chunk_bytes < 1:
+            raise ValueError(
+                f"chunk_bytes: must be None (one chunk per leaf) or >= 1, got {chunk_bytes}"
+            )
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
         self.template = template
@@ -120,6 +153,9 @@ class TensorStoreParameterServer:
         self._pushed = threading.Condition()
         self._pushed_tree: tuple[list[treepaths.KeyPath], Any] | None = None
         self._deleter: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        # Evicted versions kept for their files (see _evict): (path, [dtype, shape] per leaf).
+        self._spares: list[tuple[Path, list[list[Any]]]] = []
         self._deletions: list[concurrent.futures.Future] = []
         # Test hooks, called with the leaf index after each leaf is written during a push
         # or read during a pull (the reader then holds its lease); they let tests pause
@@ -149,7 +185,8 @@ class TensorStoreParameterServer:
 
         Waits until a version ``>= min_version`` is published (any version when
         ``None``), for at most ``timeout`` seconds (forever when ``None``). Leaves come
-        back as ``jax.Array`` (on CPU they alias the freshly read buffers).
+        back as ``jax.Array``; on CPU they alias the mapped files and hold the version (see
+        the module docstring).
 
         Raises:
             TimeoutError: no such version was published within ``timeout``.
@@ -186,55 +223,82 @@ class TensorStoreParameterServer:
         return latest, params
 
     def _read_version(self, version: int) -> tuple[dict[str, Any], list[np.ndarray]] | None:
-        """Reads one version under a shared lock; ``None`` if it was evicted meanwhile."""
+        """Reads one version under its lease; ``None`` if it was evicted meanwhile.
+
+        Raw leaves are mapped and keep the lease while they live; chunked leaves (and
+        raw ones on a file system that cannot map them) are copied under it.
+        """
         vdir = self.directory / layout.version_dirname(version)
         try:
-            fd = os.open(vdir / layout.MANIFEST, os.O_RDONLY)
+            lease = layout.Lease(vdir / layout.MANIFEST)
         except FileNotFoundError:
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
             # The writer renames a version away under its exclusive lock; if the name no
             # longer leads to the file we locked, that version is gone.
             try:
-                same = os.stat(vdir / layout.MANIFEST).st_ino == os.fstat(fd).st_ino
+                same = os.stat(vdir / layout.MANIFEST).st_ino == os.fstat(lease.fd).st_ino
             except FileNotFoundError:
                 same = False
             if not same:
                 return None
-            with open(fd, closefd=False) as f:
+            with open(lease.fd, closefd=False) as f:
                 manifest = json.load(f)
-            if manifest.get("format") != layout.FORMAT:
+            if manifest.get("format") not in layout.READABLE_FORMATS:
                 found = manifest.get("format")
                 raise ValueError(f"{vdir}: manifest format {found!r}, expected {layout.FORMAT!r}")
-            leaves = manifest["leaves"]
-            opened = [
-                ts.open(
-                    {
-                        "driver": "zarr3",
-                        "kvstore": {"driver": "file", "path": str(vdir / leaf["array"])},
-                    },
-                    open=True,
-                    read=True,
-                    context=self._context,
-                )
-                for leaf in leaves
-            ]
-            arrays = [
-                layout.aligned_empty(tuple(leaf["shape"]), np.dtype(leaf["dtype"]))
-                for leaf in leaves
-            ]
-            copies = [
-                ts.array(out, copy=False, write=True).write(store.result())
-                for out, store in zip(arrays, opened, strict=True)
-            ]
-            for i, copy in enumerate(copies):
-                copy.result()
-                if self._leaf_read_hook is not None:
-                    self._leaf_read_hook(i)
+            arrays = self._read_leaves(vdir, manifest["leaves"], lease)
         finally:
-            os.close(fd)  # Releases the shared lock.
+            del lease  # Mapped arrays keep it; with none, the lock is released here.
         return manifest, arrays
+
+    def _read_leaves(
+        self, vdir: Path, leaves: list[dict[str, Any]], lease: layout.Lease
+    ) -> list[np.ndarray]:
+        arrays: list[np.ndarray | None] = [None] * len(leaves)
+        copied = []
+        for i, leaf in enumerate(leaves):
+            shape, dtype = tuple(leaf["shape"]), np.dtype(leaf["dtype"])
+            raw = leaf.get("raw")
+            if raw is not None and sys.byteorder == "little":
+                try:
+                    arrays[i] = layout.map_array(vdir / leaf["array"] / raw, shape, dtype, lease)
+                except FileNotFoundError as e:
+                    # TensorStore would read a missing chunk as zeros: refuse instead.
+                    raise ValueError(f"{e.filename}: missing; the snapshot is damaged") from e
+                except OSError:
+                    copied.append(i)  # A file system that cannot map it: copy it below.
+                    continue
+            else:
+                copied.append(i)
+                continue
+            if self._leaf_read_hook is not None:
+                self._leaf_read_hook(i)
+        opened = {
+            i: ts.open(
+                {
+                    "driver": "zarr3",
+                    "kvstore": {"driver": "file", "path": str(vdir / leaves[i]["array"])},
+                },
+                open=True,
+                read=True,
+                context=self._context,
+            )
+            for i in copied
+        }
+        for i in copied:
+            arrays[i] = layout.aligned_empty(
+                tuple(leaves[i]["shape"]), np.dtype(leaves[i]["dtype"])
+            )
+        reads = {
+            i: ts.array(arrays[i], copy=False, write=True).write(store.result())
+            for i, store in opened.items()
+        }
+        for i, read in reads.items():
+            read.result()
+            if self._leaf_read_hook is not None:
+                self._leaf_read_hook(i)
+        return arrays
 
     def _to_tree(self, manifest: dict[str, Any], arrays: list[np.ndarray]) -> Any:
         paths = [leaf["path"] for leaf in manifest["leaves"]]
@@ -276,9 +340,13 @@ class TensorStoreParameterServer:
             nbytes = sum(a.nbytes for a in arrays)
             final = self.directory / layout.version_dirname(version)
             tmp = self.directory / layout.scratch_name(layout.TMP_PREFIX, final.name)
-            tmp.mkdir()
+            spare = self._take_spare(arrays)
+            if spare is None:
+                tmp.mkdir()
+            else:
+                os.rename(spare, tmp)
             try:
-                self._write_snapshot(tmp, version, paths, arrays)
+                self._write_snapshot(tmp, version, paths, arrays, recycled=spare is not None)
                 os.rename(tmp, final)  # Complete from here on, but not yet named.
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -296,36 +364,71 @@ class TensorStoreParameterServer:
         record_transfer(self.stats, self.on_event, record)
 
     def _write_snapshot(
-        self, into: Path, version: int, paths: list[treepaths.KeyPath], arrays: list[np.ndarray]
+        self,
+        into: Path,
+        version: int,
+        paths: list[treepaths.KeyPath],
+        arrays: list[np.ndarray],
+        recycled: bool,
     ) -> None:
         """Writes the arrays, then the manifest, and (when durable) fsyncs them all."""
-        self._write_leaves(into, paths, arrays)
+        raw = self._write_leaves(into, paths, arrays, recycled)
         manifest = {
             "format": layout.FORMAT,
             "version": version,
             "bytes": sum(a.nbytes for a in arrays),
             "leaves": [
-                {"path": path, "array": f"{i:05d}", "dtype": a.dtype.name, "shape": list(a.shape)}
-                for i, (path, a) in enumerate(zip(paths, arrays, strict=True))
+                {
+                    "path": path,
+                    "array": f"{i:05d}",
+                    "dtype": a.dtype.name,
+                    "shape": list(a.shape),
+                    "raw": raw_key,
+                }
+                for i, (path, a, raw_key) in enumerate(zip(paths, arrays, raw, strict=True))
             ],
         }
+        # A recycled version's old manifest goes: a reader that opened it before the
+        # eviction must not find the new version's lock on it.
+        (into / layout.MANIFEST).unlink(missing_ok=True)
         with open(into / layout.MANIFEST, "w") as f:
             json.dump(manifest, f)
             if self.durable:
                 f.flush()
                 os.fsync(f.fileno())
         if self.durable:
-            # TensorStore fsyncs the chunk files it writes (``file_io_sync``); the
-            # directory entries that name them need an fsync of their own.
+            # The data files were fsynced as they were written; the directory entries
+            # that name them need an fsync of their own.
             for sub, _, _ in os.walk(into):
                 layout.fsync_path(Path(sub))
 
     def _write_leaves(
-        self, into: Path, paths: list[treepaths.KeyPath], arrays: list[np.ndarray]
-    ) -> None:
-        opened = []
+        self,
+        into: Path,
+        paths: list[treepaths.KeyPath],
+        arrays: list[np.ndarray],
+        recycled: bool,
+    ) -> list[str | None]:
+        """Writes every leaf; returns each leaf's raw chunk file name (``None`` when it
+        is chunked or empty, so readers copy it through TensorStore).
+
+        TensorStore creates each leaf's zarr3 array (its ``zarr.json``). A leaf stored as
+        one chunk is then written by this process: its chunk file is the array's bytes,
+        written over the recycled file's pages when there is one. Chunked leaves are
+        written by TensorStore.
+        """
+        raw: list[str | None] = []
+        created: list[Any] = []
         for i, (path, a) in enumerate(zip(paths, arrays, strict=True)):
-            grid = layout.chunk_shape(a.shape, a.dtype.itemsize, self.chunk_bytes)
+            whole = [max(1, n) for n in a.shape]
+            if self.chunk_bytes is None:
+                grid = whole
+            else:
+                grid = layout.chunk_shape(a.shape, a.dtype.itemsize, self.chunk_bytes)
+            raw.append(layout.raw_chunk_key(a.ndim) if grid == whole and a.size else None)
+            if recycled:  # Its zarr.json already describes this shape and dtype.
+                created.append(None)
+                continue
             spec = {
                 "driver": "zarr3",
                 "kvstore": {"driver": "file", "path": str(into / f"{i:05d}")},
@@ -336,36 +439,77 @@ class TensorStoreParameterServer:
                     # Chunk files c.0.0, c.1.0, ... side by side: one directory per leaf
                     # to fsync and remove, not one per chunk row.
                     "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+                    # Uncompressed little-endian bytes: a one-chunk leaf's file is the
+                    # array's memory exactly, ready to be mapped.
+                    "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
                 },
             }
             try:
-                opened.append(ts.open(spec, create=True, context=self._context))
+                created.append(ts.open(spec, create=True, context=self._context))
             except ValueError as e:
                 raise ValueError(
                     f"leaf {treepaths.path_str(path)}: cannot store a {a.dtype} array: {e}"
                 ) from e
-        # All writes are in flight at once; TensorStore spreads the chunks over threads.
-        # The arrays are not modified during the push (jax arrays never are), so
-        # TensorStore may write from them directly instead of copying them first.
-        writes = [
-            store.result().write(a, can_reference_source_data_indefinitely=True)
-            for store, a in zip(opened, arrays, strict=True)
-        ]
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(
+                max_workers=WRITE_THREADS, thread_name_prefix="param-server-write"
+            )
+        writes: list[Any] = []
+        for i, a in enumerate(arrays):
+            if raw[i] is not None:
+                if created[i] is not None:
+                    created[i].result()  # zarr.json and the leaf's directory exist.
+                file = into / f"{i:05d}" / raw[i]
+                writes.append(
+                    self._writer.submit(
+                        layout.write_file, file, a, create=not recycled, durable=self.durable
+                    )
+                )
+            elif a.size:
+                # The arrays are not modified during the push (jax arrays never are),
+                # so TensorStore may write from them instead of copying them first.
+                writes.append(
+                    created[i].result().write(a, can_reference_source_data_indefinitely=True)
+                )
+            else:
+                writes.append(created[i])  # Nothing to write beyond zarr.json.
         for i, write in enumerate(writes):
             write.result()
             if self._leaf_written_hook is not None:
                 self._leaf_written_hook(i)
+        return raw
+
+    def _take_spare(self, arrays: list[np.ndarray]) -> Path | None:
+        """An evicted version whose files fit ``arrays`` exactly, to be written over;
+        spares that do not fit (the tree changed) are deleted."""
+        signature = [[a.dtype.name, list(a.shape)] for a in arrays]
+        found = None
+        while self._spares:
+            path, spare_signature = self._spares.pop()
+            if found is None and spare_signature == signature and self.chunk_bytes is None:
+                found = path
+            else:
+                self._delete_in_background(path)
+        return found
 
     def _remove_debris(self, latest: int | None) -> None:
-        """Deletes what dead writers left: their temp dirs, trash, unpublished versions."""
+        """Deletes what dead writers left: their temp dirs, trash, spares, unpublished
+        versions."""
+        mine = f"-{os.getpid()}-"
+        spares = {path.name for path, _ in self._spares}
         for path in self.directory.iterdir():
             name = path.name
             if name.startswith(layout.TRASH_PREFIX):
                 if not layout.scratch_owner_alive(name):  # Ours are deleted in the background.
                     shutil.rmtree(path, ignore_errors=True)
+            elif name.startswith(layout.SPARE_PREFIX):
+                # Single writer: a live owner other than this object would be a second one.
+                alive = layout.scratch_owner_alive(name)
+                if name not in spares and (not alive or mine in name):
+                    shutil.rmtree(path, ignore_errors=True)
             elif name.startswith(layout.TMP_PREFIX):
                 # Single writer: a live owner other than us would be a second writer.
-                if not layout.scratch_owner_alive(name) or f"-{os.getpid()}-" in name:
+                if not layout.scratch_owner_alive(name) or mine in name:
                     if path.is_dir():
                         shutil.rmtree(path, ignore_errors=True)
                     else:
@@ -379,9 +523,11 @@ class TensorStoreParameterServer:
     def _evict(self, latest: int) -> None:
         """Evicts versions older than the newest ``keep`` that no reader holds.
 
-        Renaming a version to trash is the atomic step that takes it from readers;
-        deleting its files (slow: the kernel frees their pages) happens on a background
-        thread, so the trainer does not wait for it.
+        Renaming a version away is the atomic step that takes it from readers. The first
+        one becomes the spare whose files the next push overwrites (pages already in
+        memory, where new files would need fresh ones); the others are deleted on a
+        background thread (slow: the kernel frees their pages), so the trainer does not
+        wait for it.
         """
         old = [v for v in self.versions()[: -self.keep] if v != latest]
         for version in old:
@@ -396,15 +542,42 @@ class TensorStoreParameterServer:
                 except BlockingIOError:
                     self.deferred_evictions += 1  # A reader holds it; retry next push.
                     continue
-                trash = self.directory / layout.scratch_name(layout.TRASH_PREFIX, vdir.name)
-                os.rename(vdir, trash)
+                # No reader holds it, and once renamed no reader can reach it: its files
+                # may be overwritten.
+                signature = self._spare_signature(fd) if not self._spares else None
+                prefix = layout.TRASH_PREFIX if signature is None else layout.SPARE_PREFIX
+                moved = self.directory / layout.scratch_name(prefix, vdir.name)
+                os.rename(vdir, moved)
             finally:
                 os.close(fd)
-            if self._deleter is None:
-                self._deleter = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="param-server-evict"
-                )
-            self._deletions.append(self._deleter.submit(shutil.rmtree, trash, True))
+            if signature is None:
+                self._delete_in_background(moved)
+            else:
+                self._spares.append((moved, signature))
+
+    def _spare_signature(self, manifest_fd: int) -> list[list[Any]] | None:
+        """The leaves' ``[dtype, shape]`` of a version that can be recycled (every
+        non-empty leaf one raw chunk, as this store writes them), else ``None``."""
+        if self.chunk_bytes is not None:
+            return None
+        try:
+            with open(manifest_fd, closefd=False) as f:
+                manifest = json.load(f)
+        except ValueError:
+            return None
+        if manifest.get("format") != layout.FORMAT:
+            return None
+        leaves = manifest["leaves"]
+        if any(leaf["raw"] is None and math.prod(leaf["shape"]) for leaf in leaves):
+            return None
+        return [[leaf["dtype"], leaf["shape"]] for leaf in leaves]
+
+    def _delete_in_background(self, path: Path) -> None:
+        if self._deleter is None:
+            self._deleter = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="param-server-evict"
+            )
+        self._deletions.append(self._deleter.submit(shutil.rmtree, path, True))
 
     def wait_for_cleanup(self) -> None:
         """Waits until the files of evicted versions are deleted."""
