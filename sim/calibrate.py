@@ -9,21 +9,34 @@ simulator trace calibrate the same way:
   ``latency = prompt_tokens / prefill_rate + tokens · (a + b · (occupancy - 1))``,
   which is the simulator's decode model; completion lengths become an empirical
   distribution (tails included);
-- ``train_step``: ``duration_s = overhead + tokens / tokens_per_s`` by least squares;
+- ``train_step``: ``duration_s = overhead + tokens / tokens_per_s`` by least squares
+  (proportional to tokens when the steps' tokens vary too little to tell the two
+  apart);
 - ``reward``: verifier latencies (empirical); ``push``/``pull``: transfer times;
-  ``checkpoint_save``/``checkpoint_restore``: their durations;
+  ``checkpoint_save``/``checkpoint_restore``: their durations; ``drop`` with reason
+  ``filtered``: the share of finished groups dynamic filtering drops;
 - ``preemption``/``restart``: replayed as a FaultPlan at the same times.
+
+**Two machines.** A real fleet (and the local runtime's concurrent mode) is the
+*parallel* model above. The local runtime's deterministic mode runs trainer and
+workers in one thread, round by round, decoding in chunks: the *serial host*
+(:mod:`sim.host`), fitted from the trace's ``decode`` events and the untimed host time
+between chunks (:mod:`sim.calibrate_host`). The trace's config picks one
+(``runtime.backend: local`` with ``runtime.mode: deterministic`` is serial), or
+``executor=`` does.
 
 :func:`calibrate` then simulates the fitted scenario and reports predicted against
 measured throughput and staleness.
 
 **The measured window.** A real run spends time before its loop starts (warm start,
-a first evaluation) and compiles its programs in the first train step and the first
-decode chunks. Neither is part of the fleet the simulator models, so both sides are
-measured over the same window: from the end of train step ``warmup_steps`` (or, with
-``warmup_steps=0``, from the first event after ``run_start``) to the last train step.
-Fits use only the events of that window. The simulated run is cut the same way, so
-its pipeline fill is left out exactly as the real one's is.
+a first evaluation) and compiles its programs in the first train step and, for shapes
+met there, in the first steps after it. Neither is part of the fleet the simulator
+models, so both sides are measured over the same window: from the end of train step
+``warmup_steps`` (or, with ``warmup_steps=0``, from the first event after
+``run_start``) to the last train step. Fits use only the events of that window (a
+chunk that still compiled a program in it is left out of the serial fit, and
+reported). The simulated run is cut the same way, so its pipeline fill is left out
+exactly as the real one's is.
 """
 
 from __future__ import annotations
@@ -33,8 +46,6 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, get_args
-
-import numpy as np
 
 from rlaxkit.faults import Fault, FaultPlan
 from rlaxkit.policies import policy_from_dict
@@ -49,6 +60,7 @@ from rlaxkit.trace import (
     summarize,
 )
 
+from .calibrate_fits import fit_decode, fit_trainer
 from .calibrate_host import fit_host
 from .distributions import Constant, Empirical
 from .engine import simulate
@@ -107,31 +119,6 @@ def _shape(config: Mapping[str, Any]) -> dict[str, Any]:
     return shape
 
 
-def _pause_overlap(records, events: list[TraceEvent]) -> np.ndarray:
-    """Seconds of each generation spent inside train-step compute (host pauses)."""
-    steps = sorted((e.t - float(e["duration_s"]), e.t) for e in events if e.kind == "train_step")
-    overlap = np.zeros(len(records))
-    for i, record in enumerate(records):
-        for begin, end in steps:
-            if begin >= record.end_s:
-                break
-            overlap[i] += max(0.0, min(end, record.end_s) - max(begin, record.start_s))
-    return overlap
-
-
-def _nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients forced >= 0 by dropping negative columns."""
-    active = list(range(design.shape[1]))
-    coef = np.zeros(design.shape[1])
-    while active:
-        solution, *_ = np.linalg.lstsq(design[:, active], target, rcond=None)
-        if np.all(solution >= -1e-12):
-            coef[active] = np.maximum(solution, 0.0)
-            return coef
-        active.pop(int(np.argmin(solution)))
-    return coef
-
-
 def window_start(events: list[TraceEvent], warmup_steps: int) -> float:
     """Start of the measured window (see the module docstring)."""
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -154,60 +141,6 @@ def window_summary(events: list[TraceEvent], warmup_steps: int) -> TraceSummary:
     start = window_start(events, warmup_steps)
     inside = [e for e in events if e.t > start and e.kind != "run_start"]
     return summarize([TraceEvent(start, "run_start", "controller", None, {}), *inside])
-
-
-def _fit_decode(
-    events: list[TraceEvent], *, pauses_fleet: bool, start_s: float = float("-inf")
-) -> dict[str, float]:
-    records = [r for r in generation_records(events) if not r.interrupted and r.start_s >= start_s]
-    if not records:
-        raise ValueError("trace: no completed generation_start/generation_end pairs to fit")
-    overlap = np.zeros(len(records))
-    if pauses_fleet:
-        # Prefer generations no train step paused (their occupancy held from start to
-        # end); with too few of them, take the pause time out of the others.
-        overlap = _pause_overlap(records, events)
-        if np.count_nonzero(overlap == 0) >= 20:
-            records = [r for r, o in zip(records, overlap, strict=True) if o == 0]
-            overlap = np.zeros(len(records))
-    tokens = np.array([r.tokens for r in records], dtype=float)
-    prompt = np.array([r.prompt_tokens or 0 for r in records], dtype=float)
-    occupancy = np.array([max(1, r.occupancy or 1) - 1 for r in records], dtype=float)
-    latency = np.array([r.latency_s for r in records], dtype=float) - overlap
-    columns = [tokens, tokens * occupancy]
-    if prompt.any():
-        columns.append(prompt)
-    coef = _nonnegative_lstsq(np.stack(columns, axis=1), latency)
-    per_token = coef[0] if coef[0] > 0 else float(np.sum(latency) / np.sum(tokens))
-    prefill_s_per_token = coef[2] if len(coef) > 2 else 0.0
-    return {
-        "decode_s_per_token": float(per_token),
-        "decode_s_per_token_per_seq": float(coef[1]),
-        "prefill_tokens_per_s": (
-            float(1.0 / prefill_s_per_token) if prefill_s_per_token > 0 else float("inf")
-        ),
-    }
-
-
-def _fit_trainer(events: list[TraceEvent], start_s: float = float("-inf")) -> dict[str, float]:
-    steps = [e for e in events if e.kind == "train_step" and "tokens" in e.fields and e.t > start_s]
-    if not steps:
-        raise ValueError("trace: no train_step events with tokens to fit the trainer")
-    tokens = np.array([e["tokens"] for e in steps], dtype=float)
-    seconds = np.array([e["duration_s"] for e in steps], dtype=float)
-    if np.ptp(tokens) <= 1e-9 * max(1.0, tokens.mean()):
-        return {"tokens_per_s": float(tokens.sum() / seconds.sum()), "step_overhead_s": 0.0}
-    overhead, per_token = _nonnegative_lstsq(np.stack([np.ones_like(tokens), tokens], 1), seconds)
-    # When every step trains about as many tokens (a small run's batches), noise decides
-    # how the time splits into overhead and rate: a slope with a standard error above
-    # half its value is not measured. Then take the time as proportional to tokens,
-    # the safer extrapolation to other batch sizes.
-    residual = seconds - overhead - per_token * tokens
-    spread = float(np.sum((tokens - tokens.mean()) ** 2))
-    slope_se = np.sqrt(np.sum(residual**2) / max(len(tokens) - 2, 1) / spread)
-    if per_token <= 0 or slope_se > 0.5 * per_token:
-        return {"tokens_per_s": float(tokens.sum() / seconds.sum()), "step_overhead_s": 0.0}
-    return {"tokens_per_s": float(1.0 / per_token), "step_overhead_s": float(overhead)}
 
 
 def _faults(events: list[TraceEvent]) -> FaultPlan:
@@ -271,8 +204,8 @@ def fit_scenario(
     host, host_fitted = HostSpec(), {}
     if executor == "serial":
         host, host_fitted = fit_host(events, chunk_steps=int(shape["chunk_steps"]), start_s=start_s)
-    decode = _fit_decode(events, pauses_fleet=bool(shape["pauses_fleet"]), start_s=start_s)
-    trainer = _fit_trainer(events, start_s)
+    decode = fit_decode(events, pauses_fleet=bool(shape["pauses_fleet"]), start_s=start_s)
+    trainer = fit_trainer(events, start_s)
     records = generation_records(events)
     lengths = Empirical(values=tuple(r.tokens for r in records))
     prompts = [r.prompt_tokens for r in records if r.prompt_tokens is not None]
@@ -286,10 +219,11 @@ def fit_scenario(
     steps = [e for e in events if e.kind == "train_step"]
     end_s = max(e.t for e in events)
     # Dynamic filtering: groups dropped for equal rewards, out of all groups that
-    # finished (trained, waiting, or dropped for any reason after finishing).
-    filtered = sum(1 for e in events if e.kind == "drop" and e.get("reason") == "filtered")
+    # finished (trained, waiting, or dropped for any reason after finishing), in the
+    # window: the share grows as the policy learns to solve more prompts every time.
+    filtered = sum(1 for e in window if e.kind == "drop" and e.get("reason") == "filtered")
     finished = len(
-        {str(e["rollout"]) for e in events if e.kind == "generation_end" and "rollout" in e.fields}
+        {str(e["rollout"]) for e in window if e.kind == "generation_end" and "rollout" in e.fields}
     )
     filtered_fraction = min(filtered / finished, 0.95) if finished else 0.0
     fitted = {
@@ -397,6 +331,12 @@ class Calibration:
         ]
         lines = [f"{'figure':>16} {'measured':>12} {'predicted':>12}"]
         lines += [f"{label:>16} {a:>12.4g} {b:>12.4g}" for label, a, b in rows]
+        if self.fitted.get("host_compiling_chunks"):
+            lines.append(
+                f"(the window holds {self.fitted['host_compiling_chunks']:.0f} chunks that "
+                f"compiled a program, {self.fitted['host_compiling_s']:.3g} s measured and "
+                "not predicted; measure after more warmup_steps or a longer run)"
+            )
         return "\n".join(lines)
 
 
@@ -405,7 +345,7 @@ def calibrate(
     *,
     overrides: Mapping[str, Any] | None = None,
     seed: int = 0,
-    warmup_steps: int = 1,
+    warmup_steps: int = 3,
     executor: Executor | None = None,
     simulated_steps: int | None = None,
 ) -> Calibration:
@@ -417,7 +357,8 @@ def calibrate(
             simulating (predict a different configuration from the same fit).
         seed: Seed of the re-simulation.
         warmup_steps: train steps left out of the fit and of both throughputs (a real
-            run compiles in its first step; see the module docstring).
+            run compiles in its first step, and in the next few for shapes it meets
+            then; see the module docstring).
         executor: ``serial`` or ``parallel`` model (default: from the trace's
             config; see :func:`fit_scenario`).
         simulated_steps: train steps the prediction simulates (default: the

@@ -6,6 +6,8 @@ it did, and the trace times most of it directly:
 - ``decode`` events (one per worker chunk) fit, by non-negative least squares,
   ``duration = chunk_s + chunk_s_per_step · steps + prefill_s_per_seq · started +
   finish_s_per_seq · finished + chunk_s_after_step · [first chunk after a train step]``;
+  chunks that compiled a program (over ``COMPILE_FACTOR`` times the median) are left
+  out;
 - ``reward`` events (one scoring call per chunk that completed groups) fit
   ``duration = score_s + score_s_per_seq · samples``;
 - ``train_step``, ``push`` and ``pull`` events are fitted by :mod:`sim.calibrate` as
@@ -36,28 +38,14 @@ import numpy as np
 
 from rlaxkit.trace import TraceEvent
 
+from .calibrate_fits import nonnegative_lstsq
 from .specs import HOST_COSTS, HostSpec
 
 __all__ = ["fit_host", "host_gaps"]
 
 _TIMED = ("reward", "pull", "push", "train_step", "checkpoint_save")
-
-
-def _nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients forced >= 0 by dropping negative columns.
-
-    Columns that never vary are left out, except the first (the intercept): they
-    could not be told from it.
-    """
-    active = [0] + [j for j in range(1, design.shape[1]) if np.ptp(design[:, j]) > 0]
-    coef = np.zeros(design.shape[1])
-    while active:
-        solution, *_ = np.linalg.lstsq(design[:, active], target, rcond=None)
-        if np.all(solution >= -1e-12):
-            coef[active] = np.maximum(solution, 0.0)
-            return coef
-        active.pop(int(np.argmin(solution)))
-    return coef
+# Chunks longer than this many times the median compiled a program (see fit_host).
+COMPILE_FACTOR = 20.0
 
 
 class _Gap:
@@ -153,17 +141,22 @@ def fit_host(
             for e, first in zip(inside, after_step, strict=True)
         ]
     )
-    chunk = _nonnegative_lstsq(design, duration)
+    # A chunk that compiled a program for a shape not seen before lasts hundreds of
+    # times a normal one; it happens once per shape and process, so it is no cost of
+    # the loop the model predicts (the measured window still pays for it).
+    compiled = duration > COMPILE_FACTOR * np.median(duration)
+    chunk = nonnegative_lstsq(design[~compiled], duration[~compiled], drop_constant=True)
 
     scoring = [e for e in events if e.kind == "reward" and start_s < e.t <= end]
     score = np.zeros(2)
     if scoring:
         seconds = np.array([float(e["duration_s"]) for e in scoring])
         samples = np.array([float(e.get("samples", 1)) for e in scoring])
-        score = _nonnegative_lstsq(np.stack([np.ones_like(samples), samples], axis=1), seconds)
+        ones = np.ones_like(samples)
+        score = nonnegative_lstsq(np.stack([ones, samples], axis=1), seconds, drop_constant=True)
 
     # Host terms: the intercept column (a chunk before the gap) is the first.
-    host = _nonnegative_lstsq(features, np.maximum(untimed, 0.0))
+    host = nonnegative_lstsq(features, np.maximum(untimed, 0.0), drop_constant=True)
     spec = HostSpec(
         executor="serial",
         chunk_steps=chunk_steps,
@@ -180,6 +173,8 @@ def fit_host(
         step_s=float(host[3]),
     )
     fitted = {f"host_{name}": float(getattr(spec, name)) for name in HOST_COSTS}
-    fitted["host_mean_chunk_s"] = float(duration.mean())
+    fitted["host_mean_chunk_s"] = float(duration[~compiled].mean())
+    fitted["host_compiling_chunks"] = float(np.count_nonzero(compiled))
+    fitted["host_compiling_s"] = float(duration[compiled].sum())
     fitted["host_untimed_s"] = float(untimed.sum())
     return spec, fitted

@@ -1,0 +1,97 @@
+"""Least-squares fits shared by calibration: the parallel fleet's decode model and the
+trainer's step time (see :mod:`sim.calibrate` for what each reads from a trace)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlaxkit.trace import TraceEvent, generation_records
+
+__all__ = ["fit_decode", "fit_trainer", "nonnegative_lstsq", "pause_overlap"]
+
+
+def pause_overlap(records, events: list[TraceEvent]) -> np.ndarray:
+    """Seconds of each generation spent inside train-step compute (host pauses)."""
+    steps = sorted((e.t - float(e["duration_s"]), e.t) for e in events if e.kind == "train_step")
+    overlap = np.zeros(len(records))
+    for i, record in enumerate(records):
+        for begin, end in steps:
+            if begin >= record.end_s:
+                break
+            overlap[i] += max(0.0, min(end, record.end_s) - max(begin, record.start_s))
+    return overlap
+
+
+def nonnegative_lstsq(
+    design: np.ndarray, target: np.ndarray, *, drop_constant: bool = False
+) -> np.ndarray:
+    """Least squares with coefficients forced >= 0 by dropping negative columns.
+
+    With ``drop_constant``, columns that never vary are left out from the start,
+    except the first (the intercept): they could not be told from it.
+    """
+    active = list(range(design.shape[1]))
+    if drop_constant:
+        active = [0] + [j for j in active[1:] if np.ptp(design[:, j]) > 0]
+    coef = np.zeros(design.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(design[:, active], target, rcond=None)
+        if np.all(solution >= -1e-12):
+            coef[active] = np.maximum(solution, 0.0)
+            return coef
+        active.pop(int(np.argmin(solution)))
+    return coef
+
+
+def fit_decode(
+    events: list[TraceEvent], *, pauses_fleet: bool, start_s: float = float("-inf")
+) -> dict[str, float]:
+    records = [r for r in generation_records(events) if not r.interrupted and r.start_s >= start_s]
+    if not records:
+        raise ValueError("trace: no completed generation_start/generation_end pairs to fit")
+    overlap = np.zeros(len(records))
+    if pauses_fleet:
+        # Prefer generations no train step paused (their occupancy held from start to
+        # end); with too few of them, take the pause time out of the others.
+        overlap = pause_overlap(records, events)
+        if np.count_nonzero(overlap == 0) >= 20:
+            records = [r for r, o in zip(records, overlap, strict=True) if o == 0]
+            overlap = np.zeros(len(records))
+    tokens = np.array([r.tokens for r in records], dtype=float)
+    prompt = np.array([r.prompt_tokens or 0 for r in records], dtype=float)
+    occupancy = np.array([max(1, r.occupancy or 1) - 1 for r in records], dtype=float)
+    latency = np.array([r.latency_s for r in records], dtype=float) - overlap
+    columns = [tokens, tokens * occupancy]
+    if prompt.any():
+        columns.append(prompt)
+    coef = nonnegative_lstsq(np.stack(columns, axis=1), latency)
+    per_token = coef[0] if coef[0] > 0 else float(np.sum(latency) / np.sum(tokens))
+    prefill_s_per_token = coef[2] if len(coef) > 2 else 0.0
+    return {
+        "decode_s_per_token": float(per_token),
+        "decode_s_per_token_per_seq": float(coef[1]),
+        "prefill_tokens_per_s": (
+            float(1.0 / prefill_s_per_token) if prefill_s_per_token > 0 else float("inf")
+        ),
+    }
+
+
+def fit_trainer(events: list[TraceEvent], start_s: float = float("-inf")) -> dict[str, float]:
+    steps = [e for e in events if e.kind == "train_step" and "tokens" in e.fields and e.t > start_s]
+    if not steps:
+        raise ValueError("trace: no train_step events with tokens to fit the trainer")
+    tokens = np.array([e["tokens"] for e in steps], dtype=float)
+    seconds = np.array([e["duration_s"] for e in steps], dtype=float)
+    if np.ptp(tokens) <= 1e-9 * max(1.0, tokens.mean()):
+        return {"tokens_per_s": float(tokens.sum() / seconds.sum()), "step_overhead_s": 0.0}
+    overhead, per_token = nonnegative_lstsq(np.stack([np.ones_like(tokens), tokens], 1), seconds)
+    # When every step trains about as many tokens (a small run's batches), noise decides
+    # how the time splits into overhead and rate: a slope with a standard error above
+    # half its value is not measured. Then take the time as proportional to tokens,
+    # the safer extrapolation to other batch sizes.
+    residual = seconds - overhead - per_token * tokens
+    spread = float(np.sum((tokens - tokens.mean()) ** 2))
+    slope_se = np.sqrt(np.sum(residual**2) / max(len(tokens) - 2, 1) / spread)
+    if per_token <= 0 or slope_se > 0.5 * per_token:
+        return {"tokens_per_s": float(tokens.sum() / seconds.sum()), "step_overhead_s": 0.0}
+    return {"tokens_per_s": float(1.0 / per_token), "step_overhead_s": float(overhead)}
