@@ -35,10 +35,10 @@ wrong size says the snapshot is damaged.
 holds exactly the array's bytes (any zarr3 reader, TensorStore included, reads a leaf).
 TensorStore creates the arrays (their ``zarr.json``); the push writes each chunk file
 from the trainer's host arrays itself (one copy, into the page cache, two leaves at a
-time), and a reader *memory-maps* the chunk files instead of copying them: a pulled
-``jax.Array`` on CPU aliases the page cache (on an accelerator, ``device_put`` makes the
-one host-to-device copy from it). With ``chunk_bytes`` set, larger leaves are split
-into chunks that TensorStore writes and readers copy.
+time; see ``snapshot``), and a reader *memory-maps* the chunk files instead of copying
+them: a pulled ``jax.Array`` on CPU aliases the page cache (on an accelerator,
+``device_put`` makes the one host-to-device copy from it). With ``chunk_bytes`` set,
+larger leaves are split into chunks that TensorStore writes and readers copy.
 
 **Recycling.** A new file needs fresh memory pages, and their first touch is most of
 what writing costs (on the test machine, 256 MB took 0.1-0.7 s onto fresh pages and
@@ -69,10 +69,8 @@ from __future__ import annotations
 import concurrent.futures
 import fcntl
 import json
-import math
 import os
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -83,7 +81,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from rlaxkit.param_server import layout, treepaths
+from rlaxkit.param_server import layout, snapshot, treepaths
 from rlaxkit.param_server.base import (
     EventHook,
     TransferRecord,
@@ -95,8 +93,6 @@ from rlaxkit.param_server.base import (
 )
 
 __all__ = ["TensorStoreParameterServer"]
-
-WRITE_THREADS = 2  # Leaves written at once (each a copy into the page cache).
 
 
 class TensorStoreParameterServer:
@@ -154,7 +150,9 @@ class TensorStoreParameterServer:
         self._pushed = threading.Condition()
         self._pushed_tree: tuple[list[treepaths.KeyPath], Any] | None = None
         self._deleter: concurrent.futures.ThreadPoolExecutor | None = None
-        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writer = concurrent.futures.ThreadPoolExecutor(  # Threads start on first use.
+            max_workers=snapshot.WRITE_THREADS, thread_name_prefix="param-server-write"
+        )
         # Evicted versions kept for their files (see _evict): (path, [dtype, shape] per leaf).
         self._spares: list[tuple[Path, list[list[Any]]]] = []
         self._deletions: list[concurrent.futures.Future] = []
@@ -248,58 +246,12 @@ class TensorStoreParameterServer:
             if manifest.get("format") not in layout.READABLE_FORMATS:
                 found = manifest.get("format")
                 raise ValueError(f"{vdir}: manifest format {found!r}, expected {layout.FORMAT!r}")
-            arrays = self._read_leaves(vdir, manifest["leaves"], lease)
+            arrays = snapshot.read_leaves(
+                vdir, manifest["leaves"], lease, self._context, self._leaf_read_hook
+            )
         finally:
             del lease  # Mapped arrays keep it; with none, the lock is released here.
         return manifest, arrays
-
-    def _read_leaves(
-        self, vdir: Path, leaves: list[dict[str, Any]], lease: layout.Lease
-    ) -> list[np.ndarray]:
-        arrays: list[np.ndarray | None] = [None] * len(leaves)
-        copied = []
-        for i, leaf in enumerate(leaves):
-            shape, dtype = tuple(leaf["shape"]), np.dtype(leaf["dtype"])
-            raw = leaf.get("raw")
-            if raw is not None and sys.byteorder == "little":
-                try:
-                    arrays[i] = layout.map_array(vdir / leaf["array"] / raw, shape, dtype, lease)
-                except FileNotFoundError as e:
-                    # TensorStore would read a missing chunk as zeros: refuse instead.
-                    raise ValueError(f"{e.filename}: missing; the snapshot is damaged") from e
-                except OSError:
-                    copied.append(i)  # A file system that cannot map it: copy it below.
-                    continue
-            else:
-                copied.append(i)
-                continue
-            if self._leaf_read_hook is not None:
-                self._leaf_read_hook(i)
-        opened = {
-            i: ts.open(
-                {
-                    "driver": "zarr3",
-                    "kvstore": {"driver": "file", "path": str(vdir / leaves[i]["array"])},
-                },
-                open=True,
-                read=True,
-                context=self._context,
-            )
-            for i in copied
-        }
-        for i in copied:
-            arrays[i] = layout.aligned_empty(
-                tuple(leaves[i]["shape"]), np.dtype(leaves[i]["dtype"])
-            )
-        reads = {
-            i: ts.array(arrays[i], copy=False, write=True).write(store.result())
-            for i, store in opened.items()
-        }
-        for i, read in reads.items():
-            read.result()
-            if self._leaf_read_hook is not None:
-                self._leaf_read_hook(i)
-        return arrays
 
     def _to_tree(self, manifest: dict[str, Any], arrays: list[np.ndarray]) -> Any:
         paths = [leaf["path"] for leaf in manifest["leaves"]]
@@ -347,7 +299,18 @@ class TensorStoreParameterServer:
             else:
                 os.rename(spare, tmp)
             try:
-                self._write_snapshot(tmp, version, paths, arrays, recycled=spare is not None)
+                snapshot.write(
+                    tmp,
+                    version,
+                    paths,
+                    arrays,
+                    chunk_bytes=self.chunk_bytes,
+                    durable=self.durable,
+                    context=self._context,
+                    pool=self._writer,
+                    recycled=spare is not None,
+                    on_leaf=self._leaf_written_hook,
+                )
                 os.rename(tmp, final)  # Complete from here on, but not yet named.
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -364,126 +327,10 @@ class TensorStoreParameterServer:
         record = TransferRecord(kind="push", version=version, duration_s=duration_s, bytes=nbytes)
         record_transfer(self.stats, self.on_event, record)
 
-    def _write_snapshot(
-        self,
-        into: Path,
-        version: int,
-        paths: list[treepaths.KeyPath],
-        arrays: list[np.ndarray],
-        recycled: bool,
-    ) -> None:
-        """Writes the arrays, then the manifest, and (when durable) fsyncs them all."""
-        raw = self._write_leaves(into, paths, arrays, recycled)
-        manifest = {
-            "format": layout.FORMAT,
-            "version": version,
-            "bytes": sum(a.nbytes for a in arrays),
-            "leaves": [
-                {
-                    "path": path,
-                    "array": f"{i:05d}",
-                    "dtype": a.dtype.name,
-                    "shape": list(a.shape),
-                    "raw": raw_key,
-                }
-                for i, (path, a, raw_key) in enumerate(zip(paths, arrays, raw, strict=True))
-            ],
-        }
-        # A recycled version's old manifest goes: a reader that opened it before the
-        # eviction must not find the new version's lock on it.
-        (into / layout.MANIFEST).unlink(missing_ok=True)
-        with open(into / layout.MANIFEST, "w") as f:
-            json.dump(manifest, f)
-            if self.durable:
-                f.flush()
-                os.fsync(f.fileno())
-        if self.durable:
-            # The data files were fsynced as they were written; the directory entries
-            # that name them need an fsync of their own.
-            for sub, _, _ in os.walk(into):
-                layout.fsync_path(Path(sub))
-
-    def _write_leaves(
-        self,
-        into: Path,
-        paths: list[treepaths.KeyPath],
-        arrays: list[np.ndarray],
-        recycled: bool,
-    ) -> list[str | None]:
-        """Writes every leaf; returns each leaf's raw chunk file name (``None`` when it
-        is chunked or empty, so readers copy it through TensorStore).
-
-        TensorStore creates each leaf's zarr3 array (its ``zarr.json``). A leaf stored as
-        one chunk is then written by this process: its chunk file is the array's bytes,
-        written over the recycled file's pages when there is one. Chunked leaves are
-        written by TensorStore.
-        """
-        raw: list[str | None] = []
-        created: list[Any] = []
-        for i, (path, a) in enumerate(zip(paths, arrays, strict=True)):
-            whole = [max(1, n) for n in a.shape]
-            if self.chunk_bytes is None:
-                grid = whole
-            else:
-                grid = layout.chunk_shape(a.shape, a.dtype.itemsize, self.chunk_bytes)
-            raw.append(layout.raw_chunk_key(a.ndim) if grid == whole and a.size else None)
-            if recycled:  # Its zarr.json already describes this shape and dtype.
-                created.append(None)
-                continue
-            spec = {
-                "driver": "zarr3",
-                "kvstore": {"driver": "file", "path": str(into / f"{i:05d}")},
-                "metadata": {
-                    "shape": list(a.shape),
-                    "data_type": a.dtype.name,
-                    "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
-                    # Chunk files c.0.0, c.1.0, ... side by side: one directory per leaf
-                    # to fsync and remove, not one per chunk row.
-                    "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
-                    # Uncompressed little-endian bytes: a one-chunk leaf's file is the
-                    # array's memory exactly, ready to be mapped.
-                    "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
-                },
-            }
-            try:
-                created.append(ts.open(spec, create=True, context=self._context))
-            except ValueError as e:
-                raise ValueError(
-                    f"leaf {treepaths.path_str(path)}: cannot store a {a.dtype} array: {e}"
-                ) from e
-        if self._writer is None:
-            self._writer = concurrent.futures.ThreadPoolExecutor(
-                max_workers=WRITE_THREADS, thread_name_prefix="param-server-write"
-            )
-        writes: list[Any] = []
-        for i, a in enumerate(arrays):
-            if raw[i] is not None:
-                if created[i] is not None:
-                    created[i].result()  # zarr.json and the leaf's directory exist.
-                file = into / f"{i:05d}" / raw[i]
-                writes.append(
-                    self._writer.submit(
-                        layout.write_file, file, a, create=not recycled, durable=self.durable
-                    )
-                )
-            elif a.size:
-                # The arrays are not modified during the push (jax arrays never are),
-                # so TensorStore may write from them instead of copying them first.
-                writes.append(
-                    created[i].result().write(a, can_reference_source_data_indefinitely=True)
-                )
-            else:
-                writes.append(created[i])  # Nothing to write beyond zarr.json.
-        for i, write in enumerate(writes):
-            write.result()
-            if self._leaf_written_hook is not None:
-                self._leaf_written_hook(i)
-        return raw
-
     def _take_spare(self, arrays: list[np.ndarray]) -> Path | None:
         """An evicted version whose files fit ``arrays`` exactly, to be written over;
         spares that do not fit (the tree changed) are deleted."""
-        signature = [[a.dtype.name, list(a.shape)] for a in arrays]
+        signature = snapshot.signature(arrays)
         found = None
         while self._spares:
             path, spare_signature = self._spares.pop()
@@ -545,7 +392,9 @@ class TensorStoreParameterServer:
                     continue
                 # No reader holds it, and once renamed no reader can reach it: its files
                 # may be overwritten.
-                signature = self._spare_signature(fd) if not self._spares else None
+                signature = None
+                if not self._spares and self.chunk_bytes is None:
+                    signature = snapshot.recyclable_signature(fd)
                 prefix = layout.TRASH_PREFIX if signature is None else layout.SPARE_PREFIX
                 moved = self.directory / layout.scratch_name(prefix, vdir.name)
                 os.rename(vdir, moved)
@@ -555,23 +404,6 @@ class TensorStoreParameterServer:
                 self._delete_in_background(moved)
             else:
                 self._spares.append((moved, signature))
-
-    def _spare_signature(self, manifest_fd: int) -> list[list[Any]] | None:
-        """The leaves' ``[dtype, shape]`` of a version that can be recycled (every
-        non-empty leaf one raw chunk, as this store writes them), else ``None``."""
-        if self.chunk_bytes is not None:
-            return None
-        try:
-            with open(manifest_fd, closefd=False) as f:
-                manifest = json.load(f)
-        except ValueError:
-            return None
-        if manifest.get("format") != layout.FORMAT:
-            return None
-        leaves = manifest["leaves"]
-        if any(leaf["raw"] is None and math.prod(leaf["shape"]) for leaf in leaves):
-            return None
-        return [[leaf["dtype"], leaf["shape"]] for leaf in leaves]
 
     def _delete_in_background(self, path: Path) -> None:
         if self._deleter is None:
