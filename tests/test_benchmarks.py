@@ -53,3 +53,10 @@ def test_runtime_benchmark_reports_samples_per_s_by_eta_and_overhead(capsys):
     assert set(report["samples_per_s"]) == {"0", "1", "2", "4"}
     assert all(finite(v) and v > 0 for v in report["samples_per_s"].values())
     assert 0.0 <= report["overhead_fraction"] <= 1.0
+
+
+def test_weight_sync_benchmark_reports_fraction_of_memcpy(capsys, tmp_path):
+    args = ["--sizes-mb", "1", "--stores", "in_process", "tensorstore", "--repeats", "1"]
+    assert load("weight_sync").main([*args, "--dir", str(tmp_path)]) == 0
+    report = last_json(capsys)
+    assert finite(report["fraction_of_memcpy"]) and report["fraction_of_memcpy"] > 0
