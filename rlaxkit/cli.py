@@ -73,8 +73,9 @@ def run_job(
     ``"preempted": true`` (no final eval, no plots).
 
     ``runtime.backend`` picks the backend: ``local`` runs ``Experiment``, ``ray`` runs
-    ``RayExperiment`` (placed per ``config.ray``), which neither resumes a run
-    directory nor injects fault plans (it then raises ``ValueError`` before starting).
+    ``RayExperiment`` (placed per ``config.ray``). Both checkpoint on a signal and
+    resume; the ray backend injects no fault plans (it raises ``ValueError`` before
+    starting).
 
     Args:
         faults: a FaultPlan file to inject (local backend only).
@@ -123,13 +124,7 @@ def run_job(
             summary = {"preempted": True, "signal": stop.requested, "step": exp.version}
             summary |= {"checkpoint_saved": saved, **exp.summary()}
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            if local:
-                log(f"stopped at step {exp.version}; run again with --run-dir {run_dir} to resume")
-            else:
-                log(
-                    f"stopped at step {exp.version}; the ray backend does not resume runs "
-                    "(the trainer's state is in checkpoints/trainer)"
-                )
+            log(f"stopped at step {exp.version}; run again with --run-dir {run_dir} to resume")
             return summary
         after = exp.evaluate()
         evals.append({"step": config.steps, **_row(after, 1)})

@@ -256,9 +256,10 @@ def test_train_job_runs_the_same_config_on_ray(ray_cluster, cache, tmp_path):
     assert 0 <= summary["pass@1_after"] <= 1
     assert (run / "final" / "config.json").exists()
     assert RunConfig.from_yaml(run / "config.yaml") == config
-    # The ray backend does not resume: a second run in the same directory is refused.
-    with pytest.raises(ValueError, match="does not resume"):
-        run_job(config, run, progress=False, log=lines.append, cache_dir=cache)
+    # The directory holds a run now: resumed by default (tests/test_ray_resume.py), and
+    # refused, before anything starts, with resume=False.
+    with pytest.raises(ValueError, match="already holds a run and resume=False"):
+        RayExperiment(config, run_dir=run, resume=False)
 
 
 def test_fault_plans_are_refused_on_ray_with_a_clear_error(tmp_path, capsys):

@@ -128,11 +128,14 @@ class WeightStore:
 class TrainerActor:
     """The trainer: owns the train state, steps on batches, pushes, checkpoints.
 
-    On a first start it saves step 0 (so a restart always has a checkpoint to load).
-    After Ray restarts it, the driver calls :meth:`restore` with the newest step it
-    knows was taken, replays the batches since with ``push=False`` and calls
-    :meth:`publish` with ``reset=True``; the trainer's state then equals the state it
-    had before it died (same batches, same jitted step).
+    The driver decides when to checkpoint (``CheckpointPolicy``) and calls
+    :meth:`save_checkpoint` with its own books, which go into the same Orbax step
+    directory as the train state (``rlaxkit.runtime.ray_state``). After Ray restarts
+    the actor, the driver calls :meth:`restore` with the newest step it knows was
+    taken, replays the batches since with ``push=False`` and calls :meth:`publish`
+    with ``reset=True``; the trainer's state then equals the state it had before it
+    died (same batches, same jitted step). A resumed run calls :meth:`restore` with
+    the checkpoint's published version, then :meth:`publish`.
 
     Args:
         config: the run configuration.
@@ -186,13 +189,10 @@ class TrainerActor:
         self.store_kind = store.kind
         self.param_server = store.connect(on_event=self._on_transfer) if self.pushes else None
         self.checkpoints = None
-        self.last_save = (0, 0.0)
         if checkpoint_dir is not None:
             self.checkpoints = CheckpointManager(
                 checkpoint_dir, max_to_keep=config.checkpoint.keep, async_save=False
             )
-            if self.checkpoints.latest_step() is None:
-                self._save()
         # (version, host params) to publish when the store lacks the newest version.
         self._to_publish: tuple[int, Any] | None = (0, self._publishable(self.state.params))
 
@@ -209,10 +209,6 @@ class TrainerActor:
     def _host(self, tree: Any) -> Any:
         """Full host copies of ``tree`` (a collective with several processes)."""
         return jax.device_get(tree)
-
-    def _agree(self, decision: bool) -> bool:
-        """The decision every process acts on (process 0's: clocks differ)."""
-        return decision
 
     def _for_push(self, params: Any) -> Any:
         """What ``push`` is given: device arrays here (the store copies them)."""
@@ -244,10 +240,12 @@ class TrainerActor:
             )
 
     # -- checkpoints -----------------------------------------------------------------
-    def _save(self) -> int:
+    def _save(self, json: dict[str, Any] | None, weights: dict[str, Any] | None) -> int:
         start = self.clock()
-        save_train_state(self.checkpoints, self.state, force=True)
-        self.last_save = (self.version, self.clock())
+        # Numpy leaves (the weights) are written by process 0 alone; every process
+        # writes its shards of the train state. One Orbax step: all items or none.
+        pytrees = {"weights": weights} if weights else None
+        save_train_state(self.checkpoints, self.state, json=json, pytrees=pytrees, force=True)
         self.trace.record(
             self.clock(),
             "checkpoint_save",
@@ -258,16 +256,23 @@ class TrainerActor:
         )
         return self.version
 
-    def restore(self, max_step: int) -> int:
+    def restore(self, max_step: int, published: tuple[int, Any] | None = None) -> int:
         """Loads the newest checkpoint at or below ``max_step`` (the fresh step-0 state
-        when there is none); returns its step."""
+        when there is none); returns its step.
+
+        Args:
+            max_step: the newest step the driver knows was taken.
+            published: ``(version, host params)`` that :meth:`publish` pushes next, when
+                that is not the restored step's own (a resumed run whose newest
+                published version is older than its checkpoint: pushes every ``k``
+                steps); ``None``: the restored state's params.
+        """
         steps = [
             s for s in (self.checkpoints.all_steps() if self.checkpoints else ()) if s <= max_step
         ]
         if steps:
             start = self.clock()
             self.state = restore_train_state(self.checkpoints, self.state, step=max(steps))
-            self.last_save = (self.version, self.clock())
             self.trace.record(
                 self.clock(),
                 "checkpoint_restore",
@@ -276,13 +281,15 @@ class TrainerActor:
                 step=self.version,
                 duration_s=self.clock() - start,
             )
-        self._to_publish = (self.version, self._publishable(self.state.params))
+        if published is not None and published[0] != self.version:
+            self._to_publish = published if self.pushes else None
+        else:
+            self._to_publish = (self.version, self._publishable(self.state.params))
         return self.version
 
     # -- training --------------------------------------------------------------------
     def train(self, batch: TrainBatch, step: int, push: bool = True) -> dict[str, Any]:
-        """One train step; pushes per the weight-sync policy and checkpoints per the
-        checkpoint policy.
+        """One train step; pushes per the weight-sync policy (the driver checkpoints).
 
         Args:
             batch: the collated batch.
@@ -291,8 +298,7 @@ class TrainerActor:
                 will be given by :meth:`publish`, the versions these steps made).
 
         Returns:
-            ``metrics`` (floats), ``version``, ``duration_s``, ``checkpoint_step`` (the
-            newest checkpoint, whether saved now or before) and ``events``.
+            ``metrics`` (floats), ``version``, ``duration_s`` and ``events``.
 
         Raises:
             TrainerRestartedError: the state is not at ``step - 1``.
@@ -310,16 +316,10 @@ class TrainerActor:
                 self._to_publish = None
             else:
                 self._to_publish = (self.version, self._publishable(self.state.params))
-        policy = self.config.checkpoint
-        if self.checkpoints is not None and self._agree(
-            policy.should_save(self.version, self.clock(), *self.last_save)
-        ):
-            self._save()
         return {
             "metrics": metrics,
             "version": self.version,
             "duration_s": duration_s,
-            "checkpoint_step": self.last_save[0] if self.checkpoints is not None else None,
             "events": self._drain(),
         }
 
@@ -355,24 +355,28 @@ class TrainerActor:
         ``path``), as ``rlaxkit.runtime.build.warm_start`` reports it."""
         return self.warm_start
 
-    def save_checkpoint(self, step: int) -> dict[str, Any]:
-        """Saves the state now unless its checkpoint exists (on a SIGTERM).
+    def save_checkpoint(
+        self,
+        step: int,
+        json: dict[str, Any] | None = None,
+        weights: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Saves the state as checkpoint ``step`` with the driver's items, unless that
+        checkpoint exists; returns ``saved`` and ``events``.
 
-        Returns ``saved``, ``checkpoint_step`` (the newest; ``None`` without a
-        checkpoint directory) and ``events``.
+        Args:
+            step: the step the state must be at.
+            json: JSON items (name -> value) saved with the train state.
+            weights: the ``weights`` item (``{"v<N>": host params}``), or ``None``.
 
         Raises:
             TrainerRestartedError: the state is not at ``step``.
         """
         self._expect(step)
-        saved = self.checkpoints is not None and self.last_save[0] != self.version
+        saved = self.checkpoints is not None and step not in self.checkpoints.all_steps()
         if saved:
-            self._save()
-        return {
-            "saved": saved,
-            "checkpoint_step": self.last_save[0] if self.checkpoints is not None else None,
-            "events": self._drain(),
-        }
+            self._save(json, weights)
+        return {"saved": saved, "events": self._drain()}
 
     def host_params(self, step: int) -> Any:
         """The params at ``step`` copied to host memory (for evaluation in the driver)."""
@@ -513,6 +517,46 @@ class WorkerActor:
             "generated_tokens": self.worker.generated_tokens,
             "events": self._drain(),
         }
+
+    # -- checkpoints (rlaxkit.runtime.ray_state) ----------------------------------------
+    def checkpoint(self) -> dict[str, Any]:
+        """``snapshot`` (``InferenceWorker.snapshot``: the replay log of the prompts in
+        flight) and ``versions``: the weight versions that log starts from or pulled."""
+        return {
+            "snapshot": self.worker.snapshot(),
+            "versions": sorted(self.worker.replay_weights()),
+        }
+
+    def replay_weights(self, versions: list[int]) -> dict[int, Any]:
+        """Host copies of the weights of ``versions`` (each one the replay log needs)."""
+        held = self.worker.replay_weights()
+        return {version: jax.device_get(held[version]) for version in versions}
+
+    def restore(
+        self,
+        snapshot: dict[str, Any],
+        issues: dict[int, tuple[Issue, Problem]],
+        weights: dict[int, Any],
+    ) -> dict[str, Any]:
+        """Rebuilds a saved worker by replaying its log (``InferenceWorker.restore``):
+        its prompts in flight are generated again, same ids and seeds, up to the chunk
+        where the checkpoint found them.
+
+        Args:
+            snapshot: the worker's ``snapshot`` from the checkpoint.
+            issues: ``group id -> (issue, problem)`` of every prompt the log submits.
+            weights: ``version -> host params`` of every version the log needs.
+
+        Returns ``version`` and ``events``.
+        """
+        placed = {version: jax.device_put(params) for version, params in weights.items()}
+        self.worker.restore(
+            snapshot,
+            issue_for=lambda group_id: issues[group_id][0],
+            problem_for=lambda issue: issues[issue.group_id][1],
+            weights_for=placed.__getitem__,
+        )
+        return {"version": self.worker.version, "events": self._drain()}
 
     def stats(self) -> dict[str, Any]:
         """Counters for tests and dashboards."""

@@ -29,9 +29,14 @@ in-flight prompts re-issued; a restarted parameter server gets the trainer's new
 version again; a restarted trainer restores its checkpoint and the driver replays the
 batches since, so the run goes on as if nothing happened.
 
-The driver itself is not fault tolerant: run it on a machine that is not preempted. A
-run is not resumed from a run directory (the driver's books are not checkpointed), and
-fault plans (``FaultPlan``) are injected by the local backend only.
+Checkpoints and resume (``rlaxkit.runtime.ray_state``): with a run directory, each
+checkpoint holds the trainer's state and the driver's books (controller, buffer, what
+each worker holds in flight as its replay log, history, goodput books) in one Orbax
+step; a new ``RayExperiment`` on that directory resumes from the newest one, exactly
+where it was in deterministic mode. The driver is not fault tolerant while it runs (a
+dead driver stops the run): run it on a machine that is not preempted, or resume it
+from its last checkpoint (``rlaxkit train`` checkpoints on SIGTERM). Fault plans
+(``FaultPlan``) are injected by the local backend only.
 """
 
 from __future__ import annotations
@@ -62,6 +67,12 @@ from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.common import TRAIN_BUCKETS, batch_metrics
 from rlaxkit.runtime.ray_actors import WeightStore, driver_jax_options
 from rlaxkit.runtime.ray_recovery import RayFaultHandling, WorkerSlot, stop_actor
+from rlaxkit.runtime.ray_state import (
+    RayCheckpointing,
+    clear_weight_store,
+    continue_files,
+    find_resume_point,
+)
 from rlaxkit.runtime.ray_trainer_group import TrainerGroup
 from rlaxkit.tasks import RewardRunner
 from rlaxkit.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
@@ -70,11 +81,13 @@ __all__ = ["RayExperiment"]
 
 
 class _Trace:
-    """Every event in memory and, with a run directory, in trace.jsonl."""
+    """Every event in memory and, with a run directory, in trace.jsonl (``written``:
+    its events, those of the run resumed from included)."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, written: int = 0):
         self.memory = MemoryTrace()
         self.file = JsonlTraceWriter(path, append=True) if path else None
+        self.written = written
 
     def record(self, t, kind, actor, version=None, **fields):
         self.emit(TraceEvent(t, kind, actor, version, fields))
@@ -83,6 +96,7 @@ class _Trace:
         self.memory.emit(event)
         if self.file:
             self.file.emit(event)
+            self.written += 1
 
     def extend(self, events: list[TraceEvent]) -> None:
         for event in events:
@@ -93,13 +107,23 @@ class _Trace:
             self.file.close()
 
 
-class RayExperiment(RayFaultHandling):
+class RayExperiment(RayFaultHandling, RayCheckpointing):
     """An RL run on Ray you can step through, like ``Experiment``.
+
+    With a ``run_dir`` the run checkpoints per ``config.checkpoint`` (and at step 0):
+    the trainer's state and the driver's books in one Orbax step directory under
+    ``run_dir/checkpoints/trainer`` (``rlaxkit.runtime.ray_state``). A new
+    ``RayExperiment`` on a run directory with checkpoints resumes from the newest one
+    (``resumed_from`` is its step): the trainer (every process of a multi-process one)
+    restores it, the driver its books, every worker actor replays the log of the
+    prompts it had in flight (same ids and seeds), trace.jsonl and metrics.jsonl go on
+    from it; in deterministic mode the run then continues exactly as the
+    uninterrupted one (the same prompts, metrics and weights, bit for bit).
 
     Args:
         config: the run configuration (``runtime.backend`` must be ``ray``).
-        run_dir: config.yaml, metrics.jsonl, trace.jsonl, the trainer's checkpoints and
-            the warm-start cache; on a multi-host cluster it must be a directory every
+        run_dir: config.yaml, metrics.jsonl, trace.jsonl, checkpoints and the
+            warm-start cache; on a multi-host cluster it must be a directory every
             host sees. ``None`` keeps everything in memory (a restarted trainer then
             replays every batch from step 0).
         progress: show progress bars.
@@ -108,10 +132,13 @@ class RayExperiment(RayFaultHandling):
             ``config.ray``).
         faults: must be ``None``: fault plans are injected by the local backend only
             (here, kill actors with ``ray.kill``).
+        resume: continue from the newest checkpoint in ``run_dir`` if there is one;
+            ``False`` refuses a ``run_dir`` that holds a run.
 
     Raises:
-        ValueError: another backend or mode, a fault plan, or a ``run_dir`` that already
-            holds a run (this backend does not resume).
+        ValueError: another backend or mode, a fault plan, a ``run_dir`` that holds a
+            run it cannot resume (``resume=False``, no Ray checkpoint), or a checkpoint
+            written for another config or model (naming the field that differs).
     """
 
     def __init__(
@@ -122,6 +149,7 @@ class RayExperiment(RayFaultHandling):
         cache_dir: str | Path | None = None,
         ray_config: RayConfig | None = None,
         faults: Any = None,
+        resume: bool = True,
     ):
         if config.runtime.backend != "ray":
             raise ValueError(
@@ -140,8 +168,8 @@ class RayExperiment(RayFaultHandling):
                 "(docs/running_at_scale.md)"
             )
         self.run_dir = Path(run_dir).absolute() if run_dir else None
-        if self.run_dir:
-            _check_new_run_dir(self.run_dir)
+        # Checked before anything starts; the files are cut back once Ray is up.
+        point = find_resume_point(self.run_dir, config, resume) if self.run_dir else None
         self.config = config
         self.ray_config = ray_config or config.ray
         self._owns_ray = not ray.is_initialized()
@@ -151,20 +179,31 @@ class RayExperiment(RayFaultHandling):
             self.run_dir.mkdir(parents=True, exist_ok=True)
             config.save(self.run_dir / "config.yaml")
         cache = Path(cache_dir).absolute() if cache_dir else self.run_dir
-        self._t0, self._t0_wall = time.perf_counter(), time.time()
-        self.trace = _Trace(self.run_dir / "trace.jsonl" if self.run_dir else None)
-        self.trace.record(0.0, "run_start", "controller", None, config=config.to_dict())
+        resumed = continue_files(self.run_dir, point) if point else None
+        # A resumed run's clock (every actor's too) goes on from the stopped run's.
+        offset_s = resumed["offset_s"] if resumed else 0.0
+        self._t0, self._t0_wall = time.perf_counter() - offset_s, time.time() - offset_s
+        self.trace = _Trace(
+            self.run_dir / "trace.jsonl" if self.run_dir else None,
+            written=resumed["events"] if resumed else 0,
+        )
+        if point is None:
+            self.trace.record(0.0, "run_start", "controller", None, config=config.to_dict())
         self.task = build_task(config)
         model, self.tokenizer = build_policy(config, self.task)
         self.graphdef, params = nnx.split(model)
         del model
+        # Shapes, dtypes and placement of the params: a checkpoint's weights restore onto it.
+        self.param_template = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
+        )
         self.problems = self.task.problems("train", config.task.num_train)
         self.controller = PromptController(len(self.problems), seed=config.seed)
         self.buffer = RolloutBuffer(config.staleness, group_size=config.group_size)
         self._jax_options = driver_jax_options()
         self._scratch: Path | None = None
         self._ps_actor = None
-        self.store = self._make_store(params)
+        self.store = self._make_store(params, resuming=point is not None)
         # The driver reads the published version from the store.
         self.param_server = self.store.connect()
         checkpoints = str(self.run_dir / "checkpoints" / "trainer") if self.run_dir else None
@@ -185,23 +224,46 @@ class RayExperiment(RayFaultHandling):
         self._replay: list[tuple[int, Any]] = []  # (step, batch) since the last checkpoint
         self.version = 0
         self.rounds = 0
+        self.last_save_step: int | None = None  # the newest checkpoint's step and time
+        self.last_save_s = 0.0
         self.useful_train_s: list[float] = []  # compute of each surviving step
-        self.lost_train_s, self.lost_steps = 0.0, 0
-        self.resumed_from: int | None = None  # never resumed (see the module docstring)
-        self.extra: dict[str, Any] = {}  # the caller's JSON (not checkpointed here)
+        # Steps taken after the checkpoint a resumed run started from were lost.
+        self.lost_train_s = resumed["lost_train_s"] if resumed else 0.0
+        self.lost_steps = resumed["lost_steps"] if resumed else 0
+        self.resumed_from: int | None = None
+        self.extra: dict[str, Any] = {}  # the caller's JSON, saved with every checkpoint
+        self.last_batch: dict[str, Any] | None = None
+        self.history: list[dict[str, Any]] = []
+        self._published = 0
         try:
             # One trainer actor, or config.ray.trainer_processes of them (one SPMD trainer).
             self.trainer_group = TrainerGroup(self.ray_config, trainer_arguments)
-            self.scale_workers(config.runtime.num_workers)  # They start as the trainer does.
+            if point is None:
+                self.scale_workers(config.runtime.num_workers)  # They start as the trainer.
+            else:
+                for saved in point.items["workers"]:  # The fleet as it was saved.
+                    self._add_worker(saved["worker_id"])
             self.warm_start = self._trainer("warm_start_info")
-            reply = self._trainer("publish", 0)
+            if point is None:
+                reply = self._trainer("publish", 0)
+                self.trace.extend(reply["events"])
+                self._published = reply["version"]
+            else:
+                # The trainer's checkpoint_restore event follows (with publish's reply).
+                self.trace.record(
+                    self.clock(),
+                    "restart",
+                    "trainer",
+                    point.step,
+                    lost_steps=resumed["lost_steps"],
+                    resumed_from=point.step,
+                )
+                self._resume(point)
+            if self.run_dir and point is None:
+                self.save_checkpoint()  # step 0: what a restart or a resume falls back to
         except BaseException:
             self._stop_actors()  # A failed start leaves no actors behind.
             raise
-        self.trace.extend(reply["events"])
-        self._published = reply["version"]
-        self.last_batch: dict[str, Any] | None = None
-        self.history: list[dict[str, Any]] = []
         self.logger = MetricsLogger(
             self.run_dir / "metrics.jsonl" if self.run_dir else None,
             total_steps=config.steps,
@@ -209,10 +271,11 @@ class RayExperiment(RayFaultHandling):
         )
         self._scorer: RewardRunner | None = None
         self._closed = False
-        self._since = {"t": self.clock(), "tokens": 0, "samples": 0}
+        tokens = self._retired_tokens + sum(w.generated_tokens for w in self.workers)
+        self._since = {"t": self.clock(), "tokens": tokens, "samples": 0}
 
     # -- construction ------------------------------------------------------------------
-    def _make_store(self, params) -> WeightStore:
+    def _make_store(self, params, resuming: bool = False) -> WeightStore:
         rc, keep = self.ray_config, self.config.runtime.keep_versions
         if rc.weight_store == "object_store":
             name = f"rlaxkit-parameter-server-{uuid.uuid4().hex[:12]}"
@@ -231,6 +294,8 @@ class RayExperiment(RayFaultHandling):
             directory = self.run_dir / "weights"
         else:
             directory = self._scratch = Path(tempfile.mkdtemp(prefix="rlaxkit-weights-"))
+        if resuming:
+            clear_weight_store(directory)
         template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         return WeightStore(
             "tensorstore",
@@ -368,6 +433,11 @@ class RayExperiment(RayFaultHandling):
         self.last_batch = {"groups": groups, "batch": batch, "metrics": metrics}
         self.history.append(metrics)
         self.logger.log(metrics)
+        last_step, last_s = self.last_save_step or 0, self.last_save_s
+        if self.run_dir and self.config.checkpoint.should_save(
+            self.version, self.clock(), last_step, last_s
+        ):
+            self.save_checkpoint()
         return metrics
 
     def _metrics(self, groups, samples, train_metrics, t_start, t_gen, t_train) -> dict[str, Any]:
@@ -472,15 +542,3 @@ class RayExperiment(RayFaultHandling):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _check_new_run_dir(run_dir: Path) -> None:
-    """Raises ``ValueError`` when ``run_dir`` already holds a run: the Ray backend starts
-    runs but does not resume them, and would mix two runs' traces and checkpoints."""
-    checkpoints = run_dir / "checkpoints"
-    if (run_dir / "trace.jsonl").exists() or (checkpoints.is_dir() and any(checkpoints.iterdir())):
-        raise ValueError(
-            f"run_dir {run_dir} already holds a run (trace.jsonl or checkpoints/); the ray "
-            "backend does not resume runs: give it a new run directory, or resume this one "
-            "with runtime.backend=local if the local backend wrote it"
-        )

@@ -23,7 +23,8 @@ to the actor fails (``RayActorError``), so they cost nothing until then:
 
 Goodput (``summary``) is the local backend's: the trainer compute of the steps that
 survive ÷ wall time; a trainer restart makes the first run of each replayed step lost
-compute (``lost_train_s``, ``lost_steps``).
+compute (``lost_train_s``, ``lost_steps``), and a resumed run the steps taken after
+its checkpoint (``rlaxkit.runtime.ray_state``).
 """
 
 from __future__ import annotations
@@ -91,9 +92,11 @@ class RayFaultHandling:
             stop_actor(slot.handle)
         return self.workers[-1] if self.workers else None
 
-    def _add_worker(self) -> WorkerSlot:
-        worker_id = f"worker-{self._next_worker}"
-        self._next_worker += 1
+    def _add_worker(self, worker_id: str | None = None) -> WorkerSlot:
+        """Starts a worker actor named ``worker_id`` (default: the next free name)."""
+        if worker_id is None:
+            worker_id = f"worker-{self._next_worker}"
+            self._next_worker += 1
         options = {**self.ray_config.worker.options(), "max_restarts": 0, "max_task_retries": 0}
         handle = (
             remote(WorkerActor)
@@ -193,10 +196,8 @@ class RayFaultHandling:
 
     def _train(self, batch) -> dict[str, Any]:
         step = self.version + 1
-        self._replay.append((step, batch))
+        self._replay.append((step, batch))  # until a checkpoint covers it
         result = self._trainer("train", batch, step)
-        if result["checkpoint_step"] is not None:
-            self._replay = [(s, b) for s, b in self._replay if s > result["checkpoint_step"]]
         if self.config.weight_sync.should_push(step):
             self._published = step
         return result
@@ -259,22 +260,7 @@ class RayFaultHandling:
                 rooms[worker_id] = reply
         return rooms
 
-    # -- checkpoints and goodput -------------------------------------------------------
-    def save_checkpoint(self) -> bool:
-        """Saves the trainer's state as checkpoint ``version`` now (what SIGTERM handling
-        calls) and drops the replay log it covers; False without a ``run_dir`` or when
-        that checkpoint exists already.
-
-        Only the trainer's state is saved (``run_dir/checkpoints/trainer``, Orbax): it is
-        what a restarted trainer actor restores; the driver's books are not, so a new
-        ``RayExperiment`` does not resume from it.
-        """
-        reply = self._trainer("save_checkpoint", self.version)
-        self.trace.extend(reply["events"])
-        if reply["checkpoint_step"] is not None:
-            self._replay = [(s, b) for s, b in self._replay if s > reply["checkpoint_step"]]
-        return reply["saved"]
-
+    # -- goodput ---------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         """Goodput (useful trainer compute ÷ wall time), lost steps and fault counters,
         with the local backend's keys where they mean the same here.

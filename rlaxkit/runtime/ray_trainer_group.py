@@ -13,10 +13,11 @@ answers with process 0's reply:
 - **weights**: before a push every process takes part in gathering the sharded weights
   into full host arrays; process 0 alone pushes them to the parameter server (and alone
   keeps the copy it may publish again).
-- **checkpoints**: every process calls Orbax's save and restore (each writes and reads
-  its own shards; Orbax coordinates them), so ``run_dir`` must be on storage every
-  trainer host sees. A time-based checkpoint decision is process 0's, shared with the
-  others, since their clocks differ.
+- **checkpoints**: the driver decides when (one clock) and sends every process the
+  same driver books; every process calls Orbax's save and restore (each writes and
+  reads its own shards of the train state, process 0 alone the books' weights and JSON;
+  Orbax coordinates them), so ``run_dir`` must be on storage every trainer host sees.
+  A resumed run's group restores the newest checkpoint like a restarted one.
 - **the warm start** runs in process 0 only; the others receive its weights by
   broadcast.
 - **faults**: a ``jax.distributed`` group cannot take in a lone new member, so when any
@@ -39,7 +40,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import ray
 from flax import nnx
 from ray.exceptions import RayActorError
@@ -157,9 +157,6 @@ class TrainerProcessActor(TrainerActor):
 
     def _host(self, tree):
         return distributed.gather_to_host(tree)
-
-    def _agree(self, decision: bool) -> bool:
-        return bool(distributed.broadcast_from_process_0(np.asarray(decision)))
 
     def _for_push(self, params):
         return distributed.gather_to_host(params)

@@ -20,7 +20,8 @@ CheckpointManager``: Orbax, atomic, newest ``CheckpointPolicy.keep`` kept). Item
 - ``history`` (JSON): every step's metrics, so a resumed run's history is complete.
 - ``extra`` (JSON): the caller's (``rlaxkit train`` keeps its evaluations here).
 
-A backend other than the local one can save the same items with its own parts.
+A backend other than the local one can save the same items with its own parts
+(the Ray backend does: ``rlaxkit.runtime.ray_state``).
 """
 
 from __future__ import annotations
