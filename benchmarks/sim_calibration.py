@@ -52,7 +52,7 @@ import sim  # noqa: E402
 from rlaxkit.config import small_run_config  # noqa: E402
 from rlaxkit.runtime import Experiment  # noqa: E402
 from sim.calibrate import window_start, window_summary  # noqa: E402
-from sim.calibrate_host import COMPILE_FACTOR  # noqa: E402
+from sim.calibrate_fits import COMPILE_FACTOR  # noqa: E402
 
 BASE = ("staleness.max_staleness=1",)
 # name -> (runtime overrides of the base run, simulator overrides of its fit)

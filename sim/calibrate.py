@@ -33,8 +33,8 @@ a first evaluation) and compiles its programs in the first train step and, for s
 met there, in the first steps after it. Neither is part of the fleet the simulator
 models, so both sides are measured over the same window: from the end of train step
 ``warmup_steps`` (or, with ``warmup_steps=0``, from the first event after
-``run_start``) to the last train step. Fits use only the events of that window (a
-chunk that still compiled a program in it is left out of the serial fit, and
+``run_start``) to the last train step. Fits use only the events of that window (a chunk
+or train step that still compiled a program in it is left out of the fits, and
 reported). The simulated run is cut the same way, so its pipeline fill is left out
 exactly as the real one's is.
 """
@@ -230,6 +230,7 @@ def fit_scenario(
         **decode,
         "trainer_tokens_per_s": trainer["tokens_per_s"],
         "step_overhead_s": trainer["step_overhead_s"],
+        "trainer_compiling_steps": trainer["compiling_steps"],
         "mean_response_tokens": lengths.mean(),
         "reward_s": _mean(rewards, 0.0),
         "push_s": _mean(pushes, 0.0),
@@ -331,11 +332,13 @@ class Calibration:
         ]
         lines = [f"{'figure':>16} {'measured':>12} {'predicted':>12}"]
         lines += [f"{label:>16} {a:>12.4g} {b:>12.4g}" for label, a, b in rows]
-        if self.fitted.get("host_compiling_chunks"):
+        chunks = self.fitted.get("host_compiling_chunks", 0)
+        steps = self.fitted.get("trainer_compiling_steps", 0)
+        if chunks or steps:
             lines.append(
-                f"(the window holds {self.fitted['host_compiling_chunks']:.0f} chunks that "
-                f"compiled a program, {self.fitted['host_compiling_s']:.3g} s measured and "
-                "not predicted; measure after more warmup_steps or a longer run)"
+                f"(the window holds {chunks:.0f} chunks and {steps:.0f} train steps that "
+                "compiled a program: measured, not predicted; measure after more "
+                "warmup_steps or over a longer run)"
             )
         return "\n".join(lines)
 

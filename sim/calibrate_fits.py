@@ -7,7 +7,12 @@ import numpy as np
 
 from rlaxkit.trace import TraceEvent, generation_records
 
-__all__ = ["fit_decode", "fit_trainer", "nonnegative_lstsq", "pause_overlap"]
+__all__ = ["COMPILE_FACTOR", "fit_decode", "fit_trainer", "nonnegative_lstsq", "pause_overlap"]
+
+# A chunk or train step over this many times the median of its kind compiled a program
+# for a shape not seen before: it happens once per shape and process, so fits leave
+# it out (a measured window that holds one still pays for it).
+COMPILE_FACTOR = 20.0
 
 
 def pause_overlap(records, events: list[TraceEvent]) -> np.ndarray:
@@ -82,8 +87,16 @@ def fit_trainer(events: list[TraceEvent], start_s: float = float("-inf")) -> dic
         raise ValueError("trace: no train_step events with tokens to fit the trainer")
     tokens = np.array([e["tokens"] for e in steps], dtype=float)
     seconds = np.array([e["duration_s"] for e in steps], dtype=float)
+    # A step that compiled its program (a new shape) says nothing about the next ones.
+    compiled = seconds > COMPILE_FACTOR * np.median(seconds)
+    tokens, seconds = tokens[~compiled], seconds[~compiled]
+    proportional = {
+        "tokens_per_s": float(tokens.sum() / seconds.sum()),
+        "step_overhead_s": 0.0,
+        "compiling_steps": int(np.count_nonzero(compiled)),
+    }
     if np.ptp(tokens) <= 1e-9 * max(1.0, tokens.mean()):
-        return {"tokens_per_s": float(tokens.sum() / seconds.sum()), "step_overhead_s": 0.0}
+        return proportional
     overhead, per_token = nonnegative_lstsq(np.stack([np.ones_like(tokens), tokens], 1), seconds)
     # When every step trains about as many tokens (a small run's batches), noise decides
     # how the time splits into overhead and rate: a slope with a standard error above
@@ -93,5 +106,9 @@ def fit_trainer(events: list[TraceEvent], start_s: float = float("-inf")) -> dic
     spread = float(np.sum((tokens - tokens.mean()) ** 2))
     slope_se = np.sqrt(np.sum(residual**2) / max(len(tokens) - 2, 1) / spread)
     if per_token <= 0 or slope_se > 0.5 * per_token:
-        return {"tokens_per_s": float(tokens.sum() / seconds.sum()), "step_overhead_s": 0.0}
-    return {"tokens_per_s": float(1.0 / per_token), "step_overhead_s": float(overhead)}
+        return proportional
+    return {
+        "tokens_per_s": float(1.0 / per_token),
+        "step_overhead_s": float(overhead),
+        "compiling_steps": proportional["compiling_steps"],
+    }

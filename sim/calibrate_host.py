@@ -38,14 +38,12 @@ import numpy as np
 
 from rlaxkit.trace import TraceEvent
 
-from .calibrate_fits import nonnegative_lstsq
+from .calibrate_fits import COMPILE_FACTOR, nonnegative_lstsq
 from .specs import HOST_COSTS, HostSpec
 
 __all__ = ["fit_host", "host_gaps"]
 
 _TIMED = ("reward", "pull", "push", "train_step", "checkpoint_save")
-# Chunks longer than this many times the median compiled a program (see fit_host).
-COMPILE_FACTOR = 20.0
 
 
 class _Gap:
@@ -141,9 +139,7 @@ def fit_host(
             for e, first in zip(inside, after_step, strict=True)
         ]
     )
-    # A chunk that compiled a program for a shape not seen before lasts hundreds of
-    # times a normal one; it happens once per shape and process, so it is no cost of
-    # the loop the model predicts (the measured window still pays for it).
+    # A chunk that compiled a program lasts hundreds of times a normal one.
     compiled = duration > COMPILE_FACTOR * np.median(duration)
     chunk = nonnegative_lstsq(design[~compiled], duration[~compiled], drop_constant=True)
 

@@ -1,15 +1,17 @@
 """Calibrated on one real local run, the simulator predicts the throughput of another.
 
-Two short runs of the deterministic local runtime (the tiny ``config.SMALL_RUN``
-model) at η = 1 and η = 0. ``sim.calibrate`` fits the serial host model
-(``sim/host.py``) to the η = 1 trace, then predicts that run and the η = 0 run;
-samples/s over the measured window (after the compiling first steps) must be within
-10% of what was measured. η = 0 runs about three times as many rounds per step as
-η = 1 (each on one worker instead of two); on the same traces the per-token fleet
-model (``executor="parallel"``) predicts η = 0 16-20% low and η = 1 itself 16-19%
-high.
+Short runs of the deterministic local runtime (the tiny ``config.SMALL_RUN`` model) at
+η = 1 and η = 0, twice each, alternating. ``sim.calibrate`` fits the serial host model
+(``sim/host.py``) to each η = 1 trace and predicts samples/s over the measured window
+(after the compiling first steps): each η = 1 run itself, and η = 0, whose mean
+prediction must be within 10% of the mean of the η = 0 runs. (Two of each because on a
+loaded machine one run differs from the next by several percent: one pair's error
+spread about ±10% around +2% over 15 pairs.) η = 0 runs about three times as many
+rounds per step as η = 1 (each on one worker instead of two); on the same traces the
+per-token fleet model (``executor="parallel"``) predicts η = 0 16-20% low and η = 1
+itself 16-19% high.
 
-Both runs are timed on the process's CPU clock instead of the wall clock: a window
+The runs are timed on the process's CPU clock instead of the wall clock: a window
 lasts about 0.3 s, and on a machine shared with other jobs the wall time of so short a
 window says more about them than about the run (repeated η = 1 runs under load
 measured 670 to 1620 samples/s on the wall clock, 1480 to 1680 on the CPU clock).
@@ -30,11 +32,12 @@ from rlaxkit.config import small_run_config
 from rlaxkit.runtime import Experiment
 from rlaxkit.trace import TraceEvent
 from sim.calibrate import window_start, window_summary
-from sim.calibrate_host import COMPILE_FACTOR
+from sim.calibrate_fits import COMPILE_FACTOR
 
-pytestmark = pytest.mark.slow  # four real runs, ~10 s with a warm compilation cache
+pytestmark = pytest.mark.slow  # six real runs, ~15 s with a warm compilation cache
 
 STEPS = 30
+REPEATS = 2
 WARMUP_STEPS = 3  # the first train step compiles; so may the first chunks of a shape
 
 
@@ -57,7 +60,7 @@ def _compiled_in_window(events: list[TraceEvent]) -> bool:
     start = window_start(events, WARMUP_STEPS)
     for kind in ("decode", "train_step"):
         seconds = np.array([e["duration_s"] for e in events if e.kind == kind and e.t > start])
-        if np.any(seconds > COMPILE_FACTOR * np.median(seconds)):
+        if seconds.size and np.any(seconds > COMPILE_FACTOR * np.median(seconds)):
             return True
     return False
 
@@ -88,11 +91,15 @@ def traces(cache):
     # starts every count of prompts from 1 to 4.
     _run(cache, 8, "staleness.max_staleness=0")
     _run(cache, 4, "staleness.max_staleness=1")
-    return {eta: _run(cache, STEPS, f"staleness.max_staleness={eta}") for eta in (1, 0)}
+    runs = {1: [], 0: []}
+    for _ in range(REPEATS):
+        for eta in (1, 0):
+            runs[eta].append(_run(cache, STEPS, f"staleness.max_staleness={eta}"))
+    return runs
 
 
 def test_runtime_records_one_decode_event_per_chunk(traces):
-    for events in traces.values():
+    for events in (traces[1][0], traces[0][0]):
         chunks = [e for e in events if e.kind == "decode"]
         chunk_steps = events[0]["config"]["runtime"]["chunk_steps"]
         assert chunks and all(e.actor.startswith("worker-") for e in chunks)
@@ -109,19 +116,21 @@ def _error(predicted: float, measured: float) -> float:
     return predicted / measured - 1.0
 
 
-def test_calibration_predicts_its_own_run(traces):
-    result = sim.calibrate(traces[1], warmup_steps=WARMUP_STEPS)
+@pytest.mark.parametrize("repeat", range(REPEATS))
+def test_calibration_predicts_its_own_run(traces, repeat):
+    result = sim.calibrate(traces[1][repeat], warmup_steps=WARMUP_STEPS)
     print("\n" + result.report())
     assert result.scenario.host.serial  # the local deterministic trace picks the host model
     assert abs(result.errors()["samples_per_s"]) < 0.10
 
 
 def test_calibration_on_eta_one_predicts_eta_zero(traces):
-    result = sim.calibrate(
-        traces[1], warmup_steps=WARMUP_STEPS, overrides={"staleness.max_staleness": 0}
-    )
-    measured = window_summary(traces[0], WARMUP_STEPS).samples_per_s
-    predicted = result.predicted_window.samples_per_s
-    print(f"\nη=0: measured {measured:.1f} samples/s, predicted {predicted:.1f}")
-    assert result.predicted.max_staleness == 0
-    assert abs(_error(predicted, measured)) < 0.10
+    results = [
+        sim.calibrate(events, warmup_steps=WARMUP_STEPS, overrides={"staleness.max_staleness": 0})
+        for events in traces[1]
+    ]
+    predicted = [r.predicted_window.samples_per_s for r in results]
+    measured = [window_summary(events, WARMUP_STEPS).samples_per_s for events in traces[0]]
+    print(f"\nη=0 samples/s: measured {measured}, predicted {predicted}")
+    assert all(r.predicted.max_staleness == 0 for r in results)
+    assert abs(_error(np.mean(predicted), np.mean(measured))) < 0.10
