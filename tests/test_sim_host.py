@@ -130,3 +130,12 @@ def test_serial_host_rejects_faults_and_bad_costs():
         HostSpec(executor="serial", chunk_s_per_step=-1.0)
     with pytest.raises(ValueError, match="chunk_steps"):
         HostSpec(executor="serial", chunk_steps=0)
+
+
+def test_serial_scenario_round_trips_through_a_dict(tmp_path):
+    from sim import load_scenario, save_scenario, scenario_from_dict, scenario_to_dict
+
+    scenario = _serial(workers=2, eta=1)
+    assert scenario_from_dict(scenario_to_dict(scenario)) == scenario
+    save_scenario(scenario, tmp_path / "serial.yaml")
+    assert load_scenario(tmp_path / "serial.yaml").host == scenario.host
