@@ -103,6 +103,10 @@ def test_closed_and_resumed_run_equals_the_uninterrupted_run(ray_cluster, cache,
         RayExperiment(small_run_config(*SETTINGS, "sampling.n=8"), run_dir=run)
     with pytest.raises(ValueError, match="resume=False"):
         RayExperiment(config, run_dir=run, resume=False)
+    local_run = tmp_path / "local"  # the local backend keeps its checkpoints elsewhere
+    (local_run / "checkpoints" / "3").mkdir(parents=True)
+    with pytest.raises(ValueError, match="resume it with runtime.backend=local"):
+        RayExperiment(config, run_dir=local_run)
 
     with RayExperiment(config, run_dir=run, cache_dir=cache, ray_config=settings) as exp:
         assert exp.resumed_from == 3 and exp.version == 3
