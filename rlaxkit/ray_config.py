@@ -66,7 +66,9 @@ class RayConfig:
             e.g. across a slow cluster network with a fast shared file system).
         weight_store_dir: the TensorStore directory; every host must see it. Default: the
             run directory's ``weights/`` (or a temporary directory without one).
-        tensorstore_durable: fsync snapshots before publishing them.
+        tensorstore_durable: fsync snapshots before publishing them (off: a killed writer
+            never leaves a visible partial version anyway; surviving power loss is the
+            checkpoint's job).
         trainer: resources of the trainer actor (of each, with several trainer processes).
         worker: resources of each inference worker actor.
         param_server: resources of the parameter-server actor (object store only).
@@ -98,7 +100,7 @@ class RayConfig:
     address: str | None = None
     weight_store: WeightStoreKind = "object_store"
     weight_store_dir: str | None = None
-    tensorstore_durable: bool = True
+    tensorstore_durable: bool = False
     trainer: ActorResources = field(default_factory=ActorResources)
     worker: ActorResources = field(default_factory=ActorResources)
     param_server: ActorResources = field(default_factory=lambda: ActorResources(num_cpus=0))

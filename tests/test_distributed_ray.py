@@ -21,6 +21,7 @@ from rlaxkit.runtime import Experiment
 
 ray = pytest.importorskip("ray")
 
+from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG  # noqa: E402
 from rlaxkit.ray_config import RayConfig, small_cluster_config  # noqa: E402
 from rlaxkit.runtime.ray_backend import RayExperiment  # noqa: E402
 
@@ -32,7 +33,13 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def ray_cluster():
     temp_dir = tempfile.mkdtemp(prefix="ray-")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        log_to_driver=False,
+        _system_config=RAY_SYSTEM_CONFIG,
+    )
     yield
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)

@@ -19,6 +19,7 @@ from rlaxkit.trace import read_trace
 
 ray = pytest.importorskip("ray")
 
+from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG  # noqa: E402
 from rlaxkit.ray_config import ActorResources, RayConfig, small_cluster_config  # noqa: E402
 from rlaxkit.runtime.ray_backend import RayExperiment  # noqa: E402
 
@@ -32,7 +33,13 @@ def ray_cluster():
     """One local Ray cluster for the module; its files stay in a short temp dir (Ray's
     socket paths must fit in 107 bytes)."""
     temp_dir = tempfile.mkdtemp(prefix="ray-")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        log_to_driver=False,
+        _system_config=RAY_SYSTEM_CONFIG,
+    )
     yield
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)

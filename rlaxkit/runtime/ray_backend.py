@@ -60,7 +60,7 @@ from rlaxkit.controller import PromptController
 from rlaxkit.evaluation import EvalReport, evaluate_policy
 from rlaxkit.inference import make_text_generate
 from rlaxkit.metrics import MetricsLogger
-from rlaxkit.param_server.ray_store import parameter_server_actor
+from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG, parameter_server_actor
 from rlaxkit.ray_config import RayConfig
 from rlaxkit.rollout import RolloutGroup
 from rlaxkit.runtime.build import build_policy, build_task
@@ -174,7 +174,10 @@ class RayExperiment(RayFaultHandling, RayCheckpointing):
         self.ray_config = ray_config or config.ray
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(address=self.ray_config.address, include_dashboard=False)
+            # A cluster this run starts frees evicted weight versions at once, so pushes
+            # reuse warm shared memory (see rlaxkit.param_server.ray_store).
+            system = {} if self.ray_config.address else {"_system_config": RAY_SYSTEM_CONFIG}
+            ray.init(address=self.ray_config.address, include_dashboard=False, **system)
         if self.run_dir:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             config.save(self.run_dir / "config.yaml")
