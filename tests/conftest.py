@@ -34,6 +34,30 @@ def tiny_model(tiny_config):
     return Transformer(tiny_config, rngs=nnx.Rngs(0))
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster (2 CPUs) per test module. Its files stay in a short temp dir
+    (Ray's socket paths must fit in 107 bytes); evicted weight versions are freed at
+    once, as clusters the Ray backend starts do (``RAY_SYSTEM_CONFIG``)."""
+    import shutil
+    import tempfile
+
+    ray = pytest.importorskip("ray")
+    from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG
+
+    temp_dir = tempfile.mkdtemp(prefix="ray-")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        log_to_driver=False,
+        _system_config=RAY_SYSTEM_CONFIG,
+    )
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def pytest_configure(config):
     """Share compiled XLA programs between tests (many build identical tiny models)."""
     import jax

@@ -8,9 +8,6 @@ pushes. The reference is the local backend's run of the same config, which
 processes reduce in another order, so floats agree to 1e-5, not bitwise.
 """
 
-import shutil
-import tempfile
-
 import jax
 import numpy as np
 import pytest
@@ -21,28 +18,12 @@ from rlaxkit.runtime import Experiment
 
 ray = pytest.importorskip("ray")
 
-from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG  # noqa: E402
 from rlaxkit.ray_config import RayConfig, small_cluster_config  # noqa: E402
 from rlaxkit.runtime.ray_backend import RayExperiment  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
 STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    temp_dir = tempfile.mkdtemp(prefix="ray-")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _temp_dir=temp_dir,
-        log_to_driver=False,
-        _system_config=RAY_SYSTEM_CONFIG,
-    )
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def close_to(got, reference):

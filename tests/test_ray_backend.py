@@ -3,10 +3,8 @@ and trainer deaths; the fleet grows and shrinks mid-run under the staleness poli
 same config and the same ``rlaxkit train`` job run on it."""
 
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 from test_runtime import learning_metrics, small_config
@@ -19,30 +17,12 @@ from rlaxkit.trace import read_trace
 
 ray = pytest.importorskip("ray")
 
-from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG  # noqa: E402
 from rlaxkit.ray_config import ActorResources, RayConfig, small_cluster_config  # noqa: E402
 from rlaxkit.runtime.ray_backend import RayExperiment  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
 STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray cluster for the module; its files stay in a short temp dir (Ray's
-    socket paths must fit in 107 bytes)."""
-    temp_dir = tempfile.mkdtemp(prefix="ray-")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _temp_dir=temp_dir,
-        log_to_driver=False,
-        _system_config=RAY_SYSTEM_CONFIG,
-    )
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,7 @@ takes several rounds), which the resumed workers regenerate by replaying their l
 import dataclasses
 import json
 import os
-import shutil
 import signal
-import tempfile
 
 import jax
 import numpy as np
@@ -27,7 +25,6 @@ from rlaxkit.trace import read_trace
 ray = pytest.importorskip("ray")
 
 from rlaxkit.checkpoint import CheckpointManager  # noqa: E402
-from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG  # noqa: E402
 from rlaxkit.ray_config import small_cluster_config  # noqa: E402
 from rlaxkit.runtime.ray_backend import RayExperiment  # noqa: E402
 
@@ -44,21 +41,6 @@ SETTINGS = (
     "checkpoint.every_steps=3",
     f"steps={STEPS}",
 )
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    temp_dir = tempfile.mkdtemp(prefix="ray-")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _temp_dir=temp_dir,
-        log_to_driver=False,
-        _system_config=RAY_SYSTEM_CONFIG,
-    )
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
