@@ -7,6 +7,7 @@ the buffer admits, filters and hands to the trainer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,12 +61,14 @@ class Rollout:
         """``"<group_id>:<sample_index>"``, unique within a run."""
         return f"{self.group_id}:{self.sample_index}"
 
-    @property
+    # Cached: the buffer, the trace and the metrics ask several times per rollout, and a
+    # numpy reduction costs more than the rest of the lookup.
+    @functools.cached_property
     def first_version(self) -> int:
         """Oldest weight version among the tokens (staleness counts from it)."""
         return int(self.versions.min()) if len(self.versions) else -1
 
-    @property
+    @functools.cached_property
     def last_version(self) -> int:
         """Newest weight version among the tokens."""
         return int(self.versions.max()) if len(self.versions) else -1
@@ -87,7 +90,7 @@ class RolloutGroup:
     def rewards(self) -> np.ndarray:
         return np.array([r.reward for r in self.rollouts], np.float32)
 
-    @property
+    @functools.cached_property
     def first_version(self) -> int:
         return min(r.first_version for r in self.rollouts)
 
