@@ -11,6 +11,7 @@ This module imports neither Ray nor JAX (``rlaxkit.config`` imports it).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -95,6 +96,10 @@ class RayConfig:
         replace_dead_workers: start a new worker actor for each one that dies.
         max_worker_replacements: give up (raise) after this many replacements, so a
             worker that dies on start does not loop forever.
+        worker_schedule: an elastic fleet from the config: ``(step, workers)`` pairs,
+            steps increasing; when the trainer finishes ``step`` the fleet is scaled to
+            ``workers`` (as ``exp.scale_workers``). E.g. ``[[100, 8], [300, 4]]``;
+            from the CLI ``--set 'ray.worker_schedule=[[100, 8]]'``.
     """
 
     address: str | None = None
@@ -112,8 +117,24 @@ class RayConfig:
     trainer_mesh: tuple[int, int, int] = (1, -1, 1)
     trainer_placement: PlacementStrategy = "SPREAD"
     trainer_coordinator_port: int | None = None
+    worker_schedule: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
+        schedule = self.worker_schedule
+        pairs_ok = isinstance(schedule, tuple | list) and all(
+            isinstance(p, tuple | list)
+            and len(p) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+            and p[0] >= 1
+            and p[1] >= 1
+            for p in schedule
+        )
+        if not pairs_ok or any(a[0] >= b[0] for a, b in itertools.pairwise(schedule)):
+            raise ValueError(
+                "worker_schedule: must be [step, workers] pairs with step >= 1 and workers "
+                f">= 1, steps increasing, e.g. [[100, 8], [300, 4]]; got {schedule!r}"
+            )
+        object.__setattr__(self, "worker_schedule", tuple(tuple(p) for p in schedule))
         if self.weight_store not in ("object_store", "tensorstore"):
             raise ValueError(
                 f"weight_store: must be 'object_store' or 'tensorstore', got {self.weight_store!r}"
@@ -166,6 +187,12 @@ class RayConfig:
             raise ValueError(
                 f"trainer_coordinator_port: must be a port in 1..65535 or None, got {port!r}"
             )
+
+
+def scheduled_workers(config: RayConfig, step: int) -> int | None:
+    """The fleet size ``config.worker_schedule`` sets when the trainer finishes ``step``
+    (``None``: no change at that step)."""
+    return dict(config.worker_schedule).get(step)
 
 
 def small_cluster_config(**changes: Any) -> RayConfig:

@@ -2,6 +2,7 @@
 and trainer deaths; the fleet grows and shrinks mid-run under the staleness policy; the
 same config and the same ``rlaxkit train`` job run on it."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from test_runtime import learning_metrics, small_config
 
 from rlaxkit.cli import main, run_job
 from rlaxkit.config import RunConfig
+from rlaxkit.configio import apply_overrides
 from rlaxkit.metrics import read_metrics
 from rlaxkit.runtime import Experiment
 from rlaxkit.trace import read_trace
@@ -102,6 +104,28 @@ def test_two_worker_actors_learn_exactly_as_the_local_backend(ray_cluster, cache
         assert exp.param_server.versions() == list(range(STEPS + 1))[-keep:]  # bounded
         report = exp.evaluate(num_problems=4, samples=2)
         assert 0.0 <= report.rows[0]["pass@k"] <= 1.0
+
+
+def test_worker_schedule_scales_the_fleet_from_the_config(ray_cluster, cache):
+    with pytest.raises(ValueError, match="worker_schedule"):
+        ray_config(worker_schedule=((2, 1), (2, 3)))  # steps must increase
+    with pytest.raises(ValueError, match="worker_schedule"):
+        ray_config(worker_schedule=((1, 0),))
+    config = small_config("runtime.backend=ray", "runtime.chunk_steps=1")
+    # The YAML/CLI path: --set 'ray.worker_schedule=[[1, 1], [2, 3]]'.
+    settings = RunConfig.from_dict(
+        apply_overrides(config.to_dict(), ["ray.worker_schedule=[[1, 1], [2, 3]]"])
+    ).ray
+    assert settings.worker_schedule == ((1, 1), (2, 3))
+    settings = dataclasses.replace(ray_config(), worker_schedule=settings.worker_schedule)
+    with RayExperiment(config, cache_dir=cache, ray_config=settings) as exp:
+        sizes = []
+        for _ in range(3):
+            exp.step()
+            sizes.append(len(exp.workers))
+            exp.check_accounting()
+        assert sizes == [1, 3, 3]
+        assert exp.buffer.counts()["trained"] == 3 * config.staleness.batch_size
 
 
 def test_killed_worker_is_detected_its_prompts_reissued_and_the_fleet_is_elastic(

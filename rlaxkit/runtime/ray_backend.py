@@ -61,7 +61,7 @@ from rlaxkit.evaluation import EvalReport, evaluate_policy
 from rlaxkit.inference import make_text_generate
 from rlaxkit.metrics import MetricsLogger
 from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG, parameter_server_actor
-from rlaxkit.ray_config import RayConfig
+from rlaxkit.ray_config import RayConfig, scheduled_workers
 from rlaxkit.rollout import RolloutGroup
 from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.common import TRAIN_BUCKETS, batch_metrics
@@ -436,6 +436,8 @@ class RayExperiment(RayFaultHandling, RayCheckpointing):
         self.last_batch = {"groups": groups, "batch": batch, "metrics": metrics}
         self.history.append(metrics)
         self.logger.log(metrics)
+        if (workers := scheduled_workers(self.ray_config, self.version)) is not None:
+            self.scale_workers(workers)  # ray.worker_schedule: an elastic fleet
         last_step, last_s = self.last_save_step or 0, self.last_save_s
         if self.run_dir and self.config.checkpoint.should_save(
             self.version, self.clock(), last_step, last_s
