@@ -35,17 +35,13 @@ __all__ = ["InProcessParameterServer"]
 
 
 @jax.jit
-@jax.jit
 def _copy_leaves(leaves: list) -> list:
     return [jnp.copy(leaf) for leaf in leaves]
 
 
 def _copy_tree(tree: Any) -> Any:
-    """Fresh buffers for every leaf in one dispatch (not one ``jnp.copy`` per leaf).
-
-    The jitted copy takes the flat list of leaves: a tree of ``nnx.Variable`` nodes
-    would miss jit's fast path on every new state (its nodes' metadata is part of the
-    key), which cost ~4 ms a push on the demo model against ~0.3 ms this way."""
+    """Fresh buffers for every leaf in one jitted dispatch over the flat list of leaves
+    (not one ``jnp.copy`` dispatch per leaf): ~0.4 ms for the demo model's 47 leaves."""
     leaves, treedef = jax.tree.flatten(tree)
     return jax.tree.unflatten(treedef, _copy_leaves(leaves))
 
