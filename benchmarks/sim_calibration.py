@@ -51,8 +51,7 @@ import numpy as np  # noqa: E402
 import sim  # noqa: E402
 from rlaxkit.config import small_run_config  # noqa: E402
 from rlaxkit.runtime import Experiment  # noqa: E402
-from sim.calibrate import window_start, window_summary  # noqa: E402
-from sim.calibrate_fits import COMPILE_FACTOR  # noqa: E402
+from sim.calibrate import compiled_in_window, window_summary  # noqa: E402
 
 BASE = ("staleness.max_staleness=1",)
 # name -> (runtime overrides of the base run, simulator overrides of its fit)
@@ -71,17 +70,6 @@ class CpuClockExperiment(Experiment):
     def clock(self) -> float:
         origin = self.__dict__.setdefault("_cpu_origin_s", time.process_time())
         return time.process_time() - origin
-
-
-def compiled_in_window(events: list, warmup_steps: int) -> bool:
-    """True when a chunk or train step in the measured window took over
-    ``COMPILE_FACTOR`` times the median of its kind: it compiled a new shape."""
-    start = window_start(events, warmup_steps)
-    for kind in ("decode", "train_step"):
-        seconds = np.array([e["duration_s"] for e in events if e.kind == kind and e.t > start])
-        if seconds.size and np.any(seconds > COMPILE_FACTOR * np.median(seconds)):
-            return True
-    return False
 
 
 def run(cache: str, steps: int, overrides: tuple[str, ...], clock: str, warmup_steps: int):

@@ -60,7 +60,7 @@ from rlaxkit.trace import (
     summarize,
 )
 
-from .calibrate_fits import fit_decode, fit_trainer
+from .calibrate_fits import compiled, fit_decode, fit_trainer
 from .calibrate_host import fit_host
 from .distributions import Constant, Empirical
 from .engine import simulate
@@ -77,7 +77,14 @@ from .specs import (
     WorkloadSpec,
 )
 
-__all__ = ["Calibration", "calibrate", "fit_scenario", "window_start", "window_summary"]
+__all__ = [
+    "Calibration",
+    "calibrate",
+    "compiled_in_window",
+    "fit_scenario",
+    "window_start",
+    "window_summary",
+]
 
 
 def _config(events: list[TraceEvent]) -> dict[str, Any]:
@@ -134,6 +141,17 @@ def window_start(events: list[TraceEvent], warmup_steps: int) -> float:
         return steps[warmup_steps - 1]
     loop = [e.t for e in events if e.kind != "run_start"]
     return min(loop) if loop else 0.0
+
+
+def compiled_in_window(events: list[TraceEvent], warmup_steps: int) -> bool:
+    """Whether a chunk or train step in the measured window compiled a program (took
+    over ``COMPILE_FACTOR`` times the median of its kind): the window then measured
+    the compiler too, and a benchmark or test may run it again."""
+    start = window_start(events, warmup_steps)
+    return any(
+        compiled([e["duration_s"] for e in events if e.kind == kind and e.t > start]).any()
+        for kind in ("decode", "train_step")
+    )
 
 
 def window_summary(events: list[TraceEvent], warmup_steps: int) -> TraceSummary:

@@ -7,12 +7,27 @@ import numpy as np
 
 from rlaxkit.trace import TraceEvent, generation_records
 
-__all__ = ["COMPILE_FACTOR", "fit_decode", "fit_trainer", "nonnegative_lstsq", "pause_overlap"]
+__all__ = [
+    "COMPILE_FACTOR",
+    "compiled",
+    "fit_decode",
+    "fit_trainer",
+    "nonnegative_lstsq",
+    "pause_overlap",
+]
 
 # A chunk or train step over this many times the median of its kind compiled a program
 # for a shape not seen before: it happens once per shape and process, so fits leave
 # it out (a measured window that holds one still pays for it).
 COMPILE_FACTOR = 20.0
+
+
+def compiled(seconds: np.ndarray) -> np.ndarray:
+    """Which of these durations of one kind compiled a program (``COMPILE_FACTOR``)."""
+    seconds = np.asarray(seconds, dtype=float)
+    if not seconds.size:
+        return np.zeros(0, bool)
+    return seconds > COMPILE_FACTOR * np.median(seconds)
 
 
 def pause_overlap(records, events: list[TraceEvent]) -> np.ndarray:
@@ -88,12 +103,12 @@ def fit_trainer(events: list[TraceEvent], start_s: float = float("-inf")) -> dic
     tokens = np.array([e["tokens"] for e in steps], dtype=float)
     seconds = np.array([e["duration_s"] for e in steps], dtype=float)
     # A step that compiled its program (a new shape) says nothing about the next ones.
-    compiled = seconds > COMPILE_FACTOR * np.median(seconds)
-    tokens, seconds = tokens[~compiled], seconds[~compiled]
+    compiling = compiled(seconds)
+    tokens, seconds = tokens[~compiling], seconds[~compiling]
     proportional = {
         "tokens_per_s": float(tokens.sum() / seconds.sum()),
         "step_overhead_s": 0.0,
-        "compiling_steps": int(np.count_nonzero(compiled)),
+        "compiling_steps": int(np.count_nonzero(compiling)),
     }
     if np.ptp(tokens) <= 1e-9 * max(1.0, tokens.mean()):
         return proportional

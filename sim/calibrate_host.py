@@ -38,7 +38,7 @@ import numpy as np
 
 from rlaxkit.trace import TraceEvent
 
-from .calibrate_fits import COMPILE_FACTOR, nonnegative_lstsq
+from .calibrate_fits import compiled, nonnegative_lstsq
 from .specs import HOST_COSTS, HostSpec
 
 __all__ = ["fit_host", "host_gaps"]
@@ -140,8 +140,8 @@ def fit_host(
         ]
     )
     # A chunk that compiled a program lasts hundreds of times a normal one.
-    compiled = duration > COMPILE_FACTOR * np.median(duration)
-    chunk = nonnegative_lstsq(design[~compiled], duration[~compiled], drop_constant=True)
+    compiling = compiled(duration)
+    chunk = nonnegative_lstsq(design[~compiling], duration[~compiling], drop_constant=True)
 
     scoring = [e for e in events if e.kind == "reward" and start_s < e.t <= end]
     score = np.zeros(2)
@@ -169,8 +169,8 @@ def fit_host(
         step_s=float(host[3]),
     )
     fitted = {f"host_{name}": float(getattr(spec, name)) for name in HOST_COSTS}
-    fitted["host_mean_chunk_s"] = float(duration[~compiled].mean())
-    fitted["host_compiling_chunks"] = float(np.count_nonzero(compiled))
-    fitted["host_compiling_s"] = float(duration[compiled].sum())
+    fitted["host_mean_chunk_s"] = float(duration[~compiling].mean())
+    fitted["host_compiling_chunks"] = float(np.count_nonzero(compiling))
+    fitted["host_compiling_s"] = float(duration[compiling].sum())
     fitted["host_untimed_s"] = float(untimed.sum())
     return spec, fitted

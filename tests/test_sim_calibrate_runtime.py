@@ -31,8 +31,7 @@ import sim
 from rlaxkit.config import small_run_config
 from rlaxkit.runtime import Experiment
 from rlaxkit.trace import TraceEvent
-from sim.calibrate import window_start, window_summary
-from sim.calibrate_fits import COMPILE_FACTOR
+from sim.calibrate import compiled_in_window, window_summary
 
 pytestmark = pytest.mark.slow  # six real runs, ~15 s with a warm compilation cache
 
@@ -54,17 +53,6 @@ class _CpuClockExperiment(Experiment):
         return time.process_time() - origin
 
 
-def _compiled_in_window(events: list[TraceEvent]) -> bool:
-    """True when a chunk or train step in the measured window took over
-    ``COMPILE_FACTOR`` times the median of its kind: it compiled a new shape."""
-    start = window_start(events, WARMUP_STEPS)
-    for kind in ("decode", "train_step"):
-        seconds = np.array([e["duration_s"] for e in events if e.kind == kind and e.t > start])
-        if seconds.size and np.any(seconds > COMPILE_FACTOR * np.median(seconds)):
-            return True
-    return False
-
-
 def _run(cache, steps: int, *overrides: str) -> list[TraceEvent]:
     """A run's trace. A run whose window compiled a program measures the compiler, not
     the loop (rare shapes, e.g. a chunk finishing 1 or 2 rows, can first appear late);
@@ -78,7 +66,7 @@ def _run(cache, steps: int, *overrides: str) -> list[TraceEvent]:
                 events = list(exp.trace.memory.events)
         finally:
             gc.unfreeze()
-        if steps <= WARMUP_STEPS or not _compiled_in_window(events):
+        if steps <= WARMUP_STEPS or not compiled_in_window(events, WARMUP_STEPS):
             break
     return events
 
