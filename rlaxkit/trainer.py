@@ -459,6 +459,7 @@ def make_train_step(
     value_graphdef: nnx.GraphDef | None = None,
     mesh: Mesh | None = None,
     donate: bool = True,
+    keep_params: bool = False,
     tiered: bool = False,
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]]:
     """The jitted ``train_step(state, batch) -> (state, metrics)``.
@@ -471,6 +472,11 @@ def make_train_step(
         mesh: shard over this mesh (place inputs with ``shard_train_state`` and
             ``shard_batch``); ``None`` runs where the inputs live.
         donate: donate the input state's buffers to the output state.
+        keep_params: with ``donate``, donate every buffer but the policy parameters, so
+            the input state's ``params`` stay valid after the step. An in-process
+            parameter server that holds the pushed arrays (zero copy) needs this; the
+            alternative, copying every pushed version, costs a separate dispatch that
+            lands just after the step, as XLA frees the step's scratch memory.
         tiered: compile in two tiers (``rlaxkit.jaxutil.TieredJit``): the first step of
             each batch shape runs a quickly compiled executable while the optimised one
             compiles in the background for the steps after it.
@@ -516,10 +522,31 @@ def make_train_step(
             )
         return new_state, {**metrics, **stats}
 
+    if donate and keep_params:
+        return _KeepParams(train_step, tiered)
     donate_argnums = (0,) if donate else ()
     if tiered:
         return TieredJit(train_step, donate_argnums=donate_argnums)
     return jax.jit(train_step, donate_argnums=donate_argnums)
+
+
+class _KeepParams:
+    """``train_step(state, batch)`` jitted with every input buffer donated except
+    ``state.params`` (``make_train_step(..., keep_params=True)``)."""
+
+    def __init__(self, train_step: Callable, tiered: bool):
+        def split_step(params, rest: TrainState, batch: TrainBatch):
+            return train_step(rest.replace(params=params), batch)
+
+        jit = TieredJit if tiered else jax.jit
+        self.jitted = jit(split_step, donate_argnums=(1,))
+
+    def __call__(self, state: TrainState, batch: TrainBatch):
+        return self.jitted(state.params, state.replace(params=None), batch)
+
+    def lower(self, state: TrainState, batch: TrainBatch):
+        """Lowers the jitted step for these arguments (``jax.jit(...).lower``)."""
+        return self.jitted.lower(state.params, state.replace(params=None), batch)
 
 
 def make_gradient_fn(

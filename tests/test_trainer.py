@@ -178,6 +178,32 @@ def test_tiered_train_step_runs_quick_then_optimised_and_is_reproducible():
     assert relative_error(tiered_params, plain_params) <= 1e-5
 
 
+def test_keep_params_leaves_the_input_weights_valid_and_changes_no_number():
+    # What the local runtime's zero-copy store relies on: the pushed weights are the
+    # step's input params, so the step must not donate them; everything else still is.
+    graphdef, params = model_parts()
+    cfg = TrainConfig(algorithm=algorithm("grpo", loss={"kl_coef": 0.0}), optimizer=OPTIMIZER)
+    batches = [batch_of(seed=s) for s in (4, 5)]
+
+    def run(step):
+        state, inputs, losses = create_train_state(cfg, jax.tree.map(jnp.copy, params)), [], []
+        for batch in batches:
+            inputs.append(state)
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return state, inputs, losses
+
+    kept, kept_inputs, kept_losses = run(make_train_step(cfg, graphdef, keep_params=True))
+    donated, donated_inputs, donated_losses = run(make_train_step(cfg, graphdef))
+    assert kept_losses == donated_losses
+    assert relative_error(jax.device_get(kept.params), jax.device_get(donated.params)) == 0.0
+    for state in kept_inputs:  # every input's weights are still readable
+        assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state.params))
+        assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state.opt_state))
+    assert relative_error(jax.device_get(kept_inputs[0].params), jax.device_get(params)) == 0.0
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(donated_inputs[0].params))
+
+
 def test_ppo_trains_policy_and_critic():
     graphdef, params = model_parts()
     value_graphdef, value_params = nnx.split(ValueModel(CONFIG, rngs=nnx.Rngs(3)))

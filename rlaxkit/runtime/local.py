@@ -202,10 +202,12 @@ class Experiment(FaultHandling):
             create_train_state(self.train_config, params, seed=config.seed, ref_params=ref),
             jax.devices()[0],
         )
-        self._train_step = make_train_step(self.train_config, self.graphdef)
+        # The step donates every buffer but the parameters, which the in-process store
+        # then holds as the pushed version without a copy.
+        self._train_step = make_train_step(self.train_config, self.graphdef, keep_params=True)
         self.param_server = UnreliableParameterServer(
             lambda: InProcessParameterServer(
-                keep=config.runtime.keep_versions, copy_on_push=True, on_event=self._on_transfer
+                keep=config.runtime.keep_versions, on_event=self._on_transfer
             )
         )
         self.param_server.push(0, self.state.params)
