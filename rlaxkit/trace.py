@@ -26,7 +26,9 @@ Per kind, the keys this module's helpers read (others are free):
   steps, fetching finished rows), ``rows`` (sequences decoding in it), ``started``
   (sequences it started, i.e. prefilled), ``finished`` (sequences it finished),
   optional ``steps`` (decode steps it ran: fewer than the chunk's when every row
-  stopped early).
+  stopped early), optional ``pipelined`` (true: the chunk was dispatched before the
+  host finished with the previous worker's and decoded meanwhile, so ``duration_s``,
+  its launch and the wait left over, is less than its cost).
 - ``train_step``: ``step``, ``samples``, ``tokens`` (every token of the trained
   sequences, prompt and completion: the work of the step's forward and backward
   passes), optional ``completion_tokens`` (the tokens trained on), ``duration_s``

@@ -109,6 +109,7 @@ class InferenceWorker:
         self._base: tuple[int, Any] | None = None
         self._ops: list[list] = []
         self._op_params: dict[int, Any] = {}
+        self._pending: tuple | None = None  # a launched chunk's books, until finish()
 
     # -- weights ---------------------------------------------------------------------
     def sync_weights(self) -> bool:
@@ -208,13 +209,37 @@ class InferenceWorker:
         Records a ``decode`` event for the chunk (``rlaxkit.trace``): its wall time
         (prefill of the prompts it starts, the decode steps, fetching finished rows;
         not scoring, which the ``reward`` event times) and how many rows it ran.
+        ``launch``, ``fetch`` and ``score`` are its three parts, for a caller that runs
+        another worker's chunk while this one's prompts are scored.
         """
+        self.launch()
+        return self.score(self.fetch())
+
+    def launch(self) -> None:
+        """Dispatches one chunk without waiting for it (JAX runs it asynchronously)."""
+        self._pending = None
         if self.engine is None or not self.requests:
-            return []
+            return
         n = self.sampling.n
         rows = sum(n - len(r.done) for r in self.requests.values())
         started = sum(n for r in self.requests.values() if r.chunks == 0)
         chunks_before = {g: r.chunks for g, r in self.requests.items()}
+        start = self.clock()
+        self.engine.launch()
+        self._pending = (rows, started, chunks_before, self.clock() - start)
+
+    def fetch(self, *, pipelined: bool = False) -> list[_Request]:
+        """Waits for the launched chunk, records its ``decode`` event and returns the
+        prompts it completed (for ``score``).
+
+        The event's ``duration_s`` is the launch plus the wait and fetch, the host's
+        two pieces of time on the chunk. ``pipelined``: the caller did other work (it
+        scored another worker's prompts) between the two, while the chunk ran; the
+        event says so, for its duration is then less than the chunk's cost.
+        """
+        if self._pending is None:
+            return []
+        (rows, started, chunks_before, launch_s), self._pending = self._pending, None
         start = self.clock()
         complete, finished = self._decode()
         end = self.clock()
@@ -230,19 +255,21 @@ class InferenceWorker:
             "decode",
             self.worker_id,
             self.version,
-            duration_s=end - start,
+            duration_s=launch_s + end - start,
             rows=rows,
             started=started,
             finished=len(finished),
             steps=int(steps),
+            **({"pipelined": True} if pipelined else {}),
         )
         if not self.requests:  # the engine drained: a fresh one would be the same
             self._reset_log(self.version, self.engine.params)
-        return self._score(complete)
+        return complete
 
     def _decode(self) -> tuple[list[_Request], list[Completion]]:
-        """One engine chunk; returns the prompts it completed and the rows it finished."""
-        finished = self.engine.step()
+        """Finishes the engine's launched chunk; returns the prompts it completed and the
+        rows it finished."""
+        finished = self.engine.finish()
         self._ops.append(["d"])
         for request in self.requests.values():
             request.chunks += 1
@@ -265,7 +292,8 @@ class InferenceWorker:
             tokens = tokens[:-1]
         return self.tokenizer.decode(tokens)
 
-    def _score(self, requests: list[_Request]) -> list[Rollout]:
+    def score(self, requests: list[_Request]) -> list[Rollout]:
+        """Scores the prompts ``fetch`` returned; their rollouts, in order."""
         if not requests:
             return []
         pairs = [(r, c) for r in requests for c in sorted(r.done, key=lambda c: c.sample_index)]
@@ -275,13 +303,15 @@ class InferenceWorker:
         )
         score_s = time.perf_counter() - start
         now = self.clock()
+        # One array per prompt, shared by its samples (nothing writes to it).
+        prompts = {id(r): np.asarray(r.prompt_tokens, np.int32) for r in requests}
         rollouts = []
         for (request, completion), result in zip(pairs, results, strict=True):
             rollout = Rollout(
                 group_id=request.issue.group_id,
                 sample_index=completion.sample_index,
                 problem_id=request.problem.id,
-                prompt_tokens=np.asarray(request.prompt_tokens, np.int32),
+                prompt_tokens=prompts[id(request)],
                 completion_tokens=completion.tokens,
                 behaviour_logprobs=completion.logprobs,
                 versions=completion.versions,
@@ -390,6 +420,7 @@ class InferenceWorker:
                     prompt = self.tokenizer.encode(self.task.format_prompt(problem))
                     self._start(issue, problem, prompt, issued.get(op[1], 0.0))
                 elif op[0] == "d":
+                    self.engine.launch()
                     self._decode()
                 else:
                     params = weights_for(op[1])

@@ -7,7 +7,8 @@ it did, and the trace times most of it directly:
   ``duration = chunk_s + chunk_s_per_step · steps + prefill_s_per_seq · started +
   finish_s_per_seq · finished + chunk_s_after_step · [first chunk after a train step]``;
   chunks that compiled a program (over ``COMPILE_FACTOR`` times the median) are left
-  out;
+  out, and so are ``pipelined`` ones (launched with the round's first chunk, they
+  decoded while the host scored it; their duration is the wait left over);
 - ``reward`` events (one scoring call per chunk that completed groups) fit
   ``duration = score_s + score_s_per_seq · samples``;
 - ``train_step``, ``push`` and ``pull`` events are fitted by :mod:`sim.calibrate` as
@@ -141,7 +142,10 @@ def fit_host(
     )
     # A chunk that compiled a program lasts hundreds of times a normal one.
     compiling = compiled(duration)
-    chunk = nonnegative_lstsq(design[~compiling], duration[~compiling], drop_constant=True)
+    # A pipelined chunk ran while the host scored an earlier one: its duration is only
+    # the wait left over, not its cost, so only the round's first chunk fits the costs.
+    costed = ~compiling & np.array([not e.get("pipelined", False) for e in inside])
+    chunk = nonnegative_lstsq(design[costed], duration[costed], drop_constant=True)
 
     scoring = [e for e in events if e.kind == "reward" and start_s < e.t <= end]
     score = np.zeros(2)
@@ -169,7 +173,7 @@ def fit_host(
         step_s=float(host[3]),
     )
     fitted = {f"host_{name}": float(getattr(spec, name)) for name in HOST_COSTS}
-    fitted["host_mean_chunk_s"] = float(duration[~compiling].mean())
+    fitted["host_mean_chunk_s"] = float(duration[costed].mean())
     fitted["host_compiling_chunks"] = float(np.count_nonzero(compiling))
     fitted["host_compiling_s"] = float(duration[compiling].sum())
     fitted["host_untimed_s"] = float(untimed.sum())

@@ -15,9 +15,11 @@ worker in one thread, in a fixed order. Until the buffer yields a full batch it 
    finished is scored at once and goes to the buffer.
 
 Then the trainer takes its step (compute, push, bookkeeping) and the rounds go on.
-Nothing overlaps, so a run's time is the sum of its parts, each costed by
-:class:`~sim.specs.HostSpec`. A sequence of ``t`` completion tokens takes ``t`` decode
-steps, all rows of a worker step together, and rows start at chunk boundaries.
+One thing overlaps, as in the runtime: in step 3 each worker's chunk is dispatched as
+soon as the previous worker's results are fetched, so it decodes while the host scores
+those. Everything else is serial, each part costed by :class:`~sim.specs.HostSpec`.
+A sequence of ``t`` completion tokens takes ``t`` decode steps, all rows of a worker
+step together, and rows start at chunk boundaries.
 
 This is a different machine from the parallel fleet of :mod:`sim.worker` (per-token
 decode, workers and trainer concurrent); it exists to calibrate on, and predict, local
@@ -102,8 +104,20 @@ class SerialHost:
                 f"{self.policy.batch_size}); check staleness.batch_size against "
                 "fleet.num_workers * slots_per_worker / workload.group_size"
             )
-        for worker in busy:
-            yield from self._chunk(worker)
+        # As the runtime does, each chunk is dispatched when the previous worker's
+        # results are fetched, and decodes while the host scores them.
+        done = self.env.now + (plan := self._plan_chunk(busy[0]))[0]
+        for i, worker in enumerate(busy):
+            waited_from = self.env.now
+            if done > self.env.now:
+                yield self.env.timeout(done - self.env.now)
+            self._record_chunk(worker, plan, self.env.now - waited_from, pipelined=i > 0)
+            if i + 1 < len(busy):
+                next_plan = self._plan_chunk(busy[i + 1])
+                done = self.env.now + next_plan[0]
+            yield from self._finish_chunk(worker, plan)
+            if i + 1 < len(busy):
+                plan = next_plan
 
     # --- the phases of a round ---------------------------------------------------------
 
@@ -160,9 +174,10 @@ class SerialHost:
                     )
         return issued
 
-    def _chunk(self, worker: ChunkWorker):
-        env, spec, sim = self.env, self.spec, self.sim
-        counters = sim.counters
+    def _plan_chunk(self, worker: ChunkWorker) -> tuple[float, int, int, list[Sample], int]:
+        """Advances ``worker``'s rows by one chunk; returns ``(duration, rows, started,
+        finished, steps)`` of the chunk."""
+        spec = self.spec
         left = worker.left
         rows, started = len(left), worker.unstarted
         steps = min(spec.chunk_steps, max(left.values()))
@@ -174,18 +189,32 @@ class SerialHost:
         worker.unstarted = 0
         duration = spec.chunk_time_s(steps, started, len(finished), after_step=self._after_step)
         self._after_step = False
-        yield env.timeout(duration)
-        counters.slot_busy_s += duration * rows
-        sim.record(
+        return duration, rows, started, finished, steps
+
+    def _record_chunk(self, worker: ChunkWorker, plan, waited_s: float, pipelined: bool) -> None:
+        """The chunk's ``decode`` event, as the runtime writes it: a chunk dispatched
+        before the host finished with the previous worker's (``pipelined``) is timed by
+        the wait left."""
+        duration, rows, started, finished, steps = plan
+        self.sim.counters.slot_busy_s += duration * rows
+        self.sim.record(
             worker.name,
             "decode",
             worker.version,
-            duration_s=duration,
+            duration_s=waited_s if pipelined else duration,
             rows=rows,
             started=started,
             finished=len(finished),
             steps=steps,
+            **({"pipelined": True} if pipelined else {}),
         )
+
+    def _finish_chunk(self, worker: ChunkWorker, plan):
+        """Process body: delivers what the chunk finished, scoring and buffering the
+        groups it completed."""
+        env, spec, sim = self.env, self.spec, self.sim
+        counters = sim.counters
+        finished = plan[3]
         for sample in finished:
             group = sample.group
             group.unfinished -= 1

@@ -100,6 +100,43 @@ def test_continuous_batching_equals_static_batching(models):
         assert_same(c, static.completion(c.request_id, c.sample_index))
 
 
+def test_engines_launched_together_give_the_completions_of_separate_runs(models):
+    # The local runtime dispatches a worker's chunk before it is done with the previous
+    # worker's: two engines stepped with their launches and finishes interleaved give
+    # exactly what each gives alone, chunk by chunk.
+    config = dataclasses.replace(CONFIG, n=2, stop_tokens=(3, 11))
+    prompts, keys, budgets = workload(8, seed=2)
+
+    def engines():
+        out = []
+        for model in models[:2]:
+            engine = InferenceEngine(model, config, num_slots=4, max_prompt_len=16, chunk_steps=3)
+            for prompt, key, budget in zip(prompts, keys, budgets, strict=True):
+                engine.submit(prompt, key, max_new_tokens=budget)
+            out.append(engine)
+        return out
+
+    alone = []
+    for engine in engines():
+        alone.append([])
+        while not engine.idle:
+            alone[-1].append(engine.step())
+    together, pair = [[], []], engines()
+    while not all(engine.idle for engine in pair):
+        launched = [engine.launch() for engine in pair]
+        for chunks, engine, ran in zip(together, pair, launched, strict=True):
+            if ran:
+                chunks.append(engine.finish())
+            else:
+                assert engine.finish() == []
+    for serial, interleaved in zip(alone, together, strict=True):
+        assert [len(c) for c in serial] == [len(c) for c in interleaved]
+        for a, b in zip(sum(serial, []), sum(interleaved, []), strict=True):
+            assert (a.request_id, a.sample_index) == (b.request_id, b.sample_index)
+            assert_same(b, a)
+    assert pair[0].finish() == []  # nothing launched: nothing to wait on
+
+
 def test_no_recompilation_on_a_second_workload(models):
     """Same bucket schedule (lengths set by budgets alone), new prompts, keys and weights."""
     prompts, keys, budgets = workload(12, seed=1)

@@ -38,7 +38,17 @@ def test_deterministic_mode_gives_identical_metrics_for_one_seed(cache):
         with Experiment(small_config(), cache_dir=cache) as exp:
             exp.run(4)
             runs.append(learning_metrics(exp.history))
+            events = exp.trace.memory.events
     assert runs[0] == runs[1]
+    # A worker's chunk decodes while the host scores the previous worker's; the trace
+    # still times disjoint pieces of the host's time, which add up to no more than the
+    # run's, and marks the chunks whose duration is only the wait left over.
+    chunks = [e for e in events if e.kind == "decode"]
+    assert len({e.actor for e in chunks}) == exp.config.runtime.num_workers >= 2
+    assert 0 < sum(e.get("pipelined", False) for e in chunks) < len(chunks)
+    timed = [e for e in events if e.kind in ("decode", "reward", "train_step")]
+    start = min(e.t - e["duration_s"] for e in timed)
+    assert sum(e["duration_s"] for e in timed) <= max(e.t for e in timed) - start
     with Experiment(small_config("seed=1"), cache_dir=cache) as other:
         other.run(4)
         assert learning_metrics(other.history) != runs[0]

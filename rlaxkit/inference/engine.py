@@ -106,6 +106,7 @@ class InferenceEngine:
         self._slots: list[_Sample | None] = [None] * num_slots
         self._ids = itertools.count()
         self._unfinished: collections.Counter[int] = collections.Counter()  # id -> samples
+        self._launched = False  # a chunk was dispatched and not yet finished
 
     @property
     def num_queued(self) -> int:
@@ -192,18 +193,34 @@ class InferenceEngine:
 
     def step(self) -> list[Completion]:
         """Refills free rows, runs one chunk of decode steps, returns what finished."""
+        self.launch()
+        return self.finish()
+
+    def launch(self) -> bool:
+        """The first half of ``step``: refills free rows and dispatches one chunk of
+        decode steps without waiting for it (JAX runs it asynchronously). Returns whether
+        a chunk runs; ``finish`` waits for it. Another engine's chunk, or host work, can
+        run in between."""
         self._refill()
-        if not self.num_running:
+        self._launched = bool(self.num_running)
+        if self._launched:
+            self.state, _ = programs.decode_steps(
+                self.graphdef,
+                self.params,
+                self.state,
+                np.int32(self.version),
+                np.int32(self.chunk_steps),
+                np.int32(self.refill_rows if self._queue else self.num_slots + 1),
+                config=self.config,
+            )
+        return self._launched
+
+    def finish(self) -> list[Completion]:
+        """The second half of ``step``: waits for the launched chunk and returns what
+        finished (nothing if no chunk was launched)."""
+        if not self._launched:
             return []
-        self.state, _ = programs.decode_steps(
-            self.graphdef,
-            self.params,
-            self.state,
-            np.int32(self.version),
-            np.int32(self.chunk_steps),
-            np.int32(self.refill_rows if self._queue else self.num_slots + 1),
-            config=self.config,
-        )
+        self._launched = False
         active = np.asarray(self.state.rows.active)
         done = [r for r, s in enumerate(self._slots) if s is not None and not active[r]]
         return self._collect(done)

@@ -324,11 +324,23 @@ class Experiment(FaultHandling):
         for worker in live:
             worker.sync_weights()
         progressed = self._issue(live) > 0
+        chunked = []
         for worker in live:
             if not self.faults.takes_chunk(worker.worker_id, now):
                 progressed |= bool(worker.requests)
                 continue
-            rollouts = worker.step()
+            chunked.append(worker)
+        # Each worker's chunk is dispatched as soon as the previous worker's results
+        # are fetched, so it decodes while the host scores them. XLA runs one chunk
+        # after the other either way; what the host does with the results, and in
+        # which order, is unchanged.
+        if chunked:
+            chunked[0].launch()
+        for i, worker in enumerate(chunked):
+            complete = worker.fetch(pipelined=i > 0)
+            if i + 1 < len(chunked):
+                chunked[i + 1].launch()
+            rollouts = worker.score(complete)
             progressed |= bool(rollouts) or bool(worker.requests)
             for rollout in rollouts:
                 reason = self.buffer.add(rollout, self.version)
