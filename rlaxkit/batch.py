@@ -180,16 +180,20 @@ def collate(
     sequence_mask = np.zeros((num_rows,), bool)
     dense_ids: dict[Hashable, int] = {}
     for row, sample in enumerate(samples):
-        prompt, completion = list(sample.prompt_tokens), list(sample.completion_tokens)
-        p, n = len(prompt), len(completion)
-        tokens[row, : p + n] = prompt + completion
+        p, n = len(sample.prompt_tokens), len(sample.completion_tokens)
+        tokens[row, :p] = sample.prompt_tokens
+        tokens[row, p : p + n] = sample.completion_tokens
         attention_mask[row, : p + n] = True
         loss_mask[row, p : p + n] = 1.0
-        behaviour[row, p : p + n] = np.asarray(sample.behaviour_logprobs, np.float32)
-        versions[row, p : p + n] = np.asarray(sample.versions, np.int32)
+        behaviour[row, p : p + n] = sample.behaviour_logprobs
+        versions[row, p : p + n] = sample.versions
         rewards[row] = sample.reward
         group_ids[row] = dense_ids.setdefault(sample.group_id, len(dense_ids))
         sequence_mask[row] = True
+    # Checked on the whole batch at once, which costs less than one check per sample.
+    finite = np.isfinite(behaviour).all(axis=1)
+    if not finite.all():
+        raise ValueError(f"sample {int(np.argmin(finite))}: behaviour_logprobs must be finite")
     return TrainBatch(
         tokens=tokens,
         attention_mask=attention_mask,
@@ -213,9 +217,6 @@ def _check_sample(index: int, sample: SampleLike) -> int:
             f"{where}: behaviour_logprobs has {len(sample.behaviour_logprobs)} entries for "
             f"{n} completion tokens"
         )
-    logprobs = np.asarray(sample.behaviour_logprobs, np.float64)
-    if not np.all(np.isfinite(logprobs)):
-        raise ValueError(f"{where}: behaviour_logprobs must be finite")
     if np.ndim(sample.versions) != 0 and len(sample.versions) != n:
         raise ValueError(
             f"{where}: versions has {len(sample.versions)} entries for {n} completion tokens"

@@ -47,11 +47,17 @@ class PromptController:
         self.shuffle = shuffle
         self.next_group_id = 0
         self.reissue: list[Issue] = []
+        self._epoch_order: tuple[int, np.ndarray] | None = None  # the last epoch's order
 
     def _order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(self.num_problems)
-        return np.random.default_rng([self.seed, epoch, 0x5EED]).permutation(self.num_problems)
+        # Kept for the epoch's next issue: drawing the permutation costs more than the
+        # rest of an issue.
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            order = np.random.default_rng([self.seed, epoch, 0x5EED]).permutation(self.num_problems)
+            self._epoch_order = (epoch, order)
+        return self._epoch_order[1]
 
     def issue_for(self, group_id: int) -> Issue:
         """The issue numbered ``group_id`` (pure function of seed and id)."""

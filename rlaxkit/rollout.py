@@ -32,6 +32,9 @@ class Rollout:
         worker_id: the worker that generated it.
         reward_info: parsed answer and failure reason from the reward.
         timings: seconds since run start (``issued_s``, ``started_s``, ``finished_s``).
+        first_version: the oldest weight version among the tokens, from which staleness
+            counts (``-1`` without tokens); derived from ``versions``.
+        last_version: the newest weight version among the tokens (``-1`` without tokens).
     """
 
     group_id: int
@@ -55,23 +58,18 @@ class Rollout:
                 f"({len(self.behaviour_logprobs)}) and versions ({len(self.versions)}) "
                 "must have one entry per completion token"
             )
+        # The buffer, the trace and the metrics ask for these several times per rollout.
+        # Computed once here: Python 3.11's cached_property takes a lock on every first
+        # access, which cost more than the reduction.
+        versions = self.versions
+        empty = not len(versions)
+        object.__setattr__(self, "first_version", -1 if empty else int(versions.min()))
+        object.__setattr__(self, "last_version", -1 if empty else int(versions.max()))
 
     @property
     def sample_id(self) -> str:
         """``"<group_id>:<sample_index>"``, unique within a run."""
         return f"{self.group_id}:{self.sample_index}"
-
-    # Cached: the buffer, the trace and the metrics ask several times per rollout, and a
-    # numpy reduction costs more than the rest of the lookup.
-    @functools.cached_property
-    def first_version(self) -> int:
-        """Oldest weight version among the tokens (staleness counts from it)."""
-        return int(self.versions.min()) if len(self.versions) else -1
-
-    @functools.cached_property
-    def last_version(self) -> int:
-        """Newest weight version among the tokens."""
-        return int(self.versions.max()) if len(self.versions) else -1
 
     @property
     def num_tokens(self) -> int:

@@ -85,6 +85,8 @@ class RewardRunnerConfig:
 def validate_reward(value: Any) -> RewardResult:
     """``value`` as a ``RewardResult`` with a finite score in [0, 1], else reward 0 with
     reason ``INVALID_REWARD``. Plain real numbers are accepted as scores."""
+    if type(value) is RewardResult and type(value.score) is float and 0.0 <= value.score <= 1.0:
+        return value  # the common case, already valid (NaN fails the range test)
     if isinstance(value, RewardResult):
         score, result = value.score, value
     elif isinstance(value, numbers.Real):
