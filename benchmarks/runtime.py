@@ -13,7 +13,7 @@ Two configurations, each at every η:
   the work it exists for.
 
 Each runs the deterministic local backend for a few warm-up trainer steps, then times
-``--steps`` more.
+``--steps`` more (demo: 8 with ``--quick``, else 30; tiny: 20, else 100).
 ``samples/s`` counts the samples the trainer consumed in the timed steps (batches x
 group size); ``generated_per_s`` every completion the workers finished meanwhile (with
 η > 0 the two differ by what the buffer holds at the start and the end).
@@ -39,6 +39,17 @@ run. Each η builds a fresh ``Experiment``; a temporary persistent compilation c
 spares the rebuilt, identical programs a second compile. Goal: ``overhead_fraction <=
 0.10`` (the demo run).
 
+**Cross-check from XLA's own trace.** The compute figure above comes from other steps
+than the wall time, and from programs timed one at a time. So the demo run at η = 2
+is also measured a second way, within one set of plain steps: they run under
+``jax.profiler`` (Python tracing off), and ``profiled_overhead_fraction`` = 1 - (the
+time at least one XLA program was executing: the union of the execution regions of
+XLA's CPU client threads and of the ops run inline on the host thread) ÷ wall time.
+The profiler slows the steps it traces (``profiled_slowdown``: traced ÷ untraced wall
+time per step, the same number of steps each), which adds to this figure.
+``profiled_op_overhead_fraction`` counts only the time inside XLA ops, so the XLA
+runtime's own gaps between the ops of one program count as overhead there.
+
 ``--profile`` adds a cProfile of the η = 2 runs: the functions where the overhead goes.
 
 Note: ``Experiment`` filters groups whose rewards are all equal; an untrained model fails
@@ -58,6 +69,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import glob
 import io
 import json
 import os
@@ -70,6 +82,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+from jax.profiler import ProfileData  # noqa: E402
 
 from rlaxkit.config import RunConfig  # noqa: E402
 from rlaxkit.configio import apply_overrides  # noqa: E402
@@ -216,6 +229,64 @@ def measure(config: RunConfig, clock: ComputeClock, warmup: int, steps: int, pro
     }
 
 
+def _union_s(intervals: list[tuple[int, int]]) -> float:
+    """Seconds covered by the union of ``(start_ns, end_ns)`` intervals."""
+    total, current = 0, None
+    for start, end in sorted(intervals):
+        if current is None or start > current[1]:
+            total += 0 if current is None else current[1] - current[0]
+            current = [start, end]
+        else:
+            current[1] = max(current[1], end)
+    return (total + (0 if current is None else current[1] - current[0])) / 1e9
+
+
+def xla_busy_s(trace_dir: str) -> tuple[float, float]:
+    """From a ``jax.profiler`` trace of the host: seconds in which an XLA program was
+    executing (execution regions of XLA's threads, plus ops run inline on a host
+    thread), and seconds in which an XLA op was executing."""
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    regions, ops = [], []
+    for plane in ProfileData.from_file(path).planes:
+        if plane.name != "/host:CPU":
+            continue
+        for line in plane.lines:
+            started = None
+            for event in line.events:
+                if any(name == "hlo_module" for name, _ in event.stats):
+                    ops.append((event.start_ns, event.start_ns + event.duration_ns))
+                if event.name == "ThreadpoolListener::StartRegion":
+                    started = event.start_ns
+                elif event.name == "ThreadpoolListener::StopRegion" and started is not None:
+                    regions.append((started, event.start_ns))
+                    started = None
+    return _union_s(regions + ops), _union_s(ops)
+
+
+def profiled(config: RunConfig, warmup: int, steps: int) -> dict:
+    """``steps`` plain steps traced by ``jax.profiler``, then ``steps`` untraced ones;
+    the share of the traced wall time in which no XLA program was executing."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # Python tracing would slow the host far more
+    with Experiment(config) as exp, tempfile.TemporaryDirectory() as trace_dir:
+        exp.buffer.dynamic_filter = False
+        exp.run(warmup)
+        jax.profiler.start_trace(trace_dir, profiler_options=options)
+        start = time.perf_counter()
+        exp.run(steps)
+        traced_s = time.perf_counter() - start
+        jax.profiler.stop_trace()
+        start = time.perf_counter()
+        exp.run(steps)
+        untraced_s = time.perf_counter() - start
+        busy_s, ops_s = xla_busy_s(trace_dir)
+    return {
+        "profiled_overhead_fraction": 1.0 - busy_s / traced_s,
+        "profiled_op_overhead_fraction": 1.0 - ops_s / traced_s,
+        "profiled_slowdown": traced_s / untraced_s,
+    }
+
+
 def _completed(exp: Experiment):
     """Every finished completion so far (one ``generation_end`` trace event each)."""
     return (e for e in exp.trace.memory.events if e.kind == "generation_end")
@@ -279,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         configs = {"demo": (SMOKE, 2), "tiny": (SMOKE, 2)}
     else:
-        demo_steps = args.steps or (5 if args.quick else 30)
+        demo_steps = args.steps or (8 if args.quick else 30)
         configs = {"demo": (DEMO, demo_steps), "tiny": (TINY, 20 if args.quick else 100)}
     warmup = 1 if args.smoke else 3
     if not jax.config.jax_compilation_cache_dir:
@@ -292,11 +363,22 @@ def main(argv: list[str] | None = None) -> int:
         for name, (overrides, steps) in configs.items()
     }
     demo, tiny = figures(results["demo"]), figures(results["tiny"])
+    demo_overrides, demo_steps = configs["demo"]
+    cross_check = profiled(
+        run_config(demo_overrides, 2, 2 * demo_steps + warmup), warmup, demo_steps
+    )
+    print(
+        f"\ndemo, η = 2, from XLA's trace: {cross_check['profiled_overhead_fraction']:.2f} of wall "
+        f"time with no XLA program executing ({cross_check['profiled_op_overhead_fraction']:.2f} "
+        f"with no XLA op executing); the trace slowed the steps "
+        f"{cross_check['profiled_slowdown']:.2f}x"
+    )
     report = {
         "quick": args.quick,
         "smoke": args.smoke,
         "timed_steps": {name: steps for name, (_, steps) in configs.items()},
         **demo,
+        **cross_check,
         "tiny_overhead_fraction": tiny["overhead_fraction"],
         "tiny_overhead_excluding_compiles": tiny["overhead_excluding_compiles"],
         "tiny_samples_per_s": tiny["samples_per_s"],

@@ -53,6 +53,9 @@ def test_runtime_benchmark_reports_samples_per_s_by_eta_and_overhead(capsys):
     assert set(report["samples_per_s"]) == {"0", "1", "2", "4"}
     assert all(finite(v) and v > 0 for v in report["samples_per_s"].values())
     assert 0.0 <= report["overhead_fraction"] <= 1.0
+    # The cross-check read XLA's execution regions from a profiler trace of the steps.
+    assert 0.0 <= report["profiled_overhead_fraction"] <= report["profiled_op_overhead_fraction"]
+    assert report["profiled_op_overhead_fraction"] < 1.0
 
 
 def test_weight_sync_benchmark_reports_fraction_of_memcpy(capsys, tmp_path):
