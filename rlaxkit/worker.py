@@ -109,7 +109,7 @@ class InferenceWorker:
         self._base: tuple[int, Any] | None = None
         self._ops: list[list] = []
         self._op_params: dict[int, Any] = {}
-        self._pending: tuple | None = None  # a launched chunk's books, until finish()
+        self._pending: tuple | None = None  # a launched chunk's books, until fetch()
 
     # -- weights ---------------------------------------------------------------------
     def sync_weights(self) -> bool:

@@ -7,8 +7,9 @@ it did, and the trace times most of it directly:
   ``duration = chunk_s + chunk_s_per_step · steps + prefill_s_per_seq · started +
   finish_s_per_seq · finished + chunk_s_after_step · [first chunk after a train step]``;
   chunks that compiled a program (over ``COMPILE_FACTOR`` times the median) are left
-  out, and so are ``pipelined`` ones (launched with the round's first chunk, they
-  decoded while the host scored it; their duration is the wait left over);
+  out, and so are ``pipelined`` ones (dispatched when the previous worker's results
+  were fetched, they decoded while the host scored those; their duration is only the
+  launch and the wait left over);
 - ``reward`` events (one scoring call per chunk that completed groups) fit
   ``duration = score_s + score_s_per_seq · samples``;
 - ``train_step``, ``push`` and ``pull`` events are fitted by :mod:`sim.calibrate` as
