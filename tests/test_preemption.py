@@ -165,13 +165,22 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(reference, tmp_
     assert any("tmp" in p.name for p in checkpoints.iterdir()), list(checkpoints.iterdir())
     assert not (checkpoints / "4").exists()
 
+    killed = read_trace(run / "trace.jsonl")
+    taken = [e["step"] for e in killed if e.kind == "train_step"]
+    assert taken[-2:] == [3, 4]  # the killed run got past the checkpoint of step 2
     with Experiment(small_config(), run_dir=run, cache_dir=reference["cache"]) as exp:
         assert exp.resumed_from == 2
+        assert exp.lost_steps == 2  # steps 3 and 4, taken again
         exp.run()
         exp.check_accounting()
         history = exp.history
     assert learning(history) == learning(read_metrics(reference["run"] / "metrics.jsonl"))
     assert [row["step"] for row in read_metrics(run / "metrics.jsonl")] == list(range(1, 9))
+    # The trace was cut back to the checkpoint: each step once, in time order.
+    events = read_trace(run / "trace.jsonl")
+    assert [e["step"] for e in events if e.kind == "train_step"] == list(range(1, 9))
+    pairs = zip(events, events[1:], strict=False)
+    assert not [(a.kind, a.t, b.kind, b.t) for a, b in pairs if a.t > b.t]
 
 
 def test_checkpoint_of_another_model_or_plan_is_a_clear_error(reference, capsys):

@@ -69,10 +69,11 @@ class _Tee:
     """Records every event in memory and, with a run directory, in trace.jsonl
     (under ``lock``: worker threads record too in concurrent mode)."""
 
-    def __init__(self, path: Path | None, lock: threading.RLock):
+    def __init__(self, path: Path | None, lock: threading.RLock, written: int = 0):
         self.memory = MemoryTrace()
         self.file = JsonlTraceWriter(path, append=True) if path else None
-        self.offset_s = 0.0  # a resumed run's clock goes on from its checkpoint's
+        self.written = written  # events in the file (a resumed run's included)
+        self.offset_s = 0.0  # a resumed run's clock goes on from the stopped run's
         self.lock = lock
 
     def record(self, t, kind, actor, version=None, **fields):
@@ -80,6 +81,7 @@ class _Tee:
             self.memory.record(t + self.offset_s, kind, actor, version, **fields)
             if self.file:
                 self.file.emit(self.memory.events[-1])
+                self.written += 1
 
     def close(self):
         if self.file:
@@ -165,11 +167,16 @@ class Experiment(FaultHandling):
         # deterministic mode); see rlaxkit.runtime.concurrent.
         self._lock = threading.RLock()
         self._collector: ConcurrentCollector | None = None
-        self.trace = _Tee(self.run_dir / "trace.jsonl" if self.run_dir else None, self._lock)
-        if resume_meta is None:
+        trace_path = self.run_dir / "trace.jsonl" if self.run_dir else None
+        # A resumed run cuts the trace back to its checkpoint: it takes the steps after
+        # it again, and the first run's events of those steps would be counted twice.
+        resumed = checkpoint_state.continue_trace(trace_path, resume_meta) if resume_meta else None
+        self.trace = _Tee(trace_path, self._lock, resumed["events"] if resumed else 0)
+        if resumed is None:
             self.trace.record(0.0, "run_start", "controller", None, config=config.to_dict())
         else:
-            self.trace.offset_s = resume_meta["clock_s"]
+            self.trace.offset_s = resumed["offset_s"]
+            self.trace.record(0.0, "restart", "trainer", resume_meta["step"])
         self.task = build_task(config)
         model, self.tokenizer = build_policy(config, self.task)
         self.model, self.warm_start = warm_start(
@@ -248,7 +255,8 @@ class Experiment(FaultHandling):
         if resume_meta is not None:
             meta = checkpoint_state.restore_experiment(self)
             self.resumed_from = meta["step"]
-            self.trace.record(0.0, "restart", "trainer", self.version)
+            self.lost_steps += resumed["lost_steps"]  # taken after the checkpoint
+            self.lost_train_s += resumed["lost_train_s"]
             self.trace.record(
                 self.clock(), "checkpoint_restore", "trainer", self.version, step=self.version
             )

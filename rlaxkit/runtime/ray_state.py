@@ -40,7 +40,6 @@ mode the resumed run then takes the steps the uninterrupted run would have taken
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +54,10 @@ from rlaxkit.runtime.state import (
     FORMAT,
     JSON_ITEMS,
     check_compatible,
+    continue_trace,
     param_shapes,
     read_meta,
+    replace_lines,
     weights_key,
 )
 
@@ -141,47 +142,11 @@ def find_resume_point(run_dir: Path, config: RunConfig, resume: bool) -> ResumeP
 
 
 def continue_files(run_dir: Path, point: ResumePoint) -> dict[str, Any]:
-    """Cuts trace.jsonl back to the checkpoint and rewrites metrics.jsonl from its history.
-
-    The trace keeps the events written up to the checkpoint (and the trainer's
-    ``checkpoint_save`` of that step); events of the steps taken after it go, since
-    the resumed run takes those steps again. Each file is replaced atomically.
-
-    Returns ``offset_s`` (where the resumed run's clock starts: after the last event
-    of the run that stopped, so the lost time shows as a gap), ``lost_steps`` and
-    ``lost_train_s`` (the train steps taken after the checkpoint) and ``events`` (the
-    trace's length now).
-    """
-    meta = point.meta
-    path = run_dir / "trace.jsonl"
-    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    kept = lines[: meta["trace_events"]]
-    offset_s, lost_steps, lost_train_s = meta["clock_s"], 0, 0.0
-    for line in lines[meta["trace_events"] :]:
-        try:
-            event = json.loads(line)
-            offset_s = max(offset_s, float(event["t"]))
-        except (ValueError, KeyError, TypeError):
-            continue  # A line cut short when the process died.
-        if event.get("kind") == "checkpoint_save" and event.get("step") == point.step:
-            kept.append(line)
-        elif event.get("kind") == "train_step":
-            lost_steps += 1
-            lost_train_s += float(event.get("duration_s", 0.0))
-    _replace(path, kept)
-    _replace(run_dir / "metrics.jsonl", [json.dumps(row) for row in point.items["history"]])
-    return {
-        "offset_s": offset_s,
-        "lost_steps": lost_steps,
-        "lost_train_s": lost_train_s,
-        "events": len(kept),
-    }
-
-
-def _replace(path: Path, lines: list[str]) -> None:
-    scratch = path.with_name(path.name + ".tmp")
-    scratch.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    os.replace(scratch, path)
+    """Cuts trace.jsonl back to the checkpoint (``rlaxkit.runtime.state.continue_trace``,
+    whose figures it returns) and rewrites metrics.jsonl from its history, atomically."""
+    resumed = continue_trace(run_dir / "trace.jsonl", point.meta)
+    replace_lines(run_dir / "metrics.jsonl", [json.dumps(row) for row in point.items["history"]])
+    return resumed
 
 
 def clear_weight_store(directory: Path) -> None:

@@ -26,6 +26,9 @@ A backend other than the local one can save the same items with its own parts
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -142,7 +145,8 @@ def save_experiment(exp: Any, *, force: bool = False) -> bool:
         "shapes": param_shapes(exp.state),
         "rounds": exp.rounds,
         "last_save_s": exp.fault_now(),
-        "clock_s": exp.clock(),
+        "clock_s": exp.trace.offset_s + exp.clock(),  # the trace's time, resumes included
+        "trace_events": exp.trace.written,
         "published_version": published,
         "weights": sorted(needed),
         "useful_train_s": list(exp.useful_train_s),
@@ -177,6 +181,53 @@ def save_experiment(exp: Any, *, force: bool = False) -> bool:
         duration_s=exp.clock() - start,
     )
     return True
+
+
+def continue_trace(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Cuts the trace file ``path`` back to checkpoint ``meta`` for a resumed run.
+
+    Keeps the ``meta["trace_events"]`` events written up to the checkpoint, the
+    trainer's ``checkpoint_save`` of its step and the stopped run's ``run_end`` (its
+    summary, when it stopped cleanly); the other events after the checkpoint go, since
+    the resumed run takes those steps again. The file is replaced atomically. A checkpoint that
+    predates the count keeps the whole file.
+
+    Returns ``offset_s`` (where the resumed run's clock starts: after the last event of
+    the run that stopped, so the lost time shows as a gap), ``lost_steps`` and
+    ``lost_train_s`` (the train steps taken after the checkpoint) and ``events`` (the
+    trace's length now).
+    """
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    count = meta.get("trace_events", len(lines))
+    kept = lines[:count]
+    offset_s, lost_steps, lost_train_s = meta["clock_s"], 0, 0.0
+    for line in lines[count:]:
+        try:
+            event = json.loads(line)
+            offset_s = max(offset_s, float(event["t"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # A line cut short when the process died.
+        kind = event.get("kind")
+        if kind == "run_end" or (kind == "checkpoint_save" and event.get("step") == meta["step"]):
+            kept.append(line)
+        elif kind == "train_step":
+            lost_steps += 1
+            lost_train_s += float(event.get("duration_s", 0.0))
+    if len(kept) != len(lines):
+        replace_lines(path, kept)
+    return {
+        "offset_s": offset_s,
+        "lost_steps": lost_steps,
+        "lost_train_s": lost_train_s,
+        "events": len(kept),
+    }
+
+
+def replace_lines(path: Path, lines: list[str]) -> None:
+    """Writes ``lines`` to ``path`` atomically (a scratch file, then a rename)."""
+    scratch = path.with_name(path.name + ".tmp")
+    scratch.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    os.replace(scratch, path)
 
 
 def read_meta(manager: Any, step: int | None = None) -> dict[str, Any]:
