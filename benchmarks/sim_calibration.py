@@ -36,7 +36,6 @@ The last line printed is one JSON object with every number.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -50,8 +49,7 @@ import numpy as np  # noqa: E402
 
 import sim  # noqa: E402
 from rlaxkit.config import small_run_config  # noqa: E402
-from rlaxkit.runtime import Experiment  # noqa: E402
-from sim.calibrate import compiled_in_window, window_summary  # noqa: E402
+from sim.calibrate import record_local_run, window_summary  # noqa: E402
 
 BASE = ("staleness.max_staleness=1",)
 # name -> (runtime overrides of the base run, simulator overrides of its fit)
@@ -64,32 +62,10 @@ TARGETS = {
 }
 
 
-class CpuClockExperiment(Experiment):
-    """The local runtime, timed by the CPU seconds of its process (all threads)."""
-
-    def clock(self) -> float:
-        origin = self.__dict__.setdefault("_cpu_origin_s", time.process_time())
-        return time.process_time() - origin
-
-
 def run(cache: str, steps: int, overrides: tuple[str, ...], clock: str, warmup_steps: int):
-    """One run's trace events, and how many runs it took. A run whose window compiled
-    a program (rare shapes can first appear late) is run again."""
-    experiment = CpuClockExperiment if clock == "cpu" else Experiment
-    attempts = 0
-    while attempts < 3:
-        attempts += 1
-        gc.collect()
-        gc.freeze()
-        try:
-            with experiment(small_run_config(*BASE, *overrides), cache_dir=cache) as exp:
-                exp.run(steps)
-                events = list(exp.trace.memory.events)
-        finally:
-            gc.unfreeze()
-        if steps <= warmup_steps or not compiled_in_window(events, warmup_steps):
-            break
-    return events, attempts
+    """One run's trace events, and how many runs it took (``sim.calibrate.record_local_run``)."""
+    config = small_run_config(*BASE, *overrides)
+    return record_local_run(config, steps, warmup_steps=warmup_steps, clock=clock, cache_dir=cache)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,17 +21,13 @@ each run starts with the objects that exist before it frozen (``gc.freeze``); th
 run's own collections still count.
 """
 
-import gc
-import time
-
 import numpy as np
 import pytest
 
 import sim
 from rlaxkit.config import small_run_config
-from rlaxkit.runtime import Experiment
 from rlaxkit.trace import TraceEvent
-from sim.calibrate import compiled_in_window, window_summary
+from sim.calibrate import record_local_run, window_summary
 
 pytestmark = pytest.mark.slow  # six real runs, ~15 s with a warm compilation cache
 
@@ -45,29 +41,13 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("warm_start")
 
 
-class _CpuClockExperiment(Experiment):
-    """The local runtime, timed by the CPU seconds of its process (all threads)."""
-
-    def clock(self) -> float:
-        origin = self.__dict__.setdefault("_cpu_origin_s", time.process_time())
-        return time.process_time() - origin
-
-
 def _run(cache, steps: int, *overrides: str) -> list[TraceEvent]:
-    """A run's trace. A run whose window compiled a program measures the compiler, not
-    the loop (rare shapes, e.g. a chunk finishing 1 or 2 rows, can first appear late);
-    it is run again, and finds the program compiled."""
-    for _ in range(3):
-        gc.collect()
-        gc.freeze()
-        try:
-            with _CpuClockExperiment(small_run_config(*overrides), cache_dir=cache) as exp:
-                exp.run(steps)
-                events = list(exp.trace.memory.events)
-        finally:
-            gc.unfreeze()
-        if steps <= WARMUP_STEPS or not compiled_in_window(events, WARMUP_STEPS):
-            break
+    """A run's trace on the CPU clock (``sim.calibrate.record_local_run``: run again if
+    its window compiled a program)."""
+    config = small_run_config(*overrides)
+    events, _ = record_local_run(
+        config, steps, warmup_steps=WARMUP_STEPS, clock="cpu", cache_dir=cache
+    )
     return events
 
 
