@@ -80,6 +80,35 @@ class Simulation:
         if self.trace is not None:
             self.trace.record(self.env.now, kind, actor, version, **fields)
 
+    def record_start(self, actor: str, version: int | None, sample: Sample, occupancy: int):
+        """The ``generation_start`` event of ``sample`` (no-op without a trace)."""
+        if self.trace is None:
+            return
+        self.record(
+            actor,
+            "generation_start",
+            version,
+            sample=sample.sample_id,
+            rollout=str(sample.group.group_id),
+            prompt_tokens=sample.prompt_tokens,
+            occupancy=occupancy,
+        )
+
+    def record_end(self, actor: str, version: int | None, sample: Sample, first_version: int):
+        """The ``generation_end`` event of ``sample`` (no-op without a trace)."""
+        if self.trace is None:
+            return
+        self.record(
+            actor,
+            "generation_end",
+            version,
+            sample=sample.sample_id,
+            rollout=str(sample.group.group_id),
+            tokens=sample.tokens,
+            first_version=first_version,
+            finish="length" if sample.truncated else "stop",
+        )
+
     def new_group(self, worker: str) -> Group:
         """A new prompt group with lengths drawn from the workload distributions."""
         workload = self.scenario.workload

@@ -163,15 +163,7 @@ class SerialHost:
                 for sample in group.samples:
                     worker.left[sample] = sample.tokens
                 for sample in group.samples:
-                    self.sim.record(
-                        worker.name,
-                        "generation_start",
-                        worker.version,
-                        sample=sample.sample_id,
-                        rollout=str(group.group_id),
-                        prompt_tokens=sample.prompt_tokens,
-                        occupancy=len(worker.left),
-                    )
+                    self.sim.record_start(worker.name, worker.version, sample, len(worker.left))
         return issued
 
     def _plan_chunk(self, worker: ChunkWorker) -> tuple[float, int, int, list[Sample], int]:
@@ -241,16 +233,7 @@ class SerialHost:
         )
         for group in complete:
             for sample in group.samples:
-                sim.record(
-                    worker.name,
-                    "generation_end",
-                    group.last_version,
-                    sample=sample.sample_id,
-                    rollout=str(group.group_id),
-                    tokens=sample.tokens,
-                    first_version=group.first_version,
-                    finish="length" if sample.truncated else "stop",
-                )
+                sim.record_end(worker.name, group.last_version, sample, group.first_version)
         host_s = spec.chunk_host_s + spec.sample_s * scored
         if host_s:
             yield env.timeout(host_s)

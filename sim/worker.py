@@ -148,15 +148,8 @@ class InferenceWorker:
         first_version = self.version
         self._add_active(1)
         if self.sim.trace is not None:
-            self.sim.record(
-                self.name,
-                "generation_start",
-                self.version,
-                sample=sample.sample_id,
-                rollout=str(group.group_id),
-                prompt_tokens=sample.prompt_tokens,
-                occupancy=self.sim.host_active if self._host_scope else self.active,
-            )
+            occupancy = self.sim.host_active if self._host_scope else self.active
+            self.sim.record_start(self.name, self.version, sample, occupancy)
         remaining = sample.tokens
         prefill_tokens = sample.prompt_tokens
         while True:
@@ -207,17 +200,7 @@ class InferenceWorker:
         group.unfinished -= 1
         if group.unfinished == 0:
             self.groups.discard(group)
-        if self.sim.trace is not None:
-            self.sim.record(
-                self.name,
-                "generation_end",
-                self.version,
-                sample=sample.sample_id,
-                rollout=str(group.group_id),
-                tokens=sample.tokens,
-                first_version=first_version,
-                finish="length" if sample.truncated else "stop",
-            )
+        self.sim.record_end(self.name, self.version, sample, first_version)
         self.sim.verifier.submit(sample)
         if self.active == 0:
             self._maybe_pull()
