@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rlaxkit.batch import BucketSpec
 from rlaxkit.rollout import Rollout, RolloutGroup
+from rlaxkit.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
 
 # Sequence lengths a train batch is padded to: one step program per length seen.
 TRAIN_BUCKETS = BucketSpec(lengths=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
@@ -45,3 +48,48 @@ def batch_metrics(
         **{f"dropped/{k}": v for k, v in buffer_counts["dropped_by_reason"].items()},
         **{f"train/{k}": v for k, v in train_metrics.items()},
     }
+
+
+class RunTrace:
+    """A run's trace: every event in memory (``memory``) and, with a run directory,
+    appended to its trace.jsonl.
+
+    Args:
+        path: the trace.jsonl to append to, or ``None``.
+        written: the events the file already holds (those of a run resumed from).
+        lock: taken around every event (the local runtime's concurrent mode records from
+            worker threads); a fresh one by default.
+
+    ``written`` counts the file's events; ``offset_s`` is added to every recorded time
+    (a resumed run's clock goes on from the stopped run's).
+    """
+
+    def __init__(
+        self, path: Path | None, written: int = 0, lock: threading.RLock | None = None
+    ) -> None:
+        self.memory = MemoryTrace()
+        self.file = JsonlTraceWriter(path, append=True) if path else None
+        self.written = written
+        self.offset_s = 0.0
+        self.lock = lock or threading.RLock()
+
+    def record(self, t, kind, actor, version=None, **fields) -> None:
+        """Validates and records one event at time ``t + offset_s``."""
+        self.emit(TraceEvent(t + self.offset_s, kind, actor, version, fields))
+
+    def emit(self, event: TraceEvent) -> None:
+        """Records an already-built event."""
+        with self.lock:
+            self.memory.emit(event)
+            if self.file:
+                self.file.emit(event)
+                self.written += 1
+
+    def extend(self, events: Sequence[TraceEvent]) -> None:
+        """Records events built elsewhere (by actors), in order."""
+        for event in events:
+            self.emit(event)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()

@@ -55,37 +55,13 @@ from rlaxkit.param_server import InProcessParameterServer
 from rlaxkit.rollout import RolloutGroup
 from rlaxkit.runtime import state as checkpoint_state
 from rlaxkit.runtime.build import build_policy, build_task, warm_start
-from rlaxkit.runtime.common import TRAIN_BUCKETS, batch_metrics
+from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
 from rlaxkit.runtime.concurrent import ConcurrentCollector, check_supported
 from rlaxkit.runtime.injection import FaultState, UnreliableParameterServer, load_plan
 from rlaxkit.runtime.recovery import FaultHandling
 from rlaxkit.tasks import RewardRunner
-from rlaxkit.trace import JsonlTraceWriter, MemoryTrace
 from rlaxkit.trainer import TrainConfig, create_train_state, make_train_step
 from rlaxkit.worker import InferenceWorker
-
-
-class _Tee:
-    """Records every event in memory and, with a run directory, in trace.jsonl
-    (under ``lock``: worker threads record too in concurrent mode)."""
-
-    def __init__(self, path: Path | None, lock: threading.RLock, written: int = 0):
-        self.memory = MemoryTrace()
-        self.file = JsonlTraceWriter(path, append=True) if path else None
-        self.written = written  # events in the file (a resumed run's included)
-        self.offset_s = 0.0  # a resumed run's clock goes on from the stopped run's
-        self.lock = lock
-
-    def record(self, t, kind, actor, version=None, **fields):
-        with self.lock:
-            self.memory.record(t + self.offset_s, kind, actor, version, **fields)
-            if self.file:
-                self.file.emit(self.memory.events[-1])
-                self.written += 1
-
-    def close(self):
-        if self.file:
-            self.file.close()
 
 
 class Experiment(FaultHandling):
@@ -171,7 +147,7 @@ class Experiment(FaultHandling):
         # A resumed run cuts the trace back to its checkpoint: it takes the steps after
         # it again, and the first run's events of those steps would be counted twice.
         resumed = checkpoint_state.continue_trace(trace_path, resume_meta) if resume_meta else None
-        self.trace = _Tee(trace_path, self._lock, resumed["events"] if resumed else 0)
+        self.trace = RunTrace(trace_path, resumed["events"] if resumed else 0, self._lock)
         if resumed is None:
             self.trace.record(0.0, "run_start", "controller", None, config=config.to_dict())
         else:

@@ -64,7 +64,7 @@ from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG, parameter_server_a
 from rlaxkit.ray_config import RayConfig, scheduled_workers
 from rlaxkit.rollout import RolloutGroup
 from rlaxkit.runtime.build import build_policy, build_task
-from rlaxkit.runtime.common import TRAIN_BUCKETS, batch_metrics
+from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
 from rlaxkit.runtime.ray_actors import WeightStore, driver_jax_options
 from rlaxkit.runtime.ray_recovery import RayFaultHandling, WorkerSlot, stop_actor
 from rlaxkit.runtime.ray_state import (
@@ -75,36 +75,8 @@ from rlaxkit.runtime.ray_state import (
 )
 from rlaxkit.runtime.ray_trainer_group import TrainerGroup
 from rlaxkit.tasks import RewardRunner
-from rlaxkit.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
 
 __all__ = ["RayExperiment"]
-
-
-class _Trace:
-    """Every event in memory and, with a run directory, in trace.jsonl (``written``:
-    its events, those of the run resumed from included)."""
-
-    def __init__(self, path: Path | None, written: int = 0):
-        self.memory = MemoryTrace()
-        self.file = JsonlTraceWriter(path, append=True) if path else None
-        self.written = written
-
-    def record(self, t, kind, actor, version=None, **fields):
-        self.emit(TraceEvent(t, kind, actor, version, fields))
-
-    def emit(self, event: TraceEvent) -> None:
-        self.memory.emit(event)
-        if self.file:
-            self.file.emit(event)
-            self.written += 1
-
-    def extend(self, events: list[TraceEvent]) -> None:
-        for event in events:
-            self.emit(event)
-
-    def close(self):
-        if self.file:
-            self.file.close()
 
 
 class RayExperiment(RayFaultHandling, RayCheckpointing):
@@ -186,7 +158,7 @@ class RayExperiment(RayFaultHandling, RayCheckpointing):
         # A resumed run's clock (every actor's too) goes on from the stopped run's.
         offset_s = resumed["offset_s"] if resumed else 0.0
         self._t0, self._t0_wall = time.perf_counter() - offset_s, time.time() - offset_s
-        self.trace = _Trace(
+        self.trace = RunTrace(
             self.run_dir / "trace.jsonl" if self.run_dir else None,
             written=resumed["events"] if resumed else 0,
         )
