@@ -106,18 +106,16 @@ class SerialHost:
             )
         # As the runtime does, each chunk is dispatched when the previous worker's
         # results are fetched, and decodes while the host scores them.
-        done = self.env.now + (plan := self._plan_chunk(busy[0]))[0]
-        for i, worker in enumerate(busy):
+        plans = [self._plan_chunk(worker) for worker in busy]
+        done = self.env.now + plans[0][0]
+        for i, (worker, plan) in enumerate(zip(busy, plans, strict=True)):
             waited_from = self.env.now
             if done > self.env.now:
                 yield self.env.timeout(done - self.env.now)
             self._record_chunk(worker, plan, self.env.now - waited_from, pipelined=i > 0)
             if i + 1 < len(busy):
-                next_plan = self._plan_chunk(busy[i + 1])
-                done = self.env.now + next_plan[0]
+                done = self.env.now + plans[i + 1][0]
             yield from self._finish_chunk(worker, plan)
-            if i + 1 < len(busy):
-                plan = next_plan
 
     # --- the phases of a round ---------------------------------------------------------
 
