@@ -24,7 +24,7 @@
 #
 # Throughput grows with the fleet until the trainer is the bottleneck; asynchrony moves
 # that point because workers keep generating while the trainer steps and the long tail
-# of a batch no longer holds everyone up.
+# of a batch does not hold everyone up.
 #
 # Then the same question for rlaxkit's **local runtime**: real runs with 1, 2 and 4
 # workers.

@@ -17,7 +17,7 @@ from .presets import areal_like, rlax_like
 from .studies import async_vs_sync, checkpoint_interval_study, eta_curve
 from .sweep import format_table, sweep
 
-ASYNC_ETA = 4  # η compared with sync (η = 0); AReaL's typical range is 2-8 [A4]
+ASYNC_ETA = 4  # η compared with sync (η = 0); AReaL's typical range is 2-8 (docs/papers.md [A4])
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -112,8 +112,8 @@ def fit_host(
     """A serial :class:`HostSpec` fitted to the events after ``start_s``.
 
     Raises:
-        ValueError: the trace has no ``decode`` events (it predates them, or was not
-            written by the local runtime's workers).
+        ValueError: the trace has no ``decode`` events (only the deterministic local
+            runtime's workers write them, one per chunk).
     """
     steps = [e.t for e in events if e.kind == "train_step" and e.t > start_s]
     chunks = sorted((e for e in events if e.kind == "decode" and e.t > start_s), key=lambda e: e.t)

@@ -5,7 +5,7 @@ store's egress as a fluid (processor sharing): each of ``n`` active pulls moves
 ``min(link, total / n)`` bytes per second, recomputed whenever a pull starts or ends.
 The store never waits on a reader. Killing it aborts the pulls in flight (they start
 over when it is back) and holds pushes; its versions survive (RLAX backs the store with
-TensorStore [PAPERS.md R4]).
+TensorStore, ``docs/papers.md`` [R4]).
 """
 
 from __future__ import annotations

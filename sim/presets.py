@@ -1,5 +1,6 @@
-"""Scenario presets. Every number is either sourced (key into shared PAPERS.md) or
-marked as an assumption with the reasoning behind it.
+"""Scenario presets. Every number is either sourced (a bracketed key such as ``[R4]``,
+listed with its source in ``docs/papers.md``) or marked as an assumption with the
+reasoning behind it.
 
 - :func:`toy`: a tiny deterministic fleet whose timings a test can work out by hand.
 - :func:`rlax_like`: RLAX's setting, a v5p-512 trainer and a v5p inference fleet of
@@ -93,16 +94,17 @@ def rlax_like(
 ) -> Scenario:
     """RLAX-like: QwQ-32B, a v5p-512 trainer, ``inference_chips`` v5p chips of workers.
 
-    Sources and assumptions:
+    Sources (keys in ``docs/papers.md``) and assumptions:
 
     - Trainer fixed at v5p-512 and inference fleets of v5p-128 to v5p-1024 (RLAX Fig. 3
       [R4]). We read the fleet sizes as chip counts, as the abstract's "1024 v5p TPUs"
       does [R1] (Cloud TPU names count TensorCores, two per chip; halve them for the
       other reading). The trainer is 256 chips (v5p-512 = 256 chips).
     - Model QwQ-32B, 12 h 48 min run with preemptions [R1]: ``hours`` defaults to 13.
-    - Staleness k = 1-2 does not hurt quality [R4]: η = 2; the inference reload bound
-      [R3] is ``max_worker_lag`` = 1. Rollouts are single-version [R4], so pulls happen
-      between requests.
+    - Staleness k = 1-2 does not hurt quality [R4]: η = 2. The inference reload bound
+      [R3] is ``max_worker_lag``, 0 by default (a worker behind the newest published
+      version pulls before its next request). Rollouts are single-version [R4], so pulls
+      happen between requests.
     - Trainer MFU 0.35 (assumption: typical for 32B FSDP training on TPU); 8 FLOPs per
       token per parameter (6 for forward/backward plus 2 for the log-prob recompute
       RLAX does on the trainer [R4]).
@@ -121,7 +123,7 @@ def rlax_like(
       [M1], a slower transport).
     - Preemptions (assumptions, RLAX gives no rates): each worker every 24 h, each
       4-worker slice every 48 h, the trainer every 12 h; workers restart in 5 min, the
-      trainer in 340 s (Marin's trainer OOM restart took 5 min 40 s [M1]).
+      trainer in 340 s (Marin's trainer OOM restart took 5 min 40 s [M2]).
     - Checkpoints every 30 min (assumption; Tunix's minimum interval is 180 s [T3]),
       60 s to save, 120 s to restore, keep 3 (Tunix ``LatestN(n=3)`` [T3]).
     """
@@ -195,7 +197,7 @@ def areal_like(
 ) -> Scenario:
     """AReaL-like: the same chips run sync (η = 0) or async (η ≥ 1); long-tail lengths.
 
-    Sources and assumptions:
+    Sources (keys in ``docs/papers.md``) and assumptions:
 
     - Long tail: 99% of samples finish within ~40 s, the last 1% need ~80 s more
       (Applied Compute, Qwen-30B [AC2]); :meth:`LongTail.from_latency` turns this into

@@ -1,10 +1,10 @@
 """The simulated reward service: scores each finished sample after a latency.
 
 A pool of ``concurrency`` verifiers (or unlimited, like RLAX's code verifier on AWS
-Lambda [PAPERS.md R2]) takes samples first come, first served. Scoring is scheduled with
-event callbacks rather than one process per sample, since it is on the hot path. A
-``hang_reward`` fault makes the next calls hang until ``timeout_s``; their group is then
-dropped (reason ``reward_timeout``) instead of trained.
+Lambda, ``docs/papers.md`` [R2]) takes samples first come, first served. Scoring is
+scheduled with event callbacks rather than one process per sample, since it is on the hot
+path. A ``hang_reward`` fault makes the next calls hang until ``timeout_s``; their group is
+then dropped (reason ``reward_timeout``) instead of trained.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The unified policy objective and its interchangeable parts.
 
-RLAX (arXiv 2512.06392, §1.5 of PAPERS.md) writes its algorithms as one objective
+RLAX (arXiv 2512.06392; ``docs/papers.md``, "The unified objective") writes its algorithms
+as one objective
 
     L(θ) = - Σ_{i,t} sg[Agg_{i,t} · IS_{i,t}] · (sg[A_{i,t}] · GradTerm1_{i,t} + GradTerm2_{i,t})
 
