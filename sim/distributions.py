@@ -162,8 +162,8 @@ class LongTail:
 
     With probability ``tail_fraction`` a draw is uniform on ``[tail_low, tail_high]``,
     otherwise it comes from ``body``. Applied Compute reports for Qwen-30B that 99% of
-    samples finish in about 40 s and the last 1% need about 80 s more [PAPERS.md AC2];
-    :meth:`from_latency` builds that shape in tokens.
+    samples finish in about 40 s and the last 1% need about 80 s more (``docs/papers.md``
+    [AC2]); :meth:`from_latency` builds that shape in tokens.
     """
 
     body: Lognormal | Constant | Uniform | Empirical
