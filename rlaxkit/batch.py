@@ -23,6 +23,8 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from rlaxkit.validation import is_int
+
 _POWERS_OF_TWO = tuple(2**k for k in range(16))
 
 
@@ -121,7 +123,7 @@ class BucketSpec:
         for name in ("lengths", "batch_sizes"):
             sizes = getattr(self, name)
             ok = isinstance(sizes, tuple) and len(sizes) > 0
-            ok = ok and all(isinstance(s, int) and not isinstance(s, bool) for s in sizes)
+            ok = ok and all(is_int(s) for s in sizes)
             ok = ok and all(s > 0 for s in sizes) and list(sizes) == sorted(set(sizes))
             if not ok:
                 raise ValueError(

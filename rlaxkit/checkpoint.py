@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from rlaxkit.trainer import TrainState, state_shardings
+from rlaxkit.validation import check_int
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 TRAIN_STATE = "train_state"
@@ -63,8 +64,7 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | Path, *, max_to_keep: int = 3, async_save: bool = True):
-        if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
-            raise ValueError(f"max_to_keep: must be an integer >= 1, got {max_to_keep!r}")
+        check_int("max_to_keep", max_to_keep, minimum=1)
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True

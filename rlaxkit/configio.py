@@ -15,6 +15,8 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from rlaxkit.validation import is_int, is_number
+
 T = TypeVar("T")
 
 
@@ -80,11 +82,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 value = float(value)
             except ValueError:
                 raise ValueError(f"{path}: expected a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if not is_number(value):
             raise ValueError(f"{path}: expected a number, got {value!r}")
         return float(value)
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise ValueError(f"{path}: expected an integer, got {value!r}")
         return value
     if tp in (bool, str):

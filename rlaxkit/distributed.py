@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from rlaxkit.batch import TrainBatch
 from rlaxkit.trainer import BATCH_AXES, TrainState, make_mesh, state_shardings
+from rlaxkit.validation import check_int, is_int
 
 __all__ = [
     "DistributedConfig",
@@ -113,18 +114,17 @@ class DistributedConfig:
                 )
         for name in ("num_processes", "initialization_timeout_s", "heartbeat_timeout_s"):
             value = getattr(self, name)
-            if value is not None and (_not_int(value) or value < 1):
-                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+            if value is not None:
+                check_int(name, value, minimum=1, numpy=True)
         if self.process_id is not None:
-            if _not_int(self.process_id) or self.process_id < 0:
-                raise ValueError(f"process_id: must be an integer >= 0, got {self.process_id!r}")
+            check_int("process_id", self.process_id, minimum=0, numpy=True)
             if self.num_processes is not None and self.process_id >= self.num_processes:
                 raise ValueError(
                     f"process_id: must be below num_processes = {self.num_processes} "
                     f"(ranks are 0..{self.num_processes - 1}), got {self.process_id}"
                 )
         if self.local_device_ids is not None and any(
-            _not_int(i) or i < 0 for i in self.local_device_ids
+            not is_int(i, numpy=True) or i < 0 for i in self.local_device_ids
         ):
             raise ValueError(
                 f"local_device_ids: must be integers >= 0, got {self.local_device_ids!r}"
@@ -165,10 +165,6 @@ class DistributedConfig:
                     f"{name}: environment variable {var}={raw!r} is not {kind}"
                 ) from None
         return cls(**{**values, **{k: v for k, v in explicit.items() if v is not None}})
-
-
-def _not_int(value: Any) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int | np.integer)
 
 
 def initialize(config: DistributedConfig | None = None) -> None:
@@ -256,7 +252,7 @@ def resolve_mesh_shape(shape: Sequence[int], device_count: int) -> tuple[int, in
             ``device_count``.
     """
     shape = tuple(shape)
-    if len(shape) != 3 or any(_not_int(s) or (s < 1 and s != -1) for s in shape):
+    if len(shape) != 3 or any(not is_int(s, numpy=True) or (s < 1 and s != -1) for s in shape):
         raise ValueError(
             f"trainer_mesh: must be three sizes (data, fsdp, model), each >= 1 or one of "
             f"them -1 (the devices left over), got {shape!r}"

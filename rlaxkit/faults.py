@@ -47,6 +47,8 @@ from typing import Any, Literal, get_args
 
 import yaml
 
+from rlaxkit.validation import check_int, is_number
+
 __all__ = [
     "Fault",
     "FaultKind",
@@ -72,7 +74,7 @@ _DEFAULT_TARGET = {"preempt_trainer": "trainer", "kill_param_server": "param_ser
 
 
 def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+    return is_number(value) and math.isfinite(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,10 +107,8 @@ class Fault:
             raise ValueError(f"{where}.at_s: set exactly one of at_s and at_step")
         if self.at_s is not None and (not _is_number(self.at_s) or self.at_s < 0):
             raise ValueError(f"{where}.at_s: must be a number >= 0, got {self.at_s!r}")
-        if self.at_step is not None and (
-            isinstance(self.at_step, bool) or not isinstance(self.at_step, int) or self.at_step < 0
-        ):
-            raise ValueError(f"{where}.at_step: must be an integer >= 0, got {self.at_step!r}")
+        if self.at_step is not None:
+            check_int(f"{where}.at_step", self.at_step, minimum=0)
         if self.kind in _NEEDS_TARGET and not self.target:
             raise ValueError(f"{where}.target: required for kind {self.kind!r}")
         if self.target is not None and (not isinstance(self.target, str) or not self.target):
@@ -132,8 +132,7 @@ class Fault:
                 raise ValueError(f"{where}.factor: only for kind 'slow_worker'")
             if self.duration_s is not None:
                 raise ValueError(f"{where}.duration_s: only for kind 'slow_worker'")
-        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
-            raise ValueError(f"{where}.count: must be an integer >= 1, got {self.count!r}")
+        check_int(f"{where}.count", self.count, minimum=1)
 
     @property
     def resolved_target(self) -> str | None:

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from rlaxkit.validation import check_int
+
 __all__ = [
     "CheckpointPolicy",
     "DropReason",
@@ -37,11 +39,6 @@ __all__ = [
 
 PullMode = Literal["between_requests", "in_flight"]
 DropReason = Literal["stale", "future_version"]
-
-
-def _require_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,11 +72,11 @@ class StalenessPolicy:
     max_worker_lag: int = 0
 
     def __post_init__(self) -> None:
-        _require_int("max_staleness", self.max_staleness, minimum=0)
-        _require_int("batch_size", self.batch_size, minimum=1)
+        check_int("max_staleness", self.max_staleness, minimum=0)
+        check_int("batch_size", self.batch_size, minimum=1)
         if self.max_concurrent is not None:
-            _require_int("max_concurrent", self.max_concurrent, minimum=1)
-        _require_int("max_worker_lag", self.max_worker_lag, minimum=0)
+            check_int("max_concurrent", self.max_concurrent, minimum=1)
+        check_int("max_worker_lag", self.max_worker_lag, minimum=0)
 
     def capacity(self, accepted: int, running: int, trainer_version: int) -> int:
         """Number of new generations that may start now (AReaL's formula, verbatim).
@@ -168,7 +165,7 @@ class WeightSyncPolicy:
     pull_mode: PullMode = "between_requests"
 
     def __post_init__(self) -> None:
-        _require_int("push_every_steps", self.push_every_steps, minimum=1)
+        check_int("push_every_steps", self.push_every_steps, minimum=1)
         if self.pull_mode not in get_args(PullMode):
             raise ValueError(
                 f"pull_mode: must be one of {get_args(PullMode)}, got {self.pull_mode!r}"
@@ -205,10 +202,10 @@ class CheckpointPolicy:
 
     def __post_init__(self) -> None:
         if self.every_steps is not None:
-            _require_int("every_steps", self.every_steps, minimum=1)
+            check_int("every_steps", self.every_steps, minimum=1)
         if self.every_s is not None and not self.every_s > 0:
             raise ValueError(f"every_s: must be a number > 0 or None, got {self.every_s!r}")
-        _require_int("keep", self.keep, minimum=1)
+        check_int("keep", self.keep, minimum=1)
 
     def should_save(self, step: int, now_s: float, last_save_step: int, last_save_s: float) -> bool:
         """True when a save is due after step ``step`` at time ``now_s``.

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rlaxkit.validation import check_int, is_int
+
 WeightStoreKind = Literal["object_store", "tensorstore"]
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
@@ -124,7 +126,7 @@ class RayConfig:
         pairs_ok = isinstance(schedule, tuple | list) and all(
             isinstance(p, tuple | list)
             and len(p) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+            and all(is_int(x) for x in p)
             and p[0] >= 1
             and p[1] >= 1
             for p in schedule
@@ -147,21 +149,17 @@ class RayConfig:
             "param_server_max_restarts",
             "max_worker_replacements",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
-        processes = self.trainer_processes
-        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-            raise ValueError(
-                f"trainer_processes: must be an int >= 1 (1: one trainer process), got "
-                f"{processes!r}"
-            )
+            check_int(name, getattr(self, name), minimum=0, allowed="an int >= 0")
+        processes = check_int(
+            "trainer_processes",
+            self.trainer_processes,
+            minimum=1,
+            allowed="an int >= 1 (1: one trainer process)",
+        )
         mesh = tuple(self.trainer_mesh) if isinstance(self.trainer_mesh, tuple | list) else ()
         if (
             len(mesh) != 3
-            or any(
-                isinstance(s, bool) or not isinstance(s, int) or (s < 1 and s != -1) for s in mesh
-            )
+            or any(not is_int(s) or (s < 1 and s != -1) for s in mesh)
             or mesh.count(-1) > 1
         ):
             raise ValueError(
@@ -181,9 +179,7 @@ class RayConfig:
                 f"'STRICT_SPREAD', got {self.trainer_placement!r}"
             )
         port = self.trainer_coordinator_port
-        if port is not None and (
-            isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
-        ):
+        if port is not None and (not is_int(port) or not 0 < port < 65536):
             raise ValueError(
                 f"trainer_coordinator_port: must be a port in 1..65535 or None, got {port!r}"
             )

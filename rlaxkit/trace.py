@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlaxkit.validation import is_int, is_number
+
 __all__ = [
     "KINDS",
     "REQUIRED_FIELDS",
@@ -147,13 +149,13 @@ class TraceEvent:
 
 
 def _validate(t, kind, actor, version, fields, *, where: str) -> None:
-    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+    if not is_number(t) or not math.isfinite(t) or t < 0:
         raise ValueError(f"{where}.t: must be a finite number >= 0, got {t!r}")
     if kind not in KINDS:
         raise ValueError(f"{where}.kind: must be one of {sorted(KINDS)}, got {kind!r}")
     if not isinstance(actor, str) or not actor:
         raise ValueError(f"{where}.actor: must be a non-empty string, got {actor!r}")
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+    if version is not None and not is_int(version):
         raise ValueError(f"{where}.version: must be an integer or null, got {version!r}")
     for key in fields:
         if key in _CORE:

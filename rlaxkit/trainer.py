@@ -49,6 +49,7 @@ from rlaxkit.batch import TrainBatch
 from rlaxkit.jaxutil import TieredJit
 from rlaxkit.logprobs import logprobs_and_entropy
 from rlaxkit.models import positions_from_mask
+from rlaxkit.validation import check_int
 
 MESH_AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")
@@ -80,9 +81,7 @@ class OptimizerConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
         for name in ("warmup_steps", "decay_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
+            check_int(name, getattr(self, name), minimum=0)
         for name in ("end_lr_ratio", "b1", "b2"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)!r}")
@@ -120,9 +119,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "mini_batches", "epochs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+            check_int(name, getattr(self, name), minimum=1)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature: must be a positive number, got {self.temperature!r}")
         if self.compute_dtype not in (None, "float32", "bfloat16"):

@@ -61,6 +61,7 @@ from rlaxkit.trace import (
     staleness_distribution,
     summarize,
 )
+from rlaxkit.validation import check_int
 
 from .calibrate_fits import compiled, fit_decode, fit_trainer
 from .calibrate_host import fit_host
@@ -131,8 +132,7 @@ def _shape(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def window_start(events: list[TraceEvent], warmup_steps: int) -> float:
     """Start of the measured window (see the module docstring)."""
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps: must be an integer >= 0, got {warmup_steps!r}")
+    check_int("warmup_steps", warmup_steps, minimum=0)
     steps = sorted(e.t for e in events if e.kind == "train_step")
     if warmup_steps:
         if len(steps) <= warmup_steps:

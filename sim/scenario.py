@@ -19,6 +19,7 @@ import yaml
 
 from rlaxkit.faults import FaultPlan
 from rlaxkit.policies import CheckpointPolicy, StalenessPolicy, WeightSyncPolicy
+from rlaxkit.validation import check_int
 
 from .distributions import distribution_from_dict, distribution_to_dict
 from .specs import (
@@ -127,8 +128,7 @@ class Scenario:
             raise ValueError(f"target_steps: must be an integer >= 1, got {self.target_steps!r}")
         if not (isinstance(self.horizon_s, int | float) and 0 < self.horizon_s < math.inf):
             raise ValueError(f"horizon_s: must be a finite number > 0, got {self.horizon_s!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        check_int("seed", self.seed)
 
     @property
     def chips(self) -> int:

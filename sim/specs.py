@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from rlaxkit.faults import InterArrival
+from rlaxkit.validation import is_int, is_number
 
 from .distributions import Constant, Distribution
 
@@ -48,9 +49,7 @@ Executor = Literal["parallel", "serial"]
 
 
 def _check(name: str, value, *, low: float = 0.0, strict: bool = True, integer: bool = False):
-    bad_type = isinstance(value, bool) or not isinstance(value, int | float)
-    if integer:
-        bad_type = bad_type or not isinstance(value, int)
+    bad_type = not (is_int(value) if integer else is_number(value))
     if bad_type or math.isnan(value) or (value <= low if strict else value < low):
         kind = "an integer" if integer else "a number"
         raise ValueError(f"{name}: must be {kind} {'>' if strict else '>='} {low}, got {value!r}")
@@ -403,7 +402,7 @@ class WorkloadSpec:
         _check("prompts_per_step", self.prompts_per_step, integer=True)
         _check("group_size", self.group_size, integer=True)
         value = self.filtered_fraction
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        if not is_number(value) or not 0 <= value < 1:
             raise ValueError(
                 f"filtered_fraction: must be a number in [0, 1), got {value!r} (at 1 no "
                 "group would ever be trained)"

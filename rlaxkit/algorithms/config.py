@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 
 from rlaxkit.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from rlaxkit.algorithms.objective import KL_ESTIMATORS, SURROGATES
+from rlaxkit.validation import is_int, is_number
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
 Aggregation = Literal["sequence_mean", "token_mean", "fixed_length"]
@@ -30,7 +31,7 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 
 
 def _number(name: str, value: Any, *, low: float, high: float = math.inf, open_low=False) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = is_number(value) and math.isfinite(value)
     ok = ok and (value > low if open_low else value >= low) and value <= high
     if not ok:
         bound = f"> {low}" if open_low else f">= {low}"
@@ -141,11 +142,7 @@ class LossConfig:
             _number(name, getattr(self, name), low=0.0)
         _number("value_clip_eps", self.value_clip_eps, low=0.0, open_low=True)
         if self.aggregation == "fixed_length":
-            if (
-                isinstance(self.fixed_length, bool)
-                or not isinstance(self.fixed_length, int)
-                or self.fixed_length <= 0
-            ):
+            if not is_int(self.fixed_length) or self.fixed_length <= 0:
                 raise ValueError(
                     "fixed_length: aggregation 'fixed_length' needs a positive integer "
                     f"token budget, got {self.fixed_length!r}"

@@ -24,6 +24,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from rlaxkit.validation import check_int, is_int
+
 __all__ = [
     "EventHook",
     "ParameterServer",
@@ -160,14 +162,12 @@ def tree_nbytes(tree: Any) -> int:
 
 def check_keep(keep: int) -> int:
     """Validates the number of versions a store keeps."""
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep: must be an int >= 1 (versions retained), got {keep!r}")
-    return keep
+    return check_int("keep", keep, minimum=1, allowed="an int >= 1 (versions retained)")
 
 
 def check_new_version(version: int, latest: int | None) -> None:
     """Raises ``ValueError`` unless ``version`` is a non-negative int newer than ``latest``."""
-    if isinstance(version, bool) or not isinstance(version, int | np.integer):
+    if not is_int(version, numpy=True):
         raise ValueError(f"version must be an int, got {version!r}")
     if version < 0:
         raise ValueError(f"version must be >= 0, got {version}")

@@ -23,6 +23,8 @@ from typing import Any
 import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
+from rlaxkit.validation import is_int
+
 __all__ = ["KeyPath", "encode_path", "flatten", "nested_dict", "path_str", "unflatten_like"]
 
 KeyPath = list[list[Any]]
@@ -38,7 +40,7 @@ def encode_path(path: Sequence[Any]) -> KeyPath:
     for entry in path:
         if isinstance(entry, DictKey):
             key = entry.key
-            if isinstance(key, bool) or not isinstance(key, str | int):
+            if not (isinstance(key, str) or is_int(key)):
                 raise ValueError(
                     f"leaf {jax.tree_util.keystr(tuple(path))}: dict key {key!r} is neither "
                     "str nor int, so it cannot be stored by name"

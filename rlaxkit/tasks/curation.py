@@ -32,6 +32,7 @@ from rlaxkit.tasks.base import ChatTemplate, Problem, Task, check_choice, check_
 from rlaxkit.tasks.datasets import write_problems
 from rlaxkit.tasks.policy import TextPolicy, sample_and_score
 from rlaxkit.tasks.runner import RewardRunner
+from rlaxkit.validation import is_number
 
 DedupMode = Literal["none", "exact", "normalised"]
 HoldoutBy = Literal["none", "id", "time"]
@@ -283,7 +284,7 @@ def write_curated(directory: str | Path, result: CurationResult) -> dict[str, Pa
 
 def parse_time(value: str | int | float) -> datetime:
     """An aware UTC datetime from an ISO-8601 string (naive means UTC) or Unix seconds."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    if is_number(value):
         return datetime.fromtimestamp(value, tz=UTC)
     if not isinstance(value, str):
         raise ValueError(f"time must be an ISO-8601 string or Unix seconds, got {value!r}")

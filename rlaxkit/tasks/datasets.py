@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlaxkit.tasks.base import Problem, check_choice, stable_id
+from rlaxkit.validation import is_int
 
 FileFormat = Literal["auto", "jsonl", "parquet"]
 OnError = Literal["raise", "skip"]
@@ -179,7 +180,7 @@ def _to_problem(
         problem_id = stable_id(id_prefix, text)
     else:
         problem_id = row.get(fields.id)
-        if isinstance(problem_id, int) and not isinstance(problem_id, bool):
+        if is_int(problem_id):
             problem_id = str(problem_id)
         if not isinstance(problem_id, str) or not problem_id:
             raise fail(fields.id, f"expected a non-empty string or integer, got {problem_id!r}")

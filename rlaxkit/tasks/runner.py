@@ -47,6 +47,7 @@ from rlaxkit.tasks.base import (
     Task,
     check_choice,
 )
+from rlaxkit.validation import check_int
 
 logger = logging.getLogger(__name__)
 
@@ -171,9 +172,7 @@ class RewardRunner:
     def inject_hang(self, count: int = 1) -> None:
         """Makes the next ``count`` scored items hang until the reward timeout (counted
         as ``injected_hang`` and ``REWARD_TIMEOUT``)."""
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"count: must be an integer >= 1, got {count!r}")
-        self.hangs_pending += count
+        self.hangs_pending += check_int("count", count, minimum=1)
 
     def _take_hangs(self, size: int) -> set[int]:
         hung = set(range(min(self.hangs_pending, size)))
