@@ -7,15 +7,10 @@ interruptible generation), or after its running prompts finish (``between_reques
 RLAX: every rollout from one version). When all ``n`` samples of a prompt are done it
 scores them with the task's verifiable reward and hands back ``Rollout``s.
 
-Checkpoints (``snapshot`` / ``restore``): a worker's engine holds partly generated
-sequences and KV caches that no checkpoint stores. Instead the worker keeps a *replay
-log* of what it did to its engine since the engine was last idle (the weight version it
-started from, then every submit, decode chunk and in-flight weight update). Sampling
-keys depend only on a request's seed, sample and token index, so replaying the log on a
-fresh engine with the same weights rebuilds the same rows at the same chunk: a restored
-run re-issues its in-flight prompts and continues exactly where the saved one was. The
-log is short: it restarts whenever the engine drains (every pull in
-``between_requests`` mode).
+Checkpoints (``snapshot`` / ``restore``): the engine's partly generated sequences and KV
+caches are not saved. The worker records what it does to its engine in a
+``rlaxkit.replay_log.ReplayLog`` and a restored worker replays that log on a fresh
+engine, which regenerates its in-flight prompts bit for bit.
 """
 
 from __future__ import annotations
@@ -34,6 +29,7 @@ from rlaxkit.inference.results import Completion
 from rlaxkit.models.tokenizer import Tokenizer
 from rlaxkit.param_server import ParameterServer
 from rlaxkit.policies import StalenessPolicy, WeightSyncPolicy
+from rlaxkit.replay_log import Decode, ReplayLog, Submit, UpdateWeights, parse_ops
 from rlaxkit.rollout import Rollout
 from rlaxkit.tasks import Problem, RewardRunner, Task
 from rlaxkit.trace import TraceSink
@@ -47,6 +43,16 @@ class _Request:
     issued_s: float
     done: list[Completion] = field(default_factory=list)
     chunks: int = 0  # decode chunks run since it was submitted
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A launched chunk's books, kept until ``fetch``."""
+
+    rows: int  # rows decoding
+    started: int  # rows of prompts that had not run a chunk yet
+    chunks_before: dict[int, int]  # group id -> chunks its prompt had run before
+    launch_s: float
 
 
 class InferenceWorker:
@@ -104,12 +110,8 @@ class InferenceWorker:
         self.requests: dict[int, _Request] = {}
         self.generated_tokens = 0
         self.failed_pulls = 0
-        # Replay log (see the module docstring): base version and weights, then ops
-        # ``["s", group_id]`` submit, ``["d"]`` decode chunk, ``["u", version, recompute]``.
-        self._base: tuple[int, Any] | None = None
-        self._ops: list[list] = []
-        self._op_params: dict[int, Any] = {}
-        self._pending: tuple | None = None  # a launched chunk's books, until fetch()
+        self.replay_log = ReplayLog()
+        self._launched: _Launched | None = None
 
     # -- weights ---------------------------------------------------------------------
     def sync_weights(self) -> bool:
@@ -139,15 +141,14 @@ class InferenceWorker:
                 error=str(error)[:200],
             )
             return False
-        if self.engine is None:
-            self.engine = self._new_engine(params, version)
-        else:
-            self.engine.update_weights(params, version, recompute_cache=bool(self.requests))
-        if self.requests:
-            self._ops.append(["u", version, True])
-            self._op_params[version] = params
-        else:
-            self._reset_log(version, params)
+        if self.requests:  # in flight: the running rows' caches are rebuilt
+            self._take_weights(version, params, recompute_cache=True)
+        else:  # an idle engine, or none: a new replay log starts from these weights
+            if self.engine is None:
+                self.engine = self._new_engine(params, version)
+            else:
+                self.engine.update_weights(params, version)
+            self.replay_log.reset(version, params)
         self.version, self.draining = version, False
         self.trace.record(
             self.clock(), "pull", self.worker_id, version, duration_s=self.clock() - start
@@ -164,9 +165,10 @@ class InferenceWorker:
             chunk_steps=self.chunk_steps,
         )
 
-    def _reset_log(self, version: int | None, params) -> None:
-        self._base = None if version is None else (version, params)
-        self._ops, self._op_params = [], {}
+    def _take_weights(self, version: int, params, *, recompute_cache: bool) -> None:
+        self.engine.update_weights(params, version, recompute_cache=recompute_cache)
+        self.replay_log.updated(version, params, recompute_cache=recompute_cache)
+        self.version = version
 
     # -- prompts ---------------------------------------------------------------------
     @property
@@ -200,7 +202,7 @@ class InferenceWorker:
     def _start(self, issue: Issue, problem: Problem, prompt: list[int], now: float) -> None:
         self.requests[issue.group_id] = _Request(issue, problem, prompt, now)
         self.engine.submit(prompt, rng=issue.seed, request_id=issue.group_id)
-        self._ops.append(["s", issue.group_id])
+        self.replay_log.submitted(issue.group_id)
 
     # -- generation ------------------------------------------------------------------
     def step(self) -> list[Rollout]:
@@ -217,7 +219,7 @@ class InferenceWorker:
 
     def launch(self) -> None:
         """Dispatches one chunk without waiting for it (JAX runs it asynchronously)."""
-        self._pending = None
+        self._launched = None
         if self.engine is None or not self.requests:
             return
         n = self.sampling.n
@@ -226,7 +228,7 @@ class InferenceWorker:
         chunks_before = {g: r.chunks for g, r in self.requests.items()}
         start = self.clock()
         self.engine.launch()
-        self._pending = (rows, started, chunks_before, self.clock() - start)
+        self._launched = _Launched(rows, started, chunks_before, self.clock() - start)
 
     def fetch(self, *, pipelined: bool = False) -> list[_Request]:
         """Waits for the launched chunk, records its ``decode`` event and returns the
@@ -237,9 +239,9 @@ class InferenceWorker:
         scored another worker's prompts) between the two, while the chunk ran; the
         event says so, for its duration is then less than the chunk's cost.
         """
-        if self._pending is None:
+        launched, self._launched = self._launched, None
+        if launched is None:
             return []
-        (rows, started, chunks_before, launch_s), self._pending = self._pending, None
         start = self.clock()
         complete, finished = self._decode()
         end = self.clock()
@@ -247,7 +249,10 @@ class InferenceWorker:
             steps = self.chunk_steps
         else:  # it stopped when its longest row did
             steps = max(
-                (c.num_tokens - self.chunk_steps * chunks_before[c.request_id] for c in finished),
+                (
+                    c.num_tokens - self.chunk_steps * launched.chunks_before[c.request_id]
+                    for c in finished
+                ),
                 default=0,
             )
         self.trace.record(
@@ -255,22 +260,22 @@ class InferenceWorker:
             "decode",
             self.worker_id,
             self.version,
-            duration_s=launch_s + end - start,
-            rows=rows,
-            started=started,
+            duration_s=launched.launch_s + end - start,
+            rows=launched.rows,
+            started=launched.started,
             finished=len(finished),
             steps=int(steps),
             **({"pipelined": True} if pipelined else {}),
         )
         if not self.requests:  # the engine drained: a fresh one would be the same
-            self._reset_log(self.version, self.engine.params)
+            self.replay_log.reset(self.version, self.engine.params)
         return complete
 
     def _decode(self) -> tuple[list[_Request], list[Completion]]:
         """Finishes the engine's launched chunk; returns the prompts it completed and the
         rows it finished."""
         finished = self.engine.finish()
-        self._ops.append(["d"])
+        self.replay_log.decoded()
         for request in self.requests.values():
             request.chunks += 1
         complete = []
@@ -356,15 +361,13 @@ class InferenceWorker:
             self.engine.abort()
         self.requests.clear()
         self.engine, self.version, self.draining = None, None, False
-        self._reset_log(None, None)
+        self.replay_log.reset(None)
         return lost
 
     # -- checkpoints -----------------------------------------------------------------
     def replay_weights(self) -> dict[int, Any]:
         """``version -> params`` the replay log needs (save them with the snapshot)."""
-        if self._base is None:
-            return {}
-        return {self._base[0]: self._base[1], **self._op_params}
+        return self.replay_log.weights()
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-able state: weight version, draining flag, counters and the replay log.
@@ -378,8 +381,7 @@ class InferenceWorker:
             "draining": self.draining,
             "generated_tokens": self.generated_tokens,
             "failed_pulls": self.failed_pulls,
-            "base_version": None if self._base is None else self._base[0],
-            "ops": [list(op) for op in self._ops],
+            **self.replay_log.state_dict(),  # base_version, ops
             "in_flight": {str(g): r.issued_s for g, r in sorted(self.requests.items())},
         }
 
@@ -405,29 +407,28 @@ class InferenceWorker:
         """
         if snapshot["worker_id"] != self.worker_id:
             raise ValueError(f"snapshot of {snapshot['worker_id']} cannot restore {self.worker_id}")
+        ops = parse_ops(snapshot["ops"])
         self.preempt()
         base = snapshot["base_version"]
         if base is not None:
             params = weights_for(base)
             self.engine = self._new_engine(params, base)
-            self._reset_log(base, params)
+            self.replay_log.reset(base, params)
             self.version = base
             issued = {int(g): t for g, t in snapshot["in_flight"].items()}
-            for op in snapshot["ops"]:
-                if op[0] == "s":
-                    issue = issue_for(op[1])
-                    problem = problem_for(issue)
-                    prompt = self.tokenizer.encode(self.task.format_prompt(problem))
-                    self._start(issue, problem, prompt, issued.get(op[1], 0.0))
-                elif op[0] == "d":
-                    self.engine.launch()
-                    self._decode()
-                else:
-                    params = weights_for(op[1])
-                    self.engine.update_weights(params, op[1], recompute_cache=op[2])
-                    self._ops.append(["u", op[1], op[2]])
-                    self._op_params[op[1]] = params
-                    self.version = op[1]
+            for op in ops:  # each op is recorded again in the new log
+                match op:
+                    case Submit(group_id=group_id):
+                        issue = issue_for(group_id)
+                        problem = problem_for(issue)
+                        prompt = self.tokenizer.encode(self.task.format_prompt(problem))
+                        self._start(issue, problem, prompt, issued.get(group_id, 0.0))
+                    case Decode():
+                        self.engine.launch()
+                        self._decode()
+                    case UpdateWeights(version=version, recompute_cache=recompute_cache):
+                        params = weights_for(version)
+                        self._take_weights(version, params, recompute_cache=recompute_cache)
             if sorted(self.requests) != sorted(issued):
                 raise ValueError(
                     f"{self.worker_id}: replaying the checkpoint's log left prompts "

@@ -1,0 +1,139 @@
+"""The replay log of an inference worker: what it did to its engine since the engine was
+last idle.
+
+A worker's engine holds partly generated sequences and KV caches that no checkpoint
+stores. The log records instead the weight version the engine started from (the
+*base*), then every submit, decode chunk and in-flight weight update, in order. Sampling
+keys depend only on a request's seed, sample and token index (``InferenceEngine.submit``),
+so replaying the log on a fresh engine with the same weights rebuilds the same rows at
+the same chunk: a restored worker re-issues its in-flight prompts and continues exactly
+where the saved one was. The log is short, for the worker starts a new one whenever its
+engine drains (every pull in ``between_requests`` mode).
+
+The log is plain Python: it holds the weights it needs (``weights()``, saved once per
+checkpoint for all workers) but never reads them, and its ``state_dict()`` is JSON.
+
+>>> log = ReplayLog()
+>>> log.reset(0, "weights of version 0")
+>>> log.submitted(7)
+>>> log.decoded()
+>>> log.updated(1, "weights of version 1", recompute_cache=True)
+>>> state = log.state_dict()
+>>> state
+{'base_version': 0, 'ops': [['s', 7], ['d'], ['u', 1, True]]}
+>>> parse_ops(state["ops"])
+[Submit(group_id=7), Decode(), UpdateWeights(version=1, recompute_cache=True)]
+>>> sorted(log.weights())
+[0, 1]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Decode", "Op", "ReplayLog", "Submit", "UpdateWeights", "parse_ops"]
+
+
+@dataclass(frozen=True)
+class Submit:
+    """The worker submitted the ``n`` samples of issued prompt ``group_id``."""
+
+    group_id: int
+
+    def to_json(self) -> list:
+        return ["s", self.group_id]
+
+
+@dataclass(frozen=True)
+class Decode:
+    """The engine ran one chunk of decode steps."""
+
+    def to_json(self) -> list:
+        return ["d"]
+
+
+@dataclass(frozen=True)
+class UpdateWeights:
+    """The engine took weight ``version`` with prompts in flight."""
+
+    version: int
+    recompute_cache: bool
+
+    def to_json(self) -> list:
+        return ["u", self.version, self.recompute_cache]
+
+
+Op = Submit | Decode | UpdateWeights
+
+
+def parse_ops(entries: Sequence[Sequence[Any]]) -> list[Op]:
+    """The ops of a ``state_dict()["ops"]`` list (lists or tuples, e.g. read from JSON).
+
+    Raises:
+        ValueError: an entry is none of ``["s", group_id]``, ``["d"]`` and
+            ``["u", version, recompute_cache]``.
+    """
+    ops: list[Op] = []
+    for entry in entries:
+        match entry:
+            case ["s", group_id]:
+                ops.append(Submit(group_id))
+            case ["d"]:
+                ops.append(Decode())
+            case ["u", version, recompute_cache]:
+                ops.append(UpdateWeights(version, recompute_cache))
+            case _:
+                raise ValueError(
+                    f"replay log op {entry!r}: expected ['s', group_id], ['d'] or "
+                    "['u', version, recompute_cache]"
+                )
+    return ops
+
+
+class ReplayLog:
+    """The ops a worker applied to its engine since the engine was last idle.
+
+    Attributes:
+        base_version: the weight version of the idle engine the log starts from;
+            ``None`` when the worker has no engine (never pulled, or preempted).
+        ops: what the worker did since, oldest first.
+    """
+
+    def __init__(self) -> None:
+        self.base_version: int | None = None
+        self.ops: list[Op] = []
+        self._weights: dict[int, Any] = {}  # version -> params, the base's first
+
+    def reset(self, version: int | None, params: Any = None) -> None:
+        """Starts an empty log from an idle engine holding ``params`` of ``version``
+        (``None``: no engine)."""
+        self.base_version = version
+        self.ops = []
+        self._weights = {} if version is None else {version: params}
+
+    def submitted(self, group_id: int) -> None:
+        """Records a submitted prompt."""
+        self.ops.append(Submit(group_id))
+
+    def decoded(self) -> None:
+        """Records a decode chunk."""
+        self.ops.append(Decode())
+
+    def updated(self, version: int, params: Any, *, recompute_cache: bool) -> None:
+        """Records a weight update with prompts in flight, and keeps its weights."""
+        self.ops.append(UpdateWeights(version, recompute_cache))
+        self._weights[version] = params
+
+    def weights(self) -> dict[int, Any]:
+        """``version -> params`` of every version a replay needs (none without a base).
+
+        A version recorded twice maps to the weights recorded last.
+        """
+        return dict(self._weights) if self.base_version is not None else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able ``{"base_version": ..., "ops": [["s", group_id], ["d"],
+        ["u", version, recompute_cache], ...]}``; ``parse_ops`` reads the ops back."""
+        return {"base_version": self.base_version, "ops": [op.to_json() for op in self.ops]}
