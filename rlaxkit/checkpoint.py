@@ -11,11 +11,13 @@ device, and writing continues in the background; ``wait`` blocks until it is dur
 Only the newest ``max_to_keep`` checkpoints are kept.
 
 >>> import tempfile, jax.numpy as jnp
->>> with CheckpointManager(tempfile.mkdtemp(), async_save=False) as manager:
+>>> directory = tempfile.TemporaryDirectory()
+>>> with CheckpointManager(directory.name, async_save=False) as manager:
 ...     manager.save(3, pytrees={"weights": {"w": jnp.ones(2)}}, json={"cursor": {"i": 7}})
 ...     manager.restore(json=["cursor"])["cursor"]
 True
 {'i': 7}
+>>> directory.cleanup()
 """
 
 from __future__ import annotations

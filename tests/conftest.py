@@ -8,6 +8,10 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 import pytest  # noqa: E402
 
+# --doctest-modules (pyproject) imports every module it collects; this script
+# regenerates fixtures with torch, which the test environment does not install.
+collect_ignore = ["fixtures/make_hf_fixtures.py"]
+
 
 @pytest.fixture
 def tiny_config():

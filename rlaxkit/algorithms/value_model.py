@@ -16,10 +16,14 @@ class ValueModel(nnx.Module):
     from the hidden state at ``t - 1``); entry ``[b, 0]`` is 0. This is the alignment GAE
     needs: the action at ``t`` is scored against ``V(s_t)``.
 
+    One value per token (traced with ``eval_shape``: shapes only, nothing initialised or
+    computed):
+
     >>> cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
     ...                   num_layers=1, num_heads=2, num_kv_heads=1)
-    >>> critic = ValueModel(cfg, rngs=nnx.Rngs(0))
-    >>> critic(jnp.array([[1, 2, 3]]), jnp.arange(3)[None]).shape
+    >>> critic = nnx.eval_shape(lambda: ValueModel(cfg, rngs=nnx.Rngs(0)))
+    >>> tokens, positions = jnp.array([[1, 2, 3]]), jnp.arange(3)[None]
+    >>> jax.eval_shape(lambda c: c(tokens, positions), critic).shape
     (1, 3)
     """
 

@@ -234,12 +234,17 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """Decoder-only language model of the Qwen2 / Qwen3 / Llama-3 family.
 
+    ``Transformer(cfg, rngs=nnx.Rngs(0))`` builds one and ``model(tokens, positions)``
+    gives the logits. The example traces both with ``eval_shape`` (shapes only, nothing
+    initialised, compiled or computed) to show the logits' shape, ``[batch, length,
+    vocab]``:
+
     >>> from flax import nnx
     >>> cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
     ...                   num_layers=1, num_heads=2, num_kv_heads=1)
-    >>> model = Transformer(cfg, rngs=nnx.Rngs(0))
-    >>> tokens = jnp.array([[1, 2, 3]])
-    >>> model(tokens, jnp.arange(3)[None]).shape
+    >>> model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    >>> tokens, positions = jnp.array([[1, 2, 3]]), jnp.arange(3)[None]
+    >>> jax.eval_shape(lambda m: m(tokens, positions), model).shape
     (1, 3, 32)
     """
 
