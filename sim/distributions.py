@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from rlaxkit.validation import is_number
+
 __all__ = [
     "Constant",
     "Distribution",
@@ -42,7 +44,7 @@ _Z99 = 2.3263478740408408
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
     ok = value >= 0 if allow_zero else value > 0
-    if isinstance(value, bool) or not isinstance(value, int | float) or not ok:
+    if not is_number(value) or not ok:
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name}: must be a number {bound}, got {value!r}")
 
@@ -275,7 +277,7 @@ def distribution_to_dict(dist: Distribution) -> dict[str, Any]:
 
 def distribution_from_dict(data: Mapping[str, Any] | float, *, where: str = "distribution"):
     """Parse ``{"type": ..., ...}``; a bare number means :class:`Constant`."""
-    if isinstance(data, int | float) and not isinstance(data, bool):
+    if is_number(data):
         return Constant(value=float(data))
     if not isinstance(data, Mapping) or "type" not in data:
         raise ValueError(f"{where}: must be a number or a mapping with a 'type' key")
