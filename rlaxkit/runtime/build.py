@@ -13,6 +13,7 @@ from pathlib import Path
 
 from flax import nnx
 
+from rlaxkit.algorithms import algorithm
 from rlaxkit.config import RunConfig
 from rlaxkit.configio import to_dict
 from rlaxkit.models import (
@@ -24,6 +25,7 @@ from rlaxkit.models import (
 )
 from rlaxkit.sft import supervised_warm_start
 from rlaxkit.tasks import Task, make_task
+from rlaxkit.trainer import TrainConfig
 
 
 def build_task(config: RunConfig) -> Task:
@@ -98,3 +100,20 @@ def warm_start(
     if path is not None:
         save_hf_checkpoint(model, path)
     return model, {"cached": False, "steps": len(losses), "final_loss": losses[-1]}
+
+
+def train_config_for(config: RunConfig) -> TrainConfig:
+    """The trainer's configuration for a run (every placement builds it here)."""
+    overrides = {
+        k: v
+        for k, v in (("advantage", config.algorithm.advantage), ("loss", config.algorithm.loss))
+        if v
+    }
+    return TrainConfig(
+        algorithm=algorithm(config.algorithm.preset, **overrides),
+        optimizer=config.optimizer,
+        micro_batches=config.trainer.micro_batches,
+        mini_batches=config.trainer.mini_batches,
+        epochs=config.trainer.epochs,
+        temperature=config.sampling.temperature or 1.0,
+    )

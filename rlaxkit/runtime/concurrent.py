@@ -1,14 +1,15 @@
 """The local backend's concurrent mode: one thread per inference worker.
 
-``Experiment`` (``rlaxkit.runtime.local``) with ``runtime.mode="concurrent"`` hands its
-batch collection to a ``ConcurrentCollector``. Each inference worker gets a thread that
-loops: pull weights when the ``StalenessPolicy`` says the worker lags too far (per the
-``WeightSyncPolicy``: between requests or in flight), take prompts while admission has
-room, decode one chunk, hand finished rollouts to the buffer. The trainer stays in the
+The driver (``rlaxkit.runtime.driver.Experiment``) with ``runtime.mode="concurrent"``
+hands its batch collection to the local placement's ``ConcurrentCollector``. Each
+inference worker gets a thread that loops: pull weights when the ``StalenessPolicy``
+says the worker lags too far (per the ``WeightSyncPolicy``: between requests or in
+flight), take prompts while admission has room, decode one chunk, hand finished
+rollouts to the buffer. The trainer stays in the
 caller's thread: ``Experiment.step()`` waits on a condition until the buffer yields a
 batch, trains and pushes, while the workers go on decoding.
 
-Locking. The experiment's one lock (``Experiment._lock``, a re-entrant lock under the
+Locking. The experiment's one lock (``Experiment.lock``, a re-entrant lock under the
 collector's condition) guards all shared state: the buffer, the controller and prompt
 issuing, the trace, the sample counters and the metrics read from them. Decoding, weight
 pulls (with their KV-cache recompute) and training run outside it, so JAX releases the
@@ -16,7 +17,7 @@ GIL and workers overlap each other and the trainer. Each worker's engine is touc
 its own thread only. Scoring goes through a lock of its own (a reward pool is not
 thread-safe; inline scoring is cheap).
 
-Guarantees. Admission is the deterministic loop's (``Experiment._issue``, AReaL's
+Guarantees. Admission is the deterministic loop's (``Experiment.issue``, AReaL's
 ``accepted + running < (η + published + 1) · batch``), and ``RolloutBuffer.take_batch``
 drops every group older than η under the lock with the trainer's current version, so no
 trained rollout is older than η versions, and the accounting invariant holds whenever
@@ -24,8 +25,8 @@ the lock is free. What is not guaranteed: metrics differ from run to run (thread
 decides which worker takes which prompt and with which weights).
 
 Not supported: fault plans and RL-state checkpoints with exact resume; they rely on the
-deterministic interleaving (a worker's replay log, the logical fault clock). The
-experiment rejects them up front (``check_supported``).
+deterministic interleaving (a worker's replay log, the logical fault clock). The run
+rejects them up front (``check_supported``; ``rlaxkit.runtime.faults``).
 
 Waiting without polling. A worker with nothing to decode and no admission room marks
 itself idle and waits until something that can change its answer happens (a push, a
@@ -39,30 +40,24 @@ hanging. An exception in a worker thread stops all threads and is raised by ``co
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rlaxkit.rollout import RolloutGroup
 
 if TYPE_CHECKING:
     from rlaxkit.config import RunConfig
-    from rlaxkit.runtime.local import Experiment
+    from rlaxkit.runtime.driver import Experiment
     from rlaxkit.worker import InferenceWorker
 
 __all__ = ["ConcurrentCollector", "check_supported"]
 
 
-def check_supported(config: RunConfig, plan: Sequence[Any]) -> None:
-    """Rejects what concurrent mode cannot honour, naming the field and the fix.
+def check_supported(config: RunConfig) -> None:
+    """Rejects the checkpoint settings concurrent mode cannot honour, naming the fix.
 
     Raises:
-        ValueError: a fault plan, or ``checkpoint.every_steps`` / ``checkpoint.every_s``.
+        ValueError: ``checkpoint.every_steps`` / ``checkpoint.every_s`` set.
     """
-    if len(plan):
-        raise ValueError(
-            "faults: fault injection replays on the deterministic loop's logical clock; "
-            "runtime.mode=concurrent does not support it (use runtime.mode=deterministic)"
-        )
     for name in ("every_steps", "every_s"):
         if getattr(config.checkpoint, name) is not None:
             raise ValueError(
@@ -99,29 +94,29 @@ class _Thread:
 
 
 class ConcurrentCollector:
-    """Runs an experiment's workers in threads and collects batches for its trainer.
+    """Runs a fleet's workers in threads and collects batches for the trainer.
 
     Threads start on the first ``collect`` and stop on ``close`` (or when one fails).
 
     Args:
-        experiment: the ``Experiment`` whose workers, buffer, controller, trace and
-            lock (``experiment._lock``) are used.
+        workers: the fleet's in-process workers.
+        scorer: the reward runner they share (locked: one ``score`` call at a time).
     """
 
-    def __init__(self, experiment: Experiment):
-        self.exp = experiment
-        self.cond = threading.Condition(experiment._lock)
+    def __init__(self, workers: list[InferenceWorker], scorer: Any):
+        self.exp: Experiment | None = None
+        self.cond: threading.Condition | None = None
         self.error: BaseException | None = None
         self.failed_worker: str | None = None
-        self._stopping = experiment._closed  # a closed experiment starts no thread
-        scorer = _LockedScorer(experiment.scorer)
-        for worker in experiment.workers:
-            worker.scorer = scorer
-        self.threads = [_Thread(w, self._loop) for w in experiment.workers]
+        self._stopping = False
+        locked = _LockedScorer(scorer)
+        for worker in workers:
+            worker.scorer = locked
+        self.threads = [_Thread(w, self._loop) for w in workers]
         self._started = False
 
     # -- the trainer's side ------------------------------------------------------------
-    def collect(self) -> list[RolloutGroup]:
+    def collect(self, exp: Experiment) -> list[RolloutGroup]:
         """Waits until the buffer yields a batch for the trainer's current version.
 
         Raises:
@@ -129,8 +124,10 @@ class ConcurrentCollector:
                 collector was closed, the loop can never yield a batch, or too many
                 groups in a row were dropped.
         """
-        exp = self.exp
-        patience = 50 * exp.config.staleness.batch_size
+        from rlaxkit.runtime.driver import check_drops, stalled
+
+        if self.cond is None:
+            self.exp, self.cond = exp, threading.Condition(exp.lock)
         with self.cond:
             dropped_before = len(exp.buffer.dropped)
             self._start()
@@ -142,24 +139,16 @@ class ConcurrentCollector:
                     self.wake()
                 if batch is not None:
                     return batch
-                if len(exp.buffer.dropped) - dropped_before > patience:
-                    raise RuntimeError(
-                        f"{patience} prompt groups in a row were dropped "
-                        f"({exp.buffer.counts()['dropped_by_reason']}) without one batch: "
-                        "with 'filtered', the policy always or never solves the task; warm "
-                        "start longer (sft.steps), pick an easier task, or lower η for 'stale'"
-                    )
+                check_drops(exp, dropped_before)
                 if all(t.idle for t in self.threads):
-                    raise RuntimeError(
-                        "the loop stalled: no prompt is in flight and no batch is ready "
-                        f"(buffer {exp.buffer.counts()}); check staleness.batch_size against "
-                        "runtime.num_workers * slots_per_worker / sampling.n"
-                    )
+                    raise stalled(exp)
                 self.cond.wait()
 
     def wake(self) -> None:
         """Something workers wait for changed (a push, a drop, new rollouts, a stop):
         every idle worker re-evaluates. Call with or without the lock held."""
+        if self.cond is None:
+            return
         with self.cond:
             for t in self.threads:
                 t.idle = False
@@ -172,8 +161,7 @@ class ConcurrentCollector:
         Raises:
             RuntimeError: a thread did not stop within ``timeout_s``.
         """
-        with self.cond:
-            self._stopping = True
+        self._stopping = True
         self.wake()
         for t in self.threads:
             if t.thread.is_alive():
@@ -201,6 +189,7 @@ class ConcurrentCollector:
 
     # -- the workers' side -------------------------------------------------------------
     def _loop(self, me: _Thread) -> None:
+        assert self.cond is not None
         try:
             while self._turn(me):
                 pass
@@ -213,30 +202,29 @@ class ConcurrentCollector:
 
     def _turn(self, me: _Thread) -> bool:
         """One iteration of a worker thread; False when the thread should end."""
-        exp, worker = self.exp, me.worker
+        exp, cond, worker = self.exp, self.cond, me.worker
+        assert exp is not None and cond is not None
         worker.sync_weights()  # outside the lock: a pull may recompute KV caches
-        with self.cond:
+        with cond:
             if self._stopping:
                 return False
-            latest = exp.param_server.latest_version()
+            latest = exp.parts.store.latest_version()
             if not exp.config.staleness.must_pull(worker.version, latest):
-                exp._issue([worker])
+                work = exp.issue({worker.worker_id: worker.free}, latest)
+                for issue, problem in work[worker.worker_id]:
+                    worker.submit(issue, problem)
             elif not worker.requests:
                 return True  # a push landed since the pull: pull again before taking prompts
             if not worker.requests:
                 me.idle = True
-                self.cond.notify_all()  # the trainer checks whether everyone is idle
+                cond.notify_all()  # the trainer checks whether everyone is idle
                 while me.idle and not self._stopping:
-                    self.cond.wait()
+                    cond.wait()
                 return not self._stopping
         rollouts = worker.step()  # outside the lock: decode and score
         if not rollouts:
             return True
-        with self.cond:  # booked even when stopping: the samples are done
-            for rollout in rollouts:
-                reason = exp.buffer.add(rollout, exp.version)
-                exp._since["samples"] += 1
-                if reason is not None:
-                    exp._drop_event(rollout.group_id, reason, rollout.first_version)
+        with cond:  # booked even when stopping: the samples are done
+            exp.admit(rollouts)
             self.wake()
             return not self._stopping

@@ -1,41 +1,51 @@
-"""What an RL-state checkpoint holds, and the checks made before Orbax reads one.
+"""One checkpoint codec for every placement: what a checkpoint holds, how the driver's
+books go in and come back, and the checks made before anything is read.
 
 A run's checkpoints live in ``RUN_DIR/checkpoints/<step>/`` (``rlaxkit.checkpoint.
-CheckpointManager``: Orbax, atomic, newest ``CheckpointPolicy.keep`` kept). Items:
+CheckpointManager``: Orbax, atomic, newest ``CheckpointPolicy.keep`` kept), written by
+the trainer (in process, or every process of a Ray trainer group) with the driver's
+items in the same Orbax step, so a checkpoint half written when a process died is never
+listed. Items:
 
 - ``train_state`` (arrays): the ``TrainState`` (params, optimizer, step, RNG key).
 - ``weights`` (arrays, optional): ``{"v<N>": params}`` for weight versions other than
   the train state's that a restore needs: the newest *published* version (pushes every
-  ``k`` steps) and the versions the workers' replay logs start from.
-- ``meta`` (JSON): format, step, the run config, parameter shapes and dtypes, the fault
-  clock (``rounds``), the last save's step and time, wall seconds so far, the goodput
-  books, the published version and the parameter-server lineage.
+  ``k`` steps), a push held back by a parameter-server outage, and the versions the
+  workers' replay logs start from or pulled.
+- ``meta`` (JSON): format, backend, step, the run config, parameter shapes and dtypes,
+  the run's books (``RunBooks.state_dict``: fault clock, last save, goodput), the
+  trace's clock and length, the published version, the saved weight versions.
 - ``controller`` (JSON): ``PromptController.state_dict()`` (prompt cursor; the RNG
   streams are pure functions of the seed and the issue number).
 - ``buffer`` (JSON): ``RolloutBuffer.state_dict()`` (buffered-but-untrained rollouts,
   in-flight prompt ids, trained and dropped books).
-- ``workers`` (JSON): ``InferenceWorker.snapshot()`` per worker: the metadata of the
-  prompts in flight (re-issued on restore by replaying the worker's log).
-- ``faults`` (JSON): fired faults, downtimes, parameter-server outage.
+- ``workers`` (JSON): per worker, in fleet order, its id and its replay log
+  (``InferenceWorker.snapshot``): the prompts in flight are generated again on restore
+  with the same ids and seeds, up to the chunk where the checkpoint found them.
+- ``fleet`` (JSON): the fleet's own books (reward counters, retired workers' counters).
+- ``faults`` (JSON): the fault plan's state (fired faults, downtimes, outages).
 - ``history`` (JSON): every step's metrics, so a resumed run's history is complete.
 - ``extra`` (JSON): the caller's (``rlaxkit train`` keeps its evaluations here).
-
-A backend other than the local one can save the same items with its own parts
-(the Ray backend does: ``rlaxkit.runtime.ray_state``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
 
-FORMAT = 1
+from rlaxkit.api import FleetCheckpoint
+from rlaxkit.checkpoint import CheckpointManager
+from rlaxkit.config import RunConfig
+from rlaxkit.runtime.books import RunBooks
+
+FORMAT = 2
 PYTREE_ITEMS = ("train_state", "weights")
-JSON_ITEMS = ("meta", "controller", "buffer", "workers", "faults", "history", "extra")
+JSON_ITEMS = ("meta", "controller", "buffer", "workers", "fleet", "faults", "history", "extra")
 # Fields that may change between a save and a resume: how long to run, how to evaluate,
 # when to checkpoint, where Ray would place actors (the local backend ignores it).
 # Everything else shapes the RL state and must match.
@@ -103,12 +113,11 @@ def check_compatible(meta: dict[str, Any], directory: str, config: dict, shapes:
             )
 
 
-def check_plan(manager: Any, plan: Any, step: int | None = None) -> None:
-    """Raises ``ValueError`` when checkpoint ``step`` was written under another plan."""
-    saved = manager.restore(step, json=["faults"])["faults"]["plan"]
+def check_plan(directory: Path, saved: list, plan: Any) -> None:
+    """Raises ``ValueError`` when a checkpoint was written under another plan."""
     if saved != plan.to_dicts():
         raise ValueError(
-            f"faults: the checkpoint in {manager.directory} was written with another fault "
+            f"faults: the checkpoint in {directory} was written with another fault "
             f"plan ({len(saved)} faults; this run has {len(plan)}); resume with the same "
             "--faults plan or start a new run directory"
         )
@@ -119,78 +128,13 @@ def weights_key(version: int) -> str:
     return f"v{version}"
 
 
-def save_experiment(exp: Any, *, force: bool = False) -> bool:
-    """Saves the local ``Experiment``'s RL state as checkpoint ``exp.version``.
-
-    Returns whether a save started (``False`` when that step is already saved, or when
-    the experiment has no run directory).
-    """
-    manager = exp.checkpoints
-    if manager is None or exp.version in manager.all_steps():
-        return False
-    start = exp.clock()
-    published = exp.param_server.latest_version()
-    needed: dict[int, Any] = {}
-    for worker in exp.workers:
-        needed |= worker.replay_weights()
-    if published is not None and published != exp.version:
-        needed[published] = exp.param_server.store.pull()[1]
-    if exp.param_server.pending is not None:
-        needed[exp.param_server.pending[0]] = exp.param_server.pending[1]
-    needed.pop(exp.version, None)  # the train state's own params
-    meta = {
-        "format": FORMAT,
-        "step": exp.version,
-        "config": exp.config.to_dict(),
-        "shapes": param_shapes(exp.state),
-        "rounds": exp.rounds,
-        "last_save_s": exp.fault_now(),
-        "clock_s": exp.trace.offset_s + exp.clock(),  # the trace's time, resumes included
-        "trace_events": exp.trace.written,
-        "published_version": published,
-        "weights": sorted(needed),
-        "useful_train_s": list(exp.useful_train_s),
-        "lost_train_s": exp.lost_train_s,
-        "lost_steps": exp.lost_steps,
-        "reward_counters": dict(exp.scorer.counters),
-        "hangs_pending": exp.scorer.hangs_pending,
-    }
-    pytrees = {"train_state": exp.state}
-    if needed:
-        pytrees["weights"] = {weights_key(v): p for v, p in needed.items()}
-    json = {
-        "meta": meta,
-        "controller": exp.controller.state_dict(),
-        "buffer": exp.buffer.state_dict(),
-        "workers": [w.snapshot() for w in exp.workers],
-        "faults": {**exp.faults.state_dict(), "param_server": exp.param_server.state_dict()},
-        "history": exp.history,
-        "extra": exp.extra,
-    }
-    manager.save(exp.version, pytrees=pytrees, json=json, force=True)
-    if force:
-        manager.wait()
-    exp.last_save_step, exp.last_save_s = exp.version, exp.fault_now()
-    exp.trained_since_save.clear()
-    exp.trace.record(
-        exp.clock(),
-        "checkpoint_save",
-        "trainer",
-        exp.version,
-        step=exp.version,
-        duration_s=exp.clock() - start,
-    )
-    return True
-
-
 def continue_trace(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Cuts the trace file ``path`` back to checkpoint ``meta`` for a resumed run.
 
     Keeps the ``meta["trace_events"]`` events written up to the checkpoint, the
     trainer's ``checkpoint_save`` of its step and the stopped run's ``run_end`` (its
     summary, when it stopped cleanly); the other events after the checkpoint go, since
-    the resumed run takes those steps again. The file is replaced atomically. A checkpoint that
-    predates the count keeps the whole file.
+    the resumed run takes those steps again. The file is replaced atomically.
 
     Returns ``offset_s`` (where the resumed run's clock starts: after the last event of
     the run that stopped, so the lost time shows as a gap), ``lost_steps`` and
@@ -235,61 +179,139 @@ def read_meta(manager: Any, step: int | None = None) -> dict[str, Any]:
     return manager.restore(step, json=["meta"])["meta"]
 
 
-def load_train_state(exp: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
-    """The train state and meta of checkpoint ``step``, after checking they fit ``exp``."""
-    manager = exp.checkpoints
-    manager.wait()
-    meta = read_meta(manager, step)
-    check_compatible(meta, str(manager.directory), exp.config.to_dict(), param_shapes(exp.state))
-    from rlaxkit.checkpoint import abstract_tree
-
-    state = manager.restore(meta["step"], pytrees={"train_state": abstract_tree(exp.state)})
-    return state["train_state"], meta
+def checkpoint_dir(run_dir: Path) -> Path:
+    """Where a run's checkpoints live."""
+    return run_dir / "checkpoints"
 
 
-def restore_experiment(exp: Any, step: int | None = None) -> dict[str, Any]:
-    """Loads checkpoint ``step`` (default: the latest) into a freshly built experiment.
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from: its directory, meta and other JSON items."""
 
-    Restores everything ``save_experiment`` wrote: afterwards the experiment continues
-    exactly as the saved one would have (deterministic mode). Returns the meta item.
+    directory: Path
+    meta: dict[str, Any]
+    items: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return self.meta["step"]
+
+
+def _holds_run(run_dir: Path) -> bool:
+    checkpoints = checkpoint_dir(run_dir)
+    return (run_dir / "trace.jsonl").exists() or (
+        checkpoints.is_dir() and any(checkpoints.iterdir())
+    )
+
+
+def find_resume_point(
+    run_dir: Path | None, config: RunConfig, plan: Any, resume: bool
+) -> ResumePoint | None:
+    """The newest checkpoint in ``run_dir`` to resume from (``None``: a new run).
 
     Raises:
-        ValueError: the checkpoint is for another config or model shape, or another
-            fault plan.
+        ValueError: ``run_dir`` holds a run and ``resume=False``; the checkpoint was
+            written by another backend, for another config (naming the field) or under
+            another fault plan; concurrent mode cannot resume.
     """
-    state, meta = load_train_state(exp, step)
-    manager = exp.checkpoints
-    step = meta["step"]
-    names = [n for n in JSON_ITEMS if n != "meta"]
-    items = manager.restore(step, json=names)
-    weights: dict[int, Any] = {step: state.params}
-    if meta["weights"]:
-        like = {weights_key(v): exp.state.params for v in meta["weights"]}
-        from rlaxkit.checkpoint import abstract_tree
-
-        saved = manager.restore(step, pytrees={"weights": abstract_tree(like)})["weights"]
-        weights |= {v: saved[weights_key(v)] for v in meta["weights"]}
-    exp.state, exp.version = state, step
-    exp.faults.load_state_dict({k: v for k, v in items["faults"].items() if k != "param_server"})
-    exp.param_server.load_state_dict(items["faults"]["param_server"], weights.__getitem__)
-    published = meta["published_version"]
-    exp.param_server.rollback(published, weights[published])
-    exp.param_server.lineage = items["faults"]["param_server"]["lineage"]
-    exp.controller.load_state_dict(items["controller"])
-    exp.buffer.load_state_dict(items["buffer"])
-    for worker, snapshot in zip(exp.workers, items["workers"], strict=True):
-        worker.restore(
-            snapshot,
-            issue_for=exp.controller.issue_for,
-            problem_for=lambda issue: exp.problems[issue.problem_index],
-            weights_for=weights.__getitem__,
+    if run_dir is None:
+        return None
+    directory = checkpoint_dir(run_dir)
+    steps: tuple[int, ...] = ()
+    if directory.is_dir():
+        with CheckpointManager(directory, async_save=False) as manager:
+            steps = manager.all_steps()
+            if steps and resume:
+                meta = read_meta(manager, steps[-1])
+                names = [n for n in JSON_ITEMS if n != "meta"]
+                items = manager.restore(steps[-1], json=names)
+    if not steps or not resume:
+        if resume or not _holds_run(run_dir):
+            return None
+        raise ValueError(
+            f"run_dir {run_dir} already holds a run and resume=False: give a new run "
+            "directory, or resume=True to continue it"
         )
-    exp.rounds = meta["rounds"]
-    exp.last_save_step, exp.last_save_s = step, meta["last_save_s"]
-    exp.useful_train_s = list(meta["useful_train_s"])
-    exp.lost_train_s, exp.lost_steps = meta["lost_train_s"], meta["lost_steps"]
-    exp.scorer.counters.update(meta["reward_counters"])
-    exp.scorer.hangs_pending = meta["hangs_pending"]
-    exp.history = list(items["history"])
-    exp.extra = dict(items["extra"])
-    return meta
+    if config.runtime.mode == "concurrent":
+        raise ValueError(
+            f"run_dir {run_dir} holds checkpoints; runtime.mode=concurrent cannot resume "
+            "them (use runtime.mode=deterministic, or a new run directory)"
+        )
+    backend = meta.get("backend")
+    if backend != config.runtime.backend:
+        raise ValueError(
+            f"checkpoint in {directory} was written by the {backend} backend: resume it "
+            f"with runtime.backend={backend}, or start a new run directory"
+        )
+    # Format and config now; parameter shapes once the model is built.
+    check_compatible(meta, str(directory), config.to_dict(), meta["shapes"])
+    check_plan(directory, items["faults"].get("plan", []), plan)
+    return ResumePoint(directory, meta, items)
+
+
+def continue_files(run_dir: Path, point: ResumePoint) -> dict[str, Any]:
+    """Cuts trace.jsonl back to the checkpoint (:func:`continue_trace`, whose figures it
+    returns) and rewrites metrics.jsonl from its history, atomically."""
+    resumed = continue_trace(run_dir / "trace.jsonl", point.meta)
+    replace_lines(run_dir / "metrics.jsonl", [json.dumps(row) for row in point.items["history"]])
+    return resumed
+
+
+def encode(
+    *,
+    config: RunConfig,
+    books: RunBooks,
+    controller: Any,
+    buffer: Any,
+    fleet: FleetCheckpoint,
+    faults: dict[str, Any],
+    published: int,
+    weights: dict[int, Any],
+    shapes: dict[str, list],
+    clock_s: float,
+    trace_events: int,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The JSON items and the ``weights`` item of a checkpoint of ``books.version``.
+
+    Args:
+        weights: version -> params of every version a restore needs besides the train
+            state's own (the published one, the replay logs', a held-back push).
+        shapes: ``param_shapes`` of the params (checked before a restore).
+        clock_s: the trace's clock now (a resumed run's clock goes on from it).
+        trace_events: events trace.jsonl holds now.
+    """
+    meta = {
+        "format": FORMAT,
+        "backend": config.runtime.backend,
+        "config": config.to_dict(),
+        "shapes": shapes,
+        **books.state_dict(),
+        "clock_s": clock_s,
+        "trace_events": trace_events,
+        "published_version": published,
+        "weights": sorted(weights),
+    }
+    items = {
+        "meta": meta,
+        "controller": controller.state_dict(),
+        "buffer": buffer.state_dict(),
+        "workers": fleet.workers,
+        "fleet": fleet.books,
+        "faults": faults,
+        "history": books.history,
+        "extra": books.extra,
+    }
+    arrays = {weights_key(v): params for v, params in weights.items()} or None
+    return items, arrays
+
+
+def read_weights(point: ResumePoint, template: Any) -> dict[int, Any]:
+    """The ``weights`` item of ``point`` as ``version -> params`` shaped like
+    ``template`` (abstract params)."""
+    versions = point.meta["weights"]
+    if not versions:
+        return {}
+    like = {weights_key(v): template for v in versions}
+    with CheckpointManager(point.directory, async_save=False) as manager:
+        saved = manager.restore(point.step, pytrees={"weights": like})["weights"]
+    return {v: saved[weights_key(v)] for v in versions}

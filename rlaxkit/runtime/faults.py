@@ -1,6 +1,10 @@
-"""Fault injection for the local runtime: a ``FaultPlan`` fired on the run's fault clock.
+"""Fault injection: a ``FaultPlan`` fired on the run's fault clock, on every placement.
 
-The plan format is the simulator's (``rlaxkit.faults``); what each fault does here:
+Faults are wrappers applied only when a plan is given: without one the driver holds
+``NO_FAULTS``, whose every method is a no-op. With one, ``FaultInjector`` fires the due
+faults through the placement's parts (the fleet, the trainer client, the store) and
+keeps what is down. The plan format is the simulator's (``rlaxkit.faults``); what each
+fault does:
 
 - ``preempt_worker`` / ``preempt_slice``: the worker(s) lose their engine, weights and
   in-flight prompts; the prompts go back to the controller and are re-issued with the
@@ -16,6 +20,13 @@ The plan format is the simulator's (``rlaxkit.faults``); what each fault does he
 - ``fail_pull``: the next ``count`` pulls of ``target`` (any worker when unset) fail.
 - ``hang_reward``: the next ``count`` reward calls hang until the reward timeout.
 
+On Ray a preemption is real: the worker's or the trainer's actor is killed (the fleet
+starts a new worker actor after the downtime; Ray restarts the trainer, which restores
+the checkpoint), and ``kill_param_server`` kills the parameter-server actor, which Ray
+restarts empty and the trainer publishes to again. The kinds that reach inside a
+worker's process (``fail_pull``, ``hang_reward``) are injected by the local placement
+only; a plan with them is refused on Ray before anything starts.
+
 The fault clock (``Experiment.fault_now``) is logical in deterministic mode: ``rounds ·
 runtime.round_s``. A timed fault fires at the start of the first round at or after its
 ``at_s``; a step fault right after the trainer finishes that step, before it pushes or
@@ -27,14 +38,25 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 
 from rlaxkit.faults import Fault, FaultPlan
 
-__all__ = ["FaultState", "ParameterServerUnavailable", "UnreliableParameterServer"]
+if TYPE_CHECKING:
+    from rlaxkit.config import RunConfig
+    from rlaxkit.runtime.driver import Experiment
+
+__all__ = [
+    "NO_FAULTS",
+    "FaultInjector",
+    "FaultState",
+    "ParameterServerUnavailable",
+    "UnreliableParameterServer",
+    "load_plan",
+]
 
 
 class ParameterServerUnavailable(ConnectionError):
@@ -261,3 +283,229 @@ def load_plan(plan: FaultPlan | str | os.PathLike | list | None) -> FaultPlan:
     if isinstance(plan, list | tuple):
         return FaultPlan.from_dicts(plan)
     return FaultPlan.load(plan)
+
+
+# Kinds a Ray placement injects; the others reach inside a worker's process.
+RAY_KINDS = (
+    "preempt_worker",
+    "preempt_slice",
+    "preempt_trainer",
+    "kill_param_server",
+    "slow_worker",
+)
+
+
+def check_plan_supported(plan: FaultPlan, config: RunConfig) -> None:
+    """Refuses, naming the fix, a plan the placement cannot inject.
+
+    Raises:
+        ValueError: a plan in concurrent mode, or a kind Ray does not inject.
+    """
+    if not len(plan):
+        return
+    if config.runtime.mode == "concurrent":
+        raise ValueError(
+            "faults: fault injection replays on the deterministic loop's logical clock; "
+            "runtime.mode=concurrent does not support it (use runtime.mode=deterministic)"
+        )
+    if config.runtime.backend == "ray":
+        for index, fault in enumerate(plan):
+            if fault.kind not in RAY_KINDS:
+                raise ValueError(
+                    f"faults[{index}].kind: {fault.kind!r} reaches inside a worker's process "
+                    f"and is injected by runtime.backend=local only; on ray use {RAY_KINDS}"
+                )
+
+
+class NoFaults:
+    """The driver's fault hooks when no plan is given: nothing fires, nothing is down."""
+
+    def before_round(self, exp: Experiment, now_s: float) -> None:
+        pass
+
+    def live(self, worker_ids: list[str]) -> list[str]:
+        return worker_ids
+
+    def chunked(self, worker_ids: list[str], now_s: float) -> list[str]:
+        return worker_ids
+
+    def due_step(self, step: int) -> list[Fault]:
+        return []
+
+    def apply(self, exp: Experiment, fault: Fault) -> None:
+        raise AssertionError("no fault plan")
+
+    def trainer_down(self) -> bool:
+        return False
+
+    def restore_trainer_if_due(self, exp: Experiment) -> None:
+        pass
+
+    def waiting(self) -> bool:
+        return False
+
+    def held_weights(self) -> dict[int, Any]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"plan": []}
+
+    def load_state_dict(self, state: dict[str, Any], weights: dict[int, Any]) -> None:
+        pass
+
+
+NO_FAULTS = NoFaults()
+
+
+class FaultInjector(NoFaults):
+    """Fires a plan's faults through the driver's parts and keeps what is down.
+
+    Args:
+        state: which faults fired, what is down or slow (``FaultState``).
+        store: the placement's faulty store (local: an ``UnreliableParameterServer``;
+            ``None`` where outages are real, on Ray).
+    """
+
+    def __init__(self, state: FaultState, store: UnreliableParameterServer | None = None):
+        self.state = state
+        self.store = store
+
+    @staticmethod
+    def for_plan(plan: FaultPlan, config: RunConfig) -> NoFaults:
+        """``NO_FAULTS`` for an empty plan, else an injector (its store is set by the
+        placement)."""
+        check_plan_supported(plan, config)
+        if not len(plan):
+            return NO_FAULTS
+        runtime = config.runtime
+        worker_ids = [f"worker-{i}" for i in range(runtime.num_workers)]
+        return FaultInjector(
+            FaultState(plan, worker_ids, runtime.workers_per_slice, runtime.restart_s)
+        )
+
+    # -- the round -------------------------------------------------------------------
+    def before_round(self, exp: Experiment, now_s: float) -> None:
+        """Fires due timed faults, then brings back what is due."""
+        for fault in self.state.due_timed(now_s):
+            self.apply(exp, fault)
+        for worker_id, until in sorted(self.state.worker_down.items()):
+            if now_s >= until:
+                del self.state.worker_down[worker_id]
+                exp.fleet.restart(worker_id)
+                exp.trace.record(exp.clock(), "restart", worker_id, None)
+        if self.store is not None and self.store.tick(now_s):
+            exp.trace.record(exp.clock(), "restart", "param_server", self.store.latest_version())
+
+    def live(self, worker_ids: list[str]) -> list[str]:
+        return [w for w in worker_ids if w not in self.state.worker_down]
+
+    def chunked(self, worker_ids: list[str], now_s: float) -> list[str]:
+        return [w for w in worker_ids if self.state.takes_chunk(w, now_s)]
+
+    def due_step(self, step: int) -> list[Fault]:
+        return self.state.due_step(step)
+
+    def trainer_down(self) -> bool:
+        return self.state.trainer_down_until is not None
+
+    def waiting(self) -> bool:
+        return self.state.waiting() or (
+            self.store is not None and self.store.down_until is not None
+        )
+
+    # -- firing ----------------------------------------------------------------------
+    def apply(self, exp: Experiment, fault: Fault) -> None:
+        """Injects one fault (see the module docstring)."""
+        now, down = exp.fault_now(), self.state.downtime(fault)
+        if fault.kind in ("preempt_worker", "preempt_slice"):
+            for worker_id in self.state.targets(fault):
+                self.preempt_worker(exp, worker_id, down)
+            return
+        if fault.kind == "preempt_trainer":
+            self.state.trainer_down_until = now + down
+            exp.trace.record(
+                exp.clock(),
+                "preemption",
+                "trainer",
+                exp.version,
+                lost_steps=exp.version - exp.books.last_save_step,
+            )
+            exp.trainer.kill()
+            return
+        actor = {"kill_param_server": "param_server", "hang_reward": "verifier"}
+        exp.trace.record(
+            exp.clock(),
+            "fault",
+            fault.target or actor.get(fault.kind, "controller"),
+            None,
+            fault=fault.kind,
+            logical_s=now,
+        )
+        if fault.kind == "kill_param_server":
+            if self.store is not None:
+                self.store.kill(now + down)
+            else:
+                exp.parts.kill_store()
+        elif fault.kind == "slow_worker":
+            self.state.slow[fault.target] = [fault.factor, now + fault.duration_s, 0.0]
+        elif fault.kind == "fail_pull":
+            assert self.store is not None  # refused on Ray before the run starts
+            self.store.failing[fault.target or "*"] += fault.count
+        elif fault.kind == "hang_reward":
+            exp.parts.scorer.inject_hang(fault.count)
+
+    def preempt_worker(self, exp: Experiment, worker_id: str, down_s: float) -> None:
+        """Takes a worker down for ``down_s`` fault-clock seconds; its in-flight prompts
+        are re-issued (same ids and seeds) to whichever worker has room."""
+        lost = exp.fleet.preempt(worker_id)
+        exp.requeue(lost)
+        self.state.worker_down[worker_id] = exp.fault_now() + down_s
+        exp.trace.record(
+            exp.clock(), "preemption", worker_id, None, reissued=len(lost), down_s=down_s
+        )
+
+    def restore_trainer_if_due(self, exp: Experiment) -> None:
+        """After its downtime the trainer restores its last checkpoint: the steps since
+        are lost, their groups go back to the buffer's ready queue, the store starts a
+        new lineage at the restored version, and workers holding weights of the
+        discarded branch drop them and re-issue their prompts."""
+        until = self.state.trainer_down_until
+        if until is None or exp.fault_now() < until:
+            return
+        start = exp.clock()
+        exp.trace.record(start, "restart", "trainer", exp.version)
+        restored = exp.trainer.restore(exp.books.last_save_step)
+        lost_groups = exp.books.roll_back(restored)
+        self.state.trainer_down_until = None
+        for group_id in exp.buffer.rollback(restored, lost_groups):
+            exp.drop_event(group_id, "rolled_back")
+        exp.published = exp.trainer.publish(restored, reset=True)
+        for worker_id, version in exp.fleet.versions().items():
+            if version is not None and version > restored:  # weights of a void branch
+                exp.requeue(exp.fleet.preempt(worker_id))
+        exp.trace.record(
+            exp.clock(),
+            "checkpoint_restore",
+            "trainer",
+            restored,
+            step=restored,
+            duration_s=exp.clock() - start,
+        )
+
+    # -- checkpoints -----------------------------------------------------------------
+    def held_weights(self) -> dict[int, Any]:
+        """A push held back by a parameter-server outage (a checkpoint keeps it)."""
+        if self.store is None or self.store.pending is None:
+            return {}
+        return {self.store.pending[0]: self.store.pending[1]}
+
+    def state_dict(self) -> dict[str, Any]:
+        out = self.state.state_dict()
+        if self.store is not None:
+            out["param_server"] = self.store.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any], weights: dict[int, Any]) -> None:
+        self.state.load_state_dict({k: v for k, v in state.items() if k != "param_server"})
+        if self.store is not None:
+            self.store.load_state_dict(state["param_server"], weights.__getitem__)

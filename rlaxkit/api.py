@@ -1,0 +1,209 @@
+"""The contracts that hold a run together: what the driver asks of its parts, and the
+typed messages they answer with.
+
+One driver (``rlaxkit.runtime.driver.Driver``) runs the loop of every backend. A backend
+is a *placement*: which ``Fleet`` of inference workers and which ``TrainerClient`` the
+driver is given (in-process objects for ``runtime.backend=local``, Ray actors for
+``ray``). The parameter server is ``rlaxkit.param_server.ParameterServer``; the trace
+sink is ``rlaxkit.runtime.common.RunTrace``; tasks and tokenizers are
+``rlaxkit.tasks.Task`` and ``rlaxkit.models.Tokenizer``. Messages between the driver and
+its parts are the frozen dataclasses below (never string-keyed dicts), so they pickle the
+same way to a Ray actor as they pass in-process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from rlaxkit.controller import Issue
+from rlaxkit.models import Tokenizer
+from rlaxkit.param_server import ParameterServer
+from rlaxkit.rollout import Rollout
+from rlaxkit.tasks import Problem, Task
+from rlaxkit.trace import TraceEvent
+
+__all__ = [
+    "ChunkReply",
+    "Fleet",
+    "FleetCheckpoint",
+    "ParameterServer",
+    "PublishReply",
+    "SaveReply",
+    "SyncReply",
+    "Task",
+    "Tokenizer",
+    "TrainResult",
+    "TrainerClient",
+    "Work",
+]
+
+
+class Work(NamedTuple):
+    """A prompt handed to a worker: its issue (ids, seeds) and the problem."""
+
+    issue: Issue
+    problem: Problem
+
+
+@dataclass(frozen=True)
+class SyncReply:
+    """A worker's answer to a sync (pull if its staleness policy says so).
+
+    Attributes:
+        free: prompts it can take now.
+        version: the weight version it holds (``None``: none yet).
+        failed_pulls: its failed pulls so far.
+        retry: the sync may not have done what the deterministic loop would (a failed
+            pull, an empty store while the parameter server restarts, weights lost with
+            a dead trainer); nothing changed, and the fleet may repair and ask again.
+        weights_lost: the newest weights died with the trainer that owned them.
+        events: trace events the worker recorded.
+    """
+
+    free: int
+    version: int | None
+    failed_pulls: int = 0
+    retry: bool = False
+    weights_lost: bool = False
+    events: Sequence[TraceEvent] = ()
+
+
+@dataclass(frozen=True)
+class ChunkReply:
+    """A worker's answer to one chunk of decoding.
+
+    Attributes:
+        rollouts: finished, scored samples, in the order the worker finished them.
+        busy: prompts are still running on it.
+        generated_tokens: tokens it generated in all (a running total).
+        events: trace events the worker recorded.
+    """
+
+    rollouts: Sequence[Rollout]
+    busy: bool
+    generated_tokens: int
+    events: Sequence[TraceEvent] = ()
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One train step: its metrics (floats), compute seconds, trace events."""
+
+    metrics: Mapping[str, float]
+    duration_s: float
+    events: Sequence[TraceEvent] = ()
+
+
+@dataclass(frozen=True)
+class PublishReply:
+    """What the store holds after a publish, and the trainer's trace events."""
+
+    version: int | None
+    events: Sequence[TraceEvent] = ()
+
+
+@dataclass(frozen=True)
+class SaveReply:
+    """Whether a checkpoint was written, and the trainer's trace events."""
+
+    saved: bool
+    events: Sequence[TraceEvent] = ()
+
+
+@dataclass
+class FleetCheckpoint:
+    """What a checkpoint keeps of the fleet.
+
+    Attributes:
+        workers: per worker, in fleet order: ``worker_id``, ``in_flight`` (group ids)
+            and ``snapshot`` (its replay log, ``InferenceWorker.snapshot``).
+        books: the fleet's own counters (JSON).
+        weights: version -> params of the versions the replay logs start from or pulled.
+    """
+
+    workers: list[dict[str, Any]]
+    books: dict[str, Any] = field(default_factory=dict)
+    weights: dict[int, Any] = field(default_factory=dict)
+
+
+class Fleet(Protocol):
+    """The inference workers, as the driver sees them.
+
+    A round is ``sync`` then ``step``: every live worker pulls if it must and reports its
+    room; the driver issues prompts in worker order; every live worker starts its prompts
+    and decodes one chunk; replies come back in worker order. Workers may run in
+    parallel within a phase, but each one's inputs are those of the deterministic loop.
+    """
+
+    def worker_ids(self) -> list[str]:
+        """The workers in the fleet, in order."""
+        ...
+
+    def sync(self, live: Sequence[str]) -> dict[str, SyncReply]:
+        """Workers in ``live`` pull if their policy says so; replies of those that
+        answered (a dead one is dropped from the fleet and its prompts returned by
+        :meth:`take_lost`)."""
+        ...
+
+    def step(
+        self, work: Mapping[str, Sequence[Work]], chunked: Sequence[str]
+    ) -> list[tuple[str, ChunkReply]]:
+        """Hands each worker its ``work``; those in ``chunked`` decode one chunk."""
+        ...
+
+    def preempt(self, worker_id: str) -> list[Issue]:
+        """Takes a worker's engine, weights and in-flight prompts away (really: on Ray its
+        process is killed); returns the prompts, which the driver re-issues."""
+        ...
+
+    def take_lost(self) -> list[tuple[str, list[Issue]]]:
+        """Workers that died since the last call, with the prompts they held."""
+        ...
+
+    def generated_tokens(self) -> int: ...
+
+    def failed_pulls(self) -> int: ...
+
+    def checkpoint(self, skip_version: int) -> FleetCheckpoint:
+        """Replay logs and the weights they need (``skip_version``'s excepted: the
+        train state's own)."""
+        ...
+
+    def restore(
+        self,
+        saved: FleetCheckpoint,
+        work_for: Any,
+    ) -> list[TraceEvent]:
+        """Rebuilds every worker from its replay log (``work_for(group_id) -> Work``)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class TrainerClient(Protocol):
+    """The trainer, as the driver sees it: one process or a group of them."""
+
+    def train(self, batch: Any, step: int) -> TrainResult:
+        """Takes train step ``step`` (the state is at ``step - 1``) and pushes per the
+        weight-sync policy."""
+        ...
+
+    def publish(self, step: int) -> PublishReply:
+        """Makes sure the store holds the trainer's newest published version."""
+        ...
+
+    def host_params(self, step: int) -> Any:
+        """The params at ``step`` (for evaluation and checkpoints)."""
+        ...
+
+    def save(self, step: int, json: dict[str, Any], weights: dict[str, Any] | None) -> SaveReply:
+        """Saves checkpoint ``step``: the train state with the driver's items."""
+        ...
+
+    def restore(self, max_step: int, published: tuple[int, Any] | None = None) -> int:
+        """Loads the newest checkpoint at or below ``max_step``; returns its step."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,122 @@
+"""The run's books: where the loop is, what it saved, what its compute bought.
+
+Plain dataclasses with ``state_dict`` / ``load_state_dict``, held by the driver and
+written into every checkpoint by one codec (``rlaxkit.runtime.state``). Nothing here
+knows which backend runs the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlaxkit.rollout import RolloutGroup
+
+
+@dataclass
+class RunBooks:
+    """The loop's position and its goodput books.
+
+    Attributes:
+        version: the trainer's weight version (= train steps taken and kept).
+        rounds: fleet rounds so far (the deterministic fault clock counts them).
+        last_save_step: the step of the newest checkpoint (0 before any).
+        last_save_s: the fault clock at that checkpoint.
+        useful_train_s: compute seconds of each step the current weights descend from.
+        lost_train_s: compute seconds of steps that were lost (and taken again).
+        lost_steps: how many such steps.
+        history: every kept step's metrics.
+        extra: the caller's JSON, saved with every checkpoint (``rlaxkit train`` keeps
+            its evaluations here).
+        resumed_from: the checkpoint step this process resumed from (``None``: fresh).
+        trained_since_save: the groups of each step since the newest checkpoint (what a
+            trainer restore rolls back); not saved: a checkpoint empties it.
+    """
+
+    version: int = 0
+    rounds: int = 0
+    last_save_step: int = 0
+    last_save_s: float = 0.0
+    useful_train_s: list[float] = field(default_factory=list)
+    lost_train_s: float = 0.0
+    lost_steps: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    resumed_from: int | None = None
+    trained_since_save: dict[int, list[RolloutGroup]] = field(default_factory=dict)
+
+    def record_step(self, groups: list[RolloutGroup], duration_s: float) -> None:
+        """A train step was taken on ``groups`` in ``duration_s`` compute seconds."""
+        self.version += 1
+        self.useful_train_s.append(duration_s)
+        self.trained_since_save[self.version] = groups
+
+    def redo_step(self, step: int, duration_s: float) -> None:
+        """Step ``step`` was taken again (a restarted trainer replayed it): its first
+        run becomes lost compute."""
+        self.lost_train_s += self.useful_train_s[step - 1]
+        self.useful_train_s[step - 1] = duration_s
+        self.lost_steps += 1
+
+    def roll_back(self, step: int) -> list[RolloutGroup]:
+        """The trainer went back to checkpoint ``step``: the steps after it are lost;
+        returns their groups."""
+        lost_groups: list[RolloutGroup] = []
+        for taken in sorted(self.trained_since_save):
+            if taken > step:
+                lost_groups.extend(self.trained_since_save.pop(taken))
+        lost = self.useful_train_s[step:]
+        self.lost_steps += len(lost)
+        self.lost_train_s += sum(lost)
+        del self.useful_train_s[step:]
+        self.version = step
+        return lost_groups
+
+    def saved(self, fault_clock_s: float) -> None:
+        """A checkpoint of the current version was written."""
+        self.last_save_step, self.last_save_s = self.version, fault_clock_s
+        self.trained_since_save.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (``history`` and ``extra`` go in items of their own)."""
+        return {
+            "step": self.version,
+            "rounds": self.rounds,
+            "last_save_s": self.last_save_s,
+            "useful_train_s": list(self.useful_train_s),
+            "lost_train_s": self.lost_train_s,
+            "lost_steps": self.lost_steps,
+        }
+
+    def load_state_dict(
+        self, state: dict[str, Any], history: list[dict[str, Any]], extra: dict[str, Any]
+    ) -> None:
+        """Continues from a checkpoint's books (losses already counted are added)."""
+        self.version = self.last_save_step = self.resumed_from = state["step"]
+        self.rounds = state["rounds"]
+        self.last_save_s = state["last_save_s"]
+        self.useful_train_s = list(state["useful_train_s"])
+        self.lost_train_s += state["lost_train_s"]
+        self.lost_steps += state["lost_steps"]
+        self.history = list(history)
+        self.extra = dict(extra)
+        self.trained_since_save.clear()
+
+
+@dataclass
+class Window:
+    """Counters since the previous step, for that step's throughput metrics."""
+
+    t: float = 0.0
+    tokens: int = 0
+    samples: int = 0
+
+    def close(self, t: float, tokens: int) -> dict[str, float]:
+        """Throughput over the window that ends at ``t``; starts the next one."""
+        elapsed = max(t - self.t, 1e-9)
+        out = {
+            "throughput/tokens_per_s": (tokens - self.tokens) / elapsed,
+            "throughput/samples_per_s": self.samples / elapsed,
+        }
+        self.t, self.tokens, self.samples = t, tokens, 0
+        return out

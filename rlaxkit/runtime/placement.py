@@ -1,0 +1,95 @@
+"""Where a run's parts live: ``runtime.backend`` picks the placement the driver drives.
+
+``start_placement`` builds the task, tokenizer and model graph, and the placement's
+fleet, trainer client and parameter-server client (``Parts``). The local placement
+(``rlaxkit.runtime.local``) keeps everything in this process; the Ray placement
+(``rlaxkit.runtime.ray_placement``) starts actors, and is imported only when asked for,
+so ``import rlaxkit.runtime`` does not import Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlaxkit.config import RunConfig
+
+if TYPE_CHECKING:
+    from rlaxkit.runtime.books import RunBooks
+    from rlaxkit.runtime.common import RunTrace
+    from rlaxkit.runtime.faults import NoFaults
+
+
+@dataclass
+class Parts:
+    """A placement's parts, as the driver uses them.
+
+    Attributes:
+        task, tokenizer, graphdef: the run's task, tokenizer and model graph.
+        warm_start: what the warm start did (``cached``, ``steps``, ...).
+        fleet: the inference workers (``rlaxkit.api.Fleet``).
+        trainer: the trainer client (``rlaxkit.api.TrainerClient``).
+        store: the driver's parameter-server client (it reads ``latest_version``).
+        scorer: a ``RewardRunner`` in this process (evaluation; local scoring).
+        shapes: ``param_shapes`` of the params (checked against a checkpoint's).
+        template: abstract params (a checkpoint's weights restore onto it).
+        collector: concurrent mode's thread collector, else ``None``.
+        published_weights: version -> params of a published version (checkpoints).
+        schedule: step -> fleet size the placement wants after it (``None``: keep).
+        kill_store: kills the parameter server for real (Ray's ``kill_param_server``).
+        teardown: stops what the placement started.
+    """
+
+    task: Any
+    tokenizer: Any
+    graphdef: Any
+    warm_start: dict[str, Any]
+    fleet: Any
+    trainer: Any
+    store: Any
+    scorer: Any
+    shapes: dict[str, list]
+    template: Any
+    collector: Any = None
+    published_weights: Callable[[int], Any] = lambda version: None
+    schedule: Callable[[int], int | None] = lambda step: None
+    kill_store: Callable[[], None] = lambda: None
+    teardown: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Runs the teardowns, newest first (each once)."""
+        while self.teardown:
+            self.teardown.pop()()
+
+
+def start_placement(
+    config: RunConfig,
+    *,
+    trace: RunTrace,
+    clock: Callable[[], float],
+    books: RunBooks,
+    faults: NoFaults,
+    run_dir: Path | None,
+    cache_dir: Path | None,
+    ray_config: Any = None,
+) -> Parts:
+    """The parts of ``config.runtime.backend``'s placement, started."""
+    backend = config.runtime.backend
+    if backend == "local":
+        from rlaxkit.runtime.local import start_local
+
+        return start_local(config, trace, clock, faults, run_dir, cache_dir)
+    if backend == "ray":
+        try:
+            from rlaxkit.runtime.ray_placement import start_ray
+        except ModuleNotFoundError as error:
+            if error.name != "ray":
+                raise
+            raise ImportError(
+                'runtime.backend=ray needs Ray: pip install -e ".[ray]" (or use '
+                "runtime.backend=local)"
+            ) from error
+        return start_ray(config, trace, clock, books, run_dir, cache_dir, ray_config)
+    raise ValueError(f"runtime.backend: {backend!r} is not one of ('local', 'ray')")
