@@ -1,4 +1,5 @@
-"""Goodput of the local runtime with and without injected faults, in the same process.
+"""Goodput with and without injected faults, on the local and the Ray placement, in one
+process.
 
 Goodput is the compute of the trainer steps that survive to the end of the run divided
 by the run's wall time (``Experiment.summary()``; the simulator's definition). Three
@@ -9,12 +10,16 @@ runs of the same tiny deterministic config, one after the other:
 3. the same run under ``configs/faults/standard.yaml`` (every fault kind once: a slow
    worker, failed pulls, a worker and a slice preemption, a hung reward, a trainer
    preemption that rolls back to the last checkpoint, a parameter-server outage); the
-   full run adds seeded random worker preemptions.
+   full run adds seeded random worker preemptions;
+4. on Ray (when it is installed; ``--no-ray`` skips it): the same config under the same
+   plan less the kinds only the local placement injects (``fail_pull``, ``hang_reward``
+   reach inside a worker's process), with real actor kills.
 
 The last line printed is a JSON object with ``goodput_clean``, ``goodput_faults``,
 ``goodput_ratio`` (faults ÷ clean), ``accepted_lost`` (accepted rollouts neither trained,
 buffered nor dropped with a reason: must be 0), ``lost_steps``, ``preemptions``, the wall
-seconds of both runs, and ``rounds_clean`` / ``rounds_faults`` with ``round_ratio``.
+seconds of both runs, ``rounds_clean`` / ``rounds_faults`` with ``round_ratio``, and
+for the Ray run ``accepted_lost_ray`` and ``goodput_faults_ray``.
 
 How to read it: in deterministic mode the faults' downtimes pass on the logical clock
 (decode rounds), not the wall clock, and in one process a worker that is down frees the
@@ -54,9 +59,9 @@ TINY = [
 ]
 
 
-def run(config: RunConfig, run_dir: Path, cache: Path, plan: FaultPlan | None) -> dict:
+def run(config: RunConfig, run_dir: Path, cache: Path, plan: FaultPlan | None, **extra) -> dict:
     """One run to ``config.steps``; its summary with the accounting checked."""
-    with Experiment(config, run_dir=run_dir, cache_dir=cache, faults=plan) as exp:
+    with Experiment(config, run_dir=run_dir, cache_dir=cache, faults=plan, **extra) as exp:
         exp.run()
         exp.check_accounting()
         summary = exp.summary()
@@ -64,10 +69,39 @@ def run(config: RunConfig, run_dir: Path, cache: Path, plan: FaultPlan | None) -
     return summary
 
 
+def run_on_ray(config: RunConfig, root: Path, plan: FaultPlan) -> dict | None:
+    """The faulted run on the Ray placement (``None`` without Ray)."""
+    try:
+        import ray
+    except ModuleNotFoundError:
+        return None
+    from rlaxkit.ray_config import small_cluster_config
+    from rlaxkit.runtime.faults import RAY_KINDS
+
+    ray_plan = FaultPlan(tuple(f for f in plan if f.kind in RAY_KINDS))
+    from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG
+
+    on_ray = RunConfig.from_dict(apply_overrides(config.to_dict(), ["runtime.backend=ray"]))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=tempfile.mkdtemp(prefix="ray-"),  # socket paths must be short
+        _system_config=RAY_SYSTEM_CONFIG,
+    )
+    try:
+        extra = {"ray_config": small_cluster_config()}
+        return run(on_ray, root / "ray", root / "cache", ray_plan, **extra)
+    finally:
+        ray.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 steps (< 60 s on 2 cores)")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray run")
     args = parser.parse_args()
     steps = 8 if args.quick else args.steps
     config = RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), [*TINY, f"steps={steps}"]))
@@ -87,6 +121,7 @@ def main() -> None:
         run(config, root / "warmup", root / "cache", plan)
         clean = run(config, root / "clean", root / "cache", None)
         faults = run(config, root / "faults", root / "cache", plan)
+        on_ray = None if args.no_ray else run_on_ray(config, root, plan)
     for name, summary in (("clean", clean), ("faults", faults)):
         print(
             f"{name:7s} goodput {summary['goodput']:.3f}  useful {summary['useful_train_s']:.2f} s"
@@ -109,6 +144,17 @@ def main() -> None:
         "rounds_faults": faults["rounds"],
         "round_ratio": round(faults["rounds"] / clean["rounds"], 4),
     }
+    if on_ray is not None:
+        print(
+            f"ray     goodput {on_ray['goodput']:.3f}  wall {on_ray['wall_s']:.2f} s  lost "
+            f"steps {on_ray['lost_steps']}  preemptions {on_ray['preemptions']}"
+        )
+        result |= {
+            "accepted_lost_ray": on_ray["accepted_lost"],
+            "goodput_faults_ray": round(on_ray["goodput"], 4),
+            "lost_steps_ray": on_ray["lost_steps"],
+            "preemptions_ray": on_ray["preemptions"],
+        }
     print(json.dumps(result))
 
 

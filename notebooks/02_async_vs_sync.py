@@ -101,7 +101,7 @@ for preset in PRESETS:
                 problems=exp.task.problems("test", EVAL_PROBLEMS),
                 n=EVAL_SAMPLES,
                 ks=[k for k in (1, 2, 4, 8) if k <= EVAL_SAMPLES],
-                runner=exp.scorer,
+                runner=exp.parts.scorer,
             )
             runs[label] = {
                 "metrics": metrics,

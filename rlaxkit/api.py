@@ -79,12 +79,14 @@ class ChunkReply:
         busy: prompts are still running on it.
         generated_tokens: tokens it generated in all (a running total).
         events: trace events the worker recorded.
+        reward_counters: its reward runner's counters (running totals).
     """
 
     rollouts: Sequence[Rollout]
     busy: bool
     generated_tokens: int
     events: Sequence[TraceEvent] = ()
+    reward_counters: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -72,33 +72,24 @@ def run_job(
     SIGINT the job finishes its current step, checkpoints and returns a summary with
     ``"preempted": true`` (no final eval, no plots).
 
-    ``runtime.backend`` picks the backend: ``local`` runs ``Experiment``, ``ray`` runs
-    ``RayExperiment`` (placed per ``config.ray``). Both checkpoint on a signal and
-    resume; the ray backend injects no fault plans (it raises ``ValueError`` before
-    starting).
+    ``runtime.backend`` picks where ``Experiment`` places the run's parts: ``local`` (this
+    process) or ``ray`` (actors placed per ``config.ray``). Both checkpoint on a signal,
+    resume, and replay fault plans.
 
     Args:
-        faults: a FaultPlan file to inject (local backend only).
+        faults: a FaultPlan file to inject.
         cache_dir: where the warm start is cached (default: ``run_dir``).
     """
     from rlaxkit import runtime
     from rlaxkit.models import save_hf_checkpoint
     from rlaxkit.plotting import plot_run
 
-    local = config.runtime.backend == "local"
-    if faults and not local:
-        raise ValueError(
-            f"--faults: fault plans are injected by the local backend only, and "
-            f"runtime.backend is {config.runtime.backend!r}; run with "
-            "--set runtime.backend=local to inject one (on Ray, kill actors with ray.kill)"
-        )
-    backend = runtime.Experiment if local else runtime.RayExperiment
     run_dir = Path(run_dir)
     start = time.perf_counter()
     log(f"run directory: {run_dir} ({config.runtime.backend} backend)")
     with (
         StopRequest(log) as stop,
-        backend(
+        runtime.Experiment(
             config, run_dir=run_dir, progress=progress, faults=faults, cache_dir=cache_dir
         ) as exp,
     ):

@@ -19,7 +19,7 @@ from rlaxkit.runtime import Experiment
 ray = pytest.importorskip("ray")
 
 from rlaxkit.ray_config import RayConfig, small_cluster_config  # noqa: E402
-from rlaxkit.runtime.ray_backend import RayExperiment  # noqa: E402
+from rlaxkit.runtime import RayExperiment  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -60,7 +60,7 @@ def test_two_trainer_processes_learn_as_one_and_survive_losing_one(ray_cluster, 
         for _ in range(3):  # checkpoints at steps 0 and 2, written by both processes
             exp.step()
             prompts.append(sorted(g.group_id for g in exp.last_batch["groups"]))
-        group = exp.trainer_group
+        group = exp.trainer.group
         assert [j["process_id"] for j in group.joined] == [0, 1]
         assert group.joined[0]["mesh"] == {"data": 1, "fsdp": 2, "model": 1}
         ray.kill(group.handles[1])  # One trainer process dies between steps.
@@ -80,7 +80,7 @@ def test_two_trainer_processes_learn_as_one_and_survive_losing_one(ray_cluster, 
         exp.check_accounting()
         # Process 0 pushed every version, the new group's too; the weights it gathers
         # are whole arrays, within 1e-5 (relative, in norm) of the one-process run's.
-        assert exp.param_server.latest_version() == exp.version
+        assert exp.parts.store.latest_version() == exp.version
         params = leaves(exp.params())
         assert [x.shape for x in params] == [x.shape for x in reference_params]
         diff = np.sqrt(

@@ -10,7 +10,7 @@ import sys
 import pytest
 from test_runtime import learning_metrics, small_config
 
-from rlaxkit.cli import main, run_job
+from rlaxkit.cli import run_job
 from rlaxkit.config import RunConfig
 from rlaxkit.configio import apply_overrides
 from rlaxkit.metrics import read_metrics
@@ -20,7 +20,7 @@ from rlaxkit.trace import read_trace
 ray = pytest.importorskip("ray")
 
 from rlaxkit.ray_config import ActorResources, RayConfig, small_cluster_config  # noqa: E402
-from rlaxkit.runtime.ray_backend import RayExperiment  # noqa: E402
+from rlaxkit.runtime import RayExperiment  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -101,7 +101,7 @@ def test_two_worker_actors_learn_exactly_as_the_local_backend(ray_cluster, cache
         assert {e.actor for e in events(exp, "pull")} == {"worker-0", "worker-1"}
         assert [e.version for e in events(exp, "push")] == list(range(STEPS + 1))
         keep = config.runtime.keep_versions
-        assert exp.param_server.versions() == list(range(STEPS + 1))[-keep:]  # bounded
+        assert exp.parts.store.versions() == list(range(STEPS + 1))[-keep:]  # bounded
         report = exp.evaluate(num_problems=4, samples=2)
         assert 0.0 <= report.rows[0]["pass@k"] <= 1.0
 
@@ -180,7 +180,7 @@ def test_parameter_server_and_trainer_restarts_heal_without_changing_results(
     config = small_config("runtime.backend=ray", "checkpoint.every_steps=2")
     with RayExperiment(config, run_dir=tmp_path, cache_dir=cache, ray_config=ray_config()) as exp:
         exp.run(1)
-        ray.kill(exp.param_server_actor, no_restart=False)
+        exp.parts.kill_store()
         ps_killed_at = exp.clock()
         exp.run(2)
         (restart,) = events(exp, "restart", "param_server")
@@ -188,19 +188,19 @@ def test_parameter_server_and_trainer_restarts_heal_without_changing_results(
         pulls = events(exp, "pull", after=ps_killed_at)
         assert {e.actor for e in pulls} == {"worker-0", "worker-1"}  # ...and served again.
         assert max(e.version for e in pulls) == exp.version - 1
-        ray.kill(exp.trainer, no_restart=False)  # Its last checkpoint is step 2 of 3.
+        ray.kill(exp.trainer.group.leader, no_restart=False)  # Its last checkpoint is step 2 of 3.
         exp.run(STEPS - 3)
         (restart,) = events(exp, "restart", "trainer")
         assert restart["lost_steps"] == 1
         (restore,) = events(exp, "checkpoint_restore", "trainer")
         assert restore["step"] == 2
-        assert exp.param_server.latest_version() == exp.version
+        assert exp.parts.store.latest_version() == exp.version
         assert_same_metrics(exp.history, local_metrics)
         exp.check_accounting()
         summary = exp.summary()  # The replayed step's first run is lost compute.
         assert summary["lost_steps"] == 1 and summary["lost_train_s"] > 0
         assert summary["restarts"]["trainer"] == 1 and summary["restarts"]["param_server"] >= 1
-        assert len(exp.useful_train_s) == exp.version and summary["accepted_lost"] == 0
+        assert len(exp.books.useful_train_s) == exp.version and summary["accepted_lost"] == 0
 
 
 def test_bad_ray_settings_fail_early():
@@ -208,8 +208,8 @@ def test_bad_ray_settings_fail_early():
         RayConfig(weight_store="nfs")
     with pytest.raises(ValueError, match="num_gpus"):
         ActorResources(num_gpus=-1)
-    with pytest.raises(ValueError, match="runtime.backend"):
-        RayExperiment(small_config())
+    with pytest.raises(ValueError, match="runtime.mode 'concurrent' is not available"):
+        Experiment(small_config("runtime.backend=ray", "runtime.mode=concurrent"))
 
 
 # Actors that fit the 2-CPU test cluster, set in the run config itself.
@@ -273,14 +273,48 @@ def test_train_job_runs_the_same_config_on_ray(ray_cluster, cache, tmp_path):
         RayExperiment(config, run_dir=run, resume=False)
 
 
-def test_fault_plans_are_refused_on_ray_with_a_clear_error(tmp_path, capsys):
-    plan = tmp_path / "plan.yaml"
-    plan.write_text("faults:\n- {kind: preempt_worker, at_step: 1, target: worker-0}\n")
-    overrides = ["runtime.backend=ray", "steps=1", *SMALL_ACTORS]
-    argv = [x for o in overrides for x in ("--set", o)]
-    code = main(["train", *argv, "--run-dir", str(tmp_path / "run"), "--faults", str(plan)])
-    assert code == 2
-    assert "local backend only" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()  # refused before anything started
-    with pytest.raises(ValueError, match="local backend only"):
-        RayExperiment(small_config("runtime.backend=ray"), faults=str(plan))
+# One plan for both placements: a worker, a slice, the trainer and the parameter server.
+PLAN = [
+    {"kind": "preempt_worker", "target": "worker-0", "at_step": 1, "restart_after_s": 1.0},
+    {"kind": "kill_param_server", "at_step": 2, "restart_after_s": 1.0},
+    {"kind": "preempt_slice", "target": "slice-0", "at_s": 4.0, "restart_after_s": 1.0},
+    {"kind": "preempt_trainer", "at_step": 3, "restart_after_s": 1.0},
+]
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_one_fault_plan_runs_on_both_placements_and_loses_nothing_accepted(
+    backend, ray_cluster, cache, tmp_path
+):
+    config = small_config(
+        f"runtime.backend={backend}",
+        "steps=5",
+        "checkpoint.every_steps=2",
+        "runtime.round_s=1",
+        "runtime.workers_per_slice=2",
+    )
+    extra = {"ray_config": ray_config()} if backend == "ray" else {}
+    with Experiment(config, run_dir=tmp_path, cache_dir=cache, faults=PLAN, **extra) as exp:
+        exp.run()
+        exp.check_accounting()
+        summary = exp.summary()
+        preempted = {e.actor for e in events(exp, "preemption")}
+        (outage,) = events(exp, "fault", "param_server")
+        pushes = [e.version for e in events(exp, "push", after=outage.t)]
+    assert summary["steps"] == 5 and summary["accepted_lost"] == 0
+    assert summary["lost_steps"] == 1  # step 3: the trainer restored checkpoint 2
+    assert {"worker-0", "worker-1", "trainer"} <= preempted
+    assert outage["fault"] == "kill_param_server" and 5 in pushes  # served again after it
+
+
+def test_run_runs_to_config_steps_and_summaries_have_the_same_keys(ray_cluster, cache):
+    summaries = {}
+    for backend in ("local", "ray"):
+        extra = {"ray_config": ray_config()} if backend == "ray" else {}
+        config = small_config(f"runtime.backend={backend}", "steps=2")
+        with Experiment(config, cache_dir=cache, **extra) as exp:
+            assert len(exp.run()) == 2 and exp.version == 2
+            assert exp.run() == []  # already at config.steps
+            summaries[backend] = exp.summary()
+    assert summaries["local"].keys() == summaries["ray"].keys()
+    assert [s["backend"] for s in summaries.values()] == ["local", "ray"]

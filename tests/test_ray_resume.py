@@ -26,7 +26,7 @@ ray = pytest.importorskip("ray")
 
 from rlaxkit.checkpoint import CheckpointManager  # noqa: E402
 from rlaxkit.ray_config import small_cluster_config  # noqa: E402
-from rlaxkit.runtime.ray_backend import RayExperiment  # noqa: E402
+from rlaxkit.runtime import RayExperiment  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

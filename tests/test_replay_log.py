@@ -43,7 +43,7 @@ def test_state_dict_round_trips_through_json():
     state = json.loads(json.dumps(log.state_dict()))
     assert state == log.state_dict()
     assert parse_ops(state["ops"]) == log.ops
-    # Tuples read the same as lists (``ray_state`` builds ``("s", group_id)``).
+    # Tuples read the same as lists (the Ray fleet builds ``("s", group_id)``).
     assert parse_ops([("s", 5), ("d",), ("u", 4, False)]) == [
         Submit(5),
         Decode(),

@@ -99,3 +99,22 @@ def test_bad_config_fails_before_any_work():
         small_config("runtime.workers=3")
     with pytest.raises(ValueError, match="runtime.mode"):
         small_config("runtime.mode=warp")
+
+
+def test_reissued_prompts_need_no_admission_room(cache):
+    """A preempted worker's prompts are still counted in flight, so they are issued
+    again even when admission has no room for new ones (the same rule on every
+    placement: the driver's ``issue``)."""
+    with Experiment(small_config(), cache_dir=cache) as exp:
+        exp.round()
+        held = exp.fleet.in_flight()["worker-0"]
+        assert held
+        published = exp.parts.store.latest_version()
+        exp.requeue(exp.fleet.preempt("worker-0"))
+        in_flight = exp.buffer.in_flight
+        capacity = exp.config.staleness.capacity(exp.buffer.accepted, in_flight, published)
+        work = exp.issue({"worker-1": 1000}, published)
+        issued = [item.issue.group_id for item in work["worker-1"]]
+        assert issued[: len(held)] == sorted(held)  # the same ids, first
+        assert len(issued) == len(held) + max(capacity, 0)
+        assert exp.buffer.in_flight == in_flight + max(capacity, 0)

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from rlaxkit.api import Work
+from rlaxkit.api import SyncReply, Work
 from rlaxkit.batch import collate
 from rlaxkit.buffer import RolloutBuffer
 from rlaxkit.config import RunConfig
@@ -54,6 +54,9 @@ from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
 from rlaxkit.runtime.concurrent import check_supported
 from rlaxkit.runtime.faults import FaultInjector, load_plan
 from rlaxkit.runtime.placement import start_placement
+from rlaxkit.validation import is_int
+
+SYNC_ATTEMPTS = 10  # syncs per round before a worker is left to retry next round
 
 
 class Experiment:
@@ -131,6 +134,7 @@ class Experiment:
                 run_dir=self.run_dir,
                 cache_dir=Path(cache_dir).absolute() if cache_dir else self.run_dir,
                 ray_config=ray_config,
+                worker_ids=[w["worker_id"] for w in point.items["workers"]] if point else None,
             )
         except BaseException:
             self.trace.close()
@@ -251,8 +255,7 @@ class Experiment:
         self.faults.before_round(self, now)
         published = self.ensure_published()
         live = self.faults.live(self.fleet.worker_ids())
-        rooms = self.fleet.sync(live)
-        self._requeue_dead()
+        rooms = self.sync(live)
         work = self.issue({w: reply.free for w, reply in rooms.items()}, published)
         progressed = any(work.values())
         chunked = self.faults.chunked(list(rooms), now)
@@ -263,6 +266,23 @@ class Experiment:
             self.admit(list(reply.rollouts))
         self.books.rounds += 1
         return progressed
+
+    def sync(self, live: list[str]) -> dict[str, SyncReply]:
+        """Every live worker pulls if it must. A worker whose sync could not do what the
+        deterministic loop would (``SyncReply.retry``: weights lost with a dead trainer,
+        an empty store while the parameter server restarts) changed nothing: the trainer
+        publishes again and the worker syncs again, so the round stays the same."""
+        rooms = self.fleet.sync(live)
+        for _ in range(SYNC_ATTEMPTS):
+            retry = [w for w, reply in rooms.items() if reply.retry]
+            if not retry or self.faults.trainer_down():
+                break
+            if any(rooms[w].weights_lost for w in retry):
+                self.published = self.trainer.publish(self.version)  # heals a dead trainer
+            self.ensure_published()
+            rooms |= self.fleet.sync(retry)
+        self._requeue_dead()
+        return {w: rooms[w] for w in self.fleet.worker_ids() if w in rooms}
 
     def _requeue_dead(self) -> None:
         for worker_id, lost in self.fleet.take_lost():
@@ -371,9 +391,11 @@ class Experiment:
             out.append(self.step())
         return out
 
-    def scale_workers(self, n: int) -> None:
+    def scale_workers(self, n: int) -> Any:
         """Grows or shrinks the fleet to ``n`` workers now (a removed worker's prompts are
-        re-issued to the others)."""
+        re-issued to the others); returns the newest worker (``None``: none left)."""
+        if not is_int(n) or n < 0:
+            raise ValueError(f"scale_workers: n must be an int >= 0, got {n!r}")
         with self.lock:
             for worker_id, lost in self.fleet.scale(n):
                 self.requeue(lost)
@@ -385,6 +407,7 @@ class Experiment:
                     reason="scaled_down",
                     reissued=len(lost),
                 )
+        return self.workers[-1] if self.workers else None
 
     def check_accounting(self) -> None:
         """Asserts that every issued prompt is in flight, buffered, trained or dropped,

@@ -310,6 +310,12 @@ def check_plan_supported(plan: FaultPlan, config: RunConfig) -> None:
         )
     if config.runtime.backend == "ray":
         for index, fault in enumerate(plan):
+            if fault.kind == "preempt_trainer" and config.ray.weight_store != "object_store":
+                raise ValueError(
+                    f"faults[{index}]: preempt_trainer on ray rolls the parameter server "
+                    "back to the checkpoint, which the tensorstore weight store cannot do; "
+                    "use ray.weight_store=object_store"
+                )
             if fault.kind not in RAY_KINDS:
                 raise ValueError(
                     f"faults[{index}].kind: {fault.kind!r} reaches inside a worker's process "

@@ -74,8 +74,10 @@ def start_placement(
     run_dir: Path | None,
     cache_dir: Path | None,
     ray_config: Any = None,
+    worker_ids: list[str] | None = None,
 ) -> Parts:
-    """The parts of ``config.runtime.backend``'s placement, started."""
+    """The parts of ``config.runtime.backend``'s placement, started (``worker_ids``: the
+    fleet a resumed run saved)."""
     backend = config.runtime.backend
     if backend == "local":
         from rlaxkit.runtime.local import start_local
@@ -91,5 +93,5 @@ def start_placement(
                 'runtime.backend=ray needs Ray: pip install -e ".[ray]" (or use '
                 "runtime.backend=local)"
             ) from error
-        return start_ray(config, trace, clock, books, run_dir, cache_dir, ray_config)
+        return start_ray(config, trace, clock, books, run_dir, cache_dir, ray_config, worker_ids)
     raise ValueError(f"runtime.backend: {backend!r} is not one of ('local', 'ray')")

@@ -23,17 +23,16 @@ import jax
 import ray
 from flax import nnx
 
-from rlaxkit.algorithms import algorithm
+from rlaxkit.api import ChunkReply, PublishReply, SaveReply, SyncReply, TrainResult, Work
 from rlaxkit.batch import TrainBatch
 from rlaxkit.checkpoint import CheckpointManager, restore_train_state, save_train_state
 from rlaxkit.config import RunConfig
-from rlaxkit.controller import Issue
 from rlaxkit.param_server import ParameterServer, TensorStoreParameterServer
 from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer, WeightsLostError
-from rlaxkit.runtime.build import build_policy, build_task, warm_start
-from rlaxkit.tasks import Problem, RewardRunner
+from rlaxkit.runtime.build import build_policy, build_task, train_config_for, warm_start
+from rlaxkit.tasks import RewardRunner
 from rlaxkit.trace import MemoryTrace, TraceEvent
-from rlaxkit.trainer import TrainConfig, create_train_state, make_train_step
+from rlaxkit.trainer import create_train_state, make_train_step
 from rlaxkit.worker import InferenceWorker
 
 # jax.config options copied from the driver into every actor (same platform, same
@@ -58,23 +57,6 @@ def driver_jax_options() -> dict[str, Any]:
 def _configure_jax(options: dict[str, Any]) -> None:
     for name, value in options.items():
         jax.config.update(name, value)
-
-
-def train_config_for(config: RunConfig) -> TrainConfig:
-    """The trainer's configuration for a run (the same as the local backend builds)."""
-    overrides = {
-        k: v
-        for k, v in (("advantage", config.algorithm.advantage), ("loss", config.algorithm.loss))
-        if v
-    }
-    return TrainConfig(
-        algorithm=algorithm(config.algorithm.preset, **overrides),
-        optimizer=config.optimizer,
-        micro_batches=config.trainer.micro_batches,
-        mini_batches=config.trainer.mini_batches,
-        epochs=config.trainer.epochs,
-        temperature=config.sampling.temperature or 1.0,
-    )
 
 
 class TrainerRestartedError(RuntimeError):
@@ -130,7 +112,7 @@ class TrainerActor:
 
     The driver decides when to checkpoint (``CheckpointPolicy``) and calls
     :meth:`save_checkpoint` with its own books, which go into the same Orbax step
-    directory as the train state (``rlaxkit.runtime.ray_state``). After Ray restarts
+    directory as the train state (``rlaxkit.runtime.state``). After Ray restarts
     the actor, the driver calls :meth:`restore` with the newest step it knows was
     taken, replays the batches since with ``push=False`` and calls :meth:`publish`
     with ``reset=True``; the trainer's state then equals the state it had before it
@@ -288,7 +270,7 @@ class TrainerActor:
         return self.version
 
     # -- training --------------------------------------------------------------------
-    def train(self, batch: TrainBatch, step: int, push: bool = True) -> dict[str, Any]:
+    def train(self, batch: TrainBatch, step: int, push: bool = True) -> TrainResult:
         """One train step; pushes per the weight-sync policy (the driver checkpoints).
 
         Args:
@@ -296,9 +278,6 @@ class TrainerActor:
             step: the step this is (the state must be at ``step - 1``).
             push: ``False`` while replaying after a restart (the store already has, or
                 will be given by :meth:`publish`, the versions these steps made).
-
-        Returns:
-            ``metrics`` (floats), ``version``, ``duration_s`` and ``events``.
 
         Raises:
             TrainerRestartedError: the state is not at ``step - 1``.
@@ -316,20 +295,15 @@ class TrainerActor:
                 self._to_publish = None
             else:
                 self._to_publish = (self.version, self._publishable(self.state.params))
-        return {
-            "metrics": metrics,
-            "version": self.version,
-            "duration_s": duration_s,
-            "events": self._drain(),
-        }
+        return TrainResult(metrics, duration_s, self._drain())
 
-    def publish(self, step: int, reset: bool = False) -> dict[str, Any]:
+    def publish(self, step: int, reset: bool = False) -> PublishReply:
         """Makes sure the store holds this trainer's newest published version.
 
         After the parameter server restarted empty, registers the retained object again
-        (no new copy). After this trainer restarted (``reset``), pushes the newest
-        version it should have published, forgetting references that died with it.
-        Returns ``version`` (what the store now holds) and ``events``.
+        (no new copy). After this trainer restarted or restored (``reset``), pushes the
+        newest version it should have published, forgetting references that died with
+        it. Replies with what the store now holds.
 
         Raises:
             TrainerRestartedError: the state is not at ``step``.
@@ -348,7 +322,7 @@ class TrainerActor:
             self._to_publish = None
         elif self.store_kind == "object_store" and (latest is None or reset):
             store.republish()
-        return {"version": store.latest_version(), "events": self._drain()}
+        return PublishReply(store.latest_version(), self._drain())
 
     def warm_start_info(self) -> dict[str, Any]:
         """What the warm start did: ``cached``, ``steps`` (and ``final_loss`` or
@@ -360,9 +334,9 @@ class TrainerActor:
         step: int,
         json: dict[str, Any] | None = None,
         weights: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> SaveReply:
         """Saves the state as checkpoint ``step`` with the driver's items, unless that
-        checkpoint exists; returns ``saved`` and ``events``.
+        checkpoint exists.
 
         Args:
             step: the step the state must be at.
@@ -376,7 +350,7 @@ class TrainerActor:
         saved = self.checkpoints is not None and step not in self.checkpoints.all_steps()
         if saved:
             self._save(json, weights)
-        return {"saved": saved, "events": self._drain()}
+        return SaveReply(saved, self._drain())
 
     def host_params(self, step: int) -> Any:
         """The params at ``step`` copied to host memory (for evaluation in the driver)."""
@@ -470,15 +444,11 @@ class WorkerActor:
         events, self.trace.events = self.trace.events, []
         return events
 
-    def sync(self) -> dict[str, Any]:
-        """Pulls if this worker lags too far.
-
-        Returns ``free`` room, ``version``, ``events``, ``weights_lost`` (the newest
-        version died with the trainer) and ``retry``: this sync may not have done what
-        the local loop would (weights lost, a failed pull, or an empty store, as while
-        the parameter server restarts); nothing changed, so the driver repairs the store
-        and calls again.
-        """
+    def sync(self) -> SyncReply:
+        """Pulls if this worker lags too far; ``retry`` when the sync may not have done
+        what the deterministic loop would (weights lost, a failed pull, or an empty store,
+        as while the parameter server restarts): nothing changed, and the driver repairs
+        the store and asks again."""
         lost = False
         failed_before = self.worker.failed_pulls
         self.store.seen = -1
@@ -496,29 +466,30 @@ class WorkerActor:
                 error=str(error)[:200],
             )
         failed = self.worker.failed_pulls > failed_before
-        return {
-            "free": self.worker.free,
-            "version": self.worker.version,
-            "failed_pulls": self.worker.failed_pulls,
-            "weights_lost": lost,
-            "retry": lost or failed or self.store.seen is None,
-            "events": self._drain(),
-        }
+        return SyncReply(
+            self.worker.free,
+            self.worker.version,
+            self.worker.failed_pulls,
+            retry=lost or failed or self.store.seen is None,
+            weights_lost=lost,
+            events=self._drain(),
+        )
 
-    def submit_and_step(self, work: list[tuple[Issue, Problem]]) -> dict[str, Any]:
-        """Starts ``work`` and decodes one chunk; returns ``rollouts`` (finished, scored),
-        ``busy`` (prompts still running), ``generated_tokens`` (total) and ``events``."""
+    def submit_and_step(self, work: list[Work], decode: bool = True) -> ChunkReply:
+        """Starts ``work`` and (unless ``decode`` is False: a slowed worker's round)
+        decodes one chunk; replies with the finished, scored rollouts."""
         for issue, problem in work:
             self.worker.submit(issue, problem)
-        rollouts = self.worker.step()
-        return {
-            "rollouts": rollouts,
-            "busy": bool(self.worker.requests),
-            "generated_tokens": self.worker.generated_tokens,
-            "events": self._drain(),
-        }
+        rollouts = self.worker.step() if decode else []
+        return ChunkReply(
+            rollouts,
+            bool(self.worker.requests),
+            self.worker.generated_tokens,
+            self._drain(),
+            dict(self.scorer.counters),
+        )
 
-    # -- checkpoints (rlaxkit.runtime.ray_state) ----------------------------------------
+    # -- checkpoints (rlaxkit.runtime.state) --------------------------------------------
     def checkpoint(self) -> dict[str, Any]:
         """``snapshot`` (``InferenceWorker.snapshot``: the replay log of the prompts in
         flight) and ``versions``: the weight versions that log starts from or pulled."""
@@ -535,9 +506,9 @@ class WorkerActor:
     def restore(
         self,
         snapshot: dict[str, Any],
-        issues: dict[int, tuple[Issue, Problem]],
+        issues: dict[int, Work],
         weights: dict[int, Any],
-    ) -> dict[str, Any]:
+    ) -> list[TraceEvent]:
         """Rebuilds a saved worker by replaying its log (``InferenceWorker.restore``):
         its prompts in flight are generated again, same ids and seeds, up to the chunk
         where the checkpoint found them.
@@ -547,7 +518,7 @@ class WorkerActor:
             issues: ``group id -> (issue, problem)`` of every prompt the log submits.
             weights: ``version -> host params`` of every version the log needs.
 
-        Returns ``version`` and ``events``.
+        Returns the trace events of the replay.
         """
         placed = {version: jax.device_put(params) for version, params in weights.items()}
         self.worker.restore(
@@ -556,7 +527,7 @@ class WorkerActor:
             problem_for=lambda issue: issues[issue.group_id][1],
             weights_for=placed.__getitem__,
         )
-        return {"version": self.worker.version, "events": self._drain()}
+        return self._drain()
 
     def stats(self) -> dict[str, Any]:
         """Counters for tests and dashboards."""

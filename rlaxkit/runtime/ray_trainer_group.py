@@ -1,7 +1,7 @@
 """The Ray backend's trainer as one actor or as a multi-process (multi-host) group.
 
-``RayConfig.trainer_processes = 1`` (the default) is one ``TrainerActor``, as before:
-Ray restarts it when it dies. With ``N > 1`` the trainer is ``N``
+``RayConfig.trainer_processes = 1`` (the default) is one ``TrainerActor``, which Ray
+restarts when it dies. With ``N > 1`` the trainer is ``N``
 :class:`TrainerProcessActor`\\ s, usually one per host, forming one ``jax.distributed``
 process group (``rlaxkit.distributed``): SPMD, every process runs the same jitted train
 step on the same batch over a ``(data, fsdp, model)`` mesh of all their devices, with
@@ -47,11 +47,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlaxkit import distributed
+from rlaxkit.api import PublishReply
 from rlaxkit.batch import TrainBatch
 from rlaxkit.ray_config import RayConfig
 from rlaxkit.runtime.build import warm_start
 from rlaxkit.runtime.ray_actors import TrainerActor, _configure_jax
-from rlaxkit.runtime.ray_recovery import remote
+from rlaxkit.runtime.ray_fleet import remote
 
 _PLACEMENT_WAIT_S = 300.0  # How long the trainer's placement group may take to fit.
 _GRACE_S = 10.0  # After one process fails a call, how long the others may take to answer.
@@ -166,13 +167,13 @@ class TrainerProcessActor(TrainerActor):
         return gathered if self.pushes else None
 
     # -- what only process 0 does --------------------------------------------------------
-    def publish(self, step: int, reset: bool = False) -> dict[str, Any]:
+    def publish(self, step: int, reset: bool = False) -> PublishReply:
         """Process 0 publishes (see ``TrainerActor.publish``); the others only check
         that they are at ``step``."""
         if self.pushes:
             return super().publish(step, reset)
         self._expect(step)
-        return {"version": None, "events": self._drain()}
+        return PublishReply(None, self._drain())
 
     def host_params(self, step: int) -> Any:
         """The full params on process 0 (``None`` elsewhere: one copy is enough)."""
