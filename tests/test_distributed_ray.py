@@ -50,7 +50,7 @@ def test_two_trainer_processes_learn_as_one_and_survive_losing_one(ray_cluster, 
             local.step()
             trained.append(sorted(g.group_id for g in local.last_batch["groups"]))
         reference = learning_metrics(local.history)
-        reference_params = leaves(local.state.params)
+        reference_params = leaves(local.params())
     config = small_config("runtime.backend=ray", "checkpoint.every_steps=2")
     settings = small_cluster_config(trainer_processes=2)
     with RayExperiment(

@@ -79,7 +79,7 @@ def test_closed_and_resumed_run_equals_the_uninterrupted_run(ray_cluster, cache,
     run = tmp_path / "run"
     with RayExperiment(config, run_dir=run, cache_dir=cache, ray_config=settings) as exp:
         prompts = [(exp.step(), trained(exp))[1] for _ in range(5)]  # checkpoints: 0, 3
-    checkpoints = run / "checkpoints" / "trainer"
+    checkpoints = run / "checkpoints"
     with CheckpointManager(checkpoints, async_save=False) as manager:
         assert manager.all_steps() == (0, 3)
         saved = manager.restore(3, json=["meta", "workers"])
@@ -92,8 +92,9 @@ def test_closed_and_resumed_run_equals_the_uninterrupted_run(ray_cluster, cache,
         RayExperiment(small_run_config(*SETTINGS, "sampling.n=8"), run_dir=run)
     with pytest.raises(ValueError, match="resume=False"):
         RayExperiment(config, run_dir=run, resume=False)
-    local_run = tmp_path / "local"  # the local backend keeps its checkpoints elsewhere
-    (local_run / "checkpoints" / "3").mkdir(parents=True)
+    local_run = tmp_path / "local"  # a checkpoint the local backend wrote
+    with CheckpointManager(local_run / "checkpoints", async_save=False) as manager:
+        manager.save(3, json={"meta": {**saved["meta"], "backend": "local"}})
     with pytest.raises(ValueError, match="resume it with runtime.backend=local"):
         RayExperiment(config, run_dir=local_run)
 

@@ -149,7 +149,12 @@ class Experiment:
         try:
             if point is not None:
                 self.trace.record(
-                    0.0, "restart", "trainer", point.step, lost_steps=self.books.lost_steps
+                    0.0,
+                    "restart",
+                    "trainer",
+                    point.step,
+                    lost_steps=self.books.lost_steps,
+                    resumed_from=point.step,
                 )
                 self._resume(point)
             else:
@@ -484,7 +489,6 @@ class Experiment:
         self.books.load_state_dict(meta, items["history"], items["extra"])
         self.controller.load_state_dict(items["controller"])
         self.buffer.load_state_dict(items["buffer"])
-        self.trace.record(self.clock(), "checkpoint_restore", "trainer", step, step=step)
         self.published = self.trainer.publish(step, reset=True)
         self.faults.load_state_dict(items["faults"], weights)
 

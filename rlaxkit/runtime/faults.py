@@ -478,8 +478,7 @@ class FaultInjector(NoFaults):
         until = self.state.trainer_down_until
         if until is None or exp.fault_now() < until:
             return
-        start = exp.clock()
-        exp.trace.record(start, "restart", "trainer", exp.version)
+        exp.trace.record(exp.clock(), "restart", "trainer", exp.version)
         restored = exp.trainer.restore(exp.books.last_save_step)
         lost_groups = exp.books.roll_back(restored)
         self.state.trainer_down_until = None
@@ -489,14 +488,6 @@ class FaultInjector(NoFaults):
         for worker_id, version in exp.fleet.versions().items():
             if version is not None and version > restored:  # weights of a void branch
                 exp.requeue(exp.fleet.preempt(worker_id))
-        exp.trace.record(
-            exp.clock(),
-            "checkpoint_restore",
-            "trainer",
-            restored,
-            step=restored,
-            duration_s=exp.clock() - start,
-        )
 
     # -- checkpoints -----------------------------------------------------------------
     def held_weights(self) -> dict[int, Any]:

@@ -184,6 +184,7 @@ class LocalTrainer:
         graphdef, params: the policy.
         store: the parameter server it pushes to.
         checkpoints: where checkpoints go (``None``: no run directory).
+        trace, clock: the run trace and clock (restores are traced).
     """
 
     def __init__(
@@ -193,8 +194,10 @@ class LocalTrainer:
         params: Any,
         store: Any,
         checkpoints: CheckpointManager | None,
+        trace: RunTrace,
+        clock: Callable[[], float],
     ):
-        self.weight_sync = config.weight_sync
+        self.weight_sync, self.trace, self.clock = config.weight_sync, trace, clock
         train_config = train_config_for(config)
         ref = params if train_config.algorithm.needs_reference else None
         # Committed to the device like a state restored by Orbax, so that a restore
@@ -255,9 +258,15 @@ class LocalTrainer:
         return True
 
     def restore(self, max_step: int, published: tuple[int, Any] | None = None) -> int:
+        """Loads the newest checkpoint at or below ``max_step``; returns its step."""
         self.checkpoints.wait()
+        start = self.clock()
         step = max(s for s in self.checkpoints.all_steps() if s <= max_step)
         self.state = restore_train_state(self.checkpoints, self.state, step=step)
+        duration_s = self.clock() - start
+        self.trace.record(
+            self.clock(), "checkpoint_restore", "trainer", step, step=step, duration_s=duration_s
+        )
         self._to_publish = published if published and published[0] != step else None
         return step
 
@@ -304,7 +313,7 @@ def start_local(
         checkpoints = CheckpointManager(
             checkpoint_dir(run_dir), max_to_keep=config.checkpoint.keep, async_save=True
         )
-    trainer = LocalTrainer(config, graphdef, params, store, checkpoints)
+    trainer = LocalTrainer(config, graphdef, params, store, checkpoints, trace, clock)
     scorer = RewardRunner.for_task(task).start()
 
     def make_worker(worker_id: str) -> InferenceWorker:

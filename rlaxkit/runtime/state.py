@@ -222,7 +222,20 @@ def find_resume_point(
         with CheckpointManager(directory, async_save=False) as manager:
             steps = manager.all_steps()
             if steps and resume:
-                meta = read_meta(manager, steps[-1])
+                try:
+                    meta = read_meta(manager, steps[-1])
+                except FileNotFoundError as error:
+                    raise ValueError(
+                        f"checkpoint {steps[-1]} in {directory} has no meta item, so the run "
+                        "cannot be resumed; start a new run directory"
+                    ) from error
+                backend = meta.get("backend")
+                if backend != config.runtime.backend:
+                    raise ValueError(
+                        f"checkpoint in {directory} was written by the {backend} backend: "
+                        f"resume it with runtime.backend={backend}, or start a new run "
+                        "directory"
+                    )
                 names = [n for n in JSON_ITEMS if n != "meta"]
                 items = manager.restore(steps[-1], json=names)
     if not steps or not resume:
@@ -236,12 +249,6 @@ def find_resume_point(
         raise ValueError(
             f"run_dir {run_dir} holds checkpoints; runtime.mode=concurrent cannot resume "
             "them (use runtime.mode=deterministic, or a new run directory)"
-        )
-    backend = meta.get("backend")
-    if backend != config.runtime.backend:
-        raise ValueError(
-            f"checkpoint in {directory} was written by the {backend} backend: resume it "
-            f"with runtime.backend={backend}, or start a new run directory"
         )
     # Format and config now; parameter shapes once the model is built.
     check_compatible(meta, str(directory), config.to_dict(), meta["shapes"])
