@@ -23,9 +23,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check rlaxkit sim tests benchmarks notebooks
 	$(BIN)/ruff format --check rlaxkit sim tests benchmarks notebooks
+	$(BIN)/mypy rlaxkit sim
 
 test: lint
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -18,7 +18,7 @@ import dataclasses
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeAlias
 
 import jax
 import numpy as np
@@ -26,6 +26,9 @@ import numpy as np
 from rlaxkit.validation import is_int
 
 _POWERS_OF_TWO = tuple(2**k for k in range(16))
+
+# ``collate`` fills host (NumPy) arrays; the trainer places them on devices (jax.Array).
+BatchArray: TypeAlias = jax.Array | np.ndarray
 
 
 @jax.tree_util.register_dataclass
@@ -51,37 +54,45 @@ class TrainBatch:
             trainer computes them itself when it holds a reference model).
     """
 
-    tokens: jax.Array
-    attention_mask: jax.Array
-    loss_mask: jax.Array
-    behaviour_logprobs: jax.Array
-    versions: jax.Array
-    rewards: jax.Array
-    group_ids: jax.Array
-    sequence_mask: jax.Array
-    advantages: jax.Array | None = None
-    proximal_logprobs: jax.Array | None = None
-    ref_logprobs: jax.Array | None = None
+    tokens: BatchArray
+    attention_mask: BatchArray
+    loss_mask: BatchArray
+    behaviour_logprobs: BatchArray
+    versions: BatchArray
+    rewards: BatchArray
+    group_ids: BatchArray
+    sequence_mask: BatchArray
+    advantages: BatchArray | None = None
+    proximal_logprobs: BatchArray | None = None
+    ref_logprobs: BatchArray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         """``(B, T)``."""
-        return tuple(self.tokens.shape)
+        rows, length = self.tokens.shape
+        return rows, length
 
-    def replace(self, **changes) -> TrainBatch:
+    def replace(self, **changes: Any) -> TrainBatch:
         """A copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
 
 
 class SampleLike(Protocol):
-    """What ``collate`` reads from one sample (``Sample`` or a runtime rollout record)."""
+    """What ``collate`` reads from one sample (``Sample`` or a ``Rollout``): read-only,
+    so a frozen dataclass with NumPy arrays for the sequences satisfies it."""
 
-    prompt_tokens: Sequence[int]
-    completion_tokens: Sequence[int]
-    behaviour_logprobs: Sequence[float]
-    versions: Sequence[int] | int
-    reward: float
-    group_id: Hashable
+    @property
+    def prompt_tokens(self) -> Sequence[int] | np.ndarray: ...
+    @property
+    def completion_tokens(self) -> Sequence[int] | np.ndarray: ...
+    @property
+    def behaviour_logprobs(self) -> Sequence[float] | np.ndarray: ...
+    @property
+    def versions(self) -> Sequence[int] | np.ndarray | int: ...
+    @property
+    def reward(self) -> float: ...
+    @property
+    def group_id(self) -> Hashable: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,9 +230,9 @@ def _check_sample(index: int, sample: SampleLike) -> int:
             f"{where}: behaviour_logprobs has {len(sample.behaviour_logprobs)} entries for "
             f"{n} completion tokens"
         )
-    if np.ndim(sample.versions) != 0 and len(sample.versions) != n:
+    if np.ndim(sample.versions) != 0 and np.size(sample.versions) != n:
         raise ValueError(
-            f"{where}: versions has {len(sample.versions)} entries for {n} completion tokens"
+            f"{where}: versions has {np.size(sample.versions)} entries for {n} completion tokens"
         )
     if not math.isfinite(float(sample.reward)):
         raise ValueError(f"{where}: reward must be finite, got {sample.reward!r}")

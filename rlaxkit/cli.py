@@ -18,10 +18,15 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from rlaxkit.config import RunConfig
+
+if TYPE_CHECKING:
+    from rlaxkit.evaluation import EvalReport
 
 
 class StopRequest:
@@ -32,12 +37,12 @@ class StopRequest:
     Use as a context manager; the previous handlers come back on exit.
     """
 
-    def __init__(self, log=print):
+    def __init__(self, log: Callable[[str], object] = print):
         self.requested: str | None = None
         self._log = log
         self._previous: dict[int, Any] = {}
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested is not None:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
         self.requested = signal.Signals(signum).name
@@ -50,7 +55,7 @@ class StopRequest:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -60,7 +65,7 @@ def run_job(
     run_dir: str | Path,
     *,
     progress: bool = True,
-    log=print,
+    log: Callable[[str], object] = print,
     faults: str | Path | None = None,
     cache_dir: str | Path | None = None,
 ) -> dict[str, Any]:
@@ -87,6 +92,7 @@ def run_job(
     run_dir = Path(run_dir)
     start = time.perf_counter()
     log(f"run directory: {run_dir} ({config.runtime.backend} backend)")
+    summary: dict[str, Any]
     with (
         StopRequest(log) as stop,
         runtime.Experiment(
@@ -120,7 +126,13 @@ def run_job(
         after = exp.evaluate()
         evals.append({"step": config.steps, **_row(after, 1)})
         exp.check_accounting()
-        save_hf_checkpoint(exp.current_model(), run_dir / "final", tokenizer=exp.tokenizer)
+        # Experiment.current_model is typed nnx.Module until rlaxkit.runtime is rewritten;
+        # the model is the trainer's Transformer.
+        save_hf_checkpoint(
+            exp.current_model(),  # type: ignore[arg-type]
+            run_dir / "final",
+            tokenizer=exp.tokenizer,
+        )
         summary = {
             "steps": config.steps,
             "pass@1_before": evals[0]["pass@1"],
@@ -143,12 +155,12 @@ def run_job(
     return summary
 
 
-def _row(report, k: int) -> dict[str, float]:
+def _row(report: EvalReport, k: int) -> dict[str, float]:
     row = next(r for r in report.rows if r["k"] == k)
     return {"pass@1": row["pass@k"]}
 
 
-def _config(args) -> RunConfig:
+def _config(args: argparse.Namespace) -> RunConfig:
     if args.config:
         return RunConfig.from_yaml(args.config, args.set)
     from rlaxkit.configio import apply_overrides
@@ -230,6 +242,8 @@ def _eval(run_dir: Path, samples: int | None) -> None:
 
     config = RunConfig.from_yaml(run_dir / "config.yaml")
     model, tokenizer = load_hf_checkpoint(run_dir / "final")
+    if tokenizer is None:
+        raise FileNotFoundError(f"{run_dir / 'final'} holds no tokenizer to decode with")
     task = build_task(config)
     n = samples or config.eval.samples
     generate = make_text_generate(model, tokenizer, config.sampling)

@@ -63,7 +63,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if value not in allowed:
             raise ValueError(f"{path}: must be one of {list(allowed)}, got {value!r}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _dataclass(tp, value, path)
     if origin in (tuple, list):
         if not isinstance(value, list | tuple):

@@ -75,7 +75,8 @@ def maj_at_k(
         if not votes:
             return False
         top = max(votes.values())
-        winner = next(answers[i] for i in subset if votes.get(answers[i]) == top)
+        sampled = [answers[i] for i in subset]
+        winner = next(a for a in sampled if a is not None and votes[a] == top)
         return answer_correct[winner]
 
     if math.comb(n, k) <= max_subsets:

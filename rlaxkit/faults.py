@@ -40,7 +40,7 @@ import json
 import math
 import os
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -185,12 +185,13 @@ class FaultPlan:
     def __len__(self) -> int:
         return len(self.faults)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Fault]:
         return iter(self.faults)
 
     def timed(self) -> list[Fault]:
         """Faults with ``at_s``, in firing order (stable for equal times)."""
-        return sorted((f for f in self.faults if f.at_s is not None), key=lambda f: f.at_s)
+        timed = [(f.at_s, f) for f in self.faults if f.at_s is not None]
+        return [f for _, f in sorted(timed, key=lambda pair: pair[0])]
 
     def by_step(self) -> dict[int, list[Fault]]:
         """Faults with ``at_step``, grouped by the step after which they fire."""
@@ -214,15 +215,16 @@ class FaultPlan:
     @classmethod
     def from_dicts(cls, items: Iterable[Mapping[str, Any]] | Mapping[str, Any]) -> FaultPlan:
         """Parse a list of fault mappings, or a mapping ``{"faults": [...]}``."""
+        entries: object = items
         if isinstance(items, Mapping):
             extra = set(items) - {"faults"}
             if extra:
                 raise ValueError(f"{sorted(extra)[0]}: unknown key; a plan has only 'faults'")
-            items = items.get("faults") or []
-        if isinstance(items, str | bytes) or not isinstance(items, Iterable):
-            raise ValueError(f"faults: must be a list, got {type(items).__name__}")
+            entries = items.get("faults") or []
+        if isinstance(entries, str | bytes) or not isinstance(entries, Iterable):
+            raise ValueError(f"faults: must be a list, got {type(entries).__name__}")
         return cls(
-            tuple(Fault.from_dict(item, where=f"faults[{i}]") for i, item in enumerate(items))
+            tuple(Fault.from_dict(item, where=f"faults[{i}]") for i, item in enumerate(entries))
         )
 
     @classmethod
@@ -287,7 +289,7 @@ def random_preemptions(
         raise ValueError(f"weibull_shape: must be a number > 0, got {weibull_shape!r}")
     rng = random.Random(f"faults-{seed}-{kind}")
     scale = mtbf_s / math.gamma(1.0 + 1.0 / weibull_shape)
-    faults = []
+    faults: list[tuple[float, Fault]] = []  # (at_s, fault)
     for target in targets:
         t = 0.0
         while True:
@@ -297,13 +299,12 @@ def random_preemptions(
                 t += rng.weibullvariate(scale, weibull_shape)
             if t >= horizon_s:
                 break
-            faults.append(
-                Fault(
-                    kind=kind,
-                    at_s=t,
-                    target=None if kind == "preempt_trainer" else target,
-                    restart_after_s=restart_after_s,
-                )
+            fault = Fault(
+                kind=kind,
+                at_s=t,
+                target=None if kind == "preempt_trainer" else target,
+                restart_after_s=restart_after_s,
             )
-    faults.sort(key=lambda f: f.at_s)
-    return FaultPlan(tuple(faults))
+            faults.append((t, fault))
+    faults.sort(key=lambda pair: pair[0])
+    return FaultPlan(tuple(fault for _, fault in faults))

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _lock = threading.Lock()
@@ -18,7 +19,7 @@ _compiles = 0
 _listening = False
 
 
-def _on_duration(event: str, duration_s: float, **_: object) -> None:
+def _on_duration(event: str, duration_secs: float, **_: str | int) -> None:
     global _compiles
     if event == _COMPILE_EVENT:
         with _lock:
@@ -65,7 +66,7 @@ def count_compilations() -> Iterator[CompileCounter]:
         counter.stop = _compiles
 
 
-def matmul_peak_flops(size: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
+def matmul_peak_flops(size: int = 2048, repeats: int = 5, dtype: DTypeLike = jnp.float32) -> float:
     """Measured FLOP/s of a square matmul on the default device (best of ``repeats``).
 
     Benchmarks divide their achieved FLOP/s by this figure, measured in the same run, to
@@ -122,11 +123,11 @@ class TieredJit:
         leaves, tree = jax.tree.flatten(abstract)
         return tree, tuple((x.shape, x.dtype, x.sharding) for x in leaves)
 
-    def lower(self, *args: Any):
+    def lower(self, *args: Any) -> jax.stages.Lowered:
         """``jax.jit(fun, compiler_options=QUICK_COMPILER_OPTIONS).lower(*args)``."""
         return self.quick.lower(*args)
 
-    def __call__(self, *args: Any):
+    def __call__(self, *args: Any) -> Any:
         abstract = self._abstract(args)  # before the call: inputs may be donated
         key = self._signature(abstract)
         with self._lock:

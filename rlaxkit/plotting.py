@@ -69,11 +69,11 @@ def _style(axes: Axes, *, legend: bool = False) -> Axes:
 
 def _smooth(values: Sequence[float], window: int) -> np.ndarray:
     """Trailing moving average (the first points average what exists so far)."""
-    values = np.asarray(values, float)
-    if window <= 1 or len(values) == 0:
-        return values
-    cumulative = np.cumsum(np.insert(values, 0, 0.0))
-    ends = np.arange(1, len(values) + 1)
+    array = np.asarray(values, float)
+    if window <= 1 or len(array) == 0:
+        return array
+    cumulative = np.cumsum(np.insert(array, 0, 0.0))
+    ends = np.arange(1, len(array) + 1)
     starts = np.maximum(ends - window, 0)
     return (cumulative[ends] - cumulative[starts]) / (ends - starts)
 
@@ -152,7 +152,7 @@ def compare_runs_figure(runs: Mapping[str, Mapping[str, Any]], *, smooth: int = 
     # Label "head · suffix": the head picks the colour, the suffix the line style.
     suffixes = list(dict.fromkeys(label.rpartition(" · ")[2] for label in runs if " · " in label))
     styles = dict(zip(suffixes, ("-", "--", ":", "-."), strict=False))
-    colours = {}
+    colours: dict[str, str] = {}
     for label in runs:
         head = label.rpartition(" · ")[0] or label
         colours.setdefault(head, f"C{len(colours) % 10}")
@@ -316,18 +316,18 @@ def scaling_figure(
         raise ValueError("sizes: give at least one fleet size")
     figure = _figure(6.0, 4.0)
     axes = figure.add_subplot()
-    sizes = np.asarray(sizes, float)
+    x = np.asarray(sizes, float)
     for label, values in series.items():
-        values = np.asarray(values, float)
-        if len(values) != len(sizes):
-            raise ValueError(f"series {label!r} has {len(values)} values for {len(sizes)} sizes")
-        line = axes.plot(sizes, values, "o-", label=label)[0]
-        axes.plot(sizes, values[0] * sizes / sizes[0], ":", color=line.get_color(), lw=1)
+        y = np.asarray(values, float)
+        if len(y) != len(x):
+            raise ValueError(f"series {label!r} has {len(y)} values for {len(x)} sizes")
+        line = axes.plot(x, y, "o-", label=label)[0]
+        axes.plot(x, y[0] * x / x[0], ":", color=line.get_color(), lw=1)
     if ceiling is not None:
         axes.axhline(ceiling, color="black", ls="--", lw=1, label=ceiling_label)
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
-    axes.set_xticks(sizes, [f"{s:g}" for s in sizes])
+    axes.set_xticks(x, [f"{s:g}" for s in x])
     plain = ScalarFormatter()
     plain.set_scientific(False)
     axes.yaxis.set_major_formatter(plain)
@@ -356,10 +356,10 @@ def overlay_figure(
     for i, (title, pair) in enumerate(panels.items()):
         axes = figure.add_subplot(1, len(panels), i + 1)
         for values, label, style in zip(pair, labels, ("-", "--"), strict=True):
-            values = np.sort(np.asarray(values, float))
-            if len(values):
-                cdf = np.arange(1, len(values) + 1) / len(values)
-                axes.step(values, cdf, style, where="post", label=label)
+            ordered = np.sort(np.asarray(values, float))
+            if len(ordered):
+                cdf = np.arange(1, len(ordered) + 1) / len(ordered)
+                axes.step(ordered, cdf, style, where="post", label=label)
         axes.set_title(title, fontsize="medium")
         axes.set_ylabel("CDF" if i == 0 else "")
         axes.set_ylim(0, 1.02)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeAlias, get_args, overload
 
 from rlaxkit.validation import check_int
 
@@ -228,19 +228,42 @@ class CheckpointPolicy:
         return ordered[: max(0, len(ordered) - self.keep)]
 
 
-_POLICIES = {
+# Any one of the policies, as ``policy_from_dict`` builds them by kind.
+Policy: TypeAlias = StalenessPolicy | WeightSyncPolicy | CheckpointPolicy
+
+_POLICIES: dict[str, type[Policy]] = {
     "staleness": StalenessPolicy,
     "weight_sync": WeightSyncPolicy,
     "checkpoint": CheckpointPolicy,
 }
 
 
-def policy_to_dict(policy: StalenessPolicy | WeightSyncPolicy | CheckpointPolicy) -> dict:
+def policy_to_dict(policy: Policy) -> dict:
     """Plain dict of a policy's fields (for YAML configs and trace headers)."""
     return dataclasses.asdict(policy)
 
 
-def policy_from_dict(kind: str, fields: Mapping[str, Any]):
+@overload
+def policy_from_dict(kind: Literal["staleness"], fields: Mapping[str, Any]) -> StalenessPolicy: ...
+
+
+@overload
+def policy_from_dict(
+    kind: Literal["weight_sync"], fields: Mapping[str, Any]
+) -> WeightSyncPolicy: ...
+
+
+@overload
+def policy_from_dict(
+    kind: Literal["checkpoint"], fields: Mapping[str, Any]
+) -> CheckpointPolicy: ...
+
+
+@overload
+def policy_from_dict(kind: str, fields: Mapping[str, Any]) -> Policy: ...
+
+
+def policy_from_dict(kind: str, fields: Mapping[str, Any]) -> Policy:
     """Build the policy named ``kind`` (``staleness``, ``weight_sync``, ``checkpoint``).
 
     Unknown field names raise ``ValueError`` naming the field and the allowed ones.

@@ -49,6 +49,8 @@ class Rollout:
     worker_id: str = ""
     reward_info: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    first_version: int = field(init=False, repr=False, compare=False)
+    last_version: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.completion_tokens)

@@ -108,7 +108,8 @@ def supervised_warm_start(
         optax.clip_by_global_norm(1.0),
         optax.adamw(schedule, weight_decay=config.weight_decay),
     )
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # One state per filter; flax types the states after the first as a variadic tuple.
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
     opt_state = tx.init(params)
 
     def _step(params, opt_state, tokens, loss_mask):

@@ -148,7 +148,15 @@ class TraceEvent:
         )
 
 
-def _validate(t, kind, actor, version, fields, *, where: str) -> None:
+def _validate(
+    t: float,
+    kind: str,
+    actor: str,
+    version: int | None,
+    fields: Mapping[str, Any],
+    *,
+    where: str,
+) -> None:
     if not is_number(t) or not math.isfinite(t) or t < 0:
         raise ValueError(f"{where}.t: must be a finite number >= 0, got {t!r}")
     if kind not in KINDS:

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -214,7 +214,9 @@ def create_train_state(
     )
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, model: int = 1, devices=None) -> Mesh:
+def make_mesh(
+    data: int = 1, fsdp: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
     """A ``(data, fsdp, model)`` mesh with automatic (GSPMD) sharding propagation."""
     devices = list(devices if devices is not None else jax.devices())[: data * fsdp * model]
     return jax.make_mesh(
@@ -222,11 +224,11 @@ def make_mesh(data: int = 1, fsdp: int = 1, model: int = 1, devices=None) -> Mes
     )
 
 
-def _path_names(path) -> tuple[str, ...]:
+def _path_names(path: Sequence[Any]) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def param_partition_spec(path, shape: tuple[int, ...], mesh: Mesh) -> P:
+def param_partition_spec(path: Sequence[Any], shape: tuple[int, ...], mesh: Mesh) -> P:
     """Sharding of one parameter (or optimizer moment) from its path and shape.
 
     Column-parallel kernels ``[in, out]`` (q/k/v, gate/up, LM head) put ``fsdp`` on
@@ -238,6 +240,7 @@ def param_partition_spec(path, shape: tuple[int, ...], mesh: Mesh) -> P:
     if len(shape) < 2:
         return P()
     names = _path_names(path)
+    axes: list[str | None]
     if any(n in _COLUMN_PARALLEL for n in names):
         axes = ["fsdp", "model"]
     elif any(n in _ROW_PARALLEL for n in names) or "embed_tokens" in names:
@@ -278,13 +281,25 @@ def _merge_rows(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:])
 
 
-def _reduce_metrics(metrics: dict[str, jax.Array], how: Literal["sum", "mean"]):
+def _reduce_metrics(
+    metrics: dict[str, jax.Array], how: Literal["sum", "mean"]
+) -> dict[str, jax.Array]:
     """Reduces stacked metrics over axis 0: ``*_max`` by max, others by ``how``."""
     reduce = jnp.sum if how == "sum" else jnp.mean
     return {k: jnp.max(v, 0) if k.endswith("_max") else reduce(v, 0) for k, v in metrics.items()}
 
 
-def _build(cfg: TrainConfig, graphdef, value_graphdef, mesh: Mesh | None):
+# What ``_build`` returns: ``prepare``, ``minibatch_gradients``, ``update`` and the optax
+# transformation (closures over traced pytrees, so their arguments are left untyped).
+_StepParts: TypeAlias = tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], Any]
+
+
+def _build(
+    cfg: TrainConfig,
+    graphdef: nnx.GraphDef,
+    value_graphdef: nnx.GraphDef | None,
+    mesh: Mesh | None,
+) -> _StepParts:
     """The pieces of a train step, closed over the static configuration."""
     loss_cfg, adv_cfg = cfg.algorithm.loss, cfg.algorithm.advantage
     tx = make_optimizer(cfg.optimizer)
@@ -300,7 +315,7 @@ def _build(cfg: TrainConfig, graphdef, value_graphdef, mesh: Mesh | None):
             lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
         )
 
-    def constrain_rows(tree, leading: int = 0):
+    def constrain_rows(tree: Any, leading: int = 0) -> Any:
         """Rows (after ``leading`` chunk axes) split over ``data × fsdp``."""
         if mesh is None:
             return tree
@@ -315,6 +330,10 @@ def _build(cfg: TrainConfig, graphdef, value_graphdef, mesh: Mesh | None):
         return jnp.pad(logp, ((0, 0), (1, 0))), jnp.pad(entropy, ((0, 0), (1, 0)))
 
     def value_forward(value_params, tokens, positions, attention_mask):
+        if value_graphdef is None:
+            raise ValueError(
+                f"algorithm {cfg.algorithm.name!r} trains a critic: pass value_graphdef"
+            )
         return nnx.merge(value_graphdef, cast(value_params))(tokens, positions, attention_mask)
 
     def chunked(fn, params, data):
@@ -488,7 +507,7 @@ def make_train_step(
         raise ValueError(f"algorithm {cfg.algorithm.name!r} trains a critic: pass value_graphdef")
     prepare, _, update, _ = _build(cfg, graphdef, value_graphdef, mesh)
 
-    def train_step(state: TrainState, batch: TrainBatch):
+    def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
         data, stats = prepare(state, batch)
         rng, shuffle_rng = jax.random.split(state.rng)
 
@@ -531,17 +550,25 @@ class _KeepParams:
     """``train_step(state, batch)`` jitted with every input buffer donated except
     ``state.params`` (``make_train_step(..., keep_params=True)``)."""
 
-    def __init__(self, train_step: Callable, tiered: bool):
-        def split_step(params, rest: TrainState, batch: TrainBatch):
+    def __init__(
+        self,
+        train_step: Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]],
+        tiered: bool,
+    ):
+        def split_step(
+            params: Any, rest: TrainState, batch: TrainBatch
+        ) -> tuple[TrainState, dict[str, jax.Array]]:
             return train_step(rest.replace(params=params), batch)
 
         jit = TieredJit if tiered else jax.jit
         self.jitted = jit(split_step, donate_argnums=(1,))
 
-    def __call__(self, state: TrainState, batch: TrainBatch):
+    def __call__(
+        self, state: TrainState, batch: TrainBatch
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
         return self.jitted(state.params, state.replace(params=None), batch)
 
-    def lower(self, state: TrainState, batch: TrainBatch):
+    def lower(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
         """Lowers the jitted step for these arguments (``jax.jit(...).lower``)."""
         return self.jitted.lower(state.params, state.replace(params=None), batch)
 
@@ -559,7 +586,7 @@ def make_gradient_fn(
     cfg = dataclasses.replace(cfg, mini_batches=1, epochs=1)
     prepare, minibatch_gradients, _, _ = _build(cfg, graphdef, value_graphdef, mesh)
 
-    def gradients(state: TrainState, batch: TrainBatch):
+    def gradients(state: TrainState, batch: TrainBatch) -> tuple[Any, dict[str, jax.Array]]:
         data, stats = prepare(state, batch)
         minibatch = jax.tree.map(lambda x: _split_rows(x, cfg.micro_batches), data)
         grads, metrics = minibatch_gradients(

@@ -20,12 +20,20 @@ ValueError: epochs: must be an integer >= 1, got True
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, Literal, TypeGuard, overload
 
 __all__ = ["check_int", "is_int", "is_number"]
 
 
-def is_int(value: Any, *, numpy: bool = False) -> bool:
+@overload
+def is_int(value: object, *, numpy: Literal[False] = False) -> TypeGuard[int]: ...
+
+
+@overload
+def is_int(value: object, *, numpy: bool) -> bool: ...
+
+
+def is_int(value: object, *, numpy: bool = False) -> bool:
     """Whether ``value`` is an ``int`` and not a ``bool``.
 
     Args:
@@ -38,7 +46,7 @@ def is_int(value: Any, *, numpy: bool = False) -> bool:
     return isinstance(value, numbers.Integral if numpy else int)
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     """Whether ``value`` is an ``int`` or a ``float`` and not a ``bool``.
 
     NaN and the infinities are numbers here; test ``math.isfinite`` where they are not

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
 from rlaxkit.controller import Issue
 from rlaxkit.inference import InferenceEngine, SamplingConfig
@@ -78,7 +79,7 @@ class InferenceWorker:
     def __init__(
         self,
         worker_id: str,
-        graphdef,
+        graphdef: nnx.GraphDef,
         sampling: SamplingConfig,
         *,
         task: Task,
@@ -155,7 +156,14 @@ class InferenceWorker:
         )
         return True
 
-    def _new_engine(self, params, version: int) -> InferenceEngine:
+    @property
+    def _engine(self) -> InferenceEngine:
+        """The engine, which exists from the first pull until a preemption."""
+        if self.engine is None:
+            raise RuntimeError(f"{self.worker_id}: no inference engine before the first pull")
+        return self.engine
+
+    def _new_engine(self, params: nnx.State, version: int) -> InferenceEngine:
         return InferenceEngine(
             (self.graphdef, params),
             self.sampling,
@@ -165,8 +173,8 @@ class InferenceWorker:
             chunk_steps=self.chunk_steps,
         )
 
-    def _take_weights(self, version: int, params, *, recompute_cache: bool) -> None:
-        self.engine.update_weights(params, version, recompute_cache=recompute_cache)
+    def _take_weights(self, version: int, params: nnx.State, *, recompute_cache: bool) -> None:
+        self._engine.update_weights(params, version, recompute_cache=recompute_cache)
         self.replay_log.updated(version, params, recompute_cache=recompute_cache)
         self.version = version
 
@@ -200,8 +208,9 @@ class InferenceWorker:
             )
 
     def _start(self, issue: Issue, problem: Problem, prompt: list[int], now: float) -> None:
+        engine = self._engine
         self.requests[issue.group_id] = _Request(issue, problem, prompt, now)
-        self.engine.submit(prompt, rng=issue.seed, request_id=issue.group_id)
+        engine.submit(prompt, rng=issue.seed, request_id=issue.group_id)
         self.replay_log.submitted(issue.group_id)
 
     # -- generation ------------------------------------------------------------------
@@ -245,7 +254,7 @@ class InferenceWorker:
         start = self.clock()
         complete, finished = self._decode()
         end = self.clock()
-        if self.engine.num_running:  # rows still decoding: the chunk ran all its steps
+        if self._engine.num_running:  # rows still decoding: the chunk ran all its steps
             steps = self.chunk_steps
         else:  # it stopped when its longest row did
             steps = max(
@@ -268,13 +277,13 @@ class InferenceWorker:
             **({"pipelined": True} if pipelined else {}),
         )
         if not self.requests:  # the engine drained: a fresh one would be the same
-            self.replay_log.reset(self.version, self.engine.params)
+            self.replay_log.reset(self.version, self._engine.params)
         return complete
 
     def _decode(self) -> tuple[list[_Request], list[Completion]]:
         """Finishes the engine's launched chunk; returns the prompts it completed and the
         rows it finished."""
-        finished = self.engine.finish()
+        finished = self._engine.finish()
         self.replay_log.decoded()
         for request in self.requests.values():
             request.chunks += 1

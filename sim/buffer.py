@@ -20,6 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
+import simpy
 
 if TYPE_CHECKING:
     from .engine import Simulation
@@ -32,7 +33,9 @@ class Sample:
 
     __slots__ = ("group", "index", "prompt_tokens", "tokens", "truncated")
 
-    def __init__(self, group: Group, index: int, prompt_tokens: int, tokens: int, truncated):
+    def __init__(
+        self, group: Group, index: int, prompt_tokens: int, tokens: int, truncated: bool
+    ) -> None:
         self.group = group
         self.index = index
         self.prompt_tokens = prompt_tokens
@@ -82,13 +85,31 @@ class Group:
 
     def note_version(self, version: int, lineage: int) -> None:
         """Record that some of its tokens were sampled with ``version``."""
-        if self.first_version is None:
+        first, last = self.first_version, self.last_version
+        if first is None or last is None:
             self.first_version = self.last_version = version
             self.lineage = lineage
             return
-        self.first_version = min(self.first_version, version)
-        self.last_version = max(self.last_version, version)
+        self.first_version = min(first, version)
+        self.last_version = max(last, version)
         self.lineage = min(self.lineage, lineage)
+
+    @property
+    def versions(self) -> tuple[int, int]:
+        """``(first_version, last_version)``; a group has them from its first token on."""
+        first, last = self.first_version, self.last_version
+        if first is None or last is None:
+            raise ValueError(f"group {self.group_id}: no token sampled yet, so no versions")
+        return first, last
+
+
+class _StartRequest(simpy.Event):
+    """A request to start a generation (:meth:`RolloutBuffer.wait_start`), granted in
+    FIFO order; a preempted worker withdraws it (``cancelled``)."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        super().__init__(env)
+        self.cancelled = False
 
 
 class RolloutBuffer:
@@ -106,8 +127,8 @@ class RolloutBuffer:
         self.consumed = 0
         self.published_version = 0
         self.trainer_version = 0
-        self._waiting: deque = deque()
-        self._batch_event = None
+        self._waiting: deque[_StartRequest] = deque()
+        self._batch_event: simpy.Event | None = None
         self._restores: list[int] = []
         # Its own stream, drawn only when filtering is on, so runs without it keep
         # every other random draw (and their exact event logs) unchanged.
@@ -134,14 +155,13 @@ class RolloutBuffer:
         self.running += 1
         return True
 
-    def wait_start(self):
+    def wait_start(self) -> _StartRequest:
         """Event granted (FIFO) when the policy lets one more generation start."""
-        event = self.env.event()
-        event.cancelled = False
+        event = _StartRequest(self.env)
         self._waiting.append(event)
         return event
 
-    def cancel(self, event) -> None:
+    def cancel(self, event: _StartRequest) -> None:
         """Withdraw a request from :meth:`wait_start` (its worker was preempted)."""
         if event.triggered:
             self.running -= 1
@@ -211,7 +231,7 @@ class RolloutBuffer:
             reason = (
                 "rolled_back"
                 if self._discarded(group)
-                else policy.drop_reason((group.first_version, group.last_version), version)
+                else policy.drop_reason(group.versions, version)
             )
             if reason is None:
                 kept.append(group)
@@ -224,7 +244,7 @@ class RolloutBuffer:
         self.consumed += self.batch_size
         return kept
 
-    def wait_batch(self):
+    def wait_batch(self) -> simpy.Event:
         """Event fired when at least ``batch_size`` groups are waiting."""
         self._batch_event = self.env.event()
         return self._batch_event
@@ -244,7 +264,7 @@ class RolloutBuffer:
         self.trainer_version = step
         self.published_version = min(self.published_version, step)
         self.consumed = step * self.batch_size
-        kept = deque()
+        kept: deque[Group] = deque()
         for group in self.ready:
             if self._discarded(group):
                 self._drop(group, "rolled_back")
@@ -258,4 +278,4 @@ class RolloutBuffer:
         restores = self._restores
         if group.lineage >= len(restores):
             return False
-        return group.last_version > min(restores[group.lineage :])
+        return group.versions[1] > min(restores[group.lineage :])

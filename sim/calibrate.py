@@ -47,6 +47,7 @@ import statistics
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, get_args
 
 from rlaxkit.faults import Fault, FaultPlan
@@ -197,7 +198,9 @@ def record_local_run(
         gc.collect()
         gc.freeze()
         try:
-            with experiment(config, cache_dir=cache_dir) as exp:
+            with experiment(
+                config, cache_dir=None if cache_dir is None else Path(cache_dir)
+            ) as exp:
                 exp.run(steps)
                 events = list(exp.trace.memory.events)
         finally:
@@ -272,7 +275,8 @@ def fit_scenario(
     if executor not in get_args(Executor):
         raise ValueError(f"executor: must be one of {get_args(Executor)}, got {executor!r}")
     start_s = window_start(events, warmup_steps) if warmup_steps else float("-inf")
-    host, host_fitted = HostSpec(), {}
+    host = HostSpec()
+    host_fitted: dict[str, float] = {}
     if executor == "serial":
         host, host_fitted = fit_host(events, chunk_steps=int(shape["chunk_steps"]), start_s=start_s)
     decode = fit_decode(events, pauses_fleet=bool(shape["pauses_fleet"]), start_s=start_s)

@@ -3,9 +3,12 @@ trainer's step time (see :mod:`sim.calibrate` for what each reads from a trace).
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Sequence
 
-from rlaxkit.trace import TraceEvent, generation_records
+import numpy as np
+from numpy.typing import ArrayLike
+
+from rlaxkit.trace import GenerationRecord, TraceEvent, generation_records
 
 __all__ = [
     "COMPILE_FACTOR",
@@ -22,15 +25,15 @@ __all__ = [
 COMPILE_FACTOR = 20.0
 
 
-def compiled(seconds: np.ndarray) -> np.ndarray:
+def compiled(seconds: ArrayLike) -> np.ndarray:
     """Which of these durations of one kind compiled a program (``COMPILE_FACTOR``)."""
-    seconds = np.asarray(seconds, dtype=float)
-    if not seconds.size:
+    durations = np.asarray(seconds, dtype=float)
+    if not durations.size:
         return np.zeros(0, bool)
-    return seconds > COMPILE_FACTOR * np.median(seconds)
+    return durations > COMPILE_FACTOR * np.median(durations)
 
 
-def pause_overlap(records, events: list[TraceEvent]) -> np.ndarray:
+def pause_overlap(records: Sequence[GenerationRecord], events: list[TraceEvent]) -> np.ndarray:
     """Seconds of each generation spent inside train-step compute (host pauses)."""
     steps = sorted((e.t - float(e["duration_s"]), e.t) for e in events if e.kind == "train_step")
     overlap = np.zeros(len(records))

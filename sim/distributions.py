@@ -275,7 +275,9 @@ def distribution_to_dict(dist: Distribution) -> dict[str, Any]:
     return out
 
 
-def distribution_from_dict(data: Mapping[str, Any] | float, *, where: str = "distribution"):
+def distribution_from_dict(
+    data: Mapping[str, Any] | float, *, where: str = "distribution"
+) -> Distribution:
     """Parse ``{"type": ..., ...}``; a bare number means :class:`Constant`."""
     if is_number(data):
         return Constant(value=float(data))

@@ -80,7 +80,7 @@ class Simulation:
         if self.trace is not None:
             self.trace.record(self.env.now, kind, actor, version, **fields)
 
-    def record_start(self, actor: str, version: int | None, sample: Sample, occupancy: int):
+    def record_start(self, actor: str, version: int | None, sample: Sample, occupancy: int) -> None:
         """The ``generation_start`` event of ``sample`` (no-op without a trace)."""
         if self.trace is None:
             return
@@ -94,7 +94,9 @@ class Simulation:
             occupancy=occupancy,
         )
 
-    def record_end(self, actor: str, version: int | None, sample: Sample, first_version: int):
+    def record_end(
+        self, actor: str, version: int | None, sample: Sample, first_version: int
+    ) -> None:
         """The ``generation_end`` event of ``sample`` (no-op without a trace)."""
         if self.trace is None:
             return
@@ -119,9 +121,9 @@ class Simulation:
         draw = self._response_lengths.next
         for index in range(workload.group_size):
             tokens = max(1, round(draw()))
-            truncated = cap is not None and tokens > cap
-            if truncated:
-                tokens = cap
+            truncated = False
+            if cap is not None and tokens > cap:
+                tokens, truncated = cap, True
             group.samples.append(Sample(group, index, prompt_tokens, tokens, truncated))
         group.unfinished = group.unscored = workload.group_size
         return group

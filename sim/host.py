@@ -30,7 +30,9 @@ runtime replays them on a logical clock; the scenario rejects them).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
+
+from simpy.events import ProcessGenerator
 
 from .buffer import Group, Sample
 
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
     from .engine import Simulation
 
 __all__ = ["ChunkWorker", "SerialHost"]
+
+# One chunk of a worker: (duration_s, rows, started, finished samples, decode steps).
+_ChunkPlan: TypeAlias = tuple[float, int, int, list[Sample], int]
 
 
 class ChunkWorker:
@@ -119,7 +124,7 @@ class SerialHost:
 
     # --- the phases of a round ---------------------------------------------------------
 
-    def _sync(self, worker: ChunkWorker):
+    def _sync(self, worker: ChunkWorker) -> ProcessGenerator:
         ps = self.sim.ps
         if not self.policy.must_pull(worker.version, ps.latest):
             return
@@ -149,22 +154,25 @@ class SerialHost:
         buffer = self.sim.buffer
         issued = 0
         for worker in self.workers:
+            version = worker.version
+            if version is None:
+                continue  # no weights yet: it takes no prompts (``free`` is 0)
             for _ in range(worker.free):
                 if not buffer.try_start():
                     return issued
                 group = self.sim.new_group(worker.name)
                 group.started = True
-                group.note_version(worker.version, worker.lineage)
+                group.note_version(version, worker.lineage)
                 worker.groups.append(group)
                 worker.unstarted += len(group.samples)
                 issued += len(group.samples)
                 for sample in group.samples:
                     worker.left[sample] = sample.tokens
                 for sample in group.samples:
-                    self.sim.record_start(worker.name, worker.version, sample, len(worker.left))
+                    self.sim.record_start(worker.name, version, sample, len(worker.left))
         return issued
 
-    def _plan_chunk(self, worker: ChunkWorker) -> tuple[float, int, int, list[Sample], int]:
+    def _plan_chunk(self, worker: ChunkWorker) -> _ChunkPlan:
         """Advances ``worker``'s rows by one chunk; returns ``(duration, rows, started,
         finished, steps)`` of the chunk."""
         spec = self.spec
@@ -181,7 +189,9 @@ class SerialHost:
         self._after_step = False
         return duration, rows, started, finished, steps
 
-    def _record_chunk(self, worker: ChunkWorker, plan, waited_s: float, pipelined: bool) -> None:
+    def _record_chunk(
+        self, worker: ChunkWorker, plan: _ChunkPlan, waited_s: float, pipelined: bool
+    ) -> None:
         """The chunk's ``decode`` event, as the runtime writes it: a chunk dispatched
         before the host finished with the previous worker's (``pipelined``) is timed by
         the wait left."""
@@ -199,7 +209,7 @@ class SerialHost:
             **({"pipelined": True} if pipelined else {}),
         )
 
-    def _finish_chunk(self, worker: ChunkWorker, plan):
+    def _finish_chunk(self, worker: ChunkWorker, plan: _ChunkPlan) -> ProcessGenerator:
         """Process body: delivers what the chunk finished, scoring and buffering the
         groups it completed."""
         env, spec, sim = self.env, self.spec, self.sim
@@ -230,8 +240,9 @@ class SerialHost:
             samples=scored,
         )
         for group in complete:
+            first_version, last_version = group.versions
             for sample in group.samples:
-                sim.record_end(worker.name, group.last_version, sample, group.first_version)
+                sim.record_end(worker.name, last_version, sample, first_version)
         host_s = spec.chunk_host_s + spec.sample_s * scored
         if host_s:
             yield env.timeout(host_s)

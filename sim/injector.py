@@ -9,13 +9,17 @@ a runtime run can replay the very same faults.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
+
+from simpy.events import ProcessGenerator
 
 from rlaxkit.faults import Fault, FaultPlan, random_preemptions
 
 if TYPE_CHECKING:
     from .engine import Simulation
     from .scenario import Scenario
+    from .worker import InferenceWorker
 
 __all__ = ["FaultInjector", "plan_for"]
 
@@ -24,28 +28,23 @@ def plan_for(scenario: Scenario) -> FaultPlan:
     """The scenario's explicit faults plus its random preemptions over the horizon."""
     spec = scenario.preemptions
     plans = [scenario.fault_plan]
-    common = {
-        "horizon_s": scenario.horizon_s,
-        "distribution": spec.distribution,
-        "weibull_shape": spec.weibull_shape,
-        "seed": scenario.seed,
-    }
+    preemptions = functools.partial(
+        random_preemptions,
+        horizon_s=scenario.horizon_s,
+        distribution=spec.distribution,
+        weibull_shape=spec.weibull_shape,
+        seed=scenario.seed,
+    )
     fleet = scenario.fleet
     if spec.worker_mtbf_s is not None:
         workers = [f"worker-{i}" for i in range(fleet.num_workers)]
-        plans.append(random_preemptions(targets=workers, mtbf_s=spec.worker_mtbf_s, **common))
+        plans.append(preemptions(targets=workers, mtbf_s=spec.worker_mtbf_s))
     if spec.slice_mtbf_s is not None:
         slices = [f"slice-{i}" for i in range(fleet.num_slices)]
-        plans.append(
-            random_preemptions(
-                targets=slices, mtbf_s=spec.slice_mtbf_s, kind="preempt_slice", **common
-            )
-        )
+        plans.append(preemptions(targets=slices, mtbf_s=spec.slice_mtbf_s, kind="preempt_slice"))
     if spec.trainer_mtbf_s is not None:
         plans.append(
-            random_preemptions(
-                targets=["trainer"], mtbf_s=spec.trainer_mtbf_s, kind="preempt_trainer", **common
-            )
+            preemptions(targets=["trainer"], mtbf_s=spec.trainer_mtbf_s, kind="preempt_trainer")
         )
     return plans[0].merged(*plans[1:])
 
@@ -59,7 +58,7 @@ class FaultInjector:
         self.sim = sim
         self.env = sim.env
         self.workers = {worker.name: worker for worker in sim.workers}
-        self.slices: dict[str, list] = {}
+        self.slices: dict[str, list[InferenceWorker]] = {}
         for worker in sim.workers:
             self.slices.setdefault(worker.slice_name, []).append(worker)
         for index, fault in enumerate(plan):
@@ -78,10 +77,12 @@ class FaultInjector:
         if kind == "preempt_slice" and target not in self.slices:
             raise ValueError(f"{where}.target: no slice named {target!r} in this fleet")
 
-    def _fire_timed(self, faults: list[Fault]):
+    def _fire_timed(self, faults: list[Fault]) -> ProcessGenerator:
         for fault in faults:
-            if fault.at_s > self.env.now:
-                yield self.env.timeout(fault.at_s - self.env.now)
+            at_s = fault.at_s
+            assert at_s is not None  # FaultPlan.timed() gives only faults with at_s
+            if at_s > self.env.now:
+                yield self.env.timeout(at_s - self.env.now)
             self.apply(fault)
 
     def on_step(self, step: int) -> None:
@@ -90,7 +91,7 @@ class FaultInjector:
         if faults:
             self.env.process(self._fire_now(faults))
 
-    def _fire_now(self, faults: list[Fault]):
+    def _fire_now(self, faults: list[Fault]) -> ProcessGenerator:
         yield self.env.timeout(0)
         for fault in faults:
             self.apply(fault)
@@ -102,11 +103,11 @@ class FaultInjector:
         kind = fault.kind
         if kind == "preempt_worker":
             down = _or(fault.restart_after_s, scenario.fleet.restart_s)
-            self.workers[fault.target].preempt(down)
+            self.workers[_target(fault)].preempt(down)
         elif kind == "preempt_slice":
             down = _or(fault.restart_after_s, scenario.fleet.restart_s)
             sim.counters.preemptions["slice"] += 1
-            for worker in self.slices[fault.target]:
+            for worker in self.slices[_target(fault)]:
                 worker.preempt(down)
         elif kind == "preempt_trainer":
             sim.trainer.preempt(_or(fault.restart_after_s, scenario.trainer.restart_s))
@@ -114,12 +115,22 @@ class FaultInjector:
             sim.record(sim.ps.name, "fault", sim.ps.latest, fault=kind)
             sim.ps.kill(_or(fault.restart_after_s, scenario.param_server.restart_s))
         elif kind == "slow_worker":
-            sim.record(fault.target, "fault", None, fault=kind, factor=fault.factor)
-            self.workers[fault.target].slow(fault.factor, fault.duration_s)
+            target, factor, duration_s = _target(fault), fault.factor, fault.duration_s
+            if factor is None or duration_s is None:
+                raise ValueError(f"{target}: a slow_worker fault needs factor and duration_s")
+            sim.record(target, "fault", None, fault=kind, factor=factor)
+            self.workers[target].slow(factor, duration_s)
         elif kind == "fail_pull":
             sim.ps.failing_pulls[fault.target or "*"] += fault.count
         elif kind == "hang_reward":
             sim.verifier.hangs_pending += fault.count
+
+
+def _target(fault: Fault) -> str:
+    """The actor a fault names; the kinds that call this require one."""
+    if fault.target is None:
+        raise ValueError(f"a {fault.kind} fault needs a target")
+    return fault.target
 
 
 def _or(value: float | None, default: float) -> float:

@@ -11,7 +11,11 @@ TensorStore, ``docs/papers.md`` [R4]).
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+import simpy
+from simpy.events import ProcessGenerator
 
 if TYPE_CHECKING:
     from .engine import Simulation
@@ -25,7 +29,7 @@ _DONE_FRACTION = 1e-9
 class _Transfer:
     __slots__ = ("remaining", "event")
 
-    def __init__(self, remaining: float, event) -> None:
+    def __init__(self, remaining: float, event: simpy.Event) -> None:
         self.remaining = remaining
         self.event = event
 
@@ -80,13 +84,13 @@ class ParameterServer:
             event, self._up_event = self._up_event, self.env.event()
             event.succeed()
 
-    def wait_up(self):
+    def wait_up(self) -> simpy.Event:
         """Event that fires when the store is back (already triggered state is not kept)."""
         return self._up_event
 
     # --- trainer side ----------------------------------------------------------------
 
-    def push(self, version: int):
+    def push(self, version: int) -> ProcessGenerator:
         """Process body: the trainer transfers ``version``; then it is published.
 
         Takes ``latency_s + weight_bytes / push_bytes_per_s`` while the store is up; a
@@ -126,7 +130,7 @@ class ParameterServer:
 
     # --- worker side -----------------------------------------------------------------
 
-    def pull(self, worker_name: str):
+    def pull(self, worker_name: str) -> Generator[simpy.Event, Any, tuple[int, int]]:
         """Process body returning ``(version, lineage)`` once the newest weights arrive.
 
         Waits while the store is down, pays ``latency_s``, then moves ``weight_bytes``
@@ -138,7 +142,7 @@ class ParameterServer:
                 yield self._up_event
             if self.spec.latency_s:
                 yield self.env.timeout(self.spec.latency_s)
-                if not self.up:
+                if self._is_down():
                     continue
             version, lineage = self.latest, self.lineage
             transfer = self._start_transfer()
@@ -157,10 +161,16 @@ class ParameterServer:
                 continue
             return version, lineage
 
+    def _is_down(self) -> bool:
+        """Whether the store is down now. A call rather than ``not self.up`` after a
+        ``yield``: the type checker would carry the test of ``up`` made before the
+        ``yield`` past it, though another process may have killed the store meanwhile."""
+        return not self.up
+
     def _rate(self) -> float:
         return self.spec.pull_rate(len(self._transfers))
 
-    def _start_transfer(self):
+    def _start_transfer(self) -> simpy.Event:
         self._advance()
         event = self.env.event()
         if self.spec.weight_bytes <= 0:
@@ -170,7 +180,7 @@ class ParameterServer:
         self._schedule_next()
         return event
 
-    def _cancel_transfer(self, event) -> None:
+    def _cancel_transfer(self, event: simpy.Event) -> None:
         if any(t.event is event for t in self._transfers):
             self._advance()
             self._transfers = [t for t in self._transfers if t.event is not event]

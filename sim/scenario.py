@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -22,6 +22,9 @@ from rlaxkit.policies import CheckpointPolicy, StalenessPolicy, WeightSyncPolicy
 from rlaxkit.validation import check_int
 
 from .distributions import distribution_from_dict, distribution_to_dict
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 from .specs import (
     CheckpointSpec,
     FleetSpec,
@@ -136,7 +139,7 @@ class Scenario:
         return self.trainer.chips + self.fleet.chips
 
 
-def _section_to_dict(name: str, obj) -> dict[str, Any]:
+def _section_to_dict(name: str, obj: DataclassInstance) -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
@@ -158,7 +161,7 @@ def scenario_to_dict(scenario: Scenario) -> dict[str, Any]:
     return out
 
 
-def _section_from_dict(name: str, data: Any):
+def _section_from_dict(name: str, data: Any) -> Any:  # an instance of _SECTIONS[name]
     cls = _SECTIONS[name]
     if not isinstance(data, Mapping):
         raise ValueError(f"{name}: must be a mapping, got {type(data).__name__}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from rlaxkit.faults import InterArrival
 from rlaxkit.validation import is_int, is_number
@@ -48,7 +48,9 @@ OccupancyScope = Literal["worker", "host"]
 Executor = Literal["parallel", "serial"]
 
 
-def _check(name: str, value, *, low: float = 0.0, strict: bool = True, integer: bool = False):
+def _check(
+    name: str, value: Any, *, low: float = 0.0, strict: bool = True, integer: bool = False
+) -> None:
     bad_type = not (is_int(value) if integer else is_number(value))
     if bad_type or math.isnan(value) or (value <= low if strict else value < low):
         kind = "an integer" if integer else "a number"

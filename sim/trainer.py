@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import simpy
 
 if TYPE_CHECKING:
+    from .buffer import Group
     from .engine import Simulation
 
 __all__ = ["Trainer"]
@@ -42,7 +43,7 @@ class Trainer:
         self.up = True
         self._recovering = False
         self._down_until = 0.0
-        self._batch = None
+        self._batch: list[Group] | None = None
         self.done = self.env.event()
         self.process = self.env.process(self._run())
 
@@ -92,7 +93,7 @@ class Trainer:
                 yield env.timeout(host.spec.step_s)
         self._batch = None
         self.version += 1
-        staleness = [self.version - 1 - group.first_version for group in batch]
+        staleness = [self.version - 1 - group.versions[0] for group in batch]
         sim.counters.staleness.update(staleness)
         sim.counters.steps.append((compute_s, samples, tokens, env.now))
         sim.record(

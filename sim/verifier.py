@@ -10,9 +10,11 @@ then dropped (reason ``reward_timeout``) instead of trained.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from .buffer import Sample
+import simpy
+
+from .buffer import Group, Sample
 from .distributions import Constant, Stream
 
 if TYPE_CHECKING:
@@ -66,10 +68,10 @@ class VerifierPool:
             return self._constant
         return self._latencies.next()
 
-    def _group_done(self, event) -> None:
-        self._hand_over(event.value)
+    def _group_done(self, event: simpy.Event) -> None:
+        self._hand_over(cast(Group, event.value))  # the value its timer got in submit
 
-    def _hand_over(self, group) -> None:
+    def _hand_over(self, group: Group) -> None:
         if group.failed:
             self.sim.buffer.release(group, "reward_timeout")
         else:
@@ -81,8 +83,8 @@ class VerifierPool:
         timer = self.env.timeout(latency, value=(sample, latency))
         timer.callbacks.append(self._done)
 
-    def _done(self, event) -> None:
-        sample, latency = event.value
+    def _done(self, event: simpy.Event) -> None:
+        sample, latency = cast(tuple[Sample, float], event.value)  # given in _start
         self.busy -= 1
         group = sample.group
         if self.sim.trace is not None and not group.failed:

@@ -27,6 +27,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import simpy
+from simpy.events import ProcessGenerator
 
 from .buffer import Group, Sample
 
@@ -135,17 +136,19 @@ class InferenceWorker:
         self.groups.add(group)
         self.queue.extend(group.samples)
 
-    def _generate(self, sample: Sample):
+    def _generate(self, sample: Sample) -> ProcessGenerator:
         """Decode ``sample``; pause and resume around in-flight weight updates."""
         env = self.env
         spec = self.spec
         counters = self.sim.counters
         proc = env.active_process
+        if proc is None:
+            raise RuntimeError(f"{self.name}: decoding outside a SimPy process")
         epoch = self.epoch
         group = sample.group
         group.started = True
-        group.note_version(self.version, self.lineage)
-        first_version = self.version
+        first_version = self._held_version()
+        group.note_version(first_version, self.lineage)
         self._add_active(1)
         if self.sim.trace is not None:
             occupancy = self.sim.host_active if self._host_scope else self.active
@@ -179,7 +182,7 @@ class InferenceWorker:
                     # instant; the second finds this slot already paused.
                     if again.cause not in _PAUSES or epoch != self.epoch:
                         raise
-            group.note_version(self.version, self.lineage)
+            group.note_version(self._held_version(), self.lineage)
             if remaining == 0:
                 break
             if decoded < 0 or self.version != version or cause == WEIGHT_UPDATE:
@@ -204,6 +207,13 @@ class InferenceWorker:
         self.sim.verifier.submit(sample)
         if self.active == 0:
             self._maybe_pull()
+
+    def _held_version(self) -> int:
+        """The version of the weights held; a slot decodes only with some (it waits for
+        a pull first, and a preemption ends its decode)."""
+        if self.version is None:
+            raise RuntimeError(f"{self.name}: decoding without weights")
+        return self.version
 
     def _add_active(self, delta: int) -> None:
         self.active += delta

@@ -30,7 +30,9 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name}: must be one of {allowed}, got {value!r}")
 
 
-def _number(name: str, value: Any, *, low: float, high: float = math.inf, open_low=False) -> None:
+def _number(
+    name: str, value: Any, *, low: float, high: float = math.inf, open_low: bool = False
+) -> None:
     ok = is_number(value) and math.isfinite(value)
     ok = ok and (value > low if open_low else value >= low) and value <= high
     if not ok:

@@ -177,7 +177,8 @@ class InferenceEngine:
                 raise ValueError("new weights have a different model architecture")
         else:
             params = weights
-        if jax.tree.structure(params) != jax.tree.structure(self.params):
+        # jaxlib's PyTreeDef is a compiled class whose comparisons mypy cannot see.
+        if jax.tree.structure(params) != jax.tree.structure(self.params):  # type: ignore[operator]
             raise ValueError("new weights do not have the structure of the current ones")
         for (path, new), old in zip(
             jax.tree.leaves_with_path(params), jax.tree.leaves(self.params), strict=True
@@ -225,12 +226,14 @@ class InferenceEngine:
         done = [r for r, s in enumerate(self._slots) if s is not None and not active[r]]
         return self._collect(done)
 
-    def run(self, weight_source: WeightSource | None = None, **update) -> list[Completion]:
+    def run(
+        self, weight_source: WeightSource | None = None, *, recompute_cache: bool = False
+    ) -> list[Completion]:
         """Steps until idle; between chunks takes new weights from ``weight_source``.
 
         Args:
             weight_source: polled before every chunk; ``(weights, version)`` updates.
-            **update: passed to ``update_weights`` (``recompute_cache=True``).
+            recompute_cache: passed to ``update_weights``.
 
         Returns:
             Every completion finished by this call, ordered by request and sample.
@@ -238,7 +241,7 @@ class InferenceEngine:
         finished: list[Completion] = []
         while not self.idle:
             if weight_source is not None and (new := weight_source()) is not None:
-                self.update_weights(*new, **update)
+                self.update_weights(*new, recompute_cache=recompute_cache)
             finished.extend(self.step())
         return sorted(finished, key=lambda c: (c.request_id, c.sample_index))
 
@@ -319,6 +322,7 @@ class InferenceEngine:
         out = []
         for i, row in enumerate(rows):
             sample, length = self._slots[row], int(generated[i])
+            assert sample is not None, f"row {row} holds no sample"  # callers pass busy rows
             self._slots[row] = None
             self._release(sample.request_id)
             code = INTERRUPTED if interrupted and finish[i] == 0 else int(finish[i])

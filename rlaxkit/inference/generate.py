@@ -87,18 +87,18 @@ def generate(
     """
     graphdef, params = split_model(model)
     model_config = graphdef.merge(params).config
-    prompts = as_prompts(prompts, model_config.vocab_size)
-    num_prompts, n = len(prompts), config.n
+    prompt_arrays = as_prompts(prompts, model_config.vocab_size)
+    num_prompts, n = len(prompt_arrays), config.n
     budget = budgets(max_new_tokens, num_prompts, config)
     keys = prompt_keys(rng, num_prompts)
 
     num_rows = num_prompts * n
     rows = bucket_rows(num_rows)
     padded_prompts = bucket_rows(num_prompts)
-    width = bucket_length(max(len(p) for p in prompts))
+    width = bucket_length(max(len(p) for p in prompt_arrays))
     tokens = np.zeros((padded_prompts, width), np.int32)
     lengths = np.ones((padded_prompts,), np.int32)
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(prompt_arrays):
         tokens[i, : len(prompt)] = prompt
         lengths[i] = len(prompt)
     row = np.arange(rows)
@@ -127,7 +127,7 @@ def generate(
         np.int32(rows + 1),
         config=config,
     )
-    return collect_result(state.rows, prompts, config)
+    return collect_result(state.rows, prompt_arrays, config)
 
 
 def compile_generate(

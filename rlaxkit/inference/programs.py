@@ -19,11 +19,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike
 
 from rlaxkit.inference.config import SamplingConfig
 from rlaxkit.inference.results import StaticGraph
 from rlaxkit.inference.rows import Rows, sample_and_record
-from rlaxkit.models import KVCache, ModelConfig
+from rlaxkit.models import KVCache, ModelConfig, Transformer
 
 
 @jax.tree_util.register_dataclass
@@ -119,7 +120,9 @@ def start_rows(
     )
 
 
-def decode_step(model, state: DecodeState, version: jax.Array, config: SamplingConfig):
+def decode_step(
+    model: Transformer, state: DecodeState, version: jax.Array, config: SamplingConfig
+) -> DecodeState:
     """One token for every active row: feed ``pending``, sample, record."""
     active = state.rows.active
     positions = state.cache.end[:, None]
@@ -135,9 +138,9 @@ def decode_steps(
     graphdef: StaticGraph,
     params: nnx.State,
     state: DecodeState,
-    version: jax.Array,
-    max_steps: jax.Array,
-    min_finished: jax.Array,
+    version: ArrayLike,
+    max_steps: ArrayLike,
+    min_finished: ArrayLike,
     *,
     config: SamplingConfig,
 ) -> tuple[DecodeState, jax.Array]:
@@ -155,7 +158,9 @@ def decode_steps(
     )
 
 
-def compile_decode_steps(graphdef: StaticGraph, params, state, config: SamplingConfig) -> None:
+def compile_decode_steps(
+    graphdef: StaticGraph, params: nnx.State, state: DecodeState, config: SamplingConfig
+) -> None:
     """Compiles ``decode_steps`` for abstract (or concrete) ``params`` and ``state``."""
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     _decode_steps.lower(

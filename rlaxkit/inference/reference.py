@@ -83,19 +83,19 @@ def generate_by_recompute(
 ) -> GenerationResult:
     """Like ``rlaxkit.inference.generate`` (same arguments, same result), without a cache."""
     graphdef, params = split_model(model)
-    prompts = as_prompts(prompts, graphdef.merge(params).config.vocab_size)
-    num_prompts, n = len(prompts), config.n
+    prompt_arrays = as_prompts(prompts, graphdef.merge(params).config.vocab_size)
+    num_prompts, n = len(prompt_arrays), config.n
     budget = budgets(max_new_tokens, num_prompts, config)
     keys = prompt_keys(rng, num_prompts)
     num_rows = num_prompts * n
     rows = bucket_rows(num_rows)
-    total = bucket_length(max(len(p) for p in prompts)) + config.max_new_tokens
+    total = bucket_length(max(len(p) for p in prompt_arrays)) + config.max_new_tokens
     row = np.arange(rows)
     source = np.minimum(row // n, num_prompts - 1)
     sequence = np.zeros((rows, total), np.int32)
     for r in range(num_rows):
-        sequence[r, : len(prompts[source[r]])] = prompts[source[r]]
-    length = np.array([len(prompts[s]) for s in source], np.int32)
+        sequence[r, : len(prompt_arrays[source[r]])] = prompt_arrays[source[r]]
+    length = np.array([len(prompt_arrays[s]) for s in source], np.int32)
     dest = np.where(row < num_rows, row, rows).astype(np.int32)
     state = _start(
         sequence,
@@ -114,4 +114,4 @@ def generate_by_recompute(
         state = _stage(
             graphdef, params, state, np.int32(version), config=step_config(config), width=width
         )
-    return collect_result(state.rows, prompts, config)
+    return collect_result(state.rows, prompt_arrays, config)

@@ -71,23 +71,25 @@ def _intern(graph: StaticGraph) -> StaticGraph:
 
 def split_model(model: ModelLike) -> tuple[StaticGraph, nnx.State]:
     """``(graph, params)`` of a ``Transformer`` or of an already split pair."""
+    graph: nnx.GraphDef | StaticGraph
     if isinstance(model, nnx.Module):
-        graphdef, params = nnx.split(model)
+        graph, params = nnx.split(model)
     else:
-        graphdef, params = model
-    if not isinstance(graphdef, StaticGraph):
-        graphdef = _intern(StaticGraph(graphdef))
-    return graphdef, params
+        graph, params = model
+    if not isinstance(graph, StaticGraph):
+        graph = _intern(StaticGraph(graph))
+    return graph, params
 
 
 def _seed_key_data(seed: int) -> np.ndarray | None:
     """``key_data(jax.random.key(seed))`` computed on the host, where its layout is
     known (default threefry keys, 32-bit mode, ``0 <= seed < 2**31``: ``[0, seed]``);
     ``None`` elsewhere. Saves an eager device round trip per submitted request."""
+    # jax.config's flags are attributes set at run time; mypy cannot see them.
     if (
         0 <= seed < 2**31
-        and jax.config.jax_default_prng_impl == "threefry2x32"
-        and not jax.config.jax_enable_x64
+        and jax.config.jax_default_prng_impl == "threefry2x32"  # type: ignore[attr-defined]
+        and not jax.config.jax_enable_x64  # type: ignore[attr-defined]
     ):
         return np.array([0, seed], np.uint32)
     return None
@@ -116,7 +118,7 @@ def prompt_keys(rng: KeyLike | Sequence[KeyLike], num_prompts: int) -> np.ndarra
         if len(rng) != num_prompts:
             raise ValueError(f"got {len(rng)} keys for {num_prompts} prompts")
         return np.stack([key_data(r) for r in rng])
-    base = jax.random.wrap_key_data(key_data(rng))
+    base = jax.random.wrap_key_data(jnp.asarray(key_data(rng)))
     return np.stack(
         [np.asarray(jax.random.key_data(jax.random.fold_in(base, i))) for i in range(num_prompts)]
     )

@@ -39,7 +39,7 @@ def make_text_generate(
         sampling = dataclasses.replace(base, n=n)
         encoded = [tokenizer.encode(p) for p in prompts]
         result = generate(weights, encoded, sampling, seed)
-        texts = []
+        texts: list[list[str]] = []
         for row in result.completions():
             texts.append([])
             for completion in row:

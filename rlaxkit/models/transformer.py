@@ -19,6 +19,7 @@ Two entry points share one block implementation:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import jax
 import jax.numpy as jnp
@@ -145,11 +146,9 @@ class Attention(nnx.Module):
         self.k_proj = _linear(h, config.num_kv_heads * d, config.qkv_bias, dtype, rngs)
         self.v_proj = _linear(h, config.num_kv_heads * d, config.qkv_bias, dtype, rngs)
         self.o_proj = _linear(config.num_heads * d, h, config.o_bias, dtype, rngs)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
-        else:
-            self.q_norm = self.k_norm = None
+        qk_norm = config.qk_norm
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
 
     def project(
         self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array
@@ -163,7 +162,7 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
@@ -204,6 +203,26 @@ class Block(nnx.Module):
         self.self_attn = Attention(config, rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, rngs)
+
+    @overload
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        inv_freq: jax.Array,
+        mask: jax.Array,
+        cache_kv: None = None,
+    ) -> tuple[jax.Array, None]: ...
+
+    @overload
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        inv_freq: jax.Array,
+        mask: jax.Array,
+        cache_kv: tuple[jax.Array, jax.Array, jax.Array],
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]: ...
 
     def __call__(
         self,

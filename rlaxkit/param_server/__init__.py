@@ -10,6 +10,10 @@
 - :func:`tree_nbytes`: bytes of a pytree's arrays; :class:`TransferStats`: what moved.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from rlaxkit.param_server.base import (
     EventHook,
     ParameterServer,
@@ -19,6 +23,9 @@ from rlaxkit.param_server.base import (
 )
 from rlaxkit.param_server.local import InProcessParameterServer
 from rlaxkit.param_server.tensorstore_store import TensorStoreParameterServer
+
+if TYPE_CHECKING:
+    from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer
 
 __all__ = [
     "EventHook",
@@ -32,7 +39,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type[RayObjectStoreParameterServer]:
     # Ray is an optional extra and slow to import: load its store only when asked for.
     if name == "RayObjectStoreParameterServer":
         from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer

@@ -129,12 +129,12 @@ def fsync_path(path: Path) -> None:
 def write_file(path: Path, array: np.ndarray, *, create: bool, durable: bool) -> None:
     """Writes ``array``'s bytes as the whole of ``path``: a new file (``create``), or over
     an existing file of the same size, in place (its pages are in memory already)."""
-    data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data  # a memoryview
     flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if create else 0)
     fd = os.open(path, flags, 0o644)
     try:
         done = 0
-        while done < data.size:  # pwrite may write less than asked (2 GiB at most).
+        while done < data.nbytes:  # pwrite may write less than asked (2 GiB at most).
             done += os.pwrite(fd, data[done:], done)
         if durable:
             os.fsync(fd)

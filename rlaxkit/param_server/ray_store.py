@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 import ray
@@ -73,6 +73,12 @@ __all__ = [
     "WeightsLostError",
     "parameter_server_actor",
 ]
+
+# A Ray handle to a ParameterServerActor. Ray types the methods of a plain ``ActorHandle``
+# as ``Never``, and its typed handles (``ActorProxy`` with ``@ray.method``) take no
+# default arguments and make the methods uncallable in-process, so the remote calls
+# through a handle go unchecked.
+ParameterServerHandle: TypeAlias = Any
 
 RAY_SYSTEM_CONFIG: dict[str, Any] = {"free_objects_period_milliseconds": 0}
 """Ray system config under which pushes reuse evicted versions' memory at once (see the
@@ -139,7 +145,7 @@ def parameter_server_actor(
     max_restarts: int = 3,
     resources: dict[str, float] | None = None,
     name: str | None = None,
-) -> ray.actor.ActorHandle:
+) -> ParameterServerHandle:
     """Starts a :class:`ParameterServerActor` that Ray restarts up to ``max_restarts``
     times; calls made while it restarts wait for it (``max_task_retries=-1``)."""
     options: dict[str, Any] = {
@@ -171,7 +177,7 @@ class RayObjectStoreParameterServer:
 
     def __init__(
         self,
-        actor: ray.actor.ActorHandle,
+        actor: ParameterServerHandle,
         *,
         to_device: bool = True,
         poll_interval_s: float = 0.01,
@@ -197,7 +203,7 @@ class RayObjectStoreParameterServer:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state.pop("actor"), **state)
+        RayObjectStoreParameterServer.__init__(self, state.pop("actor"), **state)
 
     # -- the trainer's side ------------------------------------------------------------
     def push(self, version: int, params: Any, *, reset: bool = False) -> None:

@@ -140,10 +140,11 @@ def _write_leaves(
             ) from e
     writes: list[Any] = []
     for i, a in enumerate(arrays):
-        if raw[i] is not None:
+        raw_name = raw[i]
+        if raw_name is not None:
             if created[i] is not None:
                 created[i].result()  # zarr.json and the leaf's directory exist.
-            file = into / f"{i:05d}" / raw[i]
+            file = into / f"{i:05d}" / raw_name
             writes.append(
                 pool.submit(layout.write_file, file, a, create=not recycled, durable=durable)
             )
@@ -190,7 +191,7 @@ def read_leaves(
     Raises:
         ValueError: a raw leaf's file is missing or of the wrong size (damaged).
     """
-    arrays: list[np.ndarray | None] = [None] * len(leaves)
+    arrays: dict[int, np.ndarray] = {}  # leaf index -> array, mapped or copied
     copied = []
     for i, leaf in enumerate(leaves):
         shape, dtype = tuple(leaf["shape"]), np.dtype(leaf["dtype"])
@@ -231,4 +232,4 @@ def read_leaves(
         read.result()
         if on_leaf is not None:
             on_leaf(i)
-    return arrays
+    return [arrays[i] for i in range(len(leaves))]

@@ -198,9 +198,19 @@ class TensorStoreParameterServer:
             if latest is not None and (min_version is None or latest >= min_version):
                 ready_at = time.perf_counter()
                 read = self._read_version(latest)
-                if read is not None:
-                    break
-                continue  # Evicted between reading the pointer and locking it: go again.
+                if read is None:
+                    continue  # Evicted between reading the pointer and locking it: go again.
+                manifest, arrays = read
+                params = self._to_tree(manifest, arrays)
+                record = TransferRecord(
+                    kind="pull",
+                    version=latest,
+                    duration_s=time.perf_counter() - ready_at,
+                    bytes=int(manifest["bytes"]),
+                    wait_s=ready_at - start,
+                )
+                record_transfer(self.stats, self.on_event, record)
+                return latest, params
             remaining = None if deadline is None else deadline - time.perf_counter()
             if remaining is not None and remaining <= 0:
                 raise pull_timeout_error(min_version, timeout, latest, str(self.directory))
@@ -209,17 +219,6 @@ class TensorStoreParameterServer:
             )
             with self._pushed:
                 self._pushed.wait(wait_s)
-        manifest, arrays = read
-        params = self._to_tree(manifest, arrays)
-        record = TransferRecord(
-            kind="pull",
-            version=latest,
-            duration_s=time.perf_counter() - ready_at,
-            bytes=int(manifest["bytes"]),
-            wait_s=ready_at - start,
-        )
-        record_transfer(self.stats, self.on_event, record)
-        return latest, params
 
     def _read_version(self, version: int) -> tuple[dict[str, Any], list[np.ndarray]] | None:
         """Reads one version under its lease; ``None`` if it was evicted meanwhile.

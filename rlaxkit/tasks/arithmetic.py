@@ -18,6 +18,7 @@ from rlaxkit.tasks.base import (
     ChatTemplate,
     Problem,
     PromptConfig,
+    RewardExecution,
     RewardResult,
     Split,
     check_choices,
@@ -95,7 +96,7 @@ class ArithmeticTask:
     """
 
     name = "arithmetic"
-    reward_execution = "inline"
+    reward_execution: RewardExecution = "inline"
 
     def __init__(self, config: ArithmeticConfig | None = None):
         self.config = config or ArithmeticConfig()

@@ -15,28 +15,28 @@ import hashlib
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, get_args, runtime_checkable
+from typing import Any, Final, Literal, Protocol, get_args, runtime_checkable
 
 Split = Literal["train", "test"]
 RewardExecution = Literal["inline", "pool"]
 
 # Failure reasons recorded in ``RewardResult.reason``: a small closed vocabulary so that
 # runs can count them. ``None`` means the completion was judged (correct or not).
-NO_ANSWER = "no_answer"  # nothing parseable where the answer should be
-WRONG_ANSWER = "wrong_answer"  # parsed, but not equal to the reference
-INVALID_EXPRESSION = "invalid_expression"  # countdown: not a plain arithmetic expression
-NUMBER_MISUSE = "number_misuse"  # countdown: a number not given, or used twice
-TESTS_FAILED = "tests_failed"  # code: ran, but some test printed the wrong output
-RUNTIME_ERROR = "runtime_error"  # code: the program raised or exited non-zero
-WALL_TIMEOUT = "wall_timeout"  # code: ran past the wall-clock limit
-CPU_TIME_LIMIT = "cpu_time_limit"  # code: ran past the CPU-time limit
-MEMORY_LIMIT = "memory_limit"  # code: hit the address-space limit
-OUTPUT_LIMIT = "output_limit"  # code: printed more than the output cap
-FORBIDDEN_OPERATION = "forbidden_operation"  # code: tried to fork, exec or signal
-REWARD_ERROR = "reward_error"  # the reward function raised
-REWARD_TIMEOUT = "reward_timeout"  # the reward function ran past its timeout
-REWARD_CRASHED = "reward_crashed"  # the worker process running the reward died
-INVALID_REWARD = "invalid_reward"  # the reward returned NaN, a wrong type or out of range
+NO_ANSWER: Final = "no_answer"  # nothing parseable where the answer should be
+WRONG_ANSWER: Final = "wrong_answer"  # parsed, but not equal to the reference
+INVALID_EXPRESSION: Final = "invalid_expression"  # countdown: not a plain arithmetic expression
+NUMBER_MISUSE: Final = "number_misuse"  # countdown: a number not given, or used twice
+TESTS_FAILED: Final = "tests_failed"  # code: ran, but some test printed the wrong output
+RUNTIME_ERROR: Final = "runtime_error"  # code: the program raised or exited non-zero
+WALL_TIMEOUT: Final = "wall_timeout"  # code: ran past the wall-clock limit
+CPU_TIME_LIMIT: Final = "cpu_time_limit"  # code: ran past the CPU-time limit
+MEMORY_LIMIT: Final = "memory_limit"  # code: hit the address-space limit
+OUTPUT_LIMIT: Final = "output_limit"  # code: printed more than the output cap
+FORBIDDEN_OPERATION: Final = "forbidden_operation"  # code: tried to fork, exec or signal
+REWARD_ERROR: Final = "reward_error"  # the reward function raised
+REWARD_TIMEOUT: Final = "reward_timeout"  # the reward function ran past its timeout
+REWARD_CRASHED: Final = "reward_crashed"  # the worker process running the reward died
+INVALID_REWARD: Final = "invalid_reward"  # the reward returned NaN, a wrong type or out of range
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from rlaxkit.tasks.base import (
     ChatTemplate,
     Problem,
     PromptConfig,
+    RewardExecution,
     RewardResult,
     Split,
     check_choice,
@@ -125,7 +126,7 @@ class CodeTask:
     """
 
     name = "code"
-    reward_execution = "pool"
+    reward_execution: RewardExecution = "pool"
 
     def __init__(self, config: CodeConfig | None = None):
         self.config = config or CodeConfig()

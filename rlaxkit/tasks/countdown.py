@@ -22,6 +22,7 @@ from rlaxkit.tasks.base import (
     ChatTemplate,
     Problem,
     PromptConfig,
+    RewardExecution,
     RewardResult,
     Split,
     check_range,
@@ -121,7 +122,7 @@ class CountdownTask:
     """
 
     name = "countdown"
-    reward_execution = "inline"
+    reward_execution: RewardExecution = "inline"
 
     def __init__(self, config: CountdownConfig | None = None):
         self.config = config or CountdownConfig()

@@ -136,7 +136,9 @@ def filter_by_pass_rate(
     problems: Sequence[Problem], pass_rates: dict[str, PassRate], low: float, high: float
 ) -> tuple[list[Problem], list[Problem], list[Problem]]:
     """Splits problems into ``(kept, too_easy, too_hard)`` by ``low <= rate <= high``."""
-    kept, too_easy, too_hard = [], [], []
+    kept: list[Problem] = []
+    too_easy: list[Problem] = []
+    too_hard: list[Problem] = []
     for problem in problems:
         rate = pass_rates[problem.id].pass_rate
         (too_easy if rate > high else too_hard if rate < low else kept).append(problem)
@@ -174,6 +176,7 @@ def holdout_split(
     if config.holdout_by == "id":
         held = [split_of(p.id, config.holdout_fraction) == "test" for p in problems]
     else:
+        assert config.time_cutoff is not None  # the config requires it for "time"
         cutoff = parse_time(config.time_cutoff)
         held = []
         for problem in problems:

@@ -8,7 +8,7 @@ skipped instead, counted and its message kept in the returned ``LoadedDataset``.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -159,10 +159,14 @@ def _to_problem(
 
     if not isinstance(row, Mapping):
         raise fail("<row>", f"expected an object, got {type(row).__name__}")
-    prompt = row.get(fields.prompt) if fields.prompt else None
-    if prompt is not None and not isinstance(prompt, str):
-        raise fail(fields.prompt, f"expected a string, got {type(prompt).__name__}")
-    messages = _messages(row.get(fields.messages) if fields.messages else None, fail, fields)
+    prompt = None
+    if fields.prompt:
+        prompt = row.get(fields.prompt)
+        if prompt is not None and not isinstance(prompt, str):
+            raise fail(fields.prompt, f"expected a string, got {type(prompt).__name__}")
+    messages = None
+    if fields.messages:
+        messages = _messages(row.get(fields.messages), fail, fields.messages)
     if prompt is None and messages is None:
         named = [name for name in (fields.prompt, fields.messages) if name]
         raise fail(" or ".join(named), "missing or null")
@@ -179,11 +183,12 @@ def _to_problem(
         text = prompt if prompt is not None else json.dumps(messages, sort_keys=True)
         problem_id = stable_id(id_prefix, text)
     else:
-        problem_id = row.get(fields.id)
-        if is_int(problem_id):
-            problem_id = str(problem_id)
-        if not isinstance(problem_id, str) or not problem_id:
-            raise fail(fields.id, f"expected a non-empty string or integer, got {problem_id!r}")
+        raw_id = row.get(fields.id)
+        if is_int(raw_id):
+            raw_id = str(raw_id)
+        if not isinstance(raw_id, str) or not raw_id:
+            raise fail(fields.id, f"expected a non-empty string or integer, got {raw_id!r}")
+        problem_id = raw_id
     return Problem(
         id=problem_id,
         prompt=prompt,
@@ -193,16 +198,18 @@ def _to_problem(
     )
 
 
-def _messages(value: Any, fail, fields: FieldMapping) -> tuple[dict[str, str], ...] | None:
+def _messages(
+    value: Any, fail: Callable[[str, str], DatasetError], field_name: str
+) -> tuple[dict[str, str], ...] | None:
     if value is None:
         return None
     if not isinstance(value, list) or not value:
-        raise fail(fields.messages, "expected a non-empty list of {role, content} objects")
+        raise fail(field_name, "expected a non-empty list of {role, content} objects")
     for i, message in enumerate(value):
         if not (
             isinstance(message, Mapping)
             and isinstance(message.get("role"), str)
             and isinstance(message.get("content"), str)
         ):
-            raise fail(fields.messages, f"message {i} is not a {{role, content}} object of strings")
+            raise fail(field_name, f"message {i} is not a {{role, content}} object of strings")
     return tuple({"role": m["role"], "content": m["content"]} for m in value)

@@ -21,6 +21,7 @@ from rlaxkit.tasks.base import (
     ChatTemplate,
     Problem,
     PromptConfig,
+    RewardExecution,
     RewardResult,
     Split,
     check_choice,
@@ -139,7 +140,7 @@ class MathTask:
     """
 
     name = "math"
-    reward_execution = "pool"
+    reward_execution: RewardExecution = "pool"
 
     def __init__(self, config: MathConfig | None = None):
         self.config = config or MathConfig()
@@ -207,8 +208,8 @@ def _draw_synthetic(rng: random.Random) -> tuple[str, Problem] | None:
         value = Fraction(percent * base, 100)
         question = f"What is {percent}% of {base}?"
     else:
-        x, a, b = rng.randint(-20, 20), rng.randint(2, 9), rng.randint(1, 50)
-        question = f"Solve for x: {a}x + {b} = {a * x + b}."
+        x, slope, offset = rng.randint(-20, 20), rng.randint(2, 9), rng.randint(1, 50)
+        question = f"Solve for x: {slope}x + {offset} = {slope * x + offset}."
         value = Fraction(x)
     answer = render(value)
     problem = Problem(

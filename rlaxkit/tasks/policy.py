@@ -17,7 +17,7 @@ from rlaxkit.tasks.runner import RewardRunner
 class TextPolicy(Protocol):
     """Samples ``n`` completions for each prompt, deterministically for a given seed."""
 
-    def __call__(self, prompts: list[str], n: int, seed: int) -> list[list[str]]:
+    def __call__(self, prompts: list[str], n: int, seed: int, /) -> list[list[str]]:
         """Returns ``completions[i][j]``: sample ``j`` for ``prompts[i]``."""
         ...
 

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from rlaxkit.tasks.base import Task
 
 _REGISTRY: dict[str, tuple[type, Callable[[Any], Task]]] = {}
+_Factory = TypeVar("_Factory", bound=Callable[[Any], Task])
 
 
-def register_task(name: str, config_cls: type) -> Callable[[Callable[[Any], Task]], Any]:
+def register_task(name: str, config_cls: type) -> Callable[[_Factory], _Factory]:
     """Class decorator: ``make_task(name, **kwargs)`` builds ``cls(config_cls(**kwargs))``."""
 
-    def decorate(factory: Callable[[Any], Task]) -> Any:
+    def decorate(factory: _Factory) -> _Factory:
         if name in _REGISTRY:
             raise ValueError(f"task {name!r} is already registered")
         _REGISTRY[name] = (config_cls, factory)

@@ -33,7 +33,10 @@ import signal
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext, SpawnContext
+from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
 from rlaxkit.tasks.base import (
@@ -88,6 +91,7 @@ def validate_reward(value: Any) -> RewardResult:
     reason ``INVALID_REWARD``. Plain real numbers are accepted as scores."""
     if type(value) is RewardResult and type(value.score) is float and 0.0 <= value.score <= 1.0:
         return value  # the common case, already valid (NaN fails the range test)
+    score: object  # user code may put anything in a RewardResult
     if isinstance(value, RewardResult):
         score, result = value.score, value
     elif isinstance(value, numbers.Real):
@@ -135,11 +139,17 @@ class RewardRunner:
         self.counters: Counter[str] = Counter()
         self.hangs_pending = 0
         self._workers: list[_Worker] = []
-        self._context = multiprocessing.get_context(self.config.start_method)
+        self._context: SpawnContext | ForkServerContext
+        if self.config.start_method == "spawn":
+            self._context = multiprocessing.get_context("spawn")
+        else:
+            self._context = multiprocessing.get_context("forkserver")
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
 
     @classmethod
-    def for_task(cls, task: Task, config: RunnerMode | RewardRunnerConfig | None = None):
+    def for_task(
+        cls, task: Task, config: RunnerMode | RewardRunnerConfig | None = None
+    ) -> RewardRunner:
         """A runner for ``task.score`` in the task's preferred mode."""
         if isinstance(config, str):
             config = RewardRunnerConfig(mode=config)
@@ -189,7 +199,11 @@ class RewardRunner:
 
     def worker_pids(self) -> list[int]:
         """Process ids of the live pool workers."""
-        return [w.process.pid for w in self._workers if w.process.is_alive()]
+        return [
+            w.process.pid
+            for w in self._workers
+            if w.process.is_alive() and w.process.pid is not None  # None: never started
+        ]
 
     def close(self) -> None:
         """Stops the pool workers (idempotent)."""
@@ -198,7 +212,7 @@ class RewardRunner:
     def __enter__(self) -> RewardRunner:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def _score_inline(self, problem: Problem, completion: str) -> RewardResult:
@@ -210,7 +224,7 @@ class RewardRunner:
         return validate_reward(value)
 
     def _score_pool(
-        self, problems: Sequence[Problem], completions: Sequence[str], hung: set[int] = frozenset()
+        self, problems: Sequence[Problem], completions: Sequence[str], hung: Set[int] = frozenset()
     ) -> list[RewardResult]:
         for index, worker in enumerate(self._workers):
             if worker.item is not None:  # left busy by an interrupted call: its answer is stale
@@ -325,7 +339,7 @@ class RewardRunner:
 class _Worker:
     """A pool process, its pipe, and the item it is working on since ``since``."""
 
-    def __init__(self, process, conn):
+    def __init__(self, process: BaseProcess, conn: Connection) -> None:
         self.process = process
         self.conn = conn
         self.sentinel = process.sentinel
@@ -334,7 +348,7 @@ class _Worker:
         self.since = time.monotonic()
 
 
-def _worker_main(conn, reward_fn: RewardFn, warmup: Callable[[], Any] | None) -> None:
+def _worker_main(conn: Connection, reward_fn: RewardFn, warmup: Callable[[], Any] | None) -> None:
     """Worker loop: receive ``(item, problem, completion)``, send ``(item, outcome, payload)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if warmup is not None:

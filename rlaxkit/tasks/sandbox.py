@@ -192,11 +192,14 @@ def _collect(
     process: subprocess.Popen, deadline: float, limits: SandboxLimits
 ) -> tuple[bytes, bytes, SandboxStatus | None]:
     """Reads both pipes until EOF and exit, or until a deadline or output cap is passed."""
-    outputs: dict[int, list[bytes]] = {process.stdout.fileno(): [], process.stderr.fileno(): []}
+    out_pipe, err_pipe = process.stdout, process.stderr
+    if out_pipe is None or err_pipe is None:
+        raise ValueError("process: must be started with stdout and stderr piped")
+    outputs: dict[int, list[bytes]] = {out_pipe.fileno(): [], err_pipe.fileno(): []}
     total_bytes = 0
     killed_for: SandboxStatus | None = None
     with selectors.DefaultSelector() as selector:
-        for pipe in (process.stdout, process.stderr):
+        for pipe in (out_pipe, err_pipe):
             os.set_blocking(pipe.fileno(), False)
             selector.register(pipe, selectors.EVENT_READ)
         while selector.get_map() and killed_for is None:
@@ -220,10 +223,10 @@ def _collect(
             process.wait(timeout=max(deadline - time.monotonic(), 0.001))
         except subprocess.TimeoutExpired:
             killed_for = "wall_timeout"
-    stdout = b"".join(outputs[process.stdout.fileno()])
-    stderr = b"".join(outputs[process.stderr.fileno()])
-    process.stdout.close()
-    process.stderr.close()
+    stdout = b"".join(outputs[out_pipe.fileno()])
+    stderr = b"".join(outputs[err_pipe.fileno()])
+    out_pipe.close()
+    err_pipe.close()
     return stdout, stderr, killed_for
 
 
@@ -233,7 +236,9 @@ def _kill_group(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
-def _status(returncode: int, stderr: bytes, elapsed_s: float, limits: SandboxLimits) -> str:
+def _status(
+    returncode: int, stderr: bytes, elapsed_s: float, limits: SandboxLimits
+) -> SandboxStatus:
     if returncode == 0:
         return "ok"
     if returncode == MEMORY_EXIT_CODE or (returncode < 0 and b"MemoryError" in stderr):
