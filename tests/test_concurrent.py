@@ -4,13 +4,11 @@ import threading
 
 import pytest
 
-from rlaxkit.config import SMALL_RUN, RunConfig
-from rlaxkit.configio import apply_overrides
+from rlaxkit.config import small_run_config
 from rlaxkit.runtime import Experiment
 
 # The tiny run of test_runtime.py: a 2-layer, 32-wide char model, short warm start.
 SMALL = [
-    *SMALL_RUN,
     "runtime.mode=concurrent",
 ]
 
@@ -21,10 +19,6 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("warm_start")
 
 
-def small_config(*overrides: str) -> RunConfig:
-    return RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), [*SMALL, *overrides]))
-
-
 def trained_staleness(exp):
     return [s for e in exp.trace.memory.events if e.kind == "train_step" for s in e["staleness"]]
 
@@ -32,7 +26,7 @@ def trained_staleness(exp):
 @pytest.mark.parametrize("pull", ["between_requests", "in_flight"])
 def test_concurrent_run_keeps_the_staleness_bound_and_the_books(cache, pull):
     threads_before = threading.active_count()
-    config = small_config("staleness.max_staleness=1", f"weight_sync.pull_mode={pull}")
+    config = small_run_config(*SMALL, "staleness.max_staleness=1", f"weight_sync.pull_mode={pull}")
     with Experiment(config, cache_dir=cache) as exp:
         history = exp.run(5)
         assert [m["step"] for m in history] == [1, 2, 3, 4, 5]
@@ -56,7 +50,7 @@ def test_concurrent_run_keeps_the_staleness_bound_and_the_books(cache, pull):
 
 
 def test_eta_zero_trains_only_on_policy_rollouts(cache):
-    with Experiment(small_config("staleness.max_staleness=0"), cache_dir=cache) as exp:
+    with Experiment(small_run_config(*SMALL, "staleness.max_staleness=0"), cache_dir=cache) as exp:
         for metrics in exp.run(4):
             assert metrics["staleness/max"] == 0
             assert abs(metrics["train/ratio_mean"] - 1.0) <= 1e-4
@@ -69,7 +63,10 @@ def test_eta_zero_trains_only_on_policy_rollouts(cache):
 
 def test_worker_thread_exception_surfaces_in_step(cache):
     threads_before = threading.active_count()
-    with Experiment(small_config(), cache_dir=cache) as exp:
+    with Experiment(
+        small_run_config(*SMALL),
+        cache_dir=cache,
+    ) as exp:
         exp.step()
 
         def broken():
@@ -87,7 +84,10 @@ def test_worker_thread_exception_surfaces_in_step(cache):
 
 def test_close_without_steps_starts_no_thread_and_a_closed_run_refuses_steps(cache):
     threads_before = threading.active_count()
-    exp = Experiment(small_config(), cache_dir=cache)
+    exp = Experiment(
+        small_run_config(*SMALL),
+        cache_dir=cache,
+    )
     exp.close()
     exp.close()  # idempotent
     assert threading.active_count() == threads_before
@@ -98,7 +98,12 @@ def test_close_without_steps_starts_no_thread_and_a_closed_run_refuses_steps(cac
 def test_faults_and_checkpoints_are_rejected_naming_the_fix(cache, tmp_path):
     plan = [{"kind": "preempt_worker", "at_step": 2, "target": "worker-0"}]
     with pytest.raises(ValueError, match=r"faults: .*runtime.mode=deterministic"):
-        Experiment(small_config(), cache_dir=cache, faults=plan, run_dir=tmp_path / "a")
+        Experiment(
+            small_run_config(*SMALL),
+            cache_dir=cache,
+            faults=plan,
+            run_dir=tmp_path / "a",
+        )
     for field, value in (("every_steps", "2"), ("every_s", "30")):
         with pytest.raises(ValueError, match=rf"checkpoint.{field}: .*runtime.mode=determ"):
-            Experiment(small_config(f"checkpoint.{field}={value}"), cache_dir=cache)
+            Experiment(small_run_config(*SMALL, f"checkpoint.{field}={value}"), cache_dir=cache)

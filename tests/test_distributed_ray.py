@@ -11,9 +11,9 @@ processes reduce in another order, so floats agree to 1e-5, not bitwise.
 import jax
 import numpy as np
 import pytest
-from test_runtime import learning_metrics, small_config
+from test_runtime import SMALL, learning_metrics
 
-from rlaxkit.config import RunConfig
+from rlaxkit.config import RunConfig, small_run_config
 from rlaxkit.runtime import Experiment
 
 ray = pytest.importorskip("ray")
@@ -44,14 +44,14 @@ def close_to(got, reference):
 @pytest.mark.slow
 def test_two_trainer_processes_learn_as_one_and_survive_losing_one(ray_cluster, tmp_path):
     cache = tmp_path / "cache"
-    with Experiment(small_config("checkpoint.every_steps=2"), cache_dir=cache) as local:
+    with Experiment(small_run_config(*SMALL, "checkpoint.every_steps=2"), cache_dir=cache) as local:
         trained = []
         for _ in range(STEPS):
             local.step()
             trained.append(sorted(g.group_id for g in local.last_batch["groups"]))
         reference = learning_metrics(local.history)
         reference_params = leaves(local.params())
-    config = small_config("runtime.backend=ray", "checkpoint.every_steps=2")
+    config = small_run_config(*SMALL, "runtime.backend=ray", "checkpoint.every_steps=2")
     settings = small_cluster_config(trainer_processes=2)
     with RayExperiment(
         config, run_dir=tmp_path / "run", cache_dir=cache, ray_config=settings
@@ -106,8 +106,8 @@ def test_trainer_group_settings_fail_early(tmp_path):
         RayConfig(trainer_placement="ANYWHERE")
     with pytest.raises(ValueError, match="trainer_coordinator_port"):
         RayConfig(trainer_coordinator_port=0)
-    config = small_config(
-        "runtime.backend=ray", "ray.trainer_processes=2", "ray.trainer_mesh=[2, 1, 1]"
+    config = small_run_config(
+        *SMALL, "runtime.backend=ray", "ray.trainer_processes=2", "ray.trainer_mesh=[2, 1, 1]"
     )
     assert config.ray.trainer_processes == 2 and config.ray.trainer_mesh == (2, 1, 1)
     config.save(tmp_path / "c.yaml")

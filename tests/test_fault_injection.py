@@ -5,8 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rlaxkit.config import SMALL_RUN, RunConfig
-from rlaxkit.configio import apply_overrides
+from rlaxkit.config import small_run_config
 from rlaxkit.faults import Fault, FaultPlan, random_preemptions
 from rlaxkit.runtime import Experiment
 from rlaxkit.tasks import RewardRunner, make_task
@@ -15,7 +14,6 @@ from rlaxkit.trace import drop_counts
 
 STANDARD = Path(__file__).resolve().parents[1] / "configs" / "faults" / "standard.yaml"
 SMALL = [
-    *SMALL_RUN,
     "runtime.chunk_steps=2",
     "runtime.restart_s=2",
 ]
@@ -24,10 +22,6 @@ SMALL = [
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("warm_start")
-
-
-def small_config(*overrides: str) -> RunConfig:
-    return RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), [*SMALL, *overrides]))
 
 
 def events(exp, kind, actor=None):
@@ -52,7 +46,7 @@ def test_random_preemptions_lose_no_accepted_rollout(cache, tmp_path):
     )
     plan = workers.merged(trainer)
     assert len(workers) >= 10
-    config = small_config("steps=6", "checkpoint.every_steps=2")
+    config = small_run_config(*SMALL, "steps=6", "checkpoint.every_steps=2")
     with Experiment(config, run_dir=tmp_path, cache_dir=cache, faults=plan) as exp:
         exp.run()
         exp.check_accounting()  # in flight, buffered, trained or dropped with a reason
@@ -82,7 +76,7 @@ def test_hung_reward_failed_pulls_and_a_dead_parameter_server_are_counted(cache)
             Fault(kind="slow_worker", target="worker-1", at_s=0.0, factor=3.0, duration_s=4.0),
         )
     )
-    with Experiment(small_config("steps=3"), cache_dir=cache, faults=plan) as exp:
+    with Experiment(small_run_config(*SMALL, "steps=3"), cache_dir=cache, faults=plan) as exp:
         exp.run()
         exp.check_accounting()
         summary = exp.summary()
@@ -105,7 +99,7 @@ def test_standard_plan_replays_identically(cache, tmp_path):
     }  # fmt: skip
     runs = []
     for name in ("a", "b"):
-        config = small_config("steps=6", "checkpoint.every_steps=2")
+        config = small_run_config(*SMALL, "steps=6", "checkpoint.every_steps=2")
         with Experiment(config, run_dir=tmp_path / name, cache_dir=cache, faults=plan) as exp:
             exp.run()
             exp.check_accounting()
@@ -130,7 +124,7 @@ def test_pool_reward_really_hangs_and_times_out():
 
 
 def test_bad_plans_fail_before_any_work(tmp_path):
-    config = small_config()
+    config = small_run_config(*SMALL)
     with pytest.raises(ValueError, match=r"faults\[0\]\.target: no worker named 'worker-9'"):
         Experiment(
             config, faults=FaultPlan((Fault(kind="preempt_worker", target="worker-9", at_s=1),))

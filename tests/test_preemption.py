@@ -18,15 +18,13 @@ import pytest
 from safetensors.numpy import load_file
 
 from rlaxkit.cli import main
-from rlaxkit.config import SMALL_RUN, RunConfig
-from rlaxkit.configio import apply_overrides
+from rlaxkit.config import SMALL_RUN, small_run_config
 from rlaxkit.metrics import read_metrics
 from rlaxkit.runtime import Experiment
 from rlaxkit.trace import read_trace
 
 # chunk_steps=1: prompts take several rounds, so every checkpoint has prompts in flight.
 SMALL = [
-    *SMALL_RUN,
     "runtime.chunk_steps=1",
     "eval.num_problems=4",
     "eval.samples=2",
@@ -37,12 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli_args(run_dir, cache, *overrides):
-    sets = [x for o in [*SMALL, *overrides] for x in ("--set", o)]
+    sets = [x for o in [*SMALL_RUN, *SMALL, *overrides] for x in ("--set", o)]
     return ["train", *sets, "--run-dir", str(run_dir), "--cache-dir", str(cache), "--no-progress"]
-
-
-def small_config(*overrides):
-    return RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), [*SMALL, *overrides]))
 
 
 def learning(rows):
@@ -123,7 +117,8 @@ KILLED_WRITER = textwrap.dedent(
     from pathlib import Path
     import orbax.checkpoint._src.path.async_path as async_path
     sys.path.insert(0, {tests!r})
-    from test_preemption import small_config
+    from test_preemption import SMALL
+    from rlaxkit.config import small_run_config
     from rlaxkit.runtime import Experiment
 
     rename = async_path.rename
@@ -135,7 +130,7 @@ KILLED_WRITER = textwrap.dedent(
         return await rename(src, dst)
 
     async_path.rename = stalled_rename
-    exp = Experiment(small_config(), run_dir={run!r}, cache_dir={cache!r})
+    exp = Experiment(small_run_config(*SMALL), run_dir={run!r}, cache_dir={cache!r})
     exp.run(4)
     exp.close()  # waits for the write of step 4, which never commits: killed here
     """
@@ -169,7 +164,11 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(reference, tmp_
     killed = read_trace(run / "trace.jsonl")
     taken = [e["step"] for e in killed if e.kind == "train_step"]
     assert taken[-2:] == [3, 4]  # the killed run got past the checkpoint of step 2
-    with Experiment(small_config(), run_dir=run, cache_dir=reference["cache"]) as exp:
+    with Experiment(
+        small_run_config(*SMALL),
+        run_dir=run,
+        cache_dir=reference["cache"],
+    ) as exp:
         assert exp.resumed_from == 2
         assert exp.books.lost_steps == 2  # steps 3 and 4, taken again
         exp.run()
@@ -187,10 +186,15 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(reference, tmp_
 def test_checkpoint_of_another_model_or_plan_is_a_clear_error(reference, capsys):
     run = reference["run"]  # holds checkpoints of the reference config
     with pytest.raises(ValueError, match=r"model\.config\.hidden_size is 32 in the checkpoint"):
-        Experiment(small_config("model.config.hidden_size=48"), run_dir=run)
+        Experiment(small_run_config(*SMALL, "model.config.hidden_size=48"), run_dir=run)
     assert main(cli_args(run, reference["cache"], "sampling.n=8")) == 2
     assert "sampling.n is 4 in the checkpoint, 8 now" in capsys.readouterr().err
     plan = reference["root"] / "plan.yaml"
     plan.write_text("faults: [{kind: hang_reward, at_s: 1}]\n")
     with pytest.raises(ValueError, match="another fault plan"):
-        Experiment(small_config(), run_dir=run, cache_dir=reference["cache"], faults=plan)
+        Experiment(
+            small_run_config(*SMALL),
+            run_dir=run,
+            cache_dir=reference["cache"],
+            faults=plan,
+        )

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from test_runtime import learning_metrics, small_config
+from test_runtime import SMALL, learning_metrics
 
 from rlaxkit.cli import run_job
-from rlaxkit.config import RunConfig
+from rlaxkit.config import RunConfig, small_run_config
 from rlaxkit.configio import apply_overrides
 from rlaxkit.metrics import read_metrics
 from rlaxkit.runtime import Experiment
@@ -36,7 +36,10 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_run(cache):
     """The local backend's reference: learning metrics and trained prompts per step."""
-    with Experiment(small_config(), cache_dir=cache) as exp:
+    with Experiment(
+        small_run_config(*SMALL),
+        cache_dir=cache,
+    ) as exp:
         trained = []
         for _ in range(STEPS):
             exp.step()
@@ -87,7 +90,7 @@ def until_in_flight(exp, worker=None):
 
 def test_two_worker_actors_learn_exactly_as_the_local_backend(ray_cluster, cache, local_run):
     local_metrics, local_trained = local_run
-    config = small_config("runtime.backend=ray")
+    config = small_run_config(*SMALL, "runtime.backend=ray")
     with RayExperiment(config, cache_dir=cache, ray_config=ray_config()) as exp:
         trained = []
         for _ in range(STEPS):
@@ -111,7 +114,7 @@ def test_worker_schedule_scales_the_fleet_from_the_config(ray_cluster, cache):
         ray_config(worker_schedule=((2, 1), (2, 3)))  # steps must increase
     with pytest.raises(ValueError, match="worker_schedule"):
         ray_config(worker_schedule=((1, 0),))
-    config = small_config("runtime.backend=ray", "runtime.chunk_steps=1")
+    config = small_run_config(*SMALL, "runtime.backend=ray", "runtime.chunk_steps=1")
     # The YAML/CLI path: --set 'ray.worker_schedule=[[1, 1], [2, 3]]'.
     settings = RunConfig.from_dict(
         apply_overrides(config.to_dict(), ["ray.worker_schedule=[[1, 1], [2, 3]]"])
@@ -132,7 +135,7 @@ def test_killed_worker_is_detected_its_prompts_reissued_and_the_fleet_is_elastic
     ray_cluster, cache
 ):
     # One decode step per round, so prompts stay in flight across rounds.
-    config = small_config("runtime.backend=ray", "runtime.chunk_steps=1")
+    config = small_run_config(*SMALL, "runtime.backend=ray", "runtime.chunk_steps=1")
     eta = config.staleness.max_staleness
     # Weights through the TensorStore store here (the object store elsewhere).
     settings = ray_config(replace_dead_workers=False, weight_store="tensorstore")
@@ -177,7 +180,7 @@ def test_parameter_server_and_trainer_restarts_heal_without_changing_results(
     """Kill the parameter server, then the trainer: workers get weights again, the
     trainer resumes from its checkpoint, and every metric equals the local run's."""
     local_metrics, local_trained = local_run
-    config = small_config("runtime.backend=ray", "checkpoint.every_steps=2")
+    config = small_run_config(*SMALL, "runtime.backend=ray", "checkpoint.every_steps=2")
     with RayExperiment(config, run_dir=tmp_path, cache_dir=cache, ray_config=ray_config()) as exp:
         exp.run(1)
         exp.parts.kill_store()
@@ -209,7 +212,7 @@ def test_bad_ray_settings_fail_early():
     with pytest.raises(ValueError, match="num_gpus"):
         ActorResources(num_gpus=-1)
     with pytest.raises(ValueError, match="runtime.mode 'concurrent' is not available"):
-        Experiment(small_config("runtime.backend=ray", "runtime.mode=concurrent"))
+        Experiment(small_run_config(*SMALL, "runtime.backend=ray", "runtime.mode=concurrent"))
 
 
 # Actors that fit the 2-CPU test cluster, set in the run config itself.
@@ -217,7 +220,8 @@ SMALL_ACTORS = ("ray.trainer.num_cpus=0.25", "ray.worker.num_cpus=0.25")
 
 
 def test_ray_settings_live_in_the_run_config_and_round_trip_through_yaml(tmp_path):
-    config = small_config(
+    config = small_run_config(
+        *SMALL,
         "runtime.backend=ray",
         "ray.address=auto",
         "ray.weight_store=tensorstore",
@@ -230,16 +234,16 @@ def test_ray_settings_live_in_the_run_config_and_round_trip_through_yaml(tmp_pat
     assert RunConfig.from_yaml(tmp_path / "c.yaml") == config
     assert "TPU: 4" in (tmp_path / "c.yaml").read_text()
     with pytest.raises(ValueError, match=r"config\.ray\.worker: num_cpus: must be a number"):
-        small_config("ray.worker.num_cpus=-1")
+        small_run_config(*SMALL, "ray.worker.num_cpus=-1")
     with pytest.raises(ValueError, match=r"config\.ray: unknown field\(s\) \['gpus'\]"):
-        small_config("ray.gpus=1")
+        small_run_config(*SMALL, "ray.gpus=1")
 
 
 def test_importing_the_runtime_does_not_import_ray():
     code = (
         "import sys, rlaxkit.runtime, rlaxkit.config; "
         "assert 'ray' not in sys.modules, 'ray imported'; "
-        "from rlaxkit.runtime import RayExperiment; assert 'ray' in sys.modules"
+        "from rlaxkit.runtime.ray_placement import start_ray; assert 'ray' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -247,8 +251,8 @@ def test_importing_the_runtime_does_not_import_ray():
 def test_train_job_runs_the_same_config_on_ray(ray_cluster, cache, tmp_path):
     """``rlaxkit.cli.run_job`` picks RayExperiment from runtime.backend, places its
     actors per ``config.ray`` (here: TensorStore weights) and writes a full run dir."""
-    config = small_config(
-        "runtime.backend=ray", "steps=2", "ray.weight_store=tensorstore", *SMALL_ACTORS
+    config = small_run_config(
+        *SMALL, "runtime.backend=ray", "steps=2", "ray.weight_store=tensorstore", *SMALL_ACTORS
     )
     run = tmp_path / "run"
     lines = []
@@ -286,7 +290,8 @@ PLAN = [
 def test_one_fault_plan_runs_on_both_placements_and_loses_nothing_accepted(
     backend, ray_cluster, cache, tmp_path
 ):
-    config = small_config(
+    config = small_run_config(
+        *SMALL,
         f"runtime.backend={backend}",
         "steps=5",
         "checkpoint.every_steps=2",
@@ -311,7 +316,7 @@ def test_run_runs_to_config_steps_and_summaries_have_the_same_keys(ray_cluster, 
     summaries = {}
     for backend in ("local", "ray"):
         extra = {"ray_config": ray_config()} if backend == "ray" else {}
-        config = small_config(f"runtime.backend={backend}", "steps=2")
+        config = small_run_config(*SMALL, f"runtime.backend={backend}", "steps=2")
         with Experiment(config, cache_dir=cache, **extra) as exp:
             assert len(exp.run()) == 2 and exp.version == 2
             assert exp.run() == []  # already at config.steps

@@ -3,13 +3,11 @@
 import numpy as np
 import pytest
 
-from rlaxkit.config import SMALL_RUN, RunConfig
-from rlaxkit.configio import apply_overrides
+from rlaxkit.config import small_run_config
 from rlaxkit.runtime import Experiment
 
 # A few seconds per run: a 2-layer, 32-wide char model with a short warm start.
 SMALL = [
-    *SMALL_RUN,
     "eval.num_problems=8",
     "eval.samples=2",
 ]
@@ -19,10 +17,6 @@ SMALL = [
 def cache(tmp_path_factory):
     """One warm start for the whole module (every run shares model, task and SFT)."""
     return tmp_path_factory.mktemp("warm_start")
-
-
-def small_config(*overrides: str) -> RunConfig:
-    return RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), [*SMALL, *overrides]))
 
 
 def learning_metrics(history):
@@ -35,7 +29,10 @@ def learning_metrics(history):
 def test_deterministic_mode_gives_identical_metrics_for_one_seed(cache):
     runs = []
     for _ in range(2):
-        with Experiment(small_config(), cache_dir=cache) as exp:
+        with Experiment(
+            small_run_config(*SMALL),
+            cache_dir=cache,
+        ) as exp:
             exp.run(4)
             runs.append(learning_metrics(exp.history))
             events = exp.trace.memory.events
@@ -49,13 +46,13 @@ def test_deterministic_mode_gives_identical_metrics_for_one_seed(cache):
     timed = [e for e in events if e.kind in ("decode", "reward", "train_step")]
     start = min(e.t - e["duration_s"] for e in timed)
     assert sum(e["duration_s"] for e in timed) <= max(e.t for e in timed) - start
-    with Experiment(small_config("seed=1"), cache_dir=cache) as other:
+    with Experiment(small_run_config(*SMALL, "seed=1"), cache_dir=cache) as other:
         other.run(4)
         assert learning_metrics(other.history) != runs[0]
 
 
 def test_eta_zero_is_on_policy_every_ratio_is_one(cache):
-    with Experiment(small_config("staleness.max_staleness=0"), cache_dir=cache) as exp:
+    with Experiment(small_run_config(*SMALL, "staleness.max_staleness=0"), cache_dir=cache) as exp:
         for metrics in exp.run(4):
             assert metrics["staleness/max"] == 0
             assert abs(metrics["train/ratio_mean"] - 1.0) <= 1e-4
@@ -64,7 +61,7 @@ def test_eta_zero_is_on_policy_every_ratio_is_one(cache):
 
 
 def test_accounting_invariant_at_every_step_with_filtering_and_eta_two(cache):
-    with Experiment(small_config("staleness.max_staleness=2"), cache_dir=cache) as exp:
+    with Experiment(small_run_config(*SMALL, "staleness.max_staleness=2"), cache_dir=cache) as exp:
         assert exp.buffer.dynamic_filter
         seen_stale = 0
         for _ in range(6):
@@ -81,7 +78,10 @@ def test_accounting_invariant_at_every_step_with_filtering_and_eta_two(cache):
 
 
 def test_last_batch_exposes_rollouts_and_ratios(cache):
-    with Experiment(small_config(), cache_dir=cache) as exp:
+    with Experiment(
+        small_run_config(*SMALL),
+        cache_dir=cache,
+    ) as exp:
         metrics = exp.step()
         groups = exp.last_batch["groups"]
         assert len(groups) == exp.config.staleness.batch_size
@@ -94,18 +94,19 @@ def test_last_batch_exposes_rollouts_and_ratios(cache):
 
 def test_bad_config_fails_before_any_work():
     with pytest.raises(ValueError, match="sampling.n"):
-        small_config("sampling.n=1")
+        small_run_config(*SMALL, "sampling.n=1")
     with pytest.raises(ValueError, match=r"config\.runtime: unknown field\(s\) \['workers'\]"):
-        small_config("runtime.workers=3")
+        small_run_config(*SMALL, "runtime.workers=3")
     with pytest.raises(ValueError, match="runtime.mode"):
-        small_config("runtime.mode=warp")
+        small_run_config(*SMALL, "runtime.mode=warp")
 
 
 def test_reissued_prompts_need_no_admission_room(cache):
     """A preempted worker's prompts are still counted in flight, so they are issued
     again even when admission has no room for new ones (the same rule on every
     placement: the driver's ``issue``)."""
-    with Experiment(small_config(), cache_dir=cache) as exp:
+    # One decode step per round, so prompts stay in flight across rounds.
+    with Experiment(small_run_config(*SMALL, "runtime.chunk_steps=1"), cache_dir=cache) as exp:
         exp.round()
         held = exp.fleet.in_flight()["worker-0"]
         assert held
