@@ -167,18 +167,18 @@ class Instrumented:
     def __init__(self, clock: ComputeClock, exp: Experiment):
         self.clock, self.exp = clock, exp
         self.originals = {name: getattr(programs, name) for name in _PROGRAMS}
-        self.train_step = exp.trainer.train_step
+        self.train_step = exp.trainer.group.leader.train_step
 
     def __enter__(self) -> Instrumented:
         for name in _PROGRAMS:  # the engine looks these up on the module at call time
             setattr(programs, name, self.clock.wrap(name, self.originals[name]))
-        self.exp.trainer.train_step = self.clock.wrap("train_step", self.train_step)
+        self.exp.trainer.group.leader.train_step = self.clock.wrap("train_step", self.train_step)
         return self
 
     def __exit__(self, *exc) -> None:
         for name, fn in self.originals.items():
             setattr(programs, name, fn)
-        self.exp.trainer.train_step = self.train_step
+        self.exp.trainer.group.leader.train_step = self.train_step
 
 
 def measure(config: RunConfig, clock: ComputeClock, warmup: int, steps: int, profile=None):

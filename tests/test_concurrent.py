@@ -72,7 +72,7 @@ def test_worker_thread_exception_surfaces_in_step(cache):
         def broken():
             raise OSError("decode failed on purpose")
 
-        exp.workers[1].step = broken
+        exp.workers[1].handle.worker.step = broken
         with pytest.raises(RuntimeError, match="worker-1 failed in its thread") as info:
             for _ in range(20):  # worker-1 fails at its next chunk, within one step
                 exp.step()

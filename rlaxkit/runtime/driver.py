@@ -444,7 +444,6 @@ class Experiment:
             or self.version in self.trainer.saved_steps()
         ):
             return False
-        start = self.clock()
         fleet = self.fleet.checkpoint()
         weights = dict(fleet.weights)
         if self.published not in weights and self.published != self.version:
@@ -464,16 +463,8 @@ class Experiment:
             clock_s=self.trace.offset_s + self.clock(),
             trace_events=self.trace.written,
         )
-        saved = self.trainer.save(self.version, items, arrays, wait=wait)
+        saved = self.trainer.save(self.version, items, arrays, wait=wait)  # traced there
         self.books.saved(self.fault_now())
-        self.trace.record(
-            self.clock(),
-            "checkpoint_save",
-            "trainer",
-            self.version,
-            step=self.version,
-            duration_s=self.clock() - start,
-        )
         return saved
 
     def _resume(self, point: codec.ResumePoint) -> None:

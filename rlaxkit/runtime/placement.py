@@ -82,7 +82,7 @@ def start_placement(
     if backend == "local":
         from rlaxkit.runtime.local import start_local
 
-        return start_local(config, trace, clock, faults, run_dir, cache_dir)
+        return start_local(config, trace, clock, books, faults, run_dir, cache_dir)
     if backend == "ray":
         try:
             from rlaxkit.runtime.ray_placement import start_ray

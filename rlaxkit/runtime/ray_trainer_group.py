@@ -1,6 +1,6 @@
 """The Ray backend's trainer as one actor or as a multi-process (multi-host) group.
 
-``RayConfig.trainer_processes = 1`` (the default) is one ``TrainerActor``, which Ray
+``RayConfig.trainer_processes = 1`` (the default) is one ``TrainerHost``, which Ray
 restarts when it dies. With ``N > 1`` the trainer is ``N``
 :class:`TrainerProcessActor`\\ s, usually one per host, forming one ``jax.distributed``
 process group (``rlaxkit.distributed``): SPMD, every process runs the same jitted train
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import socket
 from typing import Any
 
@@ -51,8 +52,21 @@ from rlaxkit.api import PublishReply
 from rlaxkit.batch import TrainBatch
 from rlaxkit.ray_config import RayConfig
 from rlaxkit.runtime.build import warm_start
-from rlaxkit.runtime.ray_actors import TrainerActor, _configure_jax
-from rlaxkit.runtime.ray_fleet import remote
+from rlaxkit.runtime.hosts import TrainerHost, _configure_jax
+
+
+@functools.cache
+def remote(cls):
+    """``ray.remote(cls)``, made once per class."""
+    return ray.remote(cls)
+
+
+def stop_actor(handle: Any, timeout_s: float = 30.0) -> None:
+    """Asks an actor to ``close`` (release its pools and files), then kills it."""
+    with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
+        ray.get(handle.close.remote(), timeout=timeout_s)
+    ray.kill(handle)
+
 
 _PLACEMENT_WAIT_S = 300.0  # How long the trainer's placement group may take to fit.
 _GRACE_S = 10.0  # After one process fails a call, how long the others may take to answer.
@@ -82,19 +96,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class TrainerProcessActor(TrainerActor):
-    """One process of a multi-process trainer: a ``TrainerActor`` whose arrays live on
+class TrainerProcessActor(TrainerHost):
+    """One process of a multi-process trainer: a ``TrainerHost`` whose arrays live on
     the group's global mesh.
 
     Construction touches no JAX device (``jax.distributed`` must come first): the
     driver asks process 0 for :meth:`coordinator_address`, then every process
-    :meth:`join`\\ s, all at once. Every method that ``TrainerActor`` has must then be
+    :meth:`join`\\ s, all at once. Every method that ``TrainerHost`` has must then be
     called on all processes, in the same order (they run collectives);
     :class:`TrainerGroup` does that.
 
     Args:
-        config, store, cache_dir, checkpoint_dir, t0_wall, jax_options: as for
-            ``TrainerActor``.
+        config, store, cache_dir, checkpoint_dir, clock, jax_options: as for
+            ``TrainerHost``.
         process: this process's place in the group.
     """
 
@@ -104,14 +118,14 @@ class TrainerProcessActor(TrainerActor):
         store,
         cache_dir: str | None,
         checkpoint_dir: str | None,
-        t0_wall: float,
+        clock: Any,
         jax_options: dict[str, Any],
         process: TrainerProcess,
     ):
         _configure_jax(jax_options)
         self.process = process
         self.pushes = process.process_id == 0
-        self._arguments = (config, store, cache_dir, checkpoint_dir, t0_wall)
+        self._arguments = (config, store, cache_dir, checkpoint_dir, clock)
 
     def coordinator_address(self) -> str:
         """``host:port`` for the group's coordinator, on this (process 0's) host."""
@@ -168,7 +182,7 @@ class TrainerProcessActor(TrainerActor):
 
     # -- what only process 0 does --------------------------------------------------------
     def publish(self, step: int, reset: bool = False) -> PublishReply:
-        """Process 0 publishes (see ``TrainerActor.publish``); the others only check
+        """Process 0 publishes (see ``TrainerHost.publish``); the others only check
         that they are at ``step``."""
         if self.pushes:
             return super().publish(step, reset)
@@ -182,14 +196,14 @@ class TrainerProcessActor(TrainerActor):
 
 
 class TrainerGroup:
-    """The driver's handle on the trainer: one ``TrainerActor`` (``trainer_processes
+    """The driver's handle on the trainer: one ``TrainerHost`` (``trainer_processes
     = 1``; Ray restarts it) or a group of :class:`TrainerProcessActor`\\ s that the
     driver restarts together.
 
     Args:
         ray_config: resources, ``trainer_processes``, ``trainer_mesh``,
             ``trainer_placement``, ``trainer_coordinator_port``, ``trainer_max_restarts``.
-        arguments: ``TrainerActor``'s constructor arguments.
+        arguments: ``TrainerHost``'s constructor arguments.
     """
 
     def __init__(self, ray_config: RayConfig, arguments: tuple):
@@ -211,7 +225,7 @@ class TrainerGroup:
         rc = self.ray_config
         options = {**rc.trainer.options(), "max_task_retries": 0}  # the driver replays
         if self.size == 1:
-            actor = remote(TrainerActor)
+            actor = remote(TrainerHost)
             options["max_restarts"] = rc.trainer_max_restarts
             self.handles = [actor.options(**options).remote(*self.arguments)]
             return
@@ -328,6 +342,14 @@ class TrainerGroup:
             )
         self.kill()
         self._start()
+
+    def preempt(self) -> None:
+        """A real preemption: one trainer is killed and Ray restarts it; a group is
+        killed and :meth:`restart` starts it anew."""
+        if self.size == 1:
+            ray.kill(self.leader, no_restart=False)
+        else:
+            self.kill()
 
     def kill(self) -> None:
         """Kills every process at once and frees their placement group."""

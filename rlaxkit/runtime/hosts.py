@@ -1,15 +1,18 @@
-"""The Ray backend's actors: the trainer and the inference workers.
+"""The trainer and the inference workers as hosts: plain classes that every placement
+runs, in this process (``runtime.backend=local``) or as Ray actors (``ray``).
 
-Each actor is a plain class (so it can be read and tested without Ray) that the driver
-starts with ``ray.remote(cls).options(...)``. They wrap the very objects the local
-backend runs: an inference worker actor holds one ``rlaxkit.worker.InferenceWorker``;
-the trainer actor holds the ``TrainState`` and the jitted ``make_train_step``. Both
-record trace events in memory and hand them to the driver with each reply, so the
-driver writes one trace with the local backend's schema.
+``TrainerHost`` holds the ``TrainState`` and the jitted ``make_train_step``, pushes to
+the parameter server and checkpoints; ``WorkerHost`` holds one
+``rlaxkit.worker.InferenceWorker`` and its reward runner. Both record trace events in
+memory and hand them to the driver with each reply (typed messages of
+``rlaxkit.api``), so one trace with one schema comes out of every placement. Running in
+this process changes only where arrays live: the local trainer's step keeps its
+parameters (``make_train_step(keep_params=True)``) so the in-process store holds the
+pushed version without a copy, and its checkpoints are written in the background.
 
-Clocks: every actor measures seconds since the driver's ``t0_wall`` (``time.time()``
-at run start), so events from different processes share one time axis (across hosts up
-to their clock skew).
+Clocks: a host measures seconds on the run's clock: in this process the driver's own;
+in an actor, seconds since the driver's ``t0_wall`` (``time.time()`` at run start), so
+events from different processes share one time axis (across hosts up to their skew).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import jax
-import ray
 from flax import nnx
 
 from rlaxkit.api import ChunkReply, PublishReply, SaveReply, SyncReply, TrainResult, Work
@@ -28,7 +30,6 @@ from rlaxkit.batch import TrainBatch
 from rlaxkit.checkpoint import CheckpointManager, restore_train_state, save_train_state
 from rlaxkit.config import RunConfig
 from rlaxkit.param_server import ParameterServer, TensorStoreParameterServer
-from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer, WeightsLostError
 from rlaxkit.runtime.build import build_policy, build_task, train_config_for, warm_start
 from rlaxkit.tasks import RewardRunner
 from rlaxkit.trace import MemoryTrace, TraceEvent
@@ -59,41 +60,73 @@ def _configure_jax(options: dict[str, Any]) -> None:
         jax.config.update(name, value)
 
 
+def drain(trace: Any) -> list[TraceEvent]:
+    """The events a host recorded in memory since the last reply (none when it records
+    into the run's trace directly, in this process)."""
+    if not isinstance(trace, MemoryTrace):
+        return []
+    events, trace.events = trace.events, []
+    return events
+
+
 class TrainerRestartedError(RuntimeError):
     """The trainer's state is not at the step the driver expects: Ray restarted the
     actor (fresh state) and the driver has not restored it yet."""
 
 
 @dataclasses.dataclass(frozen=True)
+class WallClock:
+    """Seconds since ``t0_wall`` (``time.time()``): an actor's view of the run's clock."""
+
+    t0_wall: float
+
+    def __call__(self) -> float:
+        return time.time() - self.t0_wall
+
+
+@dataclasses.dataclass(frozen=True)
 class WeightStore:
-    """How every actor reaches the parameter server (picklable, sent to each actor).
+    """How every host reaches the parameter server (picklable to each actor, except the
+    ``inprocess`` kind, which holds the store itself).
 
     The parameter-server actor is found by name rather than by a handle in the
     arguments: Ray keeps actor-handle arguments in the object store, tying a restarted
     actor's arguments to references the driver holds.
 
     Attributes:
-        kind: ``object_store`` (via ``actor_name``) or ``tensorstore`` (via
-            ``directory``).
+        kind: ``object_store`` (via ``actor_name``), ``tensorstore`` (via
+            ``directory``) or ``inprocess`` (``server``, in this process).
         actor_name: the ``ParameterServerActor``'s name (in the job's namespace).
         directory: the TensorStore snapshot directory, seen by every host.
         keep: versions retained (TensorStore; the actor was started with its own).
         template: abstract params (``ShapeDtypeStruct`` leaves) giving TensorStore
             pulls the ``nnx.State`` structure.
         durable: fsync TensorStore snapshots before publishing.
+        server: the in-process store.
     """
 
-    kind: Literal["object_store", "tensorstore"]
+    kind: Literal["object_store", "tensorstore", "inprocess"]
     actor_name: str | None = None
     directory: str | None = None
     keep: int = 2
     template: Any = None
     durable: bool = True
+    server: Any = None
+
+    @property
+    def in_process(self) -> bool:
+        return self.kind == "inprocess"
 
     def connect(self, on_event=None, pull_timeout_s: float | None = None) -> ParameterServer:
         """A client of this store for the calling process; ``pull_timeout_s`` bounds a
         pull that gives no timeout of its own (object store only)."""
+        if self.kind == "inprocess":
+            return self.server
         if self.kind == "object_store":
+            import ray
+
+            from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer
+
             actor = ray.get_actor(self.actor_name)
             return RayObjectStoreParameterServer(
                 actor, on_event=on_event, default_timeout_s=pull_timeout_s
@@ -107,7 +140,7 @@ class WeightStore:
         )
 
 
-class TrainerActor:
+class TrainerHost:
     """The trainer: owns the train state, steps on batches, pushes, checkpoints.
 
     The driver decides when to checkpoint (``CheckpointPolicy``) and calls
@@ -116,8 +149,8 @@ class TrainerActor:
     the actor, the driver calls :meth:`restore` with the newest step it knows was
     taken, replays the batches since with ``push=False`` and calls :meth:`publish`
     with ``reset=True``; the trainer's state then equals the state it had before it
-    died (same batches, same jitted step). A resumed run calls :meth:`restore` with
-    the checkpoint's published version, then :meth:`publish`.
+    died (same batches, same jitted step). A resumed or rolled-back run calls
+    :meth:`restore` (with the checkpoint's published version), then :meth:`publish`.
 
     Args:
         config: the run configuration.
@@ -125,8 +158,10 @@ class TrainerActor:
         cache_dir: where the warm start is cached (shared with the driver's host).
         checkpoint_dir: where train-state checkpoints go (``None``: none; a restart then
             replays from step 0).
-        t0_wall: the driver's ``time.time()`` at run start.
+        clock: the run's clock (``WallClock`` in an actor).
         jax_options: ``jax.config`` values to apply first.
+        trace: where events go (default: kept in memory and handed back with each
+            reply; in this process, the run's trace itself).
     """
 
     # A one-process trainer: no mesh, arrays on this process's default device, and
@@ -141,11 +176,12 @@ class TrainerActor:
         store: WeightStore,
         cache_dir: str | None,
         checkpoint_dir: str | None,
-        t0_wall: float,
+        clock: Any,
         jax_options: dict[str, Any],
+        trace: Any = None,
     ):
         _configure_jax(jax_options)
-        self._setup(config, store, cache_dir, checkpoint_dir, t0_wall)
+        self._setup(config, store, cache_dir, checkpoint_dir, clock, trace)
 
     def _setup(
         self,
@@ -153,27 +189,34 @@ class TrainerActor:
         store: WeightStore,
         cache_dir: str | None,
         checkpoint_dir: str | None,
-        t0_wall: float,
+        clock: Any,
+        trace: Any = None,
     ) -> None:
-        self.config, self.t0_wall = config, t0_wall
-        self.trace = MemoryTrace()
-        task = build_task(config)
-        model, tokenizer = build_policy(config, task)
+        self.config, self.clock = config, clock
+        self.in_process = store.in_process
+        self.trace = trace or MemoryTrace()
+        self.task = task = build_task(config)
+        model, self.tokenizer = build_policy(config, task)
         model, self.warm_start = self._warm_start(
-            config, task, model, tokenizer, Path(cache_dir) if cache_dir else None
+            config, task, model, self.tokenizer, Path(cache_dir) if cache_dir else None
         )
         graphdef, params = nnx.split(model)
+        self.graphdef = graphdef
         train_config = train_config_for(config)
         ref = params if train_config.algorithm.needs_reference else None
         state = create_train_state(train_config, params, seed=config.seed, ref_params=ref)
         self.state = self._place_state(state)
-        self._train_step = make_train_step(train_config, graphdef, mesh=self.mesh)
+        # In this process the step keeps its parameters (it donates every other buffer),
+        # so the in-process store holds each pushed version without a copy.
+        self.train_step = make_train_step(
+            train_config, graphdef, mesh=self.mesh, keep_params=self.in_process
+        )
         self.store_kind = store.kind
         self.param_server = store.connect(on_event=self._on_transfer) if self.pushes else None
         self.checkpoints = None
         if checkpoint_dir is not None:
             self.checkpoints = CheckpointManager(
-                checkpoint_dir, max_to_keep=config.checkpoint.keep, async_save=False
+                checkpoint_dir, max_to_keep=config.checkpoint.keep, async_save=self.in_process
             )
         # (version, host params) to publish when the store lacks the newest version.
         self._to_publish: tuple[int, Any] | None = (0, self._publishable(self.state.params))
@@ -183,7 +226,9 @@ class TrainerActor:
         return warm_start(config, task, model, tokenizer, cache_dir)
 
     def _place_state(self, state: Any) -> Any:
-        return state
+        # Committed to the device like a state restored by Orbax, so that a restore
+        # does not recompile the train step (committed arrays key another program).
+        return jax.device_put(state, jax.devices()[0])
 
     def _place_batch(self, batch: TrainBatch) -> TrainBatch:
         return batch
@@ -197,19 +242,16 @@ class TrainerActor:
         return params
 
     def _publishable(self, params: Any) -> Any:
-        """The host copy :meth:`publish` may push later."""
-        return self._host(params)
-
-    def clock(self) -> float:
-        return time.time() - self.t0_wall
+        """What :meth:`publish` may push later: a host copy, or in this process the
+        kept parameters themselves."""
+        return params if self.in_process else self._host(params)
 
     def _on_transfer(self, kind: str, version: int, **fields: Any) -> None:
         if kind == "push":
             self.trace.record(self.clock(), "push", "trainer", version, **fields)
 
     def _drain(self) -> list[TraceEvent]:
-        events, self.trace.events = self.trace.events, []
-        return events
+        return drain(self.trace)
 
     @property
     def version(self) -> int:
@@ -222,12 +264,14 @@ class TrainerActor:
             )
 
     # -- checkpoints -----------------------------------------------------------------
-    def _save(self, json: dict[str, Any] | None, weights: dict[str, Any] | None) -> int:
+    def _save(self, json: dict[str, Any] | None, weights: dict[str, Any] | None, wait: bool) -> int:
         start = self.clock()
         # Numpy leaves (the weights) are written by process 0 alone; every process
         # writes its shards of the train state. One Orbax step: all items or none.
         pytrees = {"weights": weights} if weights else None
         save_train_state(self.checkpoints, self.state, json=json, pytrees=pytrees, force=True)
+        if wait:
+            self.checkpoints.wait()
         self.trace.record(
             self.clock(),
             "checkpoint_save",
@@ -249,6 +293,8 @@ class TrainerActor:
                 published version is older than its checkpoint: pushes every ``k``
                 steps); ``None``: the restored state's params.
         """
+        if self.checkpoints:
+            self.checkpoints.wait()  # a save still being written in the background
         steps = [
             s for s in (self.checkpoints.all_steps() if self.checkpoints else ()) if s <= max_step
         ]
@@ -284,7 +330,7 @@ class TrainerActor:
         """
         self._expect(step - 1)
         start = time.perf_counter()
-        self.state, metrics = self._train_step(self.state, self._place_batch(batch))
+        self.state, metrics = self.train_step(self.state, self._place_batch(batch))
         metrics = {k: float(v) for k, v in self._host(metrics).items()}
         duration_s = time.perf_counter() - start
         if self.config.weight_sync.should_push(self.version):
@@ -317,6 +363,8 @@ class TrainerActor:
             version, params = self._to_publish
             if self.store_kind == "object_store":
                 store.push(version, params, reset=reset)
+            elif self.store_kind == "inprocess" and reset and hasattr(store, "rollback"):
+                store.rollback(version, params)  # a fault plan's store: a new lineage
             elif latest is None or latest < version:
                 store.push(version, params)
             self._to_publish = None
@@ -334,6 +382,7 @@ class TrainerActor:
         step: int,
         json: dict[str, Any] | None = None,
         weights: dict[str, Any] | None = None,
+        wait: bool = True,
     ) -> SaveReply:
         """Saves the state as checkpoint ``step`` with the driver's items, unless that
         checkpoint exists.
@@ -342,6 +391,8 @@ class TrainerActor:
             step: the step the state must be at.
             json: JSON items (name -> value) saved with the train state.
             weights: the ``weights`` item (``{"v<N>": host params}``), or ``None``.
+            wait: block until it is written (in this process saves go on in the
+                background otherwise; an actor always waits).
 
         Raises:
             TrainerRestartedError: the state is not at ``step``.
@@ -349,17 +400,26 @@ class TrainerActor:
         self._expect(step)
         saved = self.checkpoints is not None and step not in self.checkpoints.all_steps()
         if saved:
-            self._save(json, weights)
+            self._save(json, weights, wait or not self.in_process)
         return SaveReply(saved, self._drain())
 
     def host_params(self, step: int) -> Any:
-        """The params at ``step`` copied to host memory (for evaluation in the driver)."""
+        """The params at ``step`` for the driver (a host copy from an actor)."""
         self._expect(step)
-        return self._host(self.state.params)
+        return self.state.params if self.in_process else self._host(self.state.params)
 
     def close(self) -> None:
         if self.checkpoints is not None:
             self.checkpoints.close()
+
+
+def _weights_lost() -> tuple[type[BaseException], ...]:
+    """The error of a pull whose weights died with their owner (Ray's object store)."""
+    try:
+        from rlaxkit.param_server.ray_store import WeightsLostError
+    except ModuleNotFoundError:  # no Ray: no object store
+        return ()
+    return (WeightsLostError,)
 
 
 # A worker's pull waits this long for a version on an empty store (the parameter server
@@ -385,13 +445,14 @@ class _Observed:
         self.server.push(version, params)
 
 
-class WorkerActor:
-    """One inference worker: an ``InferenceWorker`` in its own process.
+class WorkerHost:
+    """One inference worker: an ``InferenceWorker`` and its reward runner.
 
-    The driver calls :meth:`sync` (pull if the staleness policy says so; report free
+    The fleet calls :meth:`sync` (pull if the staleness policy says so; report free
     room) and then :meth:`submit_and_step` (start the prompts it was given, decode one
-    chunk, return finished rollouts), every worker once per round, as the local loop
-    does.
+    chunk, return finished rollouts), every worker once per round. In this process the
+    fleet calls its three parts (:meth:`launch`, :meth:`fetch`, :meth:`score`) so that a
+    worker's chunk decodes while the previous worker's results are scored.
 
     Args:
         worker_id: the worker's name in the trace.
@@ -399,8 +460,11 @@ class WorkerActor:
         graphdef: the policy's graph (weights come from the parameter server).
         tokenizer: the run's tokenizer.
         store: the parameter server.
-        t0_wall: the driver's ``time.time()`` at run start.
+        clock: the run's clock (``WallClock`` in an actor).
         jax_options: ``jax.config`` values to apply first.
+        task, scorer: shared by the workers of one process (default: their own).
+        trace: where events go (default: kept in memory and handed back with each
+            reply; in this process, the run's trace itself).
     """
 
     def __init__(
@@ -410,16 +474,25 @@ class WorkerActor:
         graphdef: Any,
         tokenizer: Any,
         store: WeightStore,
-        t0_wall: float,
+        clock: Any,
         jax_options: dict[str, Any],
+        task: Any = None,
+        scorer: Any = None,
+        trace: Any = None,
     ):
         _configure_jax(jax_options)
-        self.t0_wall = t0_wall
-        self.trace = MemoryTrace()
-        task = build_task(config)
-        self.scorer = RewardRunner.for_task(task).start()
+        self.clock = clock
+        self.trace = trace or MemoryTrace()
+        task = task or build_task(config)
+        self.own_scorer = scorer is None
+        self.scorer = scorer or RewardRunner.for_task(task).start()
         self.lost_weights = 0
-        self.store = _Observed(store.connect(pull_timeout_s=_WORKER_PULL_TIMEOUT_S))
+        self.in_process = store.in_process
+        server = store.connect(pull_timeout_s=_WORKER_PULL_TIMEOUT_S)
+        if hasattr(server, "view"):  # a fault plan's store: failing pulls per worker
+            server = server.view(worker_id)
+        self.store = _Observed(server)
+        self._decoding, self._complete = False, []
         self.worker = InferenceWorker(
             worker_id,
             graphdef,
@@ -437,12 +510,8 @@ class WorkerActor:
             max_prompt_tokens=config.runtime.max_prompt_tokens,
         )
 
-    def clock(self) -> float:
-        return time.time() - self.t0_wall
-
     def _drain(self) -> list[TraceEvent]:
-        events, self.trace.events = self.trace.events, []
-        return events
+        return drain(self.trace)
 
     def sync(self) -> SyncReply:
         """Pulls if this worker lags too far; ``retry`` when the sync may not have done
@@ -454,7 +523,7 @@ class WorkerActor:
         self.store.seen = -1
         try:
             self.worker.sync_weights()
-        except WeightsLostError as error:
+        except _weights_lost() as error:
             self.lost_weights += 1
             lost = True
             self.trace.record(
@@ -478,9 +547,27 @@ class WorkerActor:
     def submit_and_step(self, work: list[Work], decode: bool = True) -> ChunkReply:
         """Starts ``work`` and (unless ``decode`` is False: a slowed worker's round)
         decodes one chunk; replies with the finished, scored rollouts."""
+        self.launch(work, decode)
+        self.fetch()
+        return self.score()
+
+    def launch(self, work: list[Work], decode: bool = True) -> None:
+        """Starts ``work`` and dispatches one chunk without waiting for it."""
         for issue, problem in work:
             self.worker.submit(issue, problem)
-        rollouts = self.worker.step() if decode else []
+        self._decoding = decode
+        if decode:
+            self.worker.launch()
+
+    def fetch(self, pipelined: bool = False) -> None:
+        """Waits for the launched chunk (``pipelined``: another worker's results were
+        scored meanwhile)."""
+        self._complete = self.worker.fetch(pipelined=pipelined) if self._decoding else []
+
+    def score(self) -> ChunkReply:
+        """Scores the fetched chunk's finished prompts; replies with their rollouts."""
+        rollouts = self.worker.score(self._complete) if self._decoding else []
+        self._complete = []
         return ChunkReply(
             rollouts,
             bool(self.worker.requests),
@@ -499,8 +586,11 @@ class WorkerActor:
         }
 
     def replay_weights(self, versions: list[int]) -> dict[int, Any]:
-        """Host copies of the weights of ``versions`` (each one the replay log needs)."""
+        """The weights of ``versions`` (each one the replay log needs; host copies from
+        an actor)."""
         held = self.worker.replay_weights()
+        if self.in_process:
+            return {version: held[version] for version in versions}
         return {version: jax.device_get(held[version]) for version in versions}
 
     def restore(
@@ -534,4 +624,5 @@ class WorkerActor:
         return {"version": self.worker.version, "lost_weights": self.lost_weights}
 
     def close(self) -> None:
-        self.scorer.close()
+        if self.own_scorer:
+            self.scorer.close()

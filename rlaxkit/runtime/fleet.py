@@ -1,25 +1,21 @@
-"""The Ray placement's fleet: one ``WorkerActor`` per inference worker.
+"""The fleet of inference workers, one ``WorkerHost`` each, on every placement.
 
-The driver keeps the books (controller, buffer) and knows which prompts each worker
-holds (``WorkerSlot.in_flight``), so a worker's death costs nothing accepted. Deaths are
-found when a call to the actor fails (``RayActorError``): the worker leaves the fleet, its
-prompts are handed back (``take_lost``: same ids and seeds), and a new worker actor takes
-its place (``RayConfig.replace_dead_workers``) and pulls before its first prompt. A
-preemption from a fault plan kills the actor for real; after the downtime a new actor
-with the same id starts empty.
+The fleet knows which prompts each worker holds (``WorkerSlot.in_flight``), so losing a
+worker costs nothing accepted: its prompts go back to the driver (same ids and seeds).
+How the fleet reaches its hosts is its transport: ``InProcess`` calls them in this
+process (each worker's chunk decodes while the previous worker's results are scored);
+the Ray placement's transport calls actors, all at once, and finds a dead one when a
+call fails, after which the worker leaves the fleet (``take_lost``) and a new actor
+takes its place (``RayConfig.replace_dead_workers``). A preemption from a fault plan
+discards the worker's host (on Ray: kills the actor for real); after the downtime a new
+host with the same id starts empty and pulls before its first prompt.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import jax
-import ray
-from ray.exceptions import RayActorError
+from typing import Any, Protocol
 
 from rlaxkit.api import ChunkReply, FleetCheckpoint, SyncReply, Work
 from rlaxkit.controller import Issue
@@ -27,18 +23,55 @@ from rlaxkit.runtime.common import RunTrace
 
 _GATHER_ATTEMPTS = 3  # Worker deaths while a checkpoint gathers their state.
 
-
-@functools.cache
-def remote(cls):
-    """``ray.remote(cls)``, made once per class."""
-    return ray.remote(cls)
+Calls = list[tuple[Any, str, tuple]]  # (slot, method, arguments)
 
 
-def stop_actor(handle: Any, timeout_s: float = 30.0) -> None:
-    """Asks an actor to ``close`` (release its pools and files), then kills it."""
-    with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
-        ray.get(handle.close.remote(), timeout=timeout_s)
-    ray.kill(handle)
+class Transport(Protocol):
+    """How a fleet reaches its hosts."""
+
+    def call(self, calls: Calls) -> tuple[dict[str, Any], list[Any]]:
+        """Makes the calls (at once where it can); returns replies by worker id and the
+        slots whose host died."""
+        ...
+
+    def step(self, calls: Calls) -> tuple[dict[str, Any], list[Any]]:
+        """``submit_and_step`` calls (``(work, decode)`` each), as :meth:`call` does."""
+        ...
+
+    def kill(self, handle: Any) -> None: ...
+
+    def stop(self, handle: Any) -> None: ...
+
+
+class InProcess:
+    """Hosts in this process: calls are method calls, and no host dies on its own."""
+
+    def call(self, calls: Calls) -> tuple[dict[str, Any], list[Any]]:
+        return {slot.worker_id: getattr(slot.handle, m)(*args) for slot, m, args in calls}, []
+
+    def step(self, calls: Calls) -> tuple[dict[str, Any], list[Any]]:
+        """Each worker's chunk is dispatched as soon as the previous worker's results
+        are fetched, so it decodes while the host scores them. XLA runs one chunk after
+        the other either way; what the host does with the results, and in which order,
+        is that of plain calls."""
+        decoding = [(slot, args) for slot, _, args in calls if args[1]]
+        for slot, _, (work, decode) in calls:
+            if not decode:
+                slot.handle.launch(work, decode=False)
+        if decoding:
+            decoding[0][0].handle.launch(decoding[0][1][0])
+        for i, (slot, _) in enumerate(decoding):
+            slot.handle.fetch(pipelined=i > 0)
+            if i + 1 < len(decoding):
+                following, (work, _) = decoding[i + 1]
+                following.handle.launch(work)
+        return {slot.worker_id: slot.handle.score() for slot, _, _ in calls}, []
+
+    def kill(self, handle: Any) -> None:
+        handle.close()
+
+    def stop(self, handle: Any) -> None:
+        handle.close()
 
 
 @dataclass
@@ -54,26 +87,32 @@ class WorkerSlot:
     reward_counters: dict[str, int] = field(default_factory=dict)
 
 
-class RayFleet:
-    """Worker actors (the ``rlaxkit.api.Fleet`` of the Ray placement).
+class Fleet:
+    """Inference workers behind a transport (``rlaxkit.api.Fleet``).
 
     Args:
-        start_actor: starts the worker actor of a given id; returns its handle.
+        start_host: starts the worker host of a given id; returns its handle.
+        transport: how the hosts are called (``InProcess`` or Ray's).
         trace: the run trace (the workers' events are written to it in worker order).
         clock: the run's clock.
         replace_dead: start a new worker when one dies.
         max_replacements: how many dead workers to replace before giving up.
+        scorer: the reward runner the hosts share in this process (``None``: each host
+            has its own and reports its counters with every reply).
     """
 
     def __init__(
         self,
-        start_actor: Callable[[str], Any],
+        start_host: Callable[[str], Any],
+        transport: Transport,
         trace: RunTrace,
         clock: Callable[[], float],
         replace_dead: bool,
         max_replacements: int,
+        scorer: Any = None,
     ):
-        self.start_actor, self.trace, self.clock = start_actor, trace, clock
+        self.start_host, self.transport, self.scorer = start_host, transport, scorer
+        self.trace, self.clock = trace, clock
         self.replace_dead, self.max_replacements = replace_dead, max_replacements
         self.workers: list[WorkerSlot] = []
         self.books = {
@@ -91,7 +130,7 @@ class RayFleet:
         if worker_id is None:
             worker_id = f"worker-{self.books['next_worker']}"
             self.books["next_worker"] += 1
-        slot = WorkerSlot(worker_id, self.start_actor(worker_id))
+        slot = WorkerSlot(worker_id, self.start_host(worker_id))
         self.workers.append(slot)
         return slot
 
@@ -112,8 +151,7 @@ class RayFleet:
     def _died(self, slot: WorkerSlot) -> None:
         self._lost.append((slot.worker_id, self._retire(slot)))
         self.workers.remove(slot)
-        with contextlib.suppress(Exception):
-            ray.kill(slot.handle)
+        self.transport.kill(slot.handle)
         if not self.replace_dead:
             return
         self.books["replacements"] += 1
@@ -129,17 +167,13 @@ class RayFleet:
     def _call(self, method: str, args: Mapping[str, tuple], only: Sequence[str]) -> dict:
         """Calls ``method`` on the live workers named in ``only`` at once; replies by
         worker id (a worker that died is taken out of the fleet)."""
-        refs = [
-            (slot, getattr(slot.handle, method).remote(*args.get(slot.worker_id, ())))
+        calls = [
+            (slot, method, args.get(slot.worker_id, ()))
             for slot in list(self.workers)
             if slot.handle is not None and slot.worker_id in only
         ]
-        replies, dead = {}, []
-        for slot, ref in refs:
-            try:
-                replies[slot.worker_id] = ray.get(ref)
-            except RayActorError:
-                dead.append(slot)
+        step = self.transport.step if method == "submit_and_step" else self.transport.call
+        replies, dead = step(calls)
         for slot in dead:
             self._died(slot)
         return replies
@@ -185,7 +219,7 @@ class RayFleet:
         """Kills the worker's actor (a real preemption); returns its prompts."""
         slot = self._slot(worker_id)
         if slot.handle is not None:
-            ray.kill(slot.handle)
+            self.transport.kill(slot.handle)
             slot.handle = None
         return self._retire(slot)
 
@@ -193,7 +227,7 @@ class RayFleet:
         """A new actor for a preempted worker; it pulls before it takes work."""
         slot = self._slot(worker_id)
         if slot.handle is None:
-            slot.handle = self.start_actor(worker_id)
+            slot.handle = self.start_host(worker_id)
 
     def take_lost(self) -> list[tuple[str, list[Issue]]]:
         lost, self._lost = self._lost, []
@@ -209,7 +243,7 @@ class RayFleet:
             slot = self.workers.pop()
             removed.append((slot.worker_id, self._retire(slot)))
             if slot.handle is not None:
-                stop_actor(slot.handle)
+                self.transport.stop(slot.handle)
         return removed
 
     # -- counters --------------------------------------------------------------------
@@ -226,6 +260,8 @@ class RayFleet:
         return self.books["retired_failed_pulls"] + sum(s.failed_pulls for s in self.workers)
 
     def reward_counters(self) -> dict[str, int]:
+        if self.scorer is not None:
+            return dict(self.scorer.counters)
         out = dict(self.books["retired_reward_counters"])
         for slot in self.workers:
             for key, count in slot.reward_counters.items():
@@ -276,7 +312,13 @@ class RayFleet:
             }
             for slot in self.workers
         ]
-        return FleetCheckpoint(workers, dict(self.books), weights)
+        books = dict(self.books)
+        if self.scorer is not None:
+            books["scorer"] = {
+                "counters": dict(self.scorer.counters),
+                "hangs_pending": self.scorer.hangs_pending,
+            }
+        return FleetCheckpoint(workers, books, weights)
 
     def restore(
         self,
@@ -286,7 +328,10 @@ class RayFleet:
         work_for: Callable[[int], Work],
     ) -> None:
         """Has every saved worker (started with its saved id) replay its log."""
-        self.books = dict(books)
+        self.books = {k: v for k, v in books.items() if k != "scorer"}
+        if self.scorer is not None:
+            self.scorer.counters.update(books["scorer"]["counters"])
+            self.scorer.hangs_pending = books["scorer"]["hangs_pending"]
         work: dict[str, tuple] = {}
         for slot, saved in zip(self.workers, workers, strict=True):
             assert slot.worker_id == saved["worker_id"], (slot.worker_id, saved["worker_id"])
@@ -303,7 +348,7 @@ class RayFleet:
             versions = {op[1] for op in ops if op[0] == "u"}
             if snapshot["base_version"] is not None:
                 versions.add(snapshot["base_version"])
-            weights = {v: jax.device_get(weights_for(v)) for v in versions}
+            weights = {v: weights_for(v) for v in versions}
             work[slot.worker_id] = (snapshot, issues, weights)
         replies = self._call("restore", work, list(work))
         for slot in self.workers:
@@ -313,5 +358,5 @@ class RayFleet:
     def close(self) -> None:
         for slot in self.workers:
             if slot.handle is not None:
-                stop_actor(slot.handle)
+                self.transport.stop(slot.handle)
         self.workers = []

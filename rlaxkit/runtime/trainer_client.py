@@ -1,0 +1,172 @@
+"""The driver's client of the trainer, in this process or on Ray."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rlaxkit.api import TrainResult
+from rlaxkit.runtime.books import RunBooks
+from rlaxkit.runtime.common import RunTrace
+from rlaxkit.runtime.hosts import TrainerHost, TrainerRestartedError
+
+_RECOVERY_WAIT_S = 120.0  # How long a restarting actor may take to answer again.
+
+
+class InProcessTrainer:
+    """A ``TrainerHost`` in this process, called like Ray's ``TrainerGroup``."""
+
+    size = 1
+
+    def __init__(self, host: TrainerHost):
+        self.leader = host
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.leader, method)(*args)
+
+    def preempt(self) -> None:
+        """Nothing dies in this process: the state is void until the restore."""
+
+    def restart(self) -> None:
+        pass
+
+    def stop(self, timeout_s: float = 0.0) -> None:
+        self.leader.close()
+
+
+class TrainerClient:
+    """The driver's client of the trainer host(s) (``rlaxkit.api.TrainerClient``).
+
+    A trainer that dies on its own (Ray restarts one actor; the client restarts a
+    group) is healed without changing the run: it restores its newest checkpoint at or
+    below the driver's step and the batches trained since (kept until a checkpoint
+    covers them) are replayed, so the state is the one lost and no trained group is
+    undone; the first run of each replayed step becomes lost compute. A trainer in
+    this process does not die on its own.
+
+    Args:
+        group: the trainer host in this process (``InProcessTrainer``) or Ray's
+            ``TrainerGroup``.
+        max_restarts: heals in a row before the client gives up.
+        died: the errors that mean the trainer died (Ray's ``RayActorError``).
+        trace: the run trace (the trainer's events are written to it).
+        books: the run's books (a replayed step is booked as lost compute).
+        clock: the run's clock.
+    """
+
+    def __init__(
+        self,
+        group: Any,
+        trace: RunTrace,
+        books: RunBooks,
+        clock: Callable[[], float],
+        max_restarts: int = 0,
+        died: tuple[type[BaseException], ...] = (),
+    ):
+        self.group, self.max_restarts = group, max_restarts
+        self.heals = bool(died)  # a trainer in this process does not die on its own
+        self.died = (*died, TrainerRestartedError)
+        self.trace, self.books, self.clock = trace, books, clock
+        self.replay: list[tuple[int, Any]] = []  # (step, batch) since the last checkpoint
+        self.saved: set[int] = set()
+        self.killed = False
+
+    def _call_restarting(self, method: str, *args: Any) -> Any:
+        """Calls the trainer once, waiting while Ray restarts it (a group of trainer
+        processes was restarted already)."""
+        if self.group.size > 1:
+            return self.group.call(method, *args)
+        deadline = time.perf_counter() + _RECOVERY_WAIT_S
+        while True:
+            try:
+                return self.group.call(method, *args)
+            except self.died as error:
+                if time.perf_counter() > deadline or "max_restarts" in str(error):
+                    raise RuntimeError(
+                        f"the trainer actor is gone ({type(error).__name__}); it may have "
+                        "used up RayConfig.trainer_max_restarts: see its log"
+                    ) from error
+                time.sleep(0.2)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Calls the trainer; if it died or came back with a fresh state, heals it
+        (:meth:`_recover`) and calls again."""
+        for _ in range(self.max_restarts + 1):
+            try:
+                return self.group.call(method, *args)
+            except self.died:
+                self._recover()
+        raise RuntimeError(
+            f"the trainer failed {self.max_restarts + 1} times in a row "
+            f"at step {self.books.version}; see its log"
+        )
+
+    def _recover(self) -> None:
+        """Restores the restarted trainer and replays the batches since its checkpoint,
+        so its state is the one it lost; then it publishes again."""
+        version = self.books.version
+        self.trace.record(self.clock(), "preemption", "trainer", version)
+        self.group.restart()  # A group starts anew; one trainer Ray restarts.
+        restored = self._call_restarting("restore", version)
+        replay = [(s, b) for s, b in self.replay if restored < s <= version]
+        if [s for s, _ in replay] != list(range(restored + 1, version + 1)):
+            raise RuntimeError(
+                f"the trainer restored step {restored} but the driver holds the batches of "
+                f"steps {[s for s, _ in self.replay]}, not all of {restored + 1}..{version}"
+            )
+        for step, batch in replay:
+            result = self._call_restarting("train", batch, step, False)
+            self.trace.extend(result.events)
+            self.books.redo_step(step, result.duration_s)
+        reply = self._call_restarting("publish", version, True)
+        self.trace.extend(reply.events)
+        self.trace.record(
+            self.clock(), "restart", "trainer", version, lost_steps=version - restored
+        )
+
+    # -- the client ------------------------------------------------------------------
+    def train(self, batch: Any, step: int, push: bool) -> TrainResult:
+        if self.heals:
+            self.replay.append((step, batch))  # until a checkpoint covers it
+        result = self.call("train", batch, step, push)
+        self.trace.extend(result.events)
+        return result
+
+    def publish(self, step: int, reset: bool = False) -> int | None:
+        reply = self.call("publish", step, reset)
+        self.trace.extend(reply.events)
+        return reply.version
+
+    def host_params(self, step: int) -> Any:
+        return self.call("host_params", step)
+
+    def kill(self) -> None:
+        """A real preemption: the trainer's state is void (an actor is killed: Ray
+        restarts one trainer; :meth:`restore` starts a group anew)."""
+        self.killed = True
+        self.group.preempt()
+
+    def saved_steps(self) -> set[int]:
+        return self.saved
+
+    def save(
+        self, step: int, json: dict[str, Any], weights: dict[str, Any] | None, wait: bool = True
+    ) -> bool:
+        reply = self.call("save_checkpoint", step, json, weights, wait)
+        self.trace.extend(reply.events)
+        self.replay = [(s, b) for s, b in self.replay if s > step]
+        self.saved.add(step)
+        return reply.saved
+
+    def restore(self, max_step: int, published: tuple[int, Any] | None = None) -> int:
+        if self.killed:
+            self.killed = False
+            self.group.restart()  # a group starts anew; one trainer Ray restarts
+        step = self._call_restarting("restore", max_step, published)
+        self.replay = [(s, b) for s, b in self.replay if s <= step]
+        self.saved.add(step)
+        return step
+
+    def close(self) -> None:
+        self.group.stop(timeout_s=60.0)
