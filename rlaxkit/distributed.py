@@ -20,8 +20,8 @@ from one process:
   ``numpy`` arrays, in every process (a collective: every process must call it).
 
 With one process every function still works (the mesh is the local devices), so the
-same code runs on a laptop; ``rlaxkit.runtime.ray_actors.TrainerActor`` uses this
-module for ``RayConfig.trainer_processes > 1``.
+same code runs on a laptop; the Ray placement's trainer processes
+(``rlaxkit.runtime.ray_trainer_group``) use it for ``RayConfig.trainer_processes > 1``.
 
 >>> import jax
 >>> mesh = global_mesh((1, -1, 1))            # every device on fsdp

@@ -124,7 +124,7 @@ class ConcurrentCollector:
                 collector was closed, the loop can never yield a batch, or too many
                 groups in a row were dropped.
         """
-        from rlaxkit.runtime.driver import check_drops, stalled
+        from rlaxkit.runtime.loop import check_drops, stalled
 
         if self.cond is None:
             self.exp, self.cond = exp, threading.Condition(exp.lock)

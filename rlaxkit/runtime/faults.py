@@ -36,14 +36,10 @@ saves (as in the simulator, a trainer preempted after step ``s`` loses step ``s`
 from __future__ import annotations
 
 import os
-from collections import Counter
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import jax
-import jax.numpy as jnp
-
 from rlaxkit.faults import Fault, FaultPlan
+from rlaxkit.runtime.faulty_store import UnreliableParameterServer
 
 if TYPE_CHECKING:
     from rlaxkit.config import RunConfig
@@ -53,121 +49,8 @@ __all__ = [
     "NO_FAULTS",
     "FaultInjector",
     "FaultState",
-    "ParameterServerUnavailable",
-    "UnreliableParameterServer",
     "load_plan",
 ]
-
-
-class ParameterServerUnavailable(ConnectionError):
-    """A pull failed; ``fault`` names the FaultPlan kind that caused it."""
-
-    def __init__(self, message: str, fault: str):
-        super().__init__(message)
-        self.fault = fault
-
-
-class UnreliableParameterServer:
-    """The run's parameter server with injectable outages, failing pulls and rollback.
-
-    Implements the ``ParameterServer`` protocol for the trainer; each worker talks to it
-    through ``view(worker_id)`` so that failures can target one worker.
-
-    Args:
-        make_store: builds an empty store (a new one starts each lineage).
-    """
-
-    def __init__(self, make_store: Callable[[], Any]):
-        self._make_store = make_store
-        self.store = make_store()
-        self.down_until: float | None = None
-        self.failing: Counter[str] = Counter()
-        self.pending: tuple[int, Any] | None = None
-        self.lineage = 0
-        self._known: int | None = None
-
-    # -- the trainer's side ---------------------------------------------------------
-    def push(self, version: int, params: Any) -> None:
-        """Publishes now, or when the store is back if it is down (newest wins)."""
-        if self.down_until is not None:
-            self.pending = (version, jax.tree.map(jnp.copy, params))
-            return
-        self.store.push(version, params)
-        self._known = version
-
-    def pull(self, min_version: int | None = None, timeout: float | None = None):
-        """Pulls from the store (raises ``ParameterServerUnavailable`` while it is down)."""
-        if self.down_until is not None:
-            raise ParameterServerUnavailable("the parameter server is down", "kill_param_server")
-        return self.store.pull(min_version, timeout)
-
-    def latest_version(self) -> int | None:
-        """The newest version published (while down: the last one anyone could see)."""
-        return self._known
-
-    # -- faults ---------------------------------------------------------------------
-    def kill(self, until_s: float) -> None:
-        """Unreachable until the fault clock reaches ``until_s``."""
-        self.down_until = max(self.down_until or 0.0, until_s)
-
-    def tick(self, now_s: float) -> bool:
-        """Brings the store back when its downtime is over; returns True if it did."""
-        if self.down_until is None or now_s < self.down_until:
-            return False
-        self.down_until = None
-        if self.pending is not None:
-            version, params = self.pending
-            self.pending = None
-            self.push(version, params)
-        return True
-
-    def rollback(self, version: int, params: Any) -> None:
-        """Starts a new lineage at ``version`` (the trainer restored an older checkpoint)."""
-        self.store = self._make_store()
-        self.store.push(version, params)
-        self._known, self.pending = version, None
-        self.lineage += 1
-
-    def view(self, worker_id: str) -> _WorkerView:
-        """The store as worker ``worker_id`` reaches it."""
-        return _WorkerView(self, worker_id)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Outage, failing pulls and lineage (weights are saved by the checkpoint)."""
-        return {
-            "down_until": self.down_until,
-            "failing": dict(self.failing),
-            "pending_version": None if self.pending is None else self.pending[0],
-            "lineage": self.lineage,
-        }
-
-    def load_state_dict(self, state: dict[str, Any], weights_for: Callable[[int], Any]) -> None:
-        self.down_until = state["down_until"]
-        self.failing = Counter(state["failing"])
-        pending = state["pending_version"]
-        self.pending = None if pending is None else (pending, weights_for(pending))
-        self.lineage = state["lineage"]
-
-
-class _WorkerView:
-    """One worker's connection to an ``UnreliableParameterServer``."""
-
-    def __init__(self, server: UnreliableParameterServer, worker_id: str):
-        self.server, self.worker_id = server, worker_id
-
-    def latest_version(self) -> int | None:
-        return self.server.latest_version()
-
-    def push(self, version: int, params: Any) -> None:
-        raise RuntimeError("workers do not push weights")
-
-    def pull(self, min_version: int | None = None, timeout: float | None = None):
-        failing = self.server.failing
-        key = self.worker_id if failing[self.worker_id] > 0 else "*"
-        if self.server.down_until is None and failing[key] > 0:
-            failing[key] -= 1
-            raise ParameterServerUnavailable("injected pull failure", "fail_pull")
-        return self.server.pull(min_version, timeout)
 
 
 class FaultState:

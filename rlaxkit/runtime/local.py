@@ -20,12 +20,15 @@ from rlaxkit.config import RunConfig
 from rlaxkit.param_server import InProcessParameterServer
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.concurrent import ConcurrentCollector
-from rlaxkit.runtime.faults import FaultInjector, NoFaults, UnreliableParameterServer
+from rlaxkit.runtime.faults import FaultInjector, NoFaults
+from rlaxkit.runtime.faulty_store import UnreliableParameterServer
 from rlaxkit.runtime.fleet import Fleet, InProcess
-from rlaxkit.runtime.hosts import TrainerHost, WeightStore, WorkerHost
+from rlaxkit.runtime.hosts import WeightStore
 from rlaxkit.runtime.placement import Parts
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
 from rlaxkit.runtime.trainer_client import InProcessTrainer, TrainerClient
+from rlaxkit.runtime.trainer_host import TrainerHost
+from rlaxkit.runtime.worker_host import WorkerHost
 from rlaxkit.tasks import RewardRunner
 
 

@@ -2,9 +2,9 @@
 
 ``start_ray`` starts (or joins, per ``RayConfig.address``) a Ray cluster and places the
 parts with the resources ``config.ray`` asks for: a ``TrainerGroup`` (one
-``TrainerActor``, or ``trainer_processes`` of them training one sharded model), a
+``TrainerHost`` actor, or ``trainer_processes`` of them training one sharded model), a
 ``ParameterServerActor`` over Ray's object store or a TensorStore directory, and a
-``RayFleet`` of worker actors. The driver (``rlaxkit.runtime.driver``) keeps the books,
+``Fleet`` of ``WorkerHost`` actors. The driver (``rlaxkit.runtime.driver``) keeps the books,
 so the accounting survives any actor's death.
 
 The hosts are those of the local placement (``rlaxkit.runtime.hosts``), in actors; the
@@ -38,11 +38,12 @@ from rlaxkit.runtime.books import RunBooks
 from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.fleet import Fleet
-from rlaxkit.runtime.hosts import WallClock, WeightStore, WorkerHost, driver_jax_options
+from rlaxkit.runtime.hosts import WallClock, WeightStore, driver_jax_options
 from rlaxkit.runtime.placement import Parts
 from rlaxkit.runtime.ray_trainer_group import TrainerGroup, remote, stop_actor
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
 from rlaxkit.runtime.trainer_client import TrainerClient
+from rlaxkit.runtime.worker_host import WorkerHost
 from rlaxkit.tasks import RewardRunner
 
 

@@ -52,7 +52,8 @@ from rlaxkit.api import PublishReply
 from rlaxkit.batch import TrainBatch
 from rlaxkit.ray_config import RayConfig
 from rlaxkit.runtime.build import warm_start
-from rlaxkit.runtime.hosts import TrainerHost, _configure_jax
+from rlaxkit.runtime.hosts import configure_jax
+from rlaxkit.runtime.trainer_host import TrainerHost
 
 
 @functools.cache
@@ -122,7 +123,7 @@ class TrainerProcessActor(TrainerHost):
         jax_options: dict[str, Any],
         process: TrainerProcess,
     ):
-        _configure_jax(jax_options)
+        configure_jax(jax_options)
         self.process = process
         self.pushes = process.process_id == 0
         self._arguments = (config, store, cache_dir, checkpoint_dir, clock)

@@ -9,7 +9,8 @@ from typing import Any
 from rlaxkit.api import TrainResult
 from rlaxkit.runtime.books import RunBooks
 from rlaxkit.runtime.common import RunTrace
-from rlaxkit.runtime.hosts import TrainerHost, TrainerRestartedError
+from rlaxkit.runtime.hosts import TrainerRestartedError
+from rlaxkit.runtime.trainer_host import TrainerHost
 
 _RECOVERY_WAIT_S = 120.0  # How long a restarting actor may take to answer again.
 

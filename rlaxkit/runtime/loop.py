@@ -1,0 +1,316 @@
+"""The loop of an RL run, written once for every placement (``Loop``; the run itself is
+``rlaxkit.runtime.driver.Experiment``).
+
+One round (``round``):
+
+1. faults of the plan that are due fire (only when a plan is given);
+2. every live worker pulls if its ``StalenessPolicy`` says it lags too far;
+3. the controller issues prompts in worker order while the policy admits more
+   (``accepted + running < (η + published + 1) · batch``; re-issued prompts are
+   already counted running and need no new room);
+4. every live worker starts its prompts and decodes one chunk; finished, scored
+   rollouts go to the buffer in worker order.
+
+When the buffer yields a batch (oldest first, stale groups dropped) the trainer steps,
+pushes per the ``WeightSyncPolicy`` and the run checkpoints per the
+``CheckpointPolicy``. In ``deterministic`` mode the order of everything is fixed, so a
+seed fixes every metric except wall-clock timings (``time/*``, ``throughput/*``), on
+either placement. The fault clock is logical there: ``rounds · runtime.round_s``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlaxkit.api import SyncReply, Work
+from rlaxkit.batch import collate
+from rlaxkit.buffer import RolloutBuffer
+from rlaxkit.config import RunConfig
+from rlaxkit.controller import Issue, PromptController
+from rlaxkit.metrics import MetricsLogger
+from rlaxkit.rollout import Rollout, RolloutGroup
+from rlaxkit.runtime.books import RunBooks, Window
+from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
+from rlaxkit.runtime.faults import NoFaults
+from rlaxkit.runtime.placement import Parts
+from rlaxkit.validation import is_int
+
+SYNC_ATTEMPTS = 10  # syncs per round before a worker is left to retry next round
+
+
+class Loop:
+    """The loop over a placement's parts; ``Experiment`` builds them and adds
+    checkpoints, results and teardown. Every attribute is set by ``Experiment``."""
+
+    config: RunConfig
+    run_dir: Path | None
+    lock: threading.RLock
+    trace: RunTrace
+    books: RunBooks
+    faults: NoFaults
+    parts: Parts
+    fleet: Any
+    trainer: Any
+    problems: list[Any]
+    controller: PromptController
+    buffer: RolloutBuffer
+    published: int
+    last_batch: dict[str, Any] | None
+    logger: MetricsLogger
+    window: Window
+    _t0: float
+
+    @property
+    def version(self) -> int:
+        """The trainer's weight version (train steps kept)."""
+        return self.books.version
+
+    def save_checkpoint(self, wait: bool = True) -> bool:
+        raise NotImplementedError
+
+    def clock(self) -> float:
+        """Wall seconds since this process started the run."""
+        return time.perf_counter() - self._t0
+
+    def fault_now(self) -> float:
+        """The fault clock: ``rounds · runtime.round_s`` (logical) in deterministic mode."""
+        return self.books.rounds * self.config.runtime.round_s
+
+    # -- the loop ----------------------------------------------------------------------
+    def issue(self, rooms: dict[str, int], published: int | None) -> dict[str, list[Work]]:
+        """Prompts per worker, in worker order, while the staleness policy admits more."""
+        policy, work = self.config.staleness, {}
+        for worker_id, free in rooms.items():
+            # Re-issued prompts are already counted in flight: they need no new room.
+            capacity = policy.capacity(self.buffer.accepted, self.buffer.in_flight, published or 0)
+            room = min(free, capacity + len(self.controller.reissue))
+            items = []
+            for issue in self.controller.next_issues(room) if room > 0 else []:
+                problem = self.problems[issue.problem_index]
+                if not self.buffer.is_in_flight(issue.group_id):  # else: a re-issue
+                    self.buffer.issue(issue.group_id, problem.id)
+                items.append(Work(issue, problem))
+            work[worker_id] = items
+        return work
+
+    def admit(self, rollouts: list[Rollout]) -> None:
+        """Books finished rollouts in the buffer (a drop is traced with its reason)."""
+        for rollout in rollouts:
+            reason = self.buffer.add(rollout, self.version)
+            self.window.samples += 1
+            if reason is not None:
+                self.drop_event(rollout.group_id, reason, rollout.first_version)
+
+    def drop_event(self, group_id: int, reason: str, version: int | None = None) -> None:
+        self.trace.record(self.clock(), "drop", "buffer", version, reason=reason, rollout=group_id)
+
+    def requeue(self, lost: list[Issue]) -> None:
+        """Prompts a worker lost go back to the controller (same ids and seeds)."""
+        for issue in lost:
+            self.buffer.reset_group(issue.group_id)
+        self.controller.requeue(lost)
+
+    def round(self) -> bool:
+        """One round over the fleet; returns whether anything moved. ``step`` repeats it
+        until a batch is ready; call it directly to stop mid-generation."""
+        now = self.fault_now()
+        self.faults.before_round(self, now)
+        published = self.ensure_published()
+        live = self.faults.live(self.fleet.worker_ids())
+        rooms = self.sync(live)
+        work = self.issue({w: reply.free for w, reply in rooms.items()}, published)
+        progressed = any(work.values())
+        chunked = self.faults.chunked(list(rooms), now)
+        replies = self.fleet.step(work, chunked)
+        self._requeue_dead()
+        for _, reply in replies:
+            progressed |= bool(reply.rollouts) or reply.busy
+            self.admit(list(reply.rollouts))
+        self.books.rounds += 1
+        return progressed
+
+    def sync(self, live: list[str]) -> dict[str, SyncReply]:
+        """Every live worker pulls if it must. A worker whose sync could not do what the
+        deterministic loop would (``SyncReply.retry``: weights lost with a dead trainer,
+        an empty store while the parameter server restarts) changed nothing: the trainer
+        publishes again and the worker syncs again, so the round stays the same."""
+        rooms = self.fleet.sync(live)
+        for _ in range(SYNC_ATTEMPTS):
+            retry = [w for w, reply in rooms.items() if reply.retry]
+            if not retry or self.faults.trainer_down():
+                break
+            if any(rooms[w].weights_lost for w in retry):
+                self.published = self.trainer.publish(self.version)  # heals a dead trainer
+            self.ensure_published()
+            rooms |= self.fleet.sync(retry)
+        self._requeue_dead()
+        return {w: rooms[w] for w in self.fleet.worker_ids() if w in rooms}
+
+    def _requeue_dead(self) -> None:
+        for worker_id, lost in self.fleet.take_lost():
+            self.requeue(lost)
+            self.trace.record(
+                self.clock(),
+                "preemption",
+                worker_id,
+                None,
+                reason="actor_died",
+                reissued=len(lost),
+            )
+
+    def ensure_published(self) -> int | None:
+        """The published version; has the trainer publish again if the store lost it
+        (a parameter server restarted empty)."""
+        latest = self.parts.store.latest_version()
+        if self.faults.trainer_down() or (latest is not None and latest >= self.published):
+            return latest
+        self.trace.record(self.clock(), "restart", "param_server", latest)
+        return self.trainer.publish(self.version)
+
+    def collect_batch(self) -> list[RolloutGroup]:
+        """Rounds until the buffer yields a batch for the trainer's version.
+
+        Raises:
+            RuntimeError: the loop stalled (nothing in flight, no batch), or too many
+                groups in a row were dropped.
+        """
+        if self.parts.collector is not None:  # concurrent mode: threads run the rounds
+            return self.parts.collector.collect(self)
+        idle_rounds, dropped_before = 0, len(self.buffer.dropped)
+        while True:
+            self.faults.restore_trainer_if_due(self)
+            if not self.faults.trainer_down():
+                batch = self.buffer.take_batch(self.version)
+                if batch is not None:
+                    return batch
+            progressed = self.round()
+            check_drops(self, dropped_before)
+            waiting = self.faults.waiting()
+            idle_rounds = 0 if progressed or waiting else idle_rounds + 1
+            if idle_rounds > 2:
+                raise stalled(self)
+
+    def step(self) -> dict[str, Any]:
+        """Runs until the trainer has taken one step; returns its metrics."""
+        t_start = self.clock()
+        groups = self.collect_batch()
+        t_gen = self.clock()
+        samples = [r for g in groups for r in g.rollouts]
+        batch = collate(samples, bucket=TRAIN_BUCKETS, pad_token_id=self.tokenizer.pad_id)
+        step = self.version + 1
+        due = self.faults.due_step(step)
+        push = self.config.weight_sync.should_push(step)
+        result = self.trainer.train(batch, step, push and not due)
+        self.books.record_step(groups, result.duration_s)
+        t_train = self.clock()
+        for fault in due:  # after the step, before its push or save
+            self.faults.apply(self, fault)
+        trainer_up = not self.faults.trainer_down()
+        if push and trainer_up:
+            self.published = self.trainer.publish(step) if due else step
+        if self.parts.collector is not None:
+            self.parts.collector.wake()  # more admission room, newer weights to pull
+        with self.lock:
+            metrics = {
+                **batch_metrics(step, groups, samples, self.buffer.counts(), result.metrics),
+                "time/generate_s": t_gen - t_start,
+                "time/train_s": t_train - t_gen,
+                **self.window.close(t_train, self.fleet.generated_tokens()),
+            }
+        self.trace.record(
+            self.clock(),
+            "train_step",
+            "trainer",
+            step,
+            step=step,
+            samples=len(samples),
+            # tokens: every real token the step processed (prompt + completion), as
+            # the simulator counts them; completion_tokens: the ones trained on.
+            tokens=int(np.asarray(batch.attention_mask).sum()),
+            completion_tokens=int(np.asarray(batch.loss_mask).sum()),
+            duration_s=result.duration_s,
+            staleness=[step - 1 - g.first_version for g in groups],
+        )
+        self.last_batch = {"groups": groups, "batch": batch, "metrics": metrics}
+        self.books.history.append(metrics)
+        self.logger.log(metrics)
+        if (workers := self.parts.schedule(step)) is not None:
+            self.scale_workers(workers)  # ray.worker_schedule: an elastic fleet
+        policy = self.config.checkpoint
+        if trainer_up and policy.should_save(
+            step, self.fault_now(), self.books.last_save_step, self.books.last_save_s
+        ):
+            self.save_checkpoint(wait=False)
+        return metrics
+
+    def run(self, steps: int | None = None) -> list[dict[str, Any]]:
+        """Steps until the version is ``steps`` more than now (default: until it reaches
+        ``config.steps``); returns every step's metrics. A trainer restore sets the
+        version back, so this may take more than ``steps`` steps."""
+        target = self.config.steps if steps is None else self.version + steps
+        out = []
+        while self.version < target:
+            out.append(self.step())
+        return out
+
+    def scale_workers(self, n: int) -> Any:
+        """Grows or shrinks the fleet to ``n`` workers now (a removed worker's prompts are
+        re-issued to the others); returns the newest worker (``None``: none left)."""
+        if not is_int(n) or n < 0:
+            raise ValueError(f"scale_workers: n must be an int >= 0, got {n!r}")
+        with self.lock:
+            for worker_id, lost in self.fleet.scale(n):
+                self.requeue(lost)
+                self.trace.record(
+                    self.clock(),
+                    "preemption",
+                    worker_id,
+                    None,
+                    reason="scaled_down",
+                    reissued=len(lost),
+                )
+        return self.workers[-1] if self.workers else None
+
+    def check_accounting(self) -> None:
+        """Asserts that every issued prompt is in flight, buffered, trained or dropped,
+        that no admitted group was lost, and (deterministic mode) that every prompt in
+        flight is held by exactly one worker or queued to be issued again."""
+        with self.lock:
+            self.buffer.check(self.controller.next_group_id)
+            if self.parts.collector is not None:
+                return  # worker threads finish prompts outside the lock: no snapshot
+            held = [g for groups in self.fleet.in_flight().values() for g in groups]
+            queued = [i.group_id for i in self.controller.reissue]
+            together = held + queued
+            if len(together) != len(set(together)) or len(together) != self.buffer.in_flight:
+                raise AssertionError(
+                    f"accounting broken: buffer has {self.buffer.in_flight} prompts in "
+                    f"flight, workers hold {sorted(held)[:10]}..., re-issue queue "
+                    f"{queued[:10]}"
+                )
+
+
+def check_drops(exp: Loop, dropped_before: int) -> None:
+    """Raises when more than 50 batches' worth of groups in a row were dropped."""
+    patience = 50 * exp.config.staleness.batch_size
+    if len(exp.buffer.dropped) - dropped_before > patience:
+        raise RuntimeError(
+            f"{patience} prompt groups in a row were dropped "
+            f"({exp.buffer.counts()['dropped_by_reason']}) without one batch: with "
+            "'filtered', the policy always or never solves the task; warm start longer "
+            "(sft.steps), pick an easier task, or lower η for 'stale'"
+        )
+
+
+def stalled(exp: Loop) -> RuntimeError:
+    """The error of a loop that can never yield a batch."""
+    return RuntimeError(
+        "the loop stalled: no prompt is in flight and no batch is ready "
+        f"(buffer {exp.buffer.counts()}); check staleness.batch_size against "
+        "runtime.num_workers * slots_per_worker / sampling.n"
+    )

@@ -1,0 +1,293 @@
+"""The trainer host: the train state and its jitted step, pushes and checkpoints, in
+this process or as a Ray actor (``rlaxkit.runtime.hosts``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from rlaxkit.api import PublishReply, SaveReply, TrainResult
+from rlaxkit.batch import TrainBatch
+from rlaxkit.checkpoint import CheckpointManager, restore_train_state, save_train_state
+from rlaxkit.config import RunConfig
+from rlaxkit.runtime.build import build_policy, build_task, train_config_for, warm_start
+from rlaxkit.runtime.hosts import TrainerRestartedError, WeightStore, configure_jax, drain
+from rlaxkit.trace import MemoryTrace, TraceEvent
+from rlaxkit.trainer import create_train_state, make_train_step
+
+
+class TrainerHost:
+    """The trainer: owns the train state, steps on batches, pushes, checkpoints.
+
+    The driver decides when to checkpoint (``CheckpointPolicy``) and calls
+    :meth:`save_checkpoint` with its own books, which go into the same Orbax step
+    directory as the train state (``rlaxkit.runtime.state``). After Ray restarts
+    the actor, the driver calls :meth:`restore` with the newest step it knows was
+    taken, replays the batches since with ``push=False`` and calls :meth:`publish`
+    with ``reset=True``; the trainer's state then equals the state it had before it
+    died (same batches, same jitted step). A resumed or rolled-back run calls
+    :meth:`restore` (with the checkpoint's published version), then :meth:`publish`.
+
+    Args:
+        config: the run configuration.
+        store: the parameter server.
+        cache_dir: where the warm start is cached (shared with the driver's host).
+        checkpoint_dir: where train-state checkpoints go (``None``: none; a restart then
+            replays from step 0).
+        clock: the run's clock (``WallClock`` in an actor).
+        jax_options: ``jax.config`` values to apply first.
+        trace: where events go (default: kept in memory and handed back with each
+            reply; in this process, the run's trace itself).
+    """
+
+    # A one-process trainer: no mesh, arrays on this process's default device, and
+    # this process pushes. ``TrainerProcessActor`` (``ray_trainer_group``) overrides
+    # these for one process of a multi-process trainer.
+    mesh: Any = None
+    pushes: bool = True  # This process talks to the parameter server.
+
+    def __init__(
+        self,
+        config: RunConfig,
+        store: WeightStore,
+        cache_dir: str | None,
+        checkpoint_dir: str | None,
+        clock: Any,
+        jax_options: dict[str, Any],
+        trace: Any = None,
+    ):
+        configure_jax(jax_options)
+        self._setup(config, store, cache_dir, checkpoint_dir, clock, trace)
+
+    def _setup(
+        self,
+        config: RunConfig,
+        store: WeightStore,
+        cache_dir: str | None,
+        checkpoint_dir: str | None,
+        clock: Any,
+        trace: Any = None,
+    ) -> None:
+        self.config, self.clock = config, clock
+        self.in_process = store.in_process
+        self.trace = trace or MemoryTrace()
+        self.task = task = build_task(config)
+        model, self.tokenizer = build_policy(config, task)
+        model, self.warm_start = self._warm_start(
+            config, task, model, self.tokenizer, Path(cache_dir) if cache_dir else None
+        )
+        graphdef, params = nnx.split(model)
+        self.graphdef = graphdef
+        train_config = train_config_for(config)
+        ref = params if train_config.algorithm.needs_reference else None
+        state = create_train_state(train_config, params, seed=config.seed, ref_params=ref)
+        self.state = self._place_state(state)
+        # In this process the step keeps its parameters (it donates every other buffer),
+        # so the in-process store holds each pushed version without a copy.
+        self.train_step = make_train_step(
+            train_config, graphdef, mesh=self.mesh, keep_params=self.in_process
+        )
+        self.store_kind = store.kind
+        self.param_server = store.connect(on_event=self._on_transfer) if self.pushes else None
+        self.checkpoints = None
+        if checkpoint_dir is not None:
+            self.checkpoints = CheckpointManager(
+                checkpoint_dir, max_to_keep=config.checkpoint.keep, async_save=self.in_process
+            )
+        # (version, host params) to publish when the store lacks the newest version.
+        self._to_publish: tuple[int, Any] | None = (0, self._publishable(self.state.params))
+
+    # -- where arrays live (overridden by a multi-process trainer) -------------------
+    def _warm_start(self, config, task, model, tokenizer, cache_dir):
+        return warm_start(config, task, model, tokenizer, cache_dir)
+
+    def _place_state(self, state: Any) -> Any:
+        # Committed to the device like a state restored by Orbax, so that a restore
+        # does not recompile the train step (committed arrays key another program).
+        return jax.device_put(state, jax.devices()[0])
+
+    def _place_batch(self, batch: TrainBatch) -> TrainBatch:
+        return batch
+
+    def _host(self, tree: Any) -> Any:
+        """Full host copies of ``tree`` (a collective with several processes)."""
+        return jax.device_get(tree)
+
+    def _for_push(self, params: Any) -> Any:
+        """What ``push`` is given: device arrays here (the store copies them)."""
+        return params
+
+    def _publishable(self, params: Any) -> Any:
+        """What :meth:`publish` may push later: a host copy, or in this process the
+        kept parameters themselves."""
+        return params if self.in_process else self._host(params)
+
+    def _on_transfer(self, kind: str, version: int, **fields: Any) -> None:
+        if kind == "push":
+            self.trace.record(self.clock(), "push", "trainer", version, **fields)
+
+    def _drain(self) -> list[TraceEvent]:
+        return drain(self.trace)
+
+    @property
+    def version(self) -> int:
+        return int(self.state.step)
+
+    def _expect(self, step: int) -> None:
+        if self.version != step:
+            raise TrainerRestartedError(
+                f"the trainer is at step {self.version}, the driver at step {step}: restore it"
+            )
+
+    # -- checkpoints -----------------------------------------------------------------
+    def _save(self, json: dict[str, Any] | None, weights: dict[str, Any] | None, wait: bool) -> int:
+        start = self.clock()
+        # Numpy leaves (the weights) are written by process 0 alone; every process
+        # writes its shards of the train state. One Orbax step: all items or none.
+        pytrees = {"weights": weights} if weights else None
+        save_train_state(self.checkpoints, self.state, json=json, pytrees=pytrees, force=True)
+        if wait:
+            self.checkpoints.wait()
+        self.trace.record(
+            self.clock(),
+            "checkpoint_save",
+            "trainer",
+            self.version,
+            step=self.version,
+            duration_s=self.clock() - start,
+        )
+        return self.version
+
+    def restore(self, max_step: int, published: tuple[int, Any] | None = None) -> int:
+        """Loads the newest checkpoint at or below ``max_step`` (the fresh step-0 state
+        when there is none); returns its step.
+
+        Args:
+            max_step: the newest step the driver knows was taken.
+            published: ``(version, host params)`` that :meth:`publish` pushes next, when
+                that is not the restored step's own (a resumed run whose newest
+                published version is older than its checkpoint: pushes every ``k``
+                steps); ``None``: the restored state's params.
+        """
+        if self.checkpoints:
+            self.checkpoints.wait()  # a save still being written in the background
+        steps = [
+            s for s in (self.checkpoints.all_steps() if self.checkpoints else ()) if s <= max_step
+        ]
+        if steps:
+            start = self.clock()
+            self.state = restore_train_state(self.checkpoints, self.state, step=max(steps))
+            self.trace.record(
+                self.clock(),
+                "checkpoint_restore",
+                "trainer",
+                self.version,
+                step=self.version,
+                duration_s=self.clock() - start,
+            )
+        if published is not None and published[0] != self.version:
+            self._to_publish = published if self.pushes else None
+        else:
+            self._to_publish = (self.version, self._publishable(self.state.params))
+        return self.version
+
+    # -- training --------------------------------------------------------------------
+    def train(self, batch: TrainBatch, step: int, push: bool = True) -> TrainResult:
+        """One train step; pushes per the weight-sync policy (the driver checkpoints).
+
+        Args:
+            batch: the collated batch.
+            step: the step this is (the state must be at ``step - 1``).
+            push: ``False`` while replaying after a restart (the store already has, or
+                will be given by :meth:`publish`, the versions these steps made).
+
+        Raises:
+            TrainerRestartedError: the state is not at ``step - 1``.
+        """
+        self._expect(step - 1)
+        start = time.perf_counter()
+        self.state, metrics = self.train_step(self.state, self._place_batch(batch))
+        metrics = {k: float(v) for k, v in self._host(metrics).items()}
+        duration_s = time.perf_counter() - start
+        if self.config.weight_sync.should_push(self.version):
+            if push:
+                params = self._for_push(self.state.params)
+                if self.pushes:
+                    self.param_server.push(self.version, params)
+                self._to_publish = None
+            else:
+                self._to_publish = (self.version, self._publishable(self.state.params))
+        return TrainResult(metrics, duration_s, self._drain())
+
+    def publish(self, step: int, reset: bool = False) -> PublishReply:
+        """Makes sure the store holds this trainer's newest published version.
+
+        After the parameter server restarted empty, registers the retained object again
+        (no new copy). After this trainer restarted or restored (``reset``), pushes the
+        newest version it should have published, forgetting references that died with
+        it. Replies with what the store now holds.
+
+        Raises:
+            TrainerRestartedError: the state is not at ``step``.
+        """
+        self._expect(step)
+        store = self.param_server
+        latest = store.latest_version()
+        if self._to_publish is not None and (
+            reset or latest is None or latest < self._to_publish[0]
+        ):
+            version, params = self._to_publish
+            if self.store_kind == "object_store":
+                store.push(version, params, reset=reset)
+            elif self.store_kind == "inprocess" and reset and hasattr(store, "rollback"):
+                store.rollback(version, params)  # a fault plan's store: a new lineage
+            elif latest is None or latest < version:
+                store.push(version, params)
+            self._to_publish = None
+        elif self.store_kind == "object_store" and (latest is None or reset):
+            store.republish()
+        return PublishReply(store.latest_version(), self._drain())
+
+    def warm_start_info(self) -> dict[str, Any]:
+        """What the warm start did: ``cached``, ``steps`` (and ``final_loss`` or
+        ``path``), as ``rlaxkit.runtime.build.warm_start`` reports it."""
+        return self.warm_start
+
+    def save_checkpoint(
+        self,
+        step: int,
+        json: dict[str, Any] | None = None,
+        weights: dict[str, Any] | None = None,
+        wait: bool = True,
+    ) -> SaveReply:
+        """Saves the state as checkpoint ``step`` with the driver's items, unless that
+        checkpoint exists.
+
+        Args:
+            step: the step the state must be at.
+            json: JSON items (name -> value) saved with the train state.
+            weights: the ``weights`` item (``{"v<N>": host params}``), or ``None``.
+            wait: block until it is written (in this process saves go on in the
+                background otherwise; an actor always waits).
+
+        Raises:
+            TrainerRestartedError: the state is not at ``step``.
+        """
+        self._expect(step)
+        saved = self.checkpoints is not None and step not in self.checkpoints.all_steps()
+        if saved:
+            self._save(json, weights, wait or not self.in_process)
+        return SaveReply(saved, self._drain())
+
+    def host_params(self, step: int) -> Any:
+        """The params at ``step`` for the driver (a host copy from an actor)."""
+        self._expect(step)
+        return self.state.params if self.in_process else self._host(self.state.params)
+
+    def close(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.close()
