@@ -10,6 +10,7 @@ import hashlib
 import json
 import string
 from pathlib import Path
+from typing import Any
 
 from flax import nnx
 
@@ -74,7 +75,7 @@ def warm_start(
     model: Transformer,
     tokenizer: Tokenizer,
     cache_dir: Path | None,
-    on_step=None,
+    on_step: Any = None,
 ) -> tuple[Transformer, dict]:
     """Supervised warm start on the task's demonstrations, cached in ``cache_dir``.
 

@@ -73,7 +73,9 @@ class RunTrace:
         self.offset_s = 0.0
         self.lock = lock or threading.RLock()
 
-    def record(self, t, kind, actor, version=None, **fields) -> None:
+    def record(
+        self, t: float, kind: str, actor: str, version: int | None = None, **fields: Any
+    ) -> None:
         """Validates and records one event at time ``t + offset_s``."""
         self.emit(TraceEvent(t + self.offset_s, kind, actor, version, fields))
 

@@ -40,13 +40,15 @@ hanging. An exception in a worker thread stops all threads and is raised by ``co
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from rlaxkit.rollout import RolloutGroup
 
 if TYPE_CHECKING:
     from rlaxkit.config import RunConfig
     from rlaxkit.runtime.driver import Experiment
+    from rlaxkit.tasks import RewardRunner
     from rlaxkit.worker import InferenceWorker
 
 __all__ = ["ConcurrentCollector", "check_supported"]
@@ -85,7 +87,7 @@ class _LockedScorer:
 class _Thread:
     """One worker's thread and the flags the collector reads under the lock."""
 
-    def __init__(self, worker: InferenceWorker, target):
+    def __init__(self, worker: InferenceWorker, target: Callable[[_Thread], None]):
         self.worker = worker
         self.idle = False  # waiting for a change; cleared by ``wake``
         self.thread = threading.Thread(
@@ -111,7 +113,7 @@ class ConcurrentCollector:
         self._stopping = False
         locked = _LockedScorer(scorer)
         for worker in workers:
-            worker.scorer = locked
+            worker.scorer = cast("RewardRunner", locked)  # the same score() interface
         self.threads = [_Thread(w, self._loop) for w in workers]
         self._started = False
 

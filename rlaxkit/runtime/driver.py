@@ -90,7 +90,7 @@ class Experiment(Loop):
         trace_path = self.run_dir / "trace.jsonl" if self.run_dir else None
         # A resumed run cuts its files back to the checkpoint: it takes the steps after it
         # again, and the stopped run's events of those steps would count twice.
-        resumed = codec.continue_files(self.run_dir, point) if point else None
+        resumed = codec.continue_files(self.run_dir, point) if point and self.run_dir else None
         self._t0 = time.perf_counter()
         self.lock = threading.RLock()  # concurrent mode's worker threads take it
         self.trace = RunTrace(trace_path, resumed["events"] if resumed else 0, self.lock)
@@ -337,5 +337,5 @@ class Experiment(Loop):
     def __enter__(self) -> Experiment:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

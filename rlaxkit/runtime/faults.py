@@ -43,7 +43,7 @@ from rlaxkit.runtime.faulty_store import UnreliableParameterServer
 
 if TYPE_CHECKING:
     from rlaxkit.config import RunConfig
-    from rlaxkit.runtime.driver import Experiment
+    from rlaxkit.runtime.loop import Loop as Experiment
 
 __all__ = [
     "NO_FAULTS",
@@ -114,6 +114,7 @@ class FaultState:
 
     def targets(self, fault: Fault) -> list[str]:
         """Worker names a worker or slice fault applies to."""
+        assert fault.target is not None  # checked when the plan was loaded
         return self.slices[fault.target] if fault.kind == "preempt_slice" else [fault.target]
 
     def takes_chunk(self, worker_id: str, now_s: float) -> bool:
@@ -336,6 +337,8 @@ class FaultInjector(NoFaults):
             else:
                 exp.parts.kill_store()
         elif fault.kind == "slow_worker":
+            # FaultPlan requires all three of a slow_worker fault.
+            assert fault.target and fault.factor and fault.duration_s is not None
             self.state.slow[fault.target] = [fault.factor, now + fault.duration_s, 0.0]
         elif fault.kind == "fail_pull":
             assert self.store is not None  # refused on Ray before the run starts

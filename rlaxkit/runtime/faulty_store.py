@@ -50,7 +50,7 @@ class UnreliableParameterServer:
         self.store.push(version, params)
         self._known = version
 
-    def pull(self, min_version: int | None = None, timeout: float | None = None):
+    def pull(self, min_version: int | None = None, timeout: float | None = None) -> Any:
         """Pulls from the store (raises ``ParameterServerUnavailable`` while it is down)."""
         if self.down_until is not None:
             raise ParameterServerUnavailable("the parameter server is down", "kill_param_server")
@@ -116,7 +116,7 @@ class _WorkerView:
     def push(self, version: int, params: Any) -> None:
         raise RuntimeError("workers do not push weights")
 
-    def pull(self, min_version: int | None = None, timeout: float | None = None):
+    def pull(self, min_version: int | None = None, timeout: float | None = None) -> Any:
         failing = self.server.failing
         key = self.worker_id if failing[self.worker_id] > 0 else "*"
         if self.server.down_until is None and failing[key] > 0:

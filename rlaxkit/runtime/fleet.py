@@ -115,7 +115,7 @@ class Fleet:
         self.trace, self.clock = trace, clock
         self.replace_dead, self.max_replacements = replace_dead, max_replacements
         self.workers: list[WorkerSlot] = []
-        self.books = {
+        self.books: dict[str, Any] = {
             "next_worker": 0,
             "replacements": 0,
             "retired_tokens": 0,

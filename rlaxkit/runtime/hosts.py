@@ -107,7 +107,7 @@ class WeightStore:
     def in_process(self) -> bool:
         return self.kind == "inprocess"
 
-    def connect(self, on_event=None, pull_timeout_s: float | None = None) -> ParameterServer:
+    def connect(self, on_event: Any = None, pull_timeout_s: float | None = None) -> ParameterServer:
         """A client of this store for the calling process; ``pull_timeout_s`` bounds a
         pull that gives no timeout of its own (object store only)."""
         if self.kind == "inprocess":
@@ -117,12 +117,12 @@ class WeightStore:
 
             from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer
 
-            actor = ray.get_actor(self.actor_name)
+            actor = ray.get_actor(str(self.actor_name))
             return RayObjectStoreParameterServer(
                 actor, on_event=on_event, default_timeout_s=pull_timeout_s
             )
         return TensorStoreParameterServer(
-            self.directory,
+            str(self.directory),
             keep=self.keep,
             template=self.template,
             durable=self.durable,

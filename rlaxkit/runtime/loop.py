@@ -201,7 +201,7 @@ class Loop:
         groups = self.collect_batch()
         t_gen = self.clock()
         samples = [r for g in groups for r in g.rollouts]
-        batch = collate(samples, bucket=TRAIN_BUCKETS, pad_token_id=self.tokenizer.pad_id)
+        batch = collate(samples, bucket=TRAIN_BUCKETS, pad_token_id=self.parts.tokenizer.pad_id)
         step = self.version + 1
         due = self.faults.due_step(step)
         push = self.config.weight_sync.should_push(step)
@@ -274,7 +274,7 @@ class Loop:
                     reason="scaled_down",
                     reissued=len(lost),
                 )
-        return self.workers[-1] if self.workers else None
+        return self.fleet.workers[-1] if self.fleet.workers else None
 
     def check_accounting(self) -> None:
         """Asserts that every issued prompt is in flight, buffered, trained or dropped,

@@ -118,7 +118,7 @@ def start_ray(
     if not ray.is_initialized():
         # A cluster this run starts frees evicted weight versions at once, so pushes
         # reuse warm shared memory (see rlaxkit.param_server.ray_store).
-        system = {} if rc.address else {"_system_config": RAY_SYSTEM_CONFIG}
+        system: dict[str, Any] = {} if rc.address else {"_system_config": RAY_SYSTEM_CONFIG}
         ray.init(address=rc.address, include_dashboard=False, **system)
         parts.teardown.append(ray.shutdown)
     try:
@@ -129,7 +129,17 @@ def start_ray(
     return parts
 
 
-def _place(parts, config, rc, trace, clock, books, run_dir, cache_dir, worker_ids) -> None:
+def _place(
+    parts: Parts,
+    config: RunConfig,
+    rc: RayConfig,
+    trace: RunTrace,
+    clock: Callable[[], float],
+    books: RunBooks,
+    run_dir: Path | None,
+    cache_dir: Path | None,
+    worker_ids: list[str] | None,
+) -> None:
     model, parts.tokenizer = build_policy(config, parts.task)
     parts.graphdef, params = nnx.split(model)
     del model

@@ -115,8 +115,8 @@ class TrainerProcessActor(TrainerHost):
 
     def __init__(
         self,
-        config,
-        store,
+        config: Any,
+        store: Any,
         cache_dir: str | None,
         checkpoint_dir: str | None,
         clock: Any,
@@ -213,7 +213,7 @@ class TrainerGroup:
         self.restarts = 0  # group restarts (one trainer: Ray's restarts, not counted here)
         self.handles: list[Any] = []
         self.joined: list[dict[str, Any]] = []  # each process's ``join`` reply
-        self._placement = None
+        self._placement: Any = None
         self._joining: list[Any] = []
         self._start()
 
@@ -258,8 +258,10 @@ class TrainerGroup:
         }
         if not bundle:  # nothing requested: nothing to place
             return [{} for _ in range(self.size)]
-        self._placement = placement_group([bundle] * self.size, strategy=rc.trainer_placement)
-        ready, _ = ray.wait([self._placement.ready()], timeout=_PLACEMENT_WAIT_S)
+        group = self._placement = placement_group(
+            [bundle] * self.size, strategy=rc.trainer_placement
+        )
+        ready, _ = ray.wait([group.ready()], timeout=_PLACEMENT_WAIT_S)
         if not ready:
             remove_placement_group(self._placement)
             self._placement = None
@@ -272,7 +274,7 @@ class TrainerGroup:
         return [
             {
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    self._placement, placement_group_bundle_index=rank
+                    group, placement_group_bundle_index=rank
                 )
             }
             for rank in range(self.size)
@@ -284,7 +286,8 @@ class TrainerGroup:
         the first error is raised (``RayActorError`` if a process died)."""
         index = {ref: i for i, ref in enumerate(refs)}
         replies: dict[int, Any] = {}
-        pending, error, died = list(refs), None, False
+        pending, died = list(refs), False
+        error: BaseException | None = None
         while pending:
             done, pending = ray.wait(
                 pending, num_returns=1, timeout=None if error is None else _GRACE_S

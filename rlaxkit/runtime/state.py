@@ -218,6 +218,8 @@ def find_resume_point(
         return None
     directory = checkpoint_dir(run_dir)
     steps: tuple[int, ...] = ()
+    meta: dict[str, Any] = {}
+    items: dict[str, Any] = {}
     if directory.is_dir():
         with CheckpointManager(directory, async_save=False) as manager:
             steps = manager.all_steps()

@@ -67,7 +67,7 @@ class TrainerClient:
     ):
         self.group, self.max_restarts = group, max_restarts
         self.heals = bool(died)  # a trainer in this process does not die on its own
-        self.died = (*died, TrainerRestartedError)
+        self.died: tuple[type[BaseException], ...] = (*died, TrainerRestartedError)
         self.trace, self.books, self.clock = trace, books, clock
         self.replay: list[tuple[int, Any]] = []  # (step, batch) since the last checkpoint
         self.saved: set[int] = set()

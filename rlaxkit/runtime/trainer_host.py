@@ -149,6 +149,7 @@ class TrainerHost:
         # Numpy leaves (the weights) are written by process 0 alone; every process
         # writes its shards of the train state. One Orbax step: all items or none.
         pytrees = {"weights": weights} if weights else None
+        assert self.checkpoints is not None  # save_checkpoint checks it
         save_train_state(self.checkpoints, self.state, json=json, pytrees=pytrees, force=True)
         if wait:
             self.checkpoints.wait()
@@ -178,7 +179,7 @@ class TrainerHost:
         steps = [
             s for s in (self.checkpoints.all_steps() if self.checkpoints else ()) if s <= max_step
         ]
-        if steps:
+        if steps and self.checkpoints:
             start = self.clock()
             self.state = restore_train_state(self.checkpoints, self.state, step=max(steps))
             self.trace.record(
@@ -210,13 +211,13 @@ class TrainerHost:
         """
         self._expect(step - 1)
         start = time.perf_counter()
-        self.state, metrics = self.train_step(self.state, self._place_batch(batch))
-        metrics = {k: float(v) for k, v in self._host(metrics).items()}
+        self.state, step_metrics = self.train_step(self.state, self._place_batch(batch))
+        metrics = {k: float(v) for k, v in self._host(step_metrics).items()}
         duration_s = time.perf_counter() - start
         if self.config.weight_sync.should_push(self.version):
             if push:
                 params = self._for_push(self.state.params)
-                if self.pushes:
+                if self.param_server is not None:  # process 0 of a trainer group pushes
                     self.param_server.push(self.version, params)
                 self._to_publish = None
             else:
@@ -235,7 +236,7 @@ class TrainerHost:
             TrainerRestartedError: the state is not at ``step``.
         """
         self._expect(step)
-        store = self.param_server
+        store: Any = self.param_server  # object-store pushes take reset= and republish
         latest = store.latest_version()
         if self._to_publish is not None and (
             reset or latest is None or latest < self._to_publish[0]

@@ -42,7 +42,7 @@ class _Observed:
         self.seen = self.server.latest_version()
         return self.seen
 
-    def pull(self, min_version: int | None = None, timeout: float | None = None):
+    def pull(self, min_version: int | None = None, timeout: float | None = None) -> Any:
         return self.server.pull(min_version, timeout)
 
     def push(self, version: int, params: Any) -> None:
@@ -96,7 +96,7 @@ class WorkerHost:
         if hasattr(server, "view"):  # a fault plan's store: failing pulls per worker
             server = server.view(worker_id)
         self.store = _Observed(server)
-        self._decoding, self._complete = False, []
+        self._decoding, self._complete = False, list[Any]()
         self.worker = InferenceWorker(
             worker_id,
             graphdef,
