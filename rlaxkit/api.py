@@ -13,7 +13,7 @@ same way to a Ray actor as they pass in-process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -131,13 +131,16 @@ class FleetCheckpoint:
 
 
 class Fleet(Protocol):
-    """The inference workers, as the driver sees them.
+    """The inference workers, as the driver sees them (``rlaxkit.runtime.fleet.Fleet``
+    over an in-process or a Ray transport).
 
     A round is ``sync`` then ``step``: every live worker pulls if it must and reports its
-    room; the driver issues prompts in worker order; every live worker starts its prompts
-    and decodes one chunk; replies come back in worker order. Workers may run in
+    room; the driver issues prompts in worker order; every live worker starts its
+    prompts and decodes one chunk; replies come back in worker order. Workers may run in
     parallel within a phase, but each one's inputs are those of the deterministic loop.
     """
+
+    workers: list[Any]
 
     def worker_ids(self) -> list[str]:
         """The workers in the fleet, in order."""
@@ -145,8 +148,7 @@ class Fleet(Protocol):
 
     def sync(self, live: Sequence[str]) -> dict[str, SyncReply]:
         """Workers in ``live`` pull if their policy says so; replies of those that
-        answered (a dead one is dropped from the fleet and its prompts returned by
-        :meth:`take_lost`)."""
+        answered (a dead one leaves the fleet; its prompts wait in :meth:`take_lost`)."""
         ...
 
     def step(
@@ -156,51 +158,80 @@ class Fleet(Protocol):
         ...
 
     def preempt(self, worker_id: str) -> list[Issue]:
-        """Takes a worker's engine, weights and in-flight prompts away (really: on Ray its
-        process is killed); returns the prompts, which the driver re-issues."""
+        """Discards a worker's host (on Ray: kills its actor); returns its prompts, which
+        the driver re-issues."""
+        ...
+
+    def restart(self, worker_id: str) -> None:
+        """A new, empty host for a preempted worker."""
         ...
 
     def take_lost(self) -> list[tuple[str, list[Issue]]]:
         """Workers that died since the last call, with the prompts they held."""
         ...
 
+    def scale(self, n: int) -> list[tuple[str, list[Issue]]]:
+        """Grows or shrinks the fleet to ``n``; returns the removed workers' prompts."""
+        ...
+
+    def versions(self) -> dict[str, int | None]: ...
+
+    def in_flight(self) -> dict[str, list[int]]: ...
+
     def generated_tokens(self) -> int: ...
 
     def failed_pulls(self) -> int: ...
 
-    def checkpoint(self, skip_version: int) -> FleetCheckpoint:
-        """Replay logs and the weights they need (``skip_version``'s excepted: the
-        train state's own)."""
+    def reward_counters(self) -> dict[str, int]: ...
+
+    def replacements(self) -> int: ...
+
+    def checkpoint(self) -> FleetCheckpoint:
+        """Every worker's replay log and the weights those logs need."""
         ...
 
     def restore(
         self,
-        saved: FleetCheckpoint,
-        work_for: Any,
-    ) -> list[TraceEvent]:
-        """Rebuilds every worker from its replay log (``work_for(group_id) -> Work``)."""
+        workers: list[dict[str, Any]],
+        books: dict[str, Any],
+        weights_for: Callable[[int], Any],
+        work_for: Callable[[int], Work],
+    ) -> None:
+        """Rebuilds every saved worker by replaying its log."""
         ...
 
     def close(self) -> None: ...
 
 
 class TrainerClient(Protocol):
-    """The trainer, as the driver sees it: one process or a group of them."""
+    """The trainer, as the driver sees it (``rlaxkit.runtime.trainer_client``): one host in
+    this process, one actor, or a group of trainer processes."""
 
-    def train(self, batch: Any, step: int) -> TrainResult:
-        """Takes train step ``step`` (the state is at ``step - 1``) and pushes per the
-        weight-sync policy."""
+    def train(self, batch: Any, step: int, push: bool) -> TrainResult:
+        """Takes train step ``step`` (the state is at ``step - 1``); pushes per the
+        weight-sync policy when ``push``, else holds the version for :meth:`publish`."""
         ...
 
-    def publish(self, step: int) -> PublishReply:
-        """Makes sure the store holds the trainer's newest published version."""
+    def publish(self, step: int, reset: bool = False) -> int | None:
+        """Makes sure the store holds the trainer's newest published version (``reset``:
+        after a restore); returns the version the store holds."""
         ...
 
     def host_params(self, step: int) -> Any:
         """The params at ``step`` (for evaluation and checkpoints)."""
         ...
 
-    def save(self, step: int, json: dict[str, Any], weights: dict[str, Any] | None) -> SaveReply:
+    def kill(self) -> None:
+        """A preemption: the state is void until :meth:`restore`."""
+        ...
+
+    def saved_steps(self) -> Any:
+        """The steps checkpointed so far (a container of ints)."""
+        ...
+
+    def save(
+        self, step: int, json: dict[str, Any], weights: dict[str, Any] | None, wait: bool = True
+    ) -> bool:
         """Saves checkpoint ``step``: the train state with the driver's items."""
         ...
 

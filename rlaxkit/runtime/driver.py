@@ -136,7 +136,7 @@ class Experiment(Loop):
                 )
                 self._resume(point)
             else:
-                self.published = self.trainer.publish(0)
+                self.note_published(self.trainer.publish(0))
                 if self.run_dir and (
                     config.checkpoint.every_steps or config.checkpoint.every_s or len(plan)
                 ):
@@ -234,7 +234,7 @@ class Experiment(Loop):
         self.books.load_state_dict(meta, items["history"], items["extra"])
         self.controller.load_state_dict(items["controller"])
         self.buffer.load_state_dict(items["buffer"])
-        self.published = self.trainer.publish(step, reset=True)
+        self.note_published(self.trainer.publish(step, reset=True))
         self.faults.load_state_dict(items["faults"], weights)
 
         def weights_for(version: int) -> Any:

@@ -370,7 +370,7 @@ class FaultInjector(NoFaults):
         self.state.trainer_down_until = None
         for group_id in exp.buffer.rollback(restored, lost_groups):
             exp.drop_event(group_id, "rolled_back")
-        exp.published = exp.trainer.publish(restored, reset=True)
+        exp.note_published(exp.trainer.publish(restored, reset=True))
         for worker_id, version in exp.fleet.versions().items():
             if version is not None and version > restored:  # weights of a void branch
                 exp.requeue(exp.fleet.preempt(worker_id))

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from rlaxkit.api import SyncReply, Work
+from rlaxkit.api import Fleet, SyncReply, TrainerClient, Work
 from rlaxkit.batch import collate
 from rlaxkit.buffer import RolloutBuffer
 from rlaxkit.config import RunConfig
@@ -54,8 +54,8 @@ class Loop:
     books: RunBooks
     faults: NoFaults
     parts: Parts
-    fleet: Any
-    trainer: Any
+    fleet: Fleet
+    trainer: TrainerClient
     problems: list[Any]
     controller: PromptController
     buffer: RolloutBuffer
@@ -145,7 +145,7 @@ class Loop:
             if not retry or self.faults.trainer_down():
                 break
             if any(rooms[w].weights_lost for w in retry):
-                self.published = self.trainer.publish(self.version)  # heals a dead trainer
+                self.note_published(self.trainer.publish(self.version))  # heals a dead trainer
             self.ensure_published()
             rooms |= self.fleet.sync(retry)
         self._requeue_dead()
@@ -163,6 +163,12 @@ class Loop:
                 reissued=len(lost),
             )
 
+    def note_published(self, version: int | None) -> None:
+        """The store holds ``version`` now (``None``: nothing yet; the next round's
+        :meth:`ensure_published` publishes again)."""
+        if version is not None:
+            self.published = version
+
     def ensure_published(self) -> int | None:
         """The published version; has the trainer publish again if the store lost it
         (a parameter server restarted empty)."""
@@ -170,7 +176,9 @@ class Loop:
         if self.faults.trainer_down() or (latest is not None and latest >= self.published):
             return latest
         self.trace.record(self.clock(), "restart", "param_server", latest)
-        return self.trainer.publish(self.version)
+        version = self.trainer.publish(self.version)
+        self.note_published(version)
+        return version
 
     def collect_batch(self) -> list[RolloutGroup]:
         """Rounds until the buffer yields a batch for the trainer's version.
@@ -212,7 +220,7 @@ class Loop:
             self.faults.apply(self, fault)
         trainer_up = not self.faults.trainer_down()
         if push and trainer_up:
-            self.published = self.trainer.publish(step) if due else step
+            self.note_published(self.trainer.publish(step) if due else step)
         if self.parts.collector is not None:
             self.parts.collector.wake()  # more admission room, newer weights to pull
         with self.lock:
