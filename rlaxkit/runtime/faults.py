@@ -349,12 +349,8 @@ class FaultInjector(NoFaults):
     def preempt_worker(self, exp: Experiment, worker_id: str, down_s: float) -> None:
         """Takes a worker down for ``down_s`` fault-clock seconds; its in-flight prompts
         are re-issued (same ids and seeds) to whichever worker has room."""
-        lost = exp.fleet.preempt(worker_id)
-        exp.requeue(lost)
         self.state.worker_down[worker_id] = exp.fault_now() + down_s
-        exp.trace.record(
-            exp.clock(), "preemption", worker_id, None, reissued=len(lost), down_s=down_s
-        )
+        exp.lose_worker(worker_id, exp.fleet.preempt(worker_id), down_s=down_s)
 
     def restore_trainer_if_due(self, exp: Experiment) -> None:
         """After its downtime the trainer restores its last checkpoint: the steps since

@@ -153,15 +153,13 @@ class Loop:
 
     def _requeue_dead(self) -> None:
         for worker_id, lost in self.fleet.take_lost():
-            self.requeue(lost)
-            self.trace.record(
-                self.clock(),
-                "preemption",
-                worker_id,
-                None,
-                reason="actor_died",
-                reissued=len(lost),
-            )
+            self.lose_worker(worker_id, lost, reason="actor_died")
+
+    def lose_worker(self, worker_id: str, lost: list[Issue], **fields: Any) -> None:
+        """A worker left the fleet or went down: its prompts are re-issued, and the
+        trace records a ``preemption`` with ``fields`` (its reason, downtime)."""
+        self.requeue(lost)
+        self.trace.record(self.clock(), "preemption", worker_id, None, reissued=len(lost), **fields)
 
     def note_published(self, version: int | None) -> None:
         """The store holds ``version`` now (``None``: nothing yet; the next round's
@@ -273,15 +271,7 @@ class Loop:
             raise ValueError(f"scale_workers: n must be an int >= 0, got {n!r}")
         with self.lock:
             for worker_id, lost in self.fleet.scale(n):
-                self.requeue(lost)
-                self.trace.record(
-                    self.clock(),
-                    "preemption",
-                    worker_id,
-                    None,
-                    reason="scaled_down",
-                    reissued=len(lost),
-                )
+                self.lose_worker(worker_id, lost, reason="scaled_down")
         return self.fleet.workers[-1] if self.fleet.workers else None
 
     def check_accounting(self) -> None:
