@@ -7,7 +7,8 @@ One call consumes one ``TrainBatch`` (one weight version):
    (when a KL needs them), proximal log-probs (``proximal='recompute'``, AReaL's
    decoupled PPO; with a single update per step, ``epochs = mini_batches = 1``, they
    are taken from the update's own forward pass instead, which runs under the same
-   weights) and critic values (GAE); then advantages over the *whole* batch.
+   weights) and critic values (GAE); then advantages over the *whole* batch. The
+   result is a ``PreparedBatch`` (``make_prepare_fn`` returns it).
 2. **Updates**: ``epochs`` passes; each splits the rows into ``mini_batches`` optimizer
    steps, and each mini-batch into ``micro_batches`` whose gradients are summed with
    ``lax.scan``. Loss weights are normalised over the mini-batch, so the summed
@@ -289,9 +290,56 @@ def _reduce_metrics(
     return {k: jnp.max(v, 0) if k.endswith("_max") else reduce(v, 0) for k, v in metrics.items()}
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, kw_only=True)
+class PreparedBatch:
+    """What the updates train on: a ``TrainBatch`` with everything computed before them.
+
+    Leaves are ``[B, T]``, or ``[*chunks, B / prod(chunks), T]`` once split into
+    mini- and micro-batches. ``None`` fields are empty subtrees, so ``jax.tree.map`` and
+    ``lax.scan`` pass over them.
+
+    Attributes:
+        tokens, attention_mask, behaviour_logprobs, versions: the batch's.
+        positions: ``positions_from_mask(attention_mask)``.
+        loss_mask: the batch's, as float32.
+        advantages: the batch's, or the advantage estimator's over the whole batch.
+        returns: value targets (GAE), or ``None`` without a critic.
+        old_values: critic values before any update, or ``None`` without a critic.
+        ref_logprobs: the batch's, else the reference policy's when the algorithm needs
+            them, else ``None``.
+        proximal_logprobs: recomputed under the pre-update weights (``proximal='recompute'``
+            with more than one update per step), else the batch's, else ``None``.
+        token_weights: aggregation weights ``Agg`` over the mini-batch; ``None`` until
+            the mini-batch's gradient sets them.
+        metric_weights: ``loss_mask / Σ loss_mask`` over the mini-batch; set with
+            ``token_weights``.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    attention_mask: jax.Array
+    loss_mask: jax.Array
+    behaviour_logprobs: jax.Array
+    versions: jax.Array
+    advantages: jax.Array
+    returns: jax.Array | None = None
+    old_values: jax.Array | None = None
+    ref_logprobs: jax.Array | None = None
+    proximal_logprobs: jax.Array | None = None
+    token_weights: jax.Array | None = None
+    metric_weights: jax.Array | None = None
+
+    def replace(self, **changes: Any) -> PreparedBatch:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+_Prepare: TypeAlias = Callable[[TrainState, TrainBatch], tuple[PreparedBatch, dict[str, jax.Array]]]
 # What ``_build`` returns: ``prepare``, ``minibatch_gradients``, ``update`` and the optax
-# transformation (closures over traced pytrees, so their arguments are left untyped).
-_StepParts: TypeAlias = tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], Any]
+# transformation (``minibatch_gradients`` and ``update`` close over traced pytrees and
+# are left untyped).
+_StepParts: TypeAlias = tuple[_Prepare, Callable[..., Any], Callable[..., Any], Any]
 
 
 def _build(
@@ -336,110 +384,119 @@ def _build(
             )
         return nnx.merge(value_graphdef, cast(value_params))(tokens, positions, attention_mask)
 
-    def chunked(fn, params, data):
-        """``fn`` over the batch in micro-batch-sized chunks, without gradients."""
-        inputs = [data[k] for k in ("tokens", "positions", "attention_mask")]
+    def chunked(fn, params, inputs):
+        """``fn(params, tokens, positions, attention_mask)`` over the batch in
+        micro-batch-sized chunks, without gradients; ``inputs`` are those three arrays."""
         split = [constrain_rows(_split_rows(x, chunks), leading=1) for x in inputs]
         out = jax.lax.map(lambda xs: fn(jax.lax.stop_gradient(params), *xs), split)
         return _merge_rows(out)
 
-    def prepare(state: TrainState, batch: TrainBatch) -> tuple[dict, dict]:
+    def prepare(state: TrainState, batch: TrainBatch) -> tuple[PreparedBatch, dict[str, jax.Array]]:
         rows = batch.tokens.shape[0]
         if rows % chunks or (mesh is not None and (rows // chunks) % _batch_shards(mesh)):
             raise ValueError(
                 f"batch size {rows} must split into mini_batches·micro_batches = {chunks} "
                 "chunks of a size divisible by the data·fsdp devices; choose bucket sizes so"
             )
-        data = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-        data = {k: constrain_rows(jnp.asarray(v)) for k, v in data.items() if v is not None}
-        data["loss_mask"] = data["loss_mask"].astype(jnp.float32)
-        data["positions"] = positions_from_mask(data["attention_mask"])
-        if cfg.algorithm.needs_reference and "ref_logprobs" not in data:
+        placed = jax.tree.map(lambda x: constrain_rows(jnp.asarray(x)), batch)
+        tokens, attention_mask = placed.tokens, placed.attention_mask
+        loss_mask = placed.loss_mask.astype(jnp.float32)
+        positions = positions_from_mask(attention_mask)
+        inputs = (tokens, positions, attention_mask)
+        ref_logprobs = placed.ref_logprobs
+        if cfg.algorithm.needs_reference and ref_logprobs is None:
             if state.ref_params is None:
                 raise ValueError(
                     f"algorithm {cfg.algorithm.name!r} needs reference log-probs: give the "
                     "state ref_params or the batch ref_logprobs"
                 )
-            data["ref_logprobs"] = chunked(
-                lambda p, *x: policy_forward(p, *x)[0], state.ref_params, data
-            )
+            ref_logprobs = chunked(lambda p, *x: policy_forward(p, *x)[0], state.ref_params, inputs)
+        proximal_logprobs = placed.proximal_logprobs
         if loss_cfg.proximal == "recompute" and not fused_proximal:
-            data["proximal_logprobs"] = chunked(
-                lambda p, *x: policy_forward(p, *x)[0], state.params, data
+            proximal_logprobs = chunked(
+                lambda p, *x: policy_forward(p, *x)[0], state.params, inputs
             )
-        elif loss_cfg.proximal == "batch" and "proximal_logprobs" not in data:
+        elif loss_cfg.proximal == "batch" and proximal_logprobs is None:
             raise ValueError("proximal 'batch' needs batch.proximal_logprobs")
-        returns = None
-        if "advantages" not in data:
+        advantages, returns, old_values = placed.advantages, None, None
+        if advantages is None:
             if cfg.algorithm.needs_value_model:
-                data["old_values"] = chunked(value_forward, state.value_params, data)
+                old_values = chunked(value_forward, state.value_params, inputs)
             token_kl = None
             if adv_cfg.kl_in_reward_coef > 0:
-                token_kl = (data["behaviour_logprobs"] - data["ref_logprobs"]) * data["loss_mask"]
-            inputs = AdvantageInputs(
-                rewards=data["rewards"].astype(jnp.float32),
-                group_ids=data["group_ids"],
-                sequence_mask=data["sequence_mask"],
-                loss_mask=data["loss_mask"],
-                values=data.get("old_values"),
+                token_kl = (placed.behaviour_logprobs - ref_logprobs) * loss_mask
+            advantage_inputs = AdvantageInputs(
+                rewards=placed.rewards.astype(jnp.float32),
+                group_ids=placed.group_ids,
+                sequence_mask=placed.sequence_mask,
+                loss_mask=loss_mask,
+                values=old_values,
                 token_kl=token_kl,
             )
-            data["advantages"], returns = compute_advantages(inputs, adv_cfg)
-        if returns is not None:
-            data["returns"] = returns
-        elif cfg.algorithm.needs_value_model:
+            advantages, returns = compute_advantages(advantage_inputs, adv_cfg)
+        if returns is None and cfg.algorithm.needs_value_model:
             raise ValueError("a critic needs returns: let the trainer compute GAE advantages")
-        mask, valid = data["loss_mask"], data["sequence_mask"].astype(jnp.float32)
-        lag = (state.step - data["versions"]).astype(jnp.float32) * mask
+        valid = placed.sequence_mask.astype(jnp.float32)
+        lag = (state.step - placed.versions).astype(jnp.float32) * loss_mask
         stats = {
-            "tokens": jnp.sum(mask),
+            "tokens": jnp.sum(loss_mask),
             "sequences": jnp.sum(valid),
-            "reward_mean": jnp.sum(data["rewards"] * valid) / jnp.maximum(jnp.sum(valid), 1.0),
-            "staleness_mean": jnp.sum(lag) / jnp.maximum(jnp.sum(mask), 1.0),
+            "reward_mean": jnp.sum(placed.rewards * valid) / jnp.maximum(jnp.sum(valid), 1.0),
+            "staleness_mean": jnp.sum(lag) / jnp.maximum(jnp.sum(loss_mask), 1.0),
             "staleness_max": jnp.max(lag),
         }
-        for name in ("sequence_mask", "rewards", "group_ids"):
-            data.pop(name)
-        return data, stats
+        prepared = PreparedBatch(
+            tokens=tokens,
+            positions=positions,
+            attention_mask=attention_mask,
+            loss_mask=loss_mask,
+            behaviour_logprobs=placed.behaviour_logprobs,
+            versions=placed.versions,
+            advantages=advantages,
+            returns=returns,
+            old_values=old_values,
+            ref_logprobs=ref_logprobs,
+            proximal_logprobs=proximal_logprobs,
+        )
+        return prepared, stats
 
     def micro_loss(trainable, micro, version):
         params, value_params = trainable
-        logp, entropy = policy_forward(
-            params, micro["tokens"], micro["positions"], micro["attention_mask"]
-        )
+        logp, entropy = policy_forward(params, micro.tokens, micro.positions, micro.attention_mask)
         values = None
         if value_params is not None:
             values = value_forward(
-                value_params, micro["tokens"], micro["positions"], micro["attention_mask"]
+                value_params, micro.tokens, micro.positions, micro.attention_mask
             )
         inputs = LossInputs(
             logprobs=logp,
-            behaviour_logprobs=micro["behaviour_logprobs"],
-            advantages=micro["advantages"],
-            loss_mask=micro["loss_mask"],
-            token_weights=micro["token_weights"],
-            metric_weights=micro["metric_weights"],
+            behaviour_logprobs=micro.behaviour_logprobs,
+            advantages=micro.advantages,
+            loss_mask=micro.loss_mask,
+            token_weights=micro.token_weights,
+            metric_weights=micro.metric_weights,
             proximal_logprobs=(
-                jax.lax.stop_gradient(logp) if fused_proximal else micro.get("proximal_logprobs")
+                jax.lax.stop_gradient(logp) if fused_proximal else micro.proximal_logprobs
             ),
-            versions=micro["versions"],
+            versions=micro.versions,
             proximal_version=version,
-            ref_logprobs=micro.get("ref_logprobs"),
+            ref_logprobs=micro.ref_logprobs,
             entropy=entropy if loss_cfg.entropy_coef > 0 else jax.lax.stop_gradient(entropy),
             values=values,
-            old_values=micro.get("old_values"),
-            returns=micro.get("returns"),
+            old_values=micro.old_values,
+            returns=micro.returns,
         )
         return rl_loss(inputs, loss_cfg)
 
     def minibatch_gradients(trainable, minibatch, version):
         """Summed gradients over the micro-batches (leaves ``[micro, rows, ...]``)."""
-        mask = minibatch["loss_mask"]
+        mask = minibatch.loss_mask
         flat = mask.reshape((-1,) + mask.shape[2:])
         weights = aggregation_weights(flat, loss_cfg.aggregation, loss_cfg.fixed_length)
-        minibatch = dict(minibatch)
-        minibatch["token_weights"] = weights.reshape(mask.shape)
-        minibatch["metric_weights"] = mask / jnp.maximum(jnp.sum(mask), 1.0)
+        minibatch = minibatch.replace(
+            token_weights=weights.reshape(mask.shape),
+            metric_weights=mask / jnp.maximum(jnp.sum(mask), 1.0),
+        )
 
         def body(grads, micro):
             micro = constrain_rows(micro)
@@ -508,14 +565,14 @@ def make_train_step(
     prepare, _, update, _ = _build(cfg, graphdef, value_graphdef, mesh)
 
     def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
-        data, stats = prepare(state, batch)
+        prepared, stats = prepare(state, batch)
         rng, shuffle_rng = jax.random.split(state.rng)
 
         def epoch(carry, key):
-            rows = data
+            rows = prepared
             if cfg.shuffle:
-                order = jax.random.permutation(key, data["tokens"].shape[0])
-                rows = jax.tree.map(lambda x: x[order], data)
+                order = jax.random.permutation(key, prepared.tokens.shape[0])
+                rows = jax.tree.map(lambda x: x[order], prepared)
             minibatches = jax.tree.map(
                 lambda x: _split_rows(x, cfg.mini_batches, cfg.micro_batches), rows
             )
@@ -587,11 +644,25 @@ def make_gradient_fn(
     prepare, minibatch_gradients, _, _ = _build(cfg, graphdef, value_graphdef, mesh)
 
     def gradients(state: TrainState, batch: TrainBatch) -> tuple[Any, dict[str, jax.Array]]:
-        data, stats = prepare(state, batch)
-        minibatch = jax.tree.map(lambda x: _split_rows(x, cfg.micro_batches), data)
+        prepared, stats = prepare(state, batch)
+        minibatch = jax.tree.map(lambda x: _split_rows(x, cfg.micro_batches), prepared)
         grads, metrics = minibatch_gradients(
             (state.params, state.value_params), minibatch, state.step
         )
         return grads, {**metrics, **stats}
 
     return jax.jit(gradients)
+
+
+def make_prepare_fn(
+    cfg: TrainConfig,
+    graphdef: nnx.GraphDef,
+    *,
+    value_graphdef: nnx.GraphDef | None = None,
+    mesh: Mesh | None = None,
+) -> Callable[[TrainState, TrainBatch], tuple[PreparedBatch, dict[str, jax.Array]]]:
+    """Jitted ``(state, batch) -> (prepared, stats)``: what ``train_step`` computes before
+    its updates (reference, proximal and critic forward passes, advantages) and the
+    batch statistics it reports (for checks and debugging)."""
+    prepare, _, _, _ = _build(cfg, graphdef, value_graphdef, mesh)
+    return jax.jit(prepare)
