@@ -162,6 +162,10 @@ class Fleet(Protocol):
         the driver re-issues."""
         ...
 
+    def drop_weights(self, worker_id: str) -> list[Issue]:
+        """The worker drops weights of a discarded branch and its prompts (returned)."""
+        ...
+
     def restart(self, worker_id: str) -> None:
         """A new, empty host for a preempted worker."""
         ...

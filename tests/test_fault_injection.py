@@ -131,3 +131,20 @@ def test_bad_plans_fail_before_any_work(tmp_path):
         )
     with pytest.raises(ValueError, match="preempt_trainer restores the last checkpoint"):
         Experiment(config, faults=[{"kind": "preempt_trainer", "at_step": 1}])
+
+
+def test_trainer_restore_drops_the_weights_of_the_discarded_branch(cache, tmp_path):
+    """Checkpoint at 3, trainer lost after 5: workers hold version 4 of a branch the
+    restored run never had. They drop it with their prompts and pull again (the new
+    branch's weights), and the run goes on."""
+    config = small_run_config(*SMALL, "steps=7", "checkpoint.every_steps=3")
+    plan = [{"kind": "preempt_trainer", "at_step": 5, "restart_after_s": 1.0}]
+    with Experiment(config, run_dir=tmp_path, cache_dir=cache, faults=plan) as exp:
+        exp.run()
+        exp.check_accounting()
+        summary = exp.summary()
+        (restore,) = events(exp, "checkpoint_restore")
+        pulled = {e.actor for e in events(exp, "pull") if e.t > restore.t}
+    assert restore["step"] == 3 and pulled == {"worker-0", "worker-1"}
+    assert summary["steps"] == 7 and summary["lost_steps"] == 2
+    assert summary["accepted_lost"] == 0

@@ -369,7 +369,7 @@ class FaultInjector(NoFaults):
         exp.note_published(exp.trainer.publish(restored, reset=True))
         for worker_id, version in exp.fleet.versions().items():
             if version is not None and version > restored:  # weights of a void branch
-                exp.requeue(exp.fleet.preempt(worker_id))
+                exp.requeue(exp.fleet.drop_weights(worker_id))
 
     # -- checkpoints -----------------------------------------------------------------
     def held_weights(self) -> dict[int, Any]:

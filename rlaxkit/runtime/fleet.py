@@ -223,6 +223,16 @@ class Fleet:
             slot.handle = None
         return self._retire(slot)
 
+    def drop_weights(self, worker_id: str) -> list[Issue]:
+        """The worker drops its weights and its prompts (they came from a discarded
+        branch of the run) and keeps its host; returns the prompts."""
+        slot = self._slot(worker_id)
+        if slot.handle is not None:
+            self._call("drop_weights", {}, [worker_id])
+        lost = sorted(slot.in_flight.values(), key=lambda issue: issue.group_id)
+        slot.in_flight, slot.version = {}, None
+        return lost
+
     def restart(self, worker_id: str) -> None:
         """A new actor for a preempted worker; it pulls before it takes work."""
         slot = self._slot(worker_id)

@@ -17,12 +17,12 @@ from rlaxkit.trace import MemoryTrace, TraceEvent
 from rlaxkit.worker import InferenceWorker
 
 
-def _weights_lost() -> tuple[type[BaseException], ...]:
+def _weights_lost(store: WeightStore) -> tuple[type[BaseException], ...]:
     """The error of a pull whose weights died with their owner (Ray's object store)."""
-    try:
-        from rlaxkit.param_server.ray_store import WeightsLostError
-    except ModuleNotFoundError:  # no Ray: no object store
+    if store.kind != "object_store":
         return ()
+    from rlaxkit.param_server.ray_store import WeightsLostError
+
     return (WeightsLostError,)
 
 
@@ -89,6 +89,7 @@ class WorkerHost:
         self.trace = trace or MemoryTrace()
         task = task or build_task(config)
         self.own_scorer = scorer is None
+        self.weights_lost = _weights_lost(store)
         self.scorer = scorer or RewardRunner.for_task(task).start()
         self.lost_weights = 0
         self.in_process = store.in_process
@@ -127,7 +128,7 @@ class WorkerHost:
         self.store.seen = -1
         try:
             self.worker.sync_weights()
-        except _weights_lost() as error:
+        except self.weights_lost as error:
             self.lost_weights += 1
             lost = True
             self.trace.record(
@@ -177,7 +178,7 @@ class WorkerHost:
             bool(self.worker.requests),
             self.worker.generated_tokens,
             self._drain(),
-            dict(self.scorer.counters),
+            dict(self.scorer.counters) if self.own_scorer else {},  # else the fleet's
         )
 
     # -- checkpoints (rlaxkit.runtime.state) --------------------------------------------
@@ -222,6 +223,10 @@ class WorkerHost:
             weights_for=placed.__getitem__,
         )
         return self._drain()
+
+    def drop_weights(self) -> None:
+        """Drops the weights and every prompt in flight (the driver re-issues them)."""
+        self.worker.preempt()
 
     def stats(self) -> dict[str, Any]:
         """Counters for tests and dashboards."""
