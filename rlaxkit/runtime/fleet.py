@@ -54,18 +54,21 @@ class InProcess:
         are fetched, so it decodes while the host scores them. XLA runs one chunk after
         the other either way; what the host does with the results, and in which order,
         is that of plain calls."""
-        decoding = [(slot, args) for slot, _, args in calls if args[1]]
+        replies = {}
         for slot, _, (work, decode) in calls:
+            slot.handle.submit(work)
             if not decode:
-                slot.handle.launch(work, decode=False)
+                slot.handle.launch(decode=False)
+                replies[slot.worker_id] = slot.handle.score()
+        decoding = [slot for slot, _, (_, decode) in calls if decode]
         if decoding:
-            decoding[0][0].handle.launch(decoding[0][1][0])
-        for i, (slot, _) in enumerate(decoding):
+            decoding[0].handle.launch()
+        for i, slot in enumerate(decoding):
             slot.handle.fetch(pipelined=i > 0)
             if i + 1 < len(decoding):
-                following, (work, _) = decoding[i + 1]
-                following.handle.launch(work)
-        return {slot.worker_id: slot.handle.score() for slot, _, _ in calls}, []
+                decoding[i + 1].handle.launch()  # decodes while this one is scored
+            replies[slot.worker_id] = slot.handle.score()
+        return {slot.worker_id: replies[slot.worker_id] for slot, _, _ in calls}, []
 
     def kill(self, handle: Any) -> None:
         handle.close()

@@ -86,6 +86,7 @@ class TrainerHost:
         ref = params if train_config.algorithm.needs_reference else None
         state = create_train_state(train_config, params, seed=config.seed, ref_params=ref)
         self.state = self._place_state(state)
+        self._version = 0
         # In this process the step keeps its parameters (it donates every other buffer),
         # so the in-process store holds each pushed version without a copy.
         self.train_step = make_train_step(
@@ -135,7 +136,8 @@ class TrainerHost:
 
     @property
     def version(self) -> int:
-        return int(self.state.step)
+        """The state's step, kept on the host (reading ``state.step`` waits on the device)."""
+        return self._version
 
     def _expect(self, step: int) -> None:
         if self.version != step:
@@ -182,6 +184,7 @@ class TrainerHost:
         if steps and self.checkpoints:
             start = self.clock()
             self.state = restore_train_state(self.checkpoints, self.state, step=max(steps))
+            self._version = int(self.state.step)
             self.trace.record(
                 self.clock(),
                 "checkpoint_restore",
@@ -212,6 +215,7 @@ class TrainerHost:
         self._expect(step - 1)
         start = time.perf_counter()
         self.state, step_metrics = self.train_step(self.state, self._place_batch(batch))
+        self._version = step
         metrics = {k: float(v) for k, v in self._host(step_metrics).items()}
         duration_s = time.perf_counter() - start
         if self.config.weight_sync.should_push(self.version):

@@ -152,14 +152,18 @@ class WorkerHost:
     def submit_and_step(self, work: list[Work], decode: bool = True) -> ChunkReply:
         """Starts ``work`` and (unless ``decode`` is False: a slowed worker's round)
         decodes one chunk; replies with the finished, scored rollouts."""
-        self.launch(work, decode)
+        self.submit(work)
+        self.launch(decode)
         self.fetch()
         return self.score()
 
-    def launch(self, work: list[Work], decode: bool = True) -> None:
-        """Starts ``work`` and dispatches one chunk without waiting for it."""
+    def submit(self, work: list[Work]) -> None:
+        """Starts ``work``: its prompts join the worker's next chunk."""
         for issue, problem in work:
             self.worker.submit(issue, problem)
+
+    def launch(self, decode: bool = True) -> None:
+        """Dispatches one chunk without waiting for it (none when ``decode`` is False)."""
         self._decoding = decode
         if decode:
             self.worker.launch()
