@@ -35,16 +35,15 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_run(cache):
-    """The local backend's reference: learning metrics and trained prompts per step."""
-    with Experiment(
-        small_run_config(*SMALL),
-        cache_dir=cache,
-    ) as exp:
+    """The local backend's reference: learning metrics and trained prompts per step (and
+    its summary's keys)."""
+    with Experiment(small_run_config(*SMALL, f"steps={STEPS}"), cache_dir=cache) as exp:
         trained = []
         for _ in range(STEPS):
             exp.step()
             trained.append(sorted(g.group_id for g in exp.last_batch["groups"]))
-        return learning_metrics(exp.history), trained
+        assert exp.run() == []  # run() runs to config.steps, not config.steps more
+        return learning_metrics(exp.history), trained, exp.summary().keys()
 
 
 def ray_config(**changes):
@@ -89,8 +88,8 @@ def until_in_flight(exp, worker=None):
 
 
 def test_two_worker_actors_learn_exactly_as_the_local_backend(ray_cluster, cache, local_run):
-    local_metrics, local_trained = local_run
-    config = small_run_config(*SMALL, "runtime.backend=ray")
+    local_metrics, local_trained, local_summary = local_run
+    config = small_run_config(*SMALL, "runtime.backend=ray", f"steps={STEPS}")
     with RayExperiment(config, cache_dir=cache, ray_config=ray_config()) as exp:
         trained = []
         for _ in range(STEPS):
@@ -99,6 +98,9 @@ def test_two_worker_actors_learn_exactly_as_the_local_backend(ray_cluster, cache
             exp.check_accounting()
         assert trained == local_trained
         assert_same_metrics(exp.history, local_metrics)
+        # One behaviour on both placements: run() runs to config.steps, the same summary.
+        assert exp.run() == [] and exp.version == STEPS
+        assert exp.summary().keys() == local_summary and exp.summary()["backend"] == "ray"
         # Both worker actors generated and pulled weights from the object store.
         assert {e.actor for e in events(exp, "generation_end")} == {"worker-0", "worker-1"}
         assert {e.actor for e in events(exp, "pull")} == {"worker-0", "worker-1"}
@@ -179,7 +181,7 @@ def test_parameter_server_and_trainer_restarts_heal_without_changing_results(
 ):
     """Kill the parameter server, then the trainer: workers get weights again, the
     trainer resumes from its checkpoint, and every metric equals the local run's."""
-    local_metrics, local_trained = local_run
+    local_metrics, _, _ = local_run
     config = small_run_config(*SMALL, "runtime.backend=ray", "checkpoint.every_steps=2")
     with RayExperiment(config, run_dir=tmp_path, cache_dir=cache, ray_config=ray_config()) as exp:
         exp.run(1)
@@ -310,16 +312,3 @@ def test_one_fault_plan_runs_on_both_placements_and_loses_nothing_accepted(
     assert summary["lost_steps"] == 1  # step 3: the trainer restored checkpoint 2
     assert {"worker-0", "worker-1", "trainer"} <= preempted
     assert outage["fault"] == "kill_param_server" and 5 in pushes  # served again after it
-
-
-def test_run_runs_to_config_steps_and_summaries_have_the_same_keys(ray_cluster, cache):
-    summaries = {}
-    for backend in ("local", "ray"):
-        extra = {"ray_config": ray_config()} if backend == "ray" else {}
-        config = small_run_config(*SMALL, f"runtime.backend={backend}", "steps=2")
-        with Experiment(config, cache_dir=cache, **extra) as exp:
-            assert len(exp.run()) == 2 and exp.version == 2
-            assert exp.run() == []  # already at config.steps
-            summaries[backend] = exp.summary()
-    assert summaries["local"].keys() == summaries["ray"].keys()
-    assert [s["backend"] for s in summaries.values()] == ["local", "ray"]
