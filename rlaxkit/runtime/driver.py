@@ -181,7 +181,7 @@ class Experiment(Loop):
 
     @property
     def workers(self) -> list[Any]:
-        """The fleet's workers (in-process ``InferenceWorker``\\ s or Ray worker slots)."""
+        """The fleet's workers (``WorkerSlot``: id, host handle, prompts in flight)."""
         return self.fleet.workers
 
     # -- checkpoints -----------------------------------------------------------------
@@ -197,6 +197,7 @@ class Experiment(Loop):
         ):
             return False
         fleet = self.fleet.checkpoint()
+        self._requeue_dead()  # a worker that died while its fleet was gathered
         weights = dict(fleet.weights)
         if self.published not in weights and self.published != self.version:
             weights[self.published] = self.parts.published_weights(self.published)
