@@ -14,8 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
-
+from rlaxkit.checkpoint import abstract_tree
 from rlaxkit.config import RunConfig
 from rlaxkit.param_server import InProcessParameterServer
 from rlaxkit.runtime.common import RunTrace
@@ -102,9 +101,7 @@ def start_local(
         store=store,
         scorer=scorer,
         shapes=param_shapes(params),
-        template=jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
-        ),
+        template=abstract_tree(params),
         collector=(
             ConcurrentCollector([slot.handle.worker for slot in fleet.workers], scorer)
             if concurrent

@@ -30,6 +30,7 @@ import ray
 from flax import nnx
 from ray.exceptions import RayActorError
 
+from rlaxkit.checkpoint import abstract_tree
 from rlaxkit.config import RunConfig
 from rlaxkit.param_server import layout
 from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG, parameter_server_actor
@@ -144,9 +145,7 @@ def _place(
     parts.graphdef, params = nnx.split(model)
     del model
     parts.shapes = param_shapes(params)
-    parts.template = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
-    )
+    parts.template = abstract_tree(params)
     keep = config.runtime.keep_versions
     if rc.weight_store == "object_store":
         name = f"rlaxkit-parameter-server-{uuid.uuid4().hex[:12]}"

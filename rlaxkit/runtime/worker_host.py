@@ -91,7 +91,6 @@ class WorkerHost:
         self.own_scorer = scorer is None
         self.weights_lost = _weights_lost(store)
         self.scorer = scorer or RewardRunner.for_task(task).start()
-        self.lost_weights = 0
         self.in_process = store.in_process
         server = store.connect(pull_timeout_s=_WORKER_PULL_TIMEOUT_S)
         if hasattr(server, "view"):  # a fault plan's store: failing pulls per worker
@@ -129,7 +128,6 @@ class WorkerHost:
         try:
             self.worker.sync_weights()
         except self.weights_lost as error:
-            self.lost_weights += 1
             lost = True
             self.trace.record(
                 self.clock(),
@@ -231,10 +229,6 @@ class WorkerHost:
     def drop_weights(self) -> None:
         """Drops the weights and every prompt in flight (the driver re-issues them)."""
         self.worker.preempt()
-
-    def stats(self) -> dict[str, Any]:
-        """Counters for tests and dashboards."""
-        return {"version": self.worker.version, "lost_weights": self.lost_weights}
 
     def close(self) -> None:
         if self.own_scorer:
