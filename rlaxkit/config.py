@@ -19,7 +19,9 @@ from rlaxkit.models.config import ModelConfig
 from rlaxkit.policies import CheckpointPolicy, StalenessPolicy, WeightSyncPolicy
 from rlaxkit.ray_config import RayConfig
 from rlaxkit.sft import SFTConfig
+from rlaxkit.tasks.registry import build_config, task_config_class
 from rlaxkit.trainer import OptimizerConfig
+from rlaxkit.validation import check_int
 
 
 def _tiny_model() -> ModelConfig:
@@ -69,6 +71,13 @@ class TaskSpec:
         default_factory=lambda: {"operators": ["+"], "min_digits": 1, "max_digits": 2}
     )
     num_train: int | None = None
+
+    def __post_init__(self) -> None:
+        # The options are checked here, when the config is read, as every other field is
+        # (the package import registers the tasks, so any task name is found).
+        build_config(task_config_class(self.name), self.options, where=f"task {self.name!r}")
+        if self.num_train is not None:
+            check_int("num_train", self.num_train, minimum=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,12 +230,28 @@ class RunConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> RunConfig:
         """Reads a YAML config (only the fields it changes), then ``section.field=value``
-        ``overrides``."""
-        return load_yaml(cls, path, overrides)
+        ``overrides``.
+
+        The file is merged onto ``RunConfig()``'s values field by field, so a section given
+        in part keeps the run's defaults for the rest. The default ``task.options`` are the
+        default task's, so a file that names another task starts from no options.
+        """
+        return load_yaml(cls, path, overrides, defaults=_defaults_for_file)
 
     def save(self, path: str | Path) -> None:
         """Writes the full config as YAML (every field, so the run can be reproduced)."""
         dump_yaml(self, path)
+
+
+def _defaults_for_file(data: dict[str, Any]) -> dict[str, Any]:
+    defaults = RunConfig().to_dict()
+    task = data.get("task")
+    if (
+        isinstance(task, dict)
+        and task.get("name", defaults["task"]["name"]) != defaults["task"]["name"]
+    ):
+        defaults["task"]["options"] = {}
+    return defaults
 
 
 # A run small enough for a test, a notebook's CI settings or a quick benchmark: a

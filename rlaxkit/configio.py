@@ -7,9 +7,11 @@ Works for any ``@dataclass`` tree whose fields are ``int``, ``float``, ``bool``,
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -39,6 +41,12 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
             and values a config's own ``__post_init__`` rejects.
     """
     return _convert(cls, data, path or cls.__name__)
+
+
+def convert(tp: Any, value: Any, path: str) -> Any:
+    """``value`` checked against (and, for lists, tuples and nested dataclasses, built as)
+    the type ``tp``; ``ValueError`` names ``path`` as ``from_dict`` does."""
+    return _convert(tp, value, path)
 
 
 def _convert(tp: Any, value: Any, path: str) -> Any:
@@ -106,13 +114,37 @@ def _dataclass(cls: type, value: Any, path: str) -> Any:
     unknown = sorted(set(value) - set(fields))
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {unknown}; known fields: {sorted(fields)}")
+    required = [
+        name
+        for name, f in fields.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [name for name in required if name not in value]
+    if missing:
+        raise ValueError(f"{path}: missing required field(s) {missing}; give them in {path}")
     kwargs = {k: _convert(hints[k], v, f"{path}.{k}") for k, v in value.items()}
     try:
         return cls(**kwargs)
-    except TypeError as err:  # a required field is missing
+    except (TypeError, ValueError) as err:  # TypeError: a __post_init__ compared a bad type
         raise ValueError(f"{path}: {err}") from None
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+
+
+def merge(defaults: Any, given: Any) -> Any:
+    """``given`` laid over ``defaults``: mappings merge key by key, all the way down;
+    anything else in ``given`` replaces the default. Neither argument is changed.
+
+    A config file merges onto the run's defaults this way, as ``--set`` overrides do, so
+    a section given in part keeps the run's values for the fields it leaves out.
+
+    >>> merge({"a": {"b": 1, "c": 2}, "d": [1]}, {"a": {"b": 5}, "d": [2, 3]})
+    {'a': {'b': 5, 'c': 2}, 'd': [2, 3]}
+    """
+    if not (isinstance(defaults, dict) and isinstance(given, dict)):
+        return copy.deepcopy(given)
+    merged = copy.deepcopy(defaults)
+    for key, value in given.items():
+        merged[key] = merge(defaults[key], value) if key in defaults else value
+    return merged
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -137,14 +169,34 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_yaml(
-    cls: type[T], path: str | Path, overrides: list[str] | None = None, root: str = "config"
+    cls: type[T],
+    path: str | Path,
+    overrides: list[str] | None = None,
+    root: str = "config",
+    defaults: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> T:
     """Reads a YAML config file into ``cls``, after ``key=value`` overrides; errors name
-    fields as ``<root>.<dotted.path>``."""
+    fields as ``<root>.<dotted.path>``.
+
+    The file is merged (see :func:`merge`) onto ``to_dict(cls())`` when ``cls`` has a
+    default for every field: a section the file gives in part keeps the defaults of the
+    whole config for the rest (``sampling: {n: 4}`` keeps the run's ``max_new_tokens``,
+    not ``SamplingConfig``'s own), exactly as ``--set sampling.n=4`` would.
+    ``defaults``, given the file's data, returns other defaults to merge onto.
+    """
     data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a config file must be a mapping at the top level")
+    data = merge(defaults(data) if defaults else _defaults(cls), data)
     return from_dict(cls, apply_overrides(data, overrides or []), path=root)
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """``to_dict(cls())``, or ``{}`` when ``cls`` has a field without a default."""
+    try:
+        return to_dict(cls())
+    except TypeError:
+        return {}
 
 
 def dump_yaml(config: Any, path: str | Path) -> None:

@@ -15,14 +15,23 @@ so ``sim`` uses them too.
 Traceback (most recent call last):
     ...
 ValueError: epochs: must be an integer >= 1, got True
+>>> check_int("max_digits", "two", minimum=1, maximum=18)
+Traceback (most recent call last):
+    ...
+ValueError: max_digits: must be an integer in [1, 18], got 'two'
+>>> check_number("test_fraction", 1.5, minimum=0.0, maximum=1.0)
+Traceback (most recent call last):
+    ...
+ValueError: test_fraction: must be a number in [0.0, 1.0], got 1.5
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Literal, TypeGuard, overload
 
-__all__ = ["check_int", "is_int", "is_number"]
+__all__ = ["check_int", "check_number", "is_int", "is_number"]
 
 
 @overload
@@ -60,24 +69,66 @@ def check_int(
     value: Any,
     *,
     minimum: int | None = None,
+    maximum: int | None = None,
     allowed: str | None = None,
     numpy: bool = False,
 ) -> int:
-    """``value`` when it is an integer (:func:`is_int`) ``>= minimum``.
+    """``value`` when it is an integer (:func:`is_int`) in ``[minimum, maximum]``.
 
     Args:
         name: the field, first in the message (``"epochs"``, ``"faults[2].count"``).
         value: the value given.
-        minimum: the smallest value allowed; ``None``: any integer.
-        allowed: what the message says is allowed; default ``"an integer >= {minimum}"``
-            (``"an integer"`` without a minimum).
+        minimum: the smallest value allowed; ``None``: no lower bound.
+        maximum: the largest value allowed; ``None``: no upper bound.
+        allowed: what the message says is allowed; default ``"an integer >= {minimum}"``,
+            ``"an integer in [{minimum}, {maximum}]"`` and so on.
         numpy: also accept NumPy's integer scalars (see :func:`is_int`).
 
     Raises:
         ValueError: ``"{name}: must be {allowed}, got {value!r}"``.
     """
-    if not is_int(value, numpy=numpy) or (minimum is not None and value < minimum):
-        if allowed is None:
-            allowed = "an integer" if minimum is None else f"an integer >= {minimum}"
+    if not is_int(value, numpy=numpy) or not _within(value, minimum, maximum):
+        allowed = allowed or f"an integer{_bounds(minimum, maximum)}"
         raise ValueError(f"{name}: must be {allowed}, got {value!r}")
     return value
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    allowed: str | None = None,
+) -> float:
+    """``value`` when it is a finite number (:func:`is_number`) in ``[minimum, maximum]``.
+
+    Args:
+        name: the field, first in the message.
+        value: the value given.
+        minimum: the smallest value allowed; ``None``: no lower bound.
+        maximum: the largest value allowed; ``None``: no upper bound.
+        allowed: what the message says is allowed; default ``"a number in [0.0, 1.0]"``
+            and so on.
+
+    Raises:
+        ValueError: ``"{name}: must be {allowed}, got {value!r}"``.
+    """
+    if not (is_number(value) and math.isfinite(value) and _within(value, minimum, maximum)):
+        allowed = allowed or f"a number{_bounds(minimum, maximum)}"
+        raise ValueError(f"{name}: must be {allowed}, got {value!r}")
+    return value
+
+
+def _within(value: float, minimum: float | None, maximum: float | None) -> bool:
+    return (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
+
+
+def _bounds(minimum: float | None, maximum: float | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" in [{minimum}, {maximum}]"
+    if minimum is not None:
+        return f" >= {minimum}"
+    if maximum is not None:
+        return f" <= {maximum}"
+    return ""

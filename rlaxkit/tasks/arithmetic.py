@@ -30,6 +30,7 @@ from rlaxkit.tasks.base import (
 )
 from rlaxkit.tasks.expressions import ExpressionError, evaluate_expression
 from rlaxkit.tasks.registry import register_task
+from rlaxkit.validation import check_int
 
 Operator = Literal["+", "-", "*", "/"]
 _INTEGER = re.compile(r"-?\d+")
@@ -66,14 +67,16 @@ class ArithmeticConfig:
     prompt: PromptConfig = PromptConfig()
 
     def __post_init__(self):
-        if not 1 <= self.min_digits <= self.max_digits <= 18:
+        check_int("min_digits", self.min_digits, minimum=1, maximum=18)
+        check_int("max_digits", self.max_digits, minimum=1, maximum=18)
+        if self.min_digits > self.max_digits:
             raise ValueError(
                 "min_digits and max_digits must satisfy 1 <= min_digits <= max_digits <= 18, "
                 f"got {self.min_digits} and {self.max_digits}"
             )
         check_choices("operators", self.operators, Operator)
-        if self.num_operands < 2:
-            raise ValueError(f"num_operands must be >= 2, got {self.num_operands}")
+        check_int("num_operands", self.num_operands, minimum=2)
+        check_int("seed", self.seed)
         if "{expression}" not in self.question_template:
             raise ValueError("question_template must contain '{expression}'")
         if "{answer}" not in self.answer_format:

@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol, get_args, runtime_checkable
 
+from rlaxkit.validation import is_number
+
 Split = Literal["train", "test"]
 RewardExecution = Literal["inline", "pool"]
 
@@ -263,7 +265,10 @@ def check_choices(name: str, values: Sequence[Any], choices: Any) -> None:
 
 
 def check_range(name: str, value: float, low: float, high: float) -> None:
-    """Raises ``ValueError`` naming ``name`` unless ``low <= value <= high``."""
+    """Raises ``ValueError`` naming ``name`` unless ``value`` is a number (not a ``bool``)
+    with ``low <= value <= high``."""
+    if not is_number(value):
+        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
 

@@ -35,6 +35,7 @@ from rlaxkit.tasks.base import (
 from rlaxkit.tasks.datasets import FieldMapping, OnError, load_problems
 from rlaxkit.tasks.registry import register_task
 from rlaxkit.tasks.sandbox import SandboxLimits, run_python
+from rlaxkit.validation import check_int, is_number
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -110,8 +111,11 @@ class CodeConfig:
     def __post_init__(self):
         check_choice("on_error", self.on_error, OnError)
         check_range("test_fraction", self.test_fraction, 0.0, 1.0)
-        if self.max_total_s <= 0:
-            raise ValueError(f"max_total_s must be > 0, got {self.max_total_s}")
+        if not (is_number(self.max_total_s) and self.max_total_s > 0):
+            raise ValueError(
+                f"max_total_s: must be a number > 0 (seconds), got {self.max_total_s!r}"
+            )
+        check_int("seed", self.seed)
         if self.test_path is not None and self.train_path is None:
             raise ValueError("test_path needs a train_path as well")
 

@@ -33,6 +33,7 @@ from rlaxkit.tasks.base import (
 )
 from rlaxkit.tasks.expressions import ExpressionError, evaluate_expression, render
 from rlaxkit.tasks.registry import register_task
+from rlaxkit.validation import check_int
 
 _OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -65,16 +66,16 @@ class CountdownConfig:
     prompt: PromptConfig = PromptConfig()
 
     def __post_init__(self):
-        if not 2 <= self.min_numbers <= self.max_numbers <= 8:
+        check_int("min_numbers", self.min_numbers, minimum=2, maximum=8)
+        check_int("max_numbers", self.max_numbers, minimum=2, maximum=8)
+        if self.min_numbers > self.max_numbers:
             raise ValueError(
                 "min_numbers and max_numbers must satisfy 2 <= min_numbers <= max_numbers <= 8, "
                 f"got {self.min_numbers} and {self.max_numbers}"
             )
-        if self.max_number < 2 or self.max_target < 1:
-            raise ValueError(
-                f"max_number must be >= 2 and max_target >= 1, got {self.max_number} "
-                f"and {self.max_target}"
-            )
+        check_int("max_number", self.max_number, minimum=2)
+        check_int("max_target", self.max_target, minimum=1)
+        check_int("seed", self.seed)
         for name in ("{numbers}", "{target}"):
             if name not in self.question_template:
                 raise ValueError(f"question_template must contain '{name}'")

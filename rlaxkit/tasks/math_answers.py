@@ -34,6 +34,7 @@ from rlaxkit.tasks.base import (
 from rlaxkit.tasks.datasets import FieldMapping, OnError, load_problems
 from rlaxkit.tasks.expressions import render
 from rlaxkit.tasks.registry import register_task
+from rlaxkit.validation import check_int
 
 AnswerFallback = Literal["none", "last_number"]
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
@@ -126,6 +127,14 @@ class MathConfig:
         check_choice("on_error", self.on_error, OnError)
         check_choice("answer_fallback", self.answer_fallback, AnswerFallback)
         check_range("test_fraction", self.test_fraction, 0.0, 1.0)
+        if self.verify_timeout_s is not None:
+            check_int(
+                "verify_timeout_s",
+                self.verify_timeout_s,
+                minimum=1,
+                allowed="an integer >= 1 (seconds) or null",
+            )
+        check_int("seed", self.seed)
         if self.test_path is not None and self.train_path is None:
             raise ValueError("test_path needs a train_path as well")
 

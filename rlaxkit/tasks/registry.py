@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from rlaxkit.configio import convert
 from rlaxkit.tasks.base import Task
 
 _REGISTRY: dict[str, tuple[type, Callable[[Any], Task]]] = {}
@@ -50,29 +52,33 @@ def make_task(name: str, **options: Any) -> Task:
 
 
 def build_config(config_cls: type, options: dict[str, Any], *, where: str) -> Any:
-    """``config_cls(**options)`` with dicts for nested configs and lists as tuples."""
+    """``config_cls(**options)``, each option checked against its field's type.
+
+    Nested configs may be given as dicts and lists become tuples. A number is passed as
+    given: the config's ``__post_init__`` checks its type together with its range, so
+    ``max_digits="two"`` says ``max_digits: must be an integer in [1, 18], got 'two'``.
+
+    Raises:
+        ValueError: ``"{where} options: {option}: {what is wrong}"``.
+    """
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(options) - set(fields))
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for {where}; allowed: {sorted(fields)}")
-    values = {}
-    for key, value in options.items():
-        default = fields[key].default
-        factory = fields[key].default_factory
-        if dataclasses.is_dataclass(default) or (
-            factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory)
-        ):
-            nested_cls = type(default) if dataclasses.is_dataclass(default) else factory
-            if isinstance(value, dict):
-                value = build_config(nested_cls, value, where=f"{where}.{key}")
-        values[key] = _tuplify(value)
-    return config_cls(**values)
+    hints = typing.get_type_hints(config_cls)
+    try:
+        values = {
+            key: value if _is_number_type(hints[key]) else convert(hints[key], value, key)
+            for key, value in options.items()
+        }
+        return config_cls(**values)
+    except (TypeError, ValueError) as err:  # TypeError: a check met a value of a wrong type
+        raise ValueError(f"{where} options: {err}") from None
 
 
-def _tuplify(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_tuplify(v) for v in value)
-    return value
+def _is_number_type(tp: Any) -> bool:
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    return all(a in (int, float) for a in args)
 
 
 def _check_name(name: str) -> None:

@@ -1,0 +1,95 @@
+"""Bad config input gets an error naming the field and the fix; a config file merges onto
+the run's defaults exactly as ``--set`` overrides do."""
+
+import pytest
+
+from rlaxkit.config import RunConfig, small_run_config
+from rlaxkit.configio import apply_overrides, merge
+from rlaxkit.tasks import make_task
+
+
+def _from_yaml(tmp_path, text, overrides=()):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return RunConfig.from_yaml(path, list(overrides))
+
+
+def _from_set(*overrides):
+    return RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), list(overrides)))
+
+
+def test_a_section_given_in_part_keeps_the_run_defaults(tmp_path):
+    config = _from_yaml(tmp_path, "sampling: {n: 4}\noptimizer: {learning_rate: 0.001}\n")
+    # The run's defaults (RunConfig's factories), not SamplingConfig's / OptimizerConfig's.
+    assert config.sampling.max_new_tokens == RunConfig().sampling.max_new_tokens == 8
+    assert config.optimizer.warmup_steps == RunConfig().optimizer.warmup_steps == 10
+    assert config == _from_set("sampling.n=4", "optimizer.learning_rate=0.001")
+
+
+def test_task_options_given_in_part_merge_like_set(tmp_path):
+    config = _from_yaml(tmp_path, "task: {options: {max_digits: 3}}\n")
+    assert config == _from_set("task.options.max_digits=3")
+    assert config.task.options["operators"] == ["+"]
+
+
+def test_a_file_naming_another_task_starts_from_no_options(tmp_path):
+    config = _from_yaml(tmp_path, "task: {name: countdown}\n")
+    assert config.task.options == {}
+    make_task(config.task.name, **config.task.options)
+
+
+def test_a_section_with_only_a_bad_field_gets_the_field_error(tmp_path):
+    with pytest.raises(ValueError) as from_file:
+        _from_yaml(tmp_path, "staleness: {max_staleness: -1}\n")
+    with pytest.raises(ValueError) as from_set:
+        _from_set("staleness.max_staleness=-1")
+    assert str(from_file.value) == str(from_set.value)
+    assert "config.staleness: max_staleness: must be an integer >= 0, got -1" in str(
+        from_file.value
+    )
+
+
+def test_merge_leaves_its_arguments_alone():
+    defaults = {"a": {"b": 1}}
+    merged = merge(defaults, {"a": {"c": 2}})
+    merged["a"]["b"] = 5
+    assert defaults == {"a": {"b": 1}} and merged == {"a": {"b": 5, "c": 2}}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "task.options.max_digits=two",
+            r"config\.task: task 'arithmetic' options: max_digits: must be an integer in "
+            r"\[1, 18\], got 'two'",
+        ),
+        ("task.options.max_digits=2.0", r"max_digits: must be an integer in \[1, 18\], got 2\.0"),
+        ("task.options.num_operands=1", r"num_operands: must be an integer >= 2, got 1"),
+        ("task.options.operators=+", r"operators: expected a list, got '\+'"),
+        ("task.options.question_template=5", r"question_template: expected str, got 5"),
+        ("task.options.test_fraction=half", r"test_fraction must be a number in \[0\.0, 1\.0\]"),
+        ("task.options.digits=2", r"unknown option\(s\) \['digits'\] for task 'arithmetic'"),
+        ("task.name=nope", r"config\.task: unknown task 'nope'; registered tasks: \["),
+        ("task.num_train=0", r"config\.task: num_train: must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_task_options_are_refused_when_the_config_is_read(override, message):
+    with pytest.raises(ValueError, match=message):
+        small_run_config(override)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("countdown", {"max_numbers": "4"}, r"max_numbers: must be an integer in \[2, 8\]"),
+        ("countdown", {"max_target": 0}, r"max_target: must be an integer >= 1, got 0"),
+        ("code", {"max_total_s": "long"}, r"max_total_s: must be a number > 0 \(seconds\)"),
+        ("code", {"limits": {"wall_time_s": "x"}}, r"limits\.wall_time_s: expected a number"),
+        ("math", {"verify_timeout_s": 0}, r"verify_timeout_s: must be an integer >= 1"),
+        ("math", {"seed": "zero"}, r"seed: must be an integer, got 'zero'"),
+    ],
+)
+def test_every_task_checks_its_options(name, options, message):
+    with pytest.raises(ValueError, match=rf"task '{name}' options: {message}"):
+        make_task(name, **options)
