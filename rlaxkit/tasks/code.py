@@ -134,6 +134,9 @@ class CodeTask:
 
     def __init__(self, config: CodeConfig | None = None):
         self.config = config or CodeConfig()
+        # Dataset file -> rows skipped as malformed when it was last read
+        # (``on_error="skip"``), for a run's summary.
+        self.skipped_rows: dict[str, int] = {}
 
     def problems(self, split: Split, n: int | None = None) -> list[Problem]:
         """Problems of ``split`` (the first ``n``; all of a file's when ``n`` is ``None``)."""
@@ -150,6 +153,7 @@ class CodeTask:
             )
         path = c.train_path if c.test_path is None or split == "train" else c.test_path
         problems = load_problems(path, c.fields, on_error=c.on_error, id_prefix=self.name)
+        self.skipped_rows[path] = problems.skipped
         selected = [
             p
             for p in problems.problems

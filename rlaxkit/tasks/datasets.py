@@ -1,8 +1,10 @@
 """User datasets: JSONL and Parquet files read into ``Problem``s through a field mapping.
 
-A malformed row raises ``DatasetError`` naming the file, the row (1-based: the line of a
-JSONL file, the record of a Parquet file) and the field; with ``on_error="skip"`` it is
-skipped instead, counted and its message kept in the returned ``LoadedDataset``.
+A malformed row (not UTF-8, not JSON, a field missing or of the wrong type, an empty
+prompt, a repeated id) raises ``DatasetError`` naming the file, the row (1-based: the line
+of a JSONL file, the record of a Parquet file) and the field; with ``on_error="skip"`` it
+is skipped instead, counted and its message kept in the returned ``LoadedDataset``. A file
+that yields no problem at all raises ``EmptyDatasetError`` naming it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,23 @@ class DatasetError(ValueError):
     def __init__(self, path: str | Path, row: int, field_name: str, message: str):
         self.path, self.row, self.field = str(path), row, field_name
         super().__init__(f"{path}: row {row}: field {field_name!r}: {message}")
+
+
+class EmptyDatasetError(ValueError):
+    """A dataset file that yields no problem: empty, or every row skipped."""
+
+    def __init__(self, path: str | Path, skipped: int, first_error: str | None = None):
+        self.path, self.skipped = str(path), skipped
+        if skipped:
+            message = (
+                f"{path}: all {skipped} row(s) were skipped as malformed, so the file holds "
+                f"no problem; the first: {first_error}"
+            )
+        else:
+            message = (
+                f"{path}: the dataset file holds no rows; give a JSONL/Parquet file of problems"
+            )
+        super().__init__(message)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +104,8 @@ def load_problems(
 
     Raises:
       DatasetError: a malformed row (``on_error="raise"``) or a repeated id.
+      EmptyDatasetError: the file yields no problem (it is empty, or every row was
+        skipped).
       FileNotFoundError: no such file.
     """
     check_choice("file_format", file_format, FileFormat)
@@ -118,6 +139,8 @@ def load_problems(
             continue
         seen[problem.id] = row_number
         problems.append(problem)
+    if not problems:
+        raise EmptyDatasetError(path, len(errors), errors[0] if errors else None)
     return LoadedDataset(problems, skipped=len(errors), errors=errors)
 
 
@@ -131,8 +154,23 @@ def write_problems(path: str | Path, problems: Sequence[Problem]) -> None:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
+    # Bytes, decoded line by line, so that a byte that is not UTF-8 fails its row only.
+    with path.open("rb") as lines:
+        for line_number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield (
+                    line_number,
+                    DatasetError(
+                        path,
+                        line_number,
+                        "<utf-8>",
+                        f"byte 0x{raw[error.start]:02x} (byte {error.start + 1} of the line) is "
+                        "not UTF-8; re-encode the file as UTF-8",
+                    ),
+                )
+                continue
             if not line.strip():
                 continue
             try:
@@ -170,6 +208,8 @@ def _to_problem(
     if prompt is None and messages is None:
         named = [name for name in (fields.prompt, fields.messages) if name]
         raise fail(" or ".join(named), "missing or null")
+    if prompt is not None and not prompt.strip() and messages is None:
+        raise fail(fields.prompt or "prompt", "empty; give the problem text or drop the row")
     if fields.answer not in row or row[fields.answer] is None:
         raise fail(fields.answer, "missing or null")
     metadata: dict[str, Any] = {}

@@ -153,6 +153,9 @@ class MathTask:
 
     def __init__(self, config: MathConfig | None = None):
         self.config = config or MathConfig()
+        # Dataset file -> rows skipped as malformed when it was last read
+        # (``on_error="skip"``), for a run's summary.
+        self.skipped_rows: dict[str, int] = {}
 
     def problems(self, split: Split, n: int | None = None) -> list[Problem]:
         """Problems of ``split`` (the first ``n``; all of a file's when ``n`` is ``None``)."""
@@ -201,7 +204,9 @@ class MathTask:
 
     def _load(self, path: str) -> list[Problem]:
         c = self.config
-        return load_problems(path, c.fields, on_error=c.on_error, id_prefix=self.name).problems
+        loaded = load_problems(path, c.fields, on_error=c.on_error, id_prefix=self.name)
+        self.skipped_rows[path] = loaded.skipped
+        return loaded.problems
 
 
 def _draw_synthetic(rng: random.Random) -> tuple[str, Problem] | None:
