@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,18 @@ class MetricsLogger:
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)
 
+    def rewrite(self, rows: list[dict[str, Any]]) -> None:
+        """Replaces the history (and ``metrics.jsonl``) with ``rows``: a trainer restore
+        keeps each step once, the ones it went back over gone."""
+        self.history = [{k: _plain(v) for k, v in row.items()} for row in rows]
+        if self._file and self.path:
+            self._file.close()
+            replace_lines(self.path, [json.dumps(row) for row in self.history])
+            self._file = open(self.path, "a")  # noqa: SIM115
+        if self._bar is not None:
+            self._bar.n = len(rows)
+            self._bar.refresh()
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -74,6 +87,13 @@ class MetricsLogger:
         if self._file:
             self._file.close()
             self._file = None
+
+
+def replace_lines(path: Path, lines: list[str]) -> None:
+    """Writes ``lines`` to ``path`` atomically (a scratch file, then a rename)."""
+    scratch = path.with_name(path.name + ".tmp")
+    scratch.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    os.replace(scratch, path)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -117,6 +117,12 @@ class TraceEvent:
         """The field ``key``, or ``default`` when absent."""
         return self.fields.get(key, default)
 
+    @property
+    def discarded(self) -> bool:
+        """A ``train_step`` whose weights a trainer restore threw away (the step was taken
+        again): its compute happened, but it is not part of the run's history."""
+        return bool(self.fields.get("discarded", False))
+
     def to_dict(self) -> dict[str, Any]:
         """Flat dict: the four core keys followed by the fields."""
         out: dict[str, Any] = {
@@ -270,9 +276,9 @@ def read_trace(path: str | os.PathLike) -> list[TraceEvent]:
 class TraceSummary:
     """Throughput of a run as its trace tells it.
 
-    ``duration_s`` runs from the first event to the last ``train_step`` (or the last
-    event when no step happened). Rates divide trained (consumed) samples and tokens,
-    and generated completion tokens, by that duration.
+    ``duration_s`` runs from the first event to the last kept ``train_step`` (or the last
+    event when no step happened; discarded steps do not count). Rates divide trained
+    (consumed) samples and tokens, and generated completion tokens, by that duration.
     """
 
     duration_s: float
@@ -292,7 +298,7 @@ def summarize(events: Iterable[TraceEvent]) -> TraceSummary:
     if not events:
         raise ValueError("events: empty trace")
     start = min(e.t for e in events)
-    steps = [e for e in events if e.kind == "train_step"]
+    steps = [e for e in events if e.kind == "train_step" and not e.discarded]
     end = max(e.t for e in steps) if steps else max(e.t for e in events)
     duration = max(end - start, 1e-12)
     samples = sum(int(e["samples"]) for e in steps)
@@ -313,10 +319,10 @@ def summarize(events: Iterable[TraceEvent]) -> TraceSummary:
 
 
 def staleness_distribution(events: Iterable[TraceEvent]) -> dict[int, int]:
-    """Counts of per-rollout staleness over all ``train_step`` events, sorted by age."""
+    """Counts of per-rollout staleness over the kept ``train_step`` events, sorted by age."""
     counts: Counter[int] = Counter()
     for event in events:
-        if event.kind == "train_step":
+        if event.kind == "train_step" and not event.discarded:
             counts.update(int(s) for s in event.get("staleness", ()))
     return dict(sorted(counts.items()))
 

@@ -1,6 +1,7 @@
 """Fault injection in the local runtime: a random plan of worker and trainer preemptions
 loses no accepted rollout; hung rewards and failed pulls are survived and counted."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,8 @@ from rlaxkit.faults import Fault, FaultPlan, random_preemptions
 from rlaxkit.runtime import Experiment
 from rlaxkit.tasks import RewardRunner, make_task
 from rlaxkit.tasks.base import REWARD_TIMEOUT
-from rlaxkit.trace import drop_counts
+from rlaxkit.metrics import read_metrics
+from rlaxkit.trace import drop_counts, read_trace, summarize
 
 STANDARD = Path(__file__).resolve().parents[1] / "configs" / "faults" / "standard.yaml"
 SMALL = [
@@ -148,3 +150,15 @@ def test_trainer_restore_drops_the_weights_of_the_discarded_branch(cache, tmp_pa
     assert restore["step"] == 3 and pulled == {"worker-0", "worker-1"}
     assert summary["steps"] == 7 and summary["lost_steps"] == 2
     assert summary["accepted_lost"] == 0
+    # What the run reports holds each step once, as a resumed run leaves it: steps 4
+    # and 5 of the discarded branch leave metrics.jsonl and the history, and their
+    # train_step events stay in the trace marked discarded (readers skip them).
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    assert rows == json.loads(json.dumps(exp.history))
+    steps = [e for e in read_trace(tmp_path / "trace.jsonl") if e.kind == "train_step"]
+    assert [e["step"] for e in steps if e.discarded] == [4, 5]
+    assert [e["step"] for e in steps if not e.discarded] == list(range(1, 8))
+    assert summarize(steps).steps == 7
+    assert summary["preemptions"] == {"worker": 0, "slice": 0, "trainer": 1, "param_server": 0}
+    assert summary["restarts"] == {"trainer": 1} and rows[-1]["preemptions/trainer"] == 1

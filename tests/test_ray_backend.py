@@ -310,5 +310,8 @@ def test_one_fault_plan_runs_on_both_placements_and_loses_nothing_accepted(
         pushes = [e.version for e in events(exp, "push", after=outage.t)]
     assert summary["steps"] == 5 and summary["accepted_lost"] == 0
     assert summary["lost_steps"] == 1  # step 3: the trainer restored checkpoint 2
+    # One of each kind in the plan, counted as such (a slice is one preemption).
+    assert summary["preemptions"] == {"worker": 1, "slice": 1, "trainer": 1, "param_server": 1}
+    assert summary["reissued_prompts"] == exp.history[-1]["reissued/prompts"]
     assert {"worker-0", "worker-1", "trainer"} <= preempted
     assert outage["fault"] == "kill_param_server" and 5 in pushes  # served again after it

@@ -12,6 +12,8 @@ from typing import Any
 
 from rlaxkit.rollout import RolloutGroup
 
+PREEMPTIONS = ("worker", "slice", "trainer", "param_server")
+
 
 @dataclass
 class RunBooks:
@@ -29,6 +31,10 @@ class RunBooks:
         extra: the caller's JSON, saved with every checkpoint (``rlaxkit train`` keeps
             its evaluations here).
         resumed_from: the checkpoint step this process resumed from (``None``: fresh).
+        preemptions: preemptions so far by kind (``worker``, ``slice``, ``trainer``,
+            ``param_server``): a fault plan's, and actors that died on their own.
+        restarts: restart events so far by actor (``worker`` for any worker).
+        reissued: prompts handed out again after the worker holding them was lost.
         trained_since_save: the groups of each step since the newest checkpoint (what a
             trainer restore rolls back); not saved: a checkpoint empties it.
     """
@@ -43,6 +49,9 @@ class RunBooks:
     history: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     resumed_from: int | None = None
+    preemptions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREEMPTIONS, 0))
+    restarts: dict[str, int] = field(default_factory=dict)
+    reissued: int = 0
     trained_since_save: dict[int, list[RolloutGroup]] = field(default_factory=dict)
 
     def record_step(self, groups: list[RolloutGroup], duration_s: float) -> None:
@@ -59,8 +68,8 @@ class RunBooks:
         self.lost_steps += 1
 
     def roll_back(self, step: int) -> list[RolloutGroup]:
-        """The trainer went back to checkpoint ``step``: the steps after it are lost;
-        returns their groups."""
+        """The trainer went back to checkpoint ``step``: the steps after it are lost (and
+        leave the history: it holds each kept step once); returns their groups."""
         lost_groups: list[RolloutGroup] = []
         for taken in sorted(self.trained_since_save):
             if taken > step:
@@ -69,8 +78,17 @@ class RunBooks:
         self.lost_steps += len(lost)
         self.lost_train_s += sum(lost)
         del self.useful_train_s[step:]
+        self.history = [row for row in self.history if row["step"] <= step]
         self.version = step
         return lost_groups
+
+    def counters(self) -> dict[str, int]:
+        """The fault counters a step's metrics carry (``preemptions/<kind>``,
+        ``reissued/prompts``); restarts stay in the summary (a resumed run restarts
+        the trainer where the uninterrupted one did not)."""
+        out = {f"preemptions/{kind}": n for kind, n in self.preemptions.items()}
+        out["reissued/prompts"] = self.reissued
+        return out
 
     def saved(self, fault_clock_s: float) -> None:
         """A checkpoint of the current version was written."""
@@ -86,6 +104,9 @@ class RunBooks:
             "useful_train_s": list(self.useful_train_s),
             "lost_train_s": self.lost_train_s,
             "lost_steps": self.lost_steps,
+            "preemptions": dict(self.preemptions),
+            "restarts": dict(self.restarts),
+            "reissued": self.reissued,
         }
 
     def load_state_dict(
@@ -98,6 +119,10 @@ class RunBooks:
         self.useful_train_s = list(state["useful_train_s"])
         self.lost_train_s += state["lost_train_s"]
         self.lost_steps += state["lost_steps"]
+        self.preemptions |= state.get("preemptions", {})  # .get: written before counters
+        for actor, n in state.get("restarts", {}).items():
+            self.restarts[actor] = self.restarts.get(actor, 0) + n
+        self.reissued = state.get("reissued", 0)
         self.history = list(history)
         self.extra = dict(extra)
         self.trained_since_save.clear()

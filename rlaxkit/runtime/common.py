@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from rlaxkit.batch import BucketSpec
+from rlaxkit.metrics import replace_lines
 from rlaxkit.rollout import Rollout, RolloutGroup
 from rlaxkit.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
 
@@ -59,15 +61,22 @@ class RunTrace:
         written: the events the file already holds (those of a run resumed from).
         lock: taken around every event (the local runtime's concurrent mode records from
             worker threads); a fresh one by default.
+        restarts: counts ``restart`` events by actor (``worker`` for any worker) into
+            this dict (the run's books).
 
     ``written`` counts the file's events; ``offset_s`` is added to every recorded time
     (a resumed run's clock goes on from the stopped run's).
     """
 
     def __init__(
-        self, path: Path | None, written: int = 0, lock: threading.RLock | None = None
+        self,
+        path: Path | None,
+        written: int = 0,
+        lock: threading.RLock | None = None,
+        restarts: dict[str, int] | None = None,
     ) -> None:
         self.memory = MemoryTrace()
+        self.restarts = {} if restarts is None else restarts
         self.file = JsonlTraceWriter(path, append=True) if path else None
         self.written = written
         self.offset_s = 0.0
@@ -83,6 +92,9 @@ class RunTrace:
         """Records an already-built event."""
         with self.lock:
             self.memory.emit(event)
+            if event.kind == "restart":
+                actor = "worker" if event.actor.startswith("worker-") else event.actor
+                self.restarts[actor] = self.restarts.get(actor, 0) + 1
             if self.file:
                 self.file.emit(event)
                 self.written += 1
@@ -91,6 +103,34 @@ class RunTrace:
         """Records events built elsewhere (by actors), in order."""
         for event in events:
             self.emit(event)
+
+    def discard_steps(self, steps: set[int]) -> None:
+        """Marks the kept ``train_step`` events of ``steps`` ``discarded`` (a trainer
+        restore went back over them), in memory and in trace.jsonl (rewritten)."""
+
+        def mark(event: TraceEvent) -> TraceEvent:
+            if event.kind != "train_step" or event.discarded or event.get("step") not in steps:
+                return event
+            return TraceEvent(
+                event.t, event.kind, event.actor, event.version, {**event.fields, "discarded": True}
+            )
+
+        with self.lock:
+            self.memory.events = [mark(event) for event in self.memory.events]
+            if self.file:
+                path = self.file.path
+                self.file.close()
+                lines = path.read_text(encoding="utf-8").splitlines()
+                replace_lines(
+                    path,
+                    [
+                        mark(TraceEvent.from_dict(json.loads(line))).to_json()
+                        if '"train_step"' in line
+                        else line
+                        for line in lines
+                    ],
+                )
+                self.file = JsonlTraceWriter(path, append=True)
 
     def close(self) -> None:
         if self.file:

@@ -93,15 +93,16 @@ class Experiment(Loop):
         resumed = codec.continue_files(self.run_dir, point) if point and self.run_dir else None
         self._t0 = time.perf_counter()
         self.lock = threading.RLock()  # concurrent mode's worker threads take it
-        self.trace = RunTrace(trace_path, resumed["events"] if resumed else 0, self.lock)
-        if resumed is None:
-            self.trace.record(0.0, "run_start", "controller", None, config=config.to_dict())
-        else:
-            self.trace.offset_s = resumed["offset_s"]
         self.books = RunBooks(
             lost_steps=resumed["lost_steps"] if resumed else 0,
             lost_train_s=resumed["lost_train_s"] if resumed else 0.0,
         )
+        events = resumed["events"] if resumed else 0
+        self.trace = RunTrace(trace_path, events, self.lock, restarts=self.books.restarts)
+        if resumed is None:
+            self.trace.record(0.0, "run_start", "controller", None, config=config.to_dict())
+        else:
+            self.trace.offset_s = resumed["offset_s"]
         try:
             self.parts = start_placement(
                 config,
@@ -251,7 +252,8 @@ class Experiment(Loop):
 
     # -- results -----------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        """Goodput (useful trainer compute ÷ wall time), lost steps, fault counters.
+        """Goodput (useful trainer compute ÷ wall time), lost steps, fault counters
+        (``preemptions`` by kind, ``restarts`` by actor, ``reissued_prompts``).
 
         In deterministic mode downtimes pass on the logical fault clock and cost no wall
         time, so wall goodput shows the compute faults waste (lost steps, restores,
@@ -259,11 +261,6 @@ class Experiment(Loop):
         with self.lock:
             wall = self.trace.offset_s + self.clock()
             useful = sum(self.books.useful_train_s)
-            restarts: dict[str, int] = {}
-            for event in self.trace.memory.events:
-                if event.kind == "restart":
-                    actor = "worker" if event.actor.startswith("worker-") else event.actor
-                    restarts[actor] = restarts.get(actor, 0) + 1
             return {
                 "backend": self.config.runtime.backend,
                 "goodput": useful / max(wall, 1e-9),
@@ -280,7 +277,9 @@ class Experiment(Loop):
                 },
                 "workers": len(self.fleet.worker_ids()),
                 "worker_replacements": self.fleet.replacements(),
-                "restarts": restarts,
+                "preemptions": dict(self.books.preemptions),
+                "restarts": dict(self.books.restarts),
+                "reissued_prompts": self.books.reissued,
                 "buffer": self.buffer.counts(),
                 "resumed_from": self.resumed_from,
             }

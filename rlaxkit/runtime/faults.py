@@ -169,6 +169,14 @@ def load_plan(plan: FaultPlan | str | os.PathLike | list | None) -> FaultPlan:
     return FaultPlan.load(plan)
 
 
+# The summary's preemption counters, by the fault kind that counts in each.
+PREEMPTION_KINDS = {
+    "preempt_worker": "worker",
+    "preempt_slice": "slice",
+    "preempt_trainer": "trainer",
+    "kill_param_server": "param_server",
+}
+
 # Kinds a Ray placement injects; the others reach inside a worker's process.
 RAY_KINDS = (
     "preempt_worker",
@@ -307,6 +315,8 @@ class FaultInjector(NoFaults):
     def apply(self, exp: Experiment, fault: Fault) -> None:
         """Injects one fault (see the module docstring)."""
         now, down = exp.fault_now(), self.state.downtime(fault)
+        if fault.kind in PREEMPTION_KINDS:
+            exp.books.preemptions[PREEMPTION_KINDS[fault.kind]] += 1
         if fault.kind in ("preempt_worker", "preempt_slice"):
             for worker_id in self.state.targets(fault):
                 self.preempt_worker(exp, worker_id, down)
@@ -362,7 +372,7 @@ class FaultInjector(NoFaults):
             return
         exp.trace.record(exp.clock(), "restart", "trainer", exp.version)
         restored = exp.trainer.restore(exp.books.last_save_step)
-        lost_groups = exp.books.roll_back(restored)
+        lost_groups = exp.roll_back(restored)
         self.state.trainer_down_until = None
         for group_id in exp.buffer.rollback(restored, lost_groups):
             exp.drop_event(group_id, "rolled_back")

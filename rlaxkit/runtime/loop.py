@@ -113,6 +113,7 @@ class Loop:
         """Prompts a worker lost go back to the controller (same ids and seeds)."""
         for issue in lost:
             self.buffer.reset_group(issue.group_id)
+        self.books.reissued += len(lost)
         self.controller.requeue(lost)
 
     def round(self) -> bool:
@@ -153,7 +154,19 @@ class Loop:
 
     def _requeue_dead(self) -> None:
         for worker_id, lost in self.fleet.take_lost():
+            self.books.preemptions["worker"] += 1  # no plan killed it: it died
             self.lose_worker(worker_id, lost, reason="actor_died")
+
+    def roll_back(self, step: int) -> list[RolloutGroup]:
+        """The trainer restored checkpoint ``step``: the steps after it leave the books,
+        metrics.jsonl and the history (each step stays once, as a resumed run leaves
+        them) and their ``train_step`` events are marked ``discarded``; returns their
+        groups."""
+        discarded = set(range(step + 1, self.version + 1))
+        groups = self.books.roll_back(step)
+        self.logger.rewrite(self.books.history)
+        self.trace.discard_steps(discarded)
+        return groups
 
     def lose_worker(self, worker_id: str, lost: list[Issue], **fields: Any) -> None:
         """A worker left the fleet or went down: its prompts are re-issued, and the
@@ -227,6 +240,7 @@ class Loop:
                 "time/generate_s": t_gen - t_start,
                 "time/train_s": t_train - t_gen,
                 **self.window.close(t_train, self.fleet.generated_tokens()),
+                **self.books.counters(),
             }
         self.trace.record(
             self.clock(),

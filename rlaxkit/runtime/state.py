@@ -31,7 +31,6 @@ listed. Items:
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ import jax
 from rlaxkit.api import FleetCheckpoint
 from rlaxkit.checkpoint import CheckpointManager
 from rlaxkit.config import RunConfig
+from rlaxkit.metrics import replace_lines
 from rlaxkit.runtime.books import RunBooks
 
 FORMAT = 2
@@ -165,13 +165,6 @@ def continue_trace(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
         "lost_train_s": lost_train_s,
         "events": len(kept),
     }
-
-
-def replace_lines(path: Path, lines: list[str]) -> None:
-    """Writes ``lines`` to ``path`` atomically (a scratch file, then a rename)."""
-    scratch = path.with_name(path.name + ".tmp")
-    scratch.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    os.replace(scratch, path)
 
 
 def read_meta(manager: Any, step: int | None = None) -> dict[str, Any]:

@@ -107,6 +107,7 @@ class TrainerClient:
         """Restores the restarted trainer and replays the batches since its checkpoint,
         so its state is the one it lost; then it publishes again."""
         version = self.books.version
+        self.books.preemptions["trainer"] += 1  # no plan killed it: it died
         self.trace.record(self.clock(), "preemption", "trainer", version)
         self.group.restart()  # A group starts anew; one trainer Ray restarts.
         restored = self._call_restarting("restore", version)
