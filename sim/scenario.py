@@ -37,6 +37,7 @@ from .specs import (
 )
 
 __all__ = [
+    "MAX_EXPECTED_PREEMPTIONS",
     "Scenario",
     "load_scenario",
     "save_scenario",
@@ -44,6 +45,11 @@ __all__ = [
     "scenario_to_dict",
     "with_overrides",
 ]
+
+# Random preemptions are drawn as a plan over the whole horizon before a run starts
+# (about 6 s per million on one core, plus their events); a scenario expecting more is
+# refused rather than left to run for hours.
+MAX_EXPECTED_PREEMPTIONS = 1_000_000
 
 _SECTIONS: dict[str, type] = {
     "trainer": TrainerSpec,
@@ -132,6 +138,40 @@ class Scenario:
         if not (isinstance(self.horizon_s, int | float) and 0 < self.horizon_s < math.inf):
             raise ValueError(f"horizon_s: must be a finite number > 0, got {self.horizon_s!r}")
         check_int("seed", self.seed)
+        self._check_expected_preemptions()
+
+    @property
+    def expected_preemptions(self) -> float:
+        """Random preemptions expected over the horizon: ``horizon_s · (num_workers /
+        worker_mtbf_s + num_slices / slice_mtbf_s + 1 / trainer_mtbf_s)`` (terms whose
+        MTBF is ``None`` left out; the mean gap is the MTBF for either law)."""
+        return self.horizon_s * sum(count / mtbf for _, count, mtbf in self._preemption_rates())
+
+    def _preemption_rates(self) -> list[tuple[str, int, float]]:
+        """(MTBF field, targets, MTBF in seconds) of each kind of random preemption on."""
+        spec, fleet = self.preemptions, self.fleet
+        rates = [
+            ("worker_mtbf_s", fleet.num_workers, spec.worker_mtbf_s),
+            ("slice_mtbf_s", fleet.num_slices, spec.slice_mtbf_s),
+            ("trainer_mtbf_s", 1, spec.trainer_mtbf_s),
+        ]
+        return [(name, count, mtbf) for name, count, mtbf in rates if mtbf is not None]
+
+    def _check_expected_preemptions(self) -> None:
+        expected = self.expected_preemptions
+        if expected <= MAX_EXPECTED_PREEMPTIONS:
+            return
+        name, count, mtbf = max(self._preemption_rates(), key=lambda rate: rate[1] / rate[2])
+        # The MTBF at which this kind alone expects the limit over the horizon.
+        floor_s = self.horizon_s * count / MAX_EXPECTED_PREEMPTIONS
+        raise ValueError(
+            f"preemptions.{name}: {mtbf:g} s gives about {expected:.3g} random preemptions "
+            f"over horizon_s = {self.horizon_s:g} s (horizon_s · targets / MTBF for each "
+            f"kind), more than the {MAX_EXPECTED_PREEMPTIONS:,} a simulation takes; raise "
+            f"preemptions.{name} (above {floor_s:.3g} s for {count} target(s)) or shorten "
+            "horizon_s (the plan is drawn up to horizon_s even when target_steps ends the "
+            "run sooner)"
+        )
 
     @property
     def chips(self) -> int:
