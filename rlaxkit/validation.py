@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Literal, TypeGuard, overload
+from typing import Any, Literal, Protocol, TypeGuard, overload
 
-__all__ = ["check_int", "check_number", "is_int", "is_number"]
+__all__ = ["check_int", "check_number", "check_tokenizer_fits", "is_int", "is_number"]
 
 
 @overload
@@ -132,3 +132,40 @@ def _bounds(minimum: float | None, maximum: float | None) -> str:
     if maximum is not None:
         return f" <= {maximum}"
     return ""
+
+
+class _HasVocabulary(Protocol):
+    vocab_size: int
+
+
+def check_tokenizer_fits(tokenizer: _HasVocabulary, vocab_size: int, where: str) -> None:
+    """Raises unless every id ``tokenizer`` can produce is below the model's ``vocab_size``.
+
+    An id at or past ``vocab_size`` indexes past the embedding table: JAX clamps or fills
+    such gathers, so the model gives NaN or wrong logits without an error. A model larger
+    than its tokenizer (HF checkpoints pad their vocabulary) is fine.
+
+    Args:
+        tokenizer: anything with ``vocab_size`` (the ids it produces are below it).
+        vocab_size: rows of the model's embedding table (``ModelConfig.vocab_size``).
+        where: what is being checked, first in the message (a checkpoint path).
+
+    Raises:
+        ValueError: naming both sizes and the fix.
+
+    >>> class Chars:
+    ...     vocab_size = 20
+    >>> check_tokenizer_fits(Chars(), 32, "model")
+    >>> check_tokenizer_fits(Chars(), 16, "model")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+        ...
+    ValueError: model: the tokenizer has 20 tokens but the model's vocab_size is 16; ids ...
+    """
+    tokens = tokenizer.vocab_size
+    if tokens > vocab_size:
+        raise ValueError(
+            f"{where}: the tokenizer has {tokens} tokens but the model's vocab_size is "
+            f"{vocab_size}; ids {vocab_size}..{tokens - 1} would index past the embedding "
+            "table (NaN logits). Use the tokenizer the model was built with, or a model with "
+            f"vocab_size >= {tokens}"
+        )

@@ -8,7 +8,9 @@ HF ``Linear`` weights are ``[out, in]`` and are transposed to NNX's ``[in, out]`
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
 from rlaxkit.models.config import ModelConfig
 from rlaxkit.models.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
 from rlaxkit.models.transformer import Transformer
+from rlaxkit.validation import check_tokenizer_fits
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -43,6 +46,25 @@ def abstract_model(config: ModelConfig) -> Transformer:
     return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
 
 
+@contextlib.contextmanager
+def _open_safetensors(file: Path) -> Iterator[Any]:
+    """``safe_open(file)``; a missing, truncated or corrupt file raises an error naming it
+    (safetensors' own names neither the file nor the fix)."""
+    if not file.exists():
+        raise FileNotFoundError(
+            f"{file}: safetensors file missing (named by {file.parent / _INDEX}); copy the "
+            "whole checkpoint directory again"
+        )
+    try:
+        with safe_open(str(file), framework="flax") as f:
+            yield f
+    except SafetensorError as error:
+        raise ValueError(
+            f"{file}: the safetensors file is truncated or corrupt ({error}; "
+            f"{file.stat().st_size} bytes on disk); copy or download the checkpoint again"
+        ) from None
+
+
 def _tensor_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file holding it."""
     index = path / _INDEX
@@ -52,7 +74,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     single = path / _SINGLE
     if not single.exists():
         raise FileNotFoundError(f"{path} has neither {_SINGLE} nor {_INDEX}")
-    with safe_open(str(single), framework="flax") as f:
+    with _open_safetensors(single) as f:
         return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
 
 
@@ -73,7 +95,9 @@ def load_hf_checkpoint(
         with_tokenizer: also load the tokenizer when the directory has one.
 
     Raises:
-        ValueError: a tensor is missing, unexpected, or has the wrong shape (named).
+        ValueError: a tensor is missing, unexpected, or has the wrong shape (named), or a
+            safetensors file is truncated or corrupt (named).
+        FileNotFoundError: no weights, or a shard the index names is missing.
     """
     path = Path(path)
     hf_config = json.loads((path / "config.json").read_text())
@@ -107,7 +131,7 @@ def load_hf_checkpoint(
     for name in wanted:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
-        with safe_open(str(file), framework="flax") as f:
+        with _open_safetensors(file) as f:
             for name in names:
                 param_path, leaf, transposed = wanted[name]
                 array = f.get_tensor(name)
@@ -124,6 +148,7 @@ def load_hf_checkpoint(
     has_tokenizer = (path / "tokenizer.json").exists() or (path / "char_tokenizer.json").exists()
     if with_tokenizer and has_tokenizer:
         tokenizer = load_tokenizer(path)
+        check_tokenizer_fits(tokenizer, config.vocab_size, f"checkpoint {path}")
     return model, tokenizer
 
 
