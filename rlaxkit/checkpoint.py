@@ -22,12 +22,14 @@ True
 
 from __future__ import annotations
 
+import json as json_module
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
@@ -54,6 +56,73 @@ def abstract_tree(tree: Any, shardings: Any = None) -> Any:
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
+
+
+class CheckpointDamaged(RuntimeError):
+    """A committed checkpoint step whose files cannot be read back (deleted or truncated
+    data files, a corrupt JSON item).
+
+    Attributes:
+        step: the damaged step.
+        step_dir: its directory; deleting it makes ``previous_step`` the latest.
+        problem: what could not be read (item, error type and its first line).
+        previous_step: the newest older checkpoint kept, or ``None``.
+    """
+
+    def __init__(self, step: int, step_dir: Path, problem: str, previous_step: int | None):
+        self.step, self.step_dir = step, step_dir
+        self.problem, self.previous_step = problem, previous_step
+        if previous_step is None:
+            fix = f"delete {step_dir} and start again (no earlier checkpoint is kept)"
+        else:
+            fix = f"delete {step_dir} to resume from step {previous_step}, the previous checkpoint"
+        super().__init__(f"checkpoint step {step} at {step_dir} is damaged: {problem}; {fix}")
+
+
+def verify_step(step_dir: str | Path, items: Iterable[str] | None = None) -> str | None:
+    """Reads every item of a checkpoint step back; ``None`` when all of them read, else
+    what failed (item, error type and the error's first line).
+
+    Pytree items are read onto the host as NumPy arrays from their own saved metadata (no
+    restore target or devices needed), so this reads the whole step: it costs as much as
+    a restore.
+
+    Args:
+        step_dir: the step's directory (``<checkpoints>/<step>``).
+        items: the item names to read; ``None``: every item of the step.
+    """
+    step_dir = Path(step_dir)
+    if not step_dir.is_dir():
+        return f"{step_dir} does not exist"
+    names = sorted(p.name for p in step_dir.iterdir() if p.is_dir()) if items is None else items
+    for name in names:
+        item_dir = step_dir / name
+        try:
+            if not item_dir.is_dir():
+                raise FileNotFoundError(f"item directory {item_dir} is missing")
+            if (item_dir / "metadata").is_file():  # a JSON item's one file
+                json_module.loads((item_dir / "metadata").read_text())
+            elif any((item_dir / f).exists() for f in ("_METADATA", "manifest.ocdbt")):
+                _read_pytree(item_dir)
+            else:
+                raise FileNotFoundError(
+                    f"{item_dir} holds neither a pytree (_METADATA) nor a JSON item (metadata)"
+                )
+        except Exception as error:  # noqa: BLE001 (any failure to read is the answer)
+            first_line = (str(error).strip().splitlines() or [""])[0][:300]
+            return f"item {name!r}: {type(error).__name__}: {first_line}"
+    return None
+
+
+def _read_pytree(item_dir: Path) -> None:
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        metadata = checkpointer.metadata(item_dir).item_metadata
+        if metadata is None:
+            raise FileNotFoundError(f"no readable pytree metadata in {item_dir}")
+        restore_args = jax.tree.map(
+            lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata.tree
+        )
+        checkpointer.restore(item_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
 
 
 class CheckpointManager:
@@ -118,6 +187,9 @@ class CheckpointManager:
 
         Raises:
             FileNotFoundError: when there is no such checkpoint or item.
+            CheckpointDamaged: the step is committed but its files cannot be read back
+                (``verify_step`` fails too, so the fault is not the restore target's);
+                the error names the step directory and the previous step to resume from.
         """
         step = self.latest_step() if step is None else step
         if step is None or step not in self.all_steps():
@@ -135,8 +207,27 @@ class CheckpointManager:
             for name, target in (pytrees or {}).items()
         }
         items |= {name: ocp.args.JsonRestore() for name in json}
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception:
+            # A target that does not fit fails here too; only a step whose own files
+            # cannot be read back is called damaged.
+            problem = verify_step(self.directory / str(step), items)
+            if problem is None:
+                raise
+            raise CheckpointDamaged(
+                step, self.directory / str(step), problem, self.previous_step(step)
+            ) from None
         return {name: restored[name] for name in items}
+
+    def verify(self, step: int) -> str | None:
+        """``verify_step`` of checkpoint ``step``: ``None`` when every item reads back."""
+        return verify_step(self.directory / str(step))
+
+    def previous_step(self, step: int) -> int | None:
+        """The newest checkpoint kept before ``step``, or ``None``."""
+        older = [s for s in self.all_steps() if s < step]
+        return older[-1] if older else None
 
     def item_names(self, step: int) -> tuple[str, ...]:
         """Names of the items saved in checkpoint ``step``."""
