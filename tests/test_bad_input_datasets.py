@@ -83,3 +83,15 @@ def test_a_file_task_exposes_its_skipped_rows(tmp_path, name):
     train, test = task.problems("train"), task.problems("test")
     assert len(train) + len(test) == 20
     assert task.skipped_rows == {str(path): 2}
+
+
+@pytest.mark.parametrize("name", ["math", "code"])
+def test_a_file_with_nothing_in_the_train_split_is_named(tmp_path, name):
+    answer = [{"input": "", "output": "2"}] if name == "code" else "2"
+    path = _write(tmp_path / "d.jsonl", _row(answer=answer))
+    task = make_task(name, train_path=str(path), test_fraction=1.0)
+    with pytest.raises(
+        ValueError, match=r"d\.jsonl: none of its 1 problem\(s\) falls in the train"
+    ):
+        task.problems("train")
+    assert len(task.problems("test")) == 1

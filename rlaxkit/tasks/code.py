@@ -32,7 +32,7 @@ from rlaxkit.tasks.base import (
     split_of,
     stable_id,
 )
-from rlaxkit.tasks.datasets import FieldMapping, OnError, load_problems
+from rlaxkit.tasks.datasets import FieldMapping, OnError, check_train_split, load_problems
 from rlaxkit.tasks.registry import register_task
 from rlaxkit.tasks.sandbox import SandboxLimits, run_python
 from rlaxkit.validation import check_int, is_number
@@ -159,6 +159,8 @@ class CodeTask:
             for p in problems.problems
             if c.test_path is not None or split_of(p.id, c.test_fraction) == split
         ]
+        if split == "train":
+            check_train_split(path, len(selected), len(problems.problems), c.test_fraction)
         for problem in selected:
             check_test_cases(problem.id, problem.answer)
         return selected if n is None else selected[:n]

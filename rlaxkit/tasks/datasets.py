@@ -144,6 +144,20 @@ def load_problems(
     return LoadedDataset(problems, skipped=len(errors), errors=errors)
 
 
+def check_train_split(path: str | Path, selected: int, loaded: int, test_fraction: float) -> None:
+    """Raises when a file's ``loaded`` problems put none in the train split (``selected``).
+
+    A file split by ``split_of`` with a large ``test_fraction`` (or few problems) can
+    leave nothing to train on; the run would only say that the split is empty.
+    """
+    if selected == 0:
+        raise ValueError(
+            f"{path}: none of its {loaded} problem(s) falls in the train split "
+            f"(test_fraction={test_fraction}); lower test_fraction, add problems, or give "
+            "test_path so that this file is all training data"
+        )
+
+
 def write_problems(path: str | Path, problems: Sequence[Problem]) -> None:
     """Writes problems as JSONL (one ``Problem.to_dict`` per line)."""
     path = Path(path)

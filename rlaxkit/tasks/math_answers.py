@@ -31,7 +31,7 @@ from rlaxkit.tasks.base import (
     split_of,
     stable_id,
 )
-from rlaxkit.tasks.datasets import FieldMapping, OnError, load_problems
+from rlaxkit.tasks.datasets import FieldMapping, OnError, check_train_split, load_problems
 from rlaxkit.tasks.expressions import render
 from rlaxkit.tasks.registry import register_task
 from rlaxkit.validation import check_int
@@ -174,9 +174,10 @@ class MathTask:
             path = c.train_path if split == "train" else c.test_path
             problems = self._load(path)
         else:
-            problems = [
-                p for p in self._load(c.train_path) if split_of(p.id, c.test_fraction) == split
-            ]
+            loaded = self._load(c.train_path)
+            problems = [p for p in loaded if split_of(p.id, c.test_fraction) == split]
+            if split == "train":
+                check_train_split(c.train_path, len(problems), len(loaded), c.test_fraction)
         return problems if n is None else problems[:n]
 
     def format_prompt(self, problem: Problem, chat: ChatTemplate | None = None) -> str:
