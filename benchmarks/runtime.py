@@ -52,9 +52,9 @@ runtime's own gaps between the ops of one program count as overhead there.
 
 ``--profile`` adds a cProfile of the η = 2 runs: the functions where the overhead goes.
 
-Note: ``Experiment`` filters groups whose rewards are all equal; an untrained model fails
-every problem, so the benchmark turns that filter off (``exp.buffer.dynamic_filter``)
-instead of paying for a warm start: the loop does the same work either way.
+Note: a run drops groups whose rewards are all equal by default; an untrained model fails
+every problem, so the benchmark keeps them (``batching.equal_rewards=keep``) instead of
+paying for a warm start: the loop does the same work either way.
 
 Usage::
 
@@ -157,7 +157,15 @@ class ComputeClock:
 def run_config(overrides: list[str], eta: int, steps: int) -> RunConfig:
     base = RunConfig().to_dict()
     return RunConfig.from_dict(
-        apply_overrides(base, [*overrides, f"staleness.max_staleness={eta}", f"steps={steps}"])
+        apply_overrides(
+            base,
+            [
+                *overrides,
+                f"staleness.max_staleness={eta}",
+                f"steps={steps}",
+                "batching.equal_rewards=keep",
+            ],
+        )
     )
 
 
@@ -185,7 +193,6 @@ def measure(config: RunConfig, clock: ComputeClock, warmup: int, steps: int, pro
     """Runs ``warmup`` trainer steps, ``steps`` plain ones (timed: the wall clock a user
     sees), then ``steps`` instrumented ones (the compute); returns their figures."""
     with Experiment(config) as exp:
-        exp.buffer.dynamic_filter = False
         with Instrumented(clock, exp):  # warm-up: compiles, and a compile in a timed
             exp.run(warmup)  # window below is counted
         trained_at = exp.buffer.counts()["trained"]
@@ -269,7 +276,6 @@ def profiled(config: RunConfig, warmup: int, steps: int) -> dict:
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # Python tracing would slow the host far more
     with Experiment(config) as exp, tempfile.TemporaryDirectory() as trace_dir:
-        exp.buffer.dynamic_filter = False
         exp.run(warmup)
         jax.profiler.start_trace(trace_dir, profiler_options=options)
         start = time.perf_counter()

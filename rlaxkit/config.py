@@ -16,7 +16,13 @@ from typing import Any, Literal
 from rlaxkit.configio import apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
 from rlaxkit.inference import SamplingConfig
 from rlaxkit.models.config import ModelConfig
-from rlaxkit.policies import CheckpointPolicy, StalenessPolicy, WeightSyncPolicy
+from rlaxkit.policies import (
+    BatchPolicy,
+    CheckpointPolicy,
+    RecoveryPolicy,
+    StalenessPolicy,
+    WeightSyncPolicy,
+)
 from rlaxkit.ray_config import RayConfig
 from rlaxkit.sft import SFTConfig
 from rlaxkit.tasks.registry import build_config, task_config_class
@@ -194,6 +200,8 @@ class RunConfig:
     )
     weight_sync: WeightSyncPolicy = field(default_factory=WeightSyncPolicy)
     checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
+    batching: BatchPolicy = field(default_factory=BatchPolicy)
+    recovery: RecoveryPolicy = field(default_factory=RecoveryPolicy)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

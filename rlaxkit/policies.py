@@ -1,4 +1,5 @@
-"""Decisions shared by the runtime and the simulator: staleness, weight sync, checkpoints.
+"""Decisions shared by the runtime and the simulator: staleness, weight sync, checkpoints,
+which groups train, and what a preemption does to work in flight.
 
 Plain Python on purpose: this module imports neither JAX nor SimPy, so the SimPy fleet
 simulator (``sim/``) and the real runtime call the very same objects with the same
@@ -28,7 +29,9 @@ from typing import Any, Literal, TypeAlias, get_args, overload
 from rlaxkit.validation import check_int
 
 __all__ = [
+    "BatchPolicy",
     "CheckpointPolicy",
+    "RecoveryPolicy",
     "DropReason",
     "PullMode",
     "StalenessPolicy",
@@ -228,13 +231,78 @@ class CheckpointPolicy:
         return ordered[: max(0, len(ordered) - self.keep)]
 
 
+@dataclass(frozen=True, kw_only=True)
+class BatchPolicy:
+    """Which finished groups the trainer gets, and in what order.
+
+    >>> BatchPolicy().filtered(equal_rewards=True)
+    True
+    >>> BatchPolicy(equal_rewards="keep").filtered(equal_rewards=True)
+    False
+
+    Attributes:
+        order: ``oldest``: each batch takes the admitted groups with the oldest first
+            version, ties by issue order (a group waits at most until older ones are
+            trained); ``arrival``: in the order they finished.
+        equal_rewards: ``drop``: a group whose rewards are all equal is dropped as
+            ``filtered`` (DAPO's dynamic sampling, arXiv 2503.14476; AReaL filters the
+            same way): under group-relative advantages it carries no signal, and only
+            dilutes the batch. ``keep``: every group trains, as GRPO was published
+            (arXiv 2402.03300) and as peers train by default; its advantages are zero.
+    """
+
+    order: Literal["oldest", "arrival"] = "oldest"
+    equal_rewards: Literal["drop", "keep"] = "drop"
+
+    def __post_init__(self) -> None:
+        _check_choice("order", self.order, ("oldest", "arrival"))
+        _check_choice("equal_rewards", self.equal_rewards, ("drop", "keep"))
+
+    def filtered(self, equal_rewards: bool) -> bool:
+        """True when a finished group of equal rewards (``equal_rewards``) is dropped."""
+        return equal_rewards and self.equal_rewards == "drop"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryPolicy:
+    """What a preemption does to the work it cuts short.
+
+    Attributes:
+        worker_lost: prompts in flight on a worker that is preempted, removed, or holds
+            weights a trainer restore voided: ``reissue`` hands them out again with the
+            same ids and seeds (nothing is dropped; RLAX's controller does this), ``drop``
+            drops them (reason ``preempted``, or ``rolled_back`` for void weights).
+        trainer_lost: the groups trained by the steps a trainer restore went back over:
+            ``requeue`` puts them back in the ready queue (nothing accepted is lost; ones
+            sampled from the discarded branch are then dropped as ``rolled_back``),
+            ``drop`` drops them (reason ``trainer_preempted``).
+    """
+
+    worker_lost: Literal["reissue", "drop"] = "reissue"
+    trainer_lost: Literal["requeue", "drop"] = "requeue"
+
+    def __post_init__(self) -> None:
+        _check_choice("worker_lost", self.worker_lost, ("reissue", "drop"))
+        _check_choice("trainer_lost", self.trainer_lost, ("requeue", "drop"))
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    """Raises ``ValueError`` naming ``name`` and the allowed values."""
+    if value not in allowed:
+        raise ValueError(f"{name}: must be one of {list(allowed)}, got {value!r}")
+
+
 # Any one of the policies, as ``policy_from_dict`` builds them by kind.
-Policy: TypeAlias = StalenessPolicy | WeightSyncPolicy | CheckpointPolicy
+Policy: TypeAlias = (
+    StalenessPolicy | WeightSyncPolicy | CheckpointPolicy | BatchPolicy | RecoveryPolicy
+)
 
 _POLICIES: dict[str, type[Policy]] = {
     "staleness": StalenessPolicy,
     "weight_sync": WeightSyncPolicy,
     "checkpoint": CheckpointPolicy,
+    "batching": BatchPolicy,
+    "recovery": RecoveryPolicy,
 }
 
 
@@ -264,7 +332,8 @@ def policy_from_dict(kind: str, fields: Mapping[str, Any]) -> Policy: ...
 
 
 def policy_from_dict(kind: str, fields: Mapping[str, Any]) -> Policy:
-    """Build the policy named ``kind`` (``staleness``, ``weight_sync``, ``checkpoint``).
+    """Build the policy named ``kind`` (``staleness``, ``weight_sync``, ``checkpoint``,
+    ``batching``, ``recovery``).
 
     Unknown field names raise ``ValueError`` naming the field and the allowed ones.
     """

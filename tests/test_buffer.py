@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from rlaxkit.buffer import RolloutBuffer
 from rlaxkit.controller import PromptController
-from rlaxkit.policies import StalenessPolicy
+from rlaxkit.policies import BatchPolicy, StalenessPolicy
 from rlaxkit.rollout import Rollout
 
 
@@ -51,7 +51,9 @@ def test_groups_complete_filter_and_batch_oldest_first():
 
 def test_take_batch_drops_what_became_stale_and_returns_oldest():
     buf = RolloutBuffer(
-        StalenessPolicy(max_staleness=1, batch_size=1), group_size=1, dynamic_filter=False
+        StalenessPolicy(max_staleness=1, batch_size=1),
+        group_size=1,
+        batching=BatchPolicy(equal_rewards="keep"),
     )
     for g, version in enumerate([0, 1, 2]):
         buf.issue(g, f"p{g}")
@@ -121,8 +123,8 @@ def test_buffer_state_round_trip():
     again.load_state_dict(buf.state_dict())
     again.check(issued=3)
     assert again.counts() == buf.counts()
-    (group,) = again._ready.values()
-    np.testing.assert_array_equal(group.rollouts[0].behaviour_logprobs, np.full(3, -0.5))
+    (group,) = again.ledger.ready.values()
+    np.testing.assert_array_equal(group.payload.rollouts[0].behaviour_logprobs, np.full(3, -0.5))
 
 
 def test_controller_is_a_pure_function_of_seed_and_issue_number():

@@ -62,7 +62,7 @@ def test_eta_zero_is_on_policy_every_ratio_is_one(cache):
 
 def test_accounting_invariant_at_every_step_with_filtering_and_eta_two(cache):
     with Experiment(small_run_config(*SMALL, "staleness.max_staleness=2"), cache_dir=cache) as exp:
-        assert exp.buffer.dynamic_filter
+        assert exp.config.batching.equal_rewards == "drop"
         seen_stale = 0
         for _ in range(6):
             metrics = exp.step()

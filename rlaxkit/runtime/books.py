@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlaxkit.rollout import RolloutGroup
-
 PREEMPTIONS = ("worker", "slice", "trainer", "param_server")
 
 
@@ -35,8 +33,6 @@ class RunBooks:
             ``param_server``): a fault plan's, and actors that died on their own.
         restarts: restart events so far by actor (``worker`` for any worker).
         reissued: prompts handed out again after the worker holding them was lost.
-        trained_since_save: the groups of each step since the newest checkpoint (what a
-            trainer restore rolls back); not saved: a checkpoint empties it.
     """
 
     version: int = 0
@@ -52,13 +48,11 @@ class RunBooks:
     preemptions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREEMPTIONS, 0))
     restarts: dict[str, int] = field(default_factory=dict)
     reissued: int = 0
-    trained_since_save: dict[int, list[RolloutGroup]] = field(default_factory=dict)
 
-    def record_step(self, groups: list[RolloutGroup], duration_s: float) -> None:
-        """A train step was taken on ``groups`` in ``duration_s`` compute seconds."""
+    def record_step(self, duration_s: float) -> None:
+        """A train step was taken in ``duration_s`` compute seconds."""
         self.version += 1
         self.useful_train_s.append(duration_s)
-        self.trained_since_save[self.version] = groups
 
     def redo_step(self, step: int, duration_s: float) -> None:
         """Step ``step`` was taken again (a restarted trainer replayed it): its first
@@ -67,20 +61,15 @@ class RunBooks:
         self.useful_train_s[step - 1] = duration_s
         self.lost_steps += 1
 
-    def roll_back(self, step: int) -> list[RolloutGroup]:
+    def roll_back(self, step: int) -> None:
         """The trainer went back to checkpoint ``step``: the steps after it are lost (and
-        leave the history: it holds each kept step once); returns their groups."""
-        lost_groups: list[RolloutGroup] = []
-        for taken in sorted(self.trained_since_save):
-            if taken > step:
-                lost_groups.extend(self.trained_since_save.pop(taken))
+        leave the history: it holds each kept step once)."""
         lost = self.useful_train_s[step:]
         self.lost_steps += len(lost)
         self.lost_train_s += sum(lost)
         del self.useful_train_s[step:]
         self.history = [row for row in self.history if row["step"] <= step]
         self.version = step
-        return lost_groups
 
     def counters(self) -> dict[str, int]:
         """The fault counters a step's metrics carry (``preemptions/<kind>``,
@@ -93,7 +82,6 @@ class RunBooks:
     def saved(self, fault_clock_s: float) -> None:
         """A checkpoint of the current version was written."""
         self.last_save_step, self.last_save_s = self.version, fault_clock_s
-        self.trained_since_save.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (``history`` and ``extra`` go in items of their own)."""
@@ -125,7 +113,6 @@ class RunBooks:
         self.reissued = state.get("reissued", 0)
         self.history = list(history)
         self.extra = dict(extra)
-        self.trained_since_save.clear()
 
 
 @dataclass

@@ -121,7 +121,9 @@ class Experiment(Loop):
         self.fleet, self.trainer = self.parts.fleet, self.parts.trainer
         self.problems = self.parts.task.problems("train", config.task.num_train)
         self.controller = PromptController(len(self.problems), seed=config.seed)
-        self.buffer = RolloutBuffer(config.staleness, group_size=config.group_size)
+        self.buffer = RolloutBuffer(
+            config.staleness, config.group_size, config.batching, config.recovery
+        )
         self.published = 0  # the newest version the trainer published
         self.last_batch: dict[str, Any] | None = None
         self.closed = False
@@ -219,6 +221,7 @@ class Experiment(Loop):
         )
         saved = self.trainer.save(self.version, items, arrays, wait=wait)  # traced there
         self.books.saved(self.fault_now())
+        self.buffer.saved(self.version)
         return saved
 
     def _resume(self, point: codec.ResumePoint) -> None:

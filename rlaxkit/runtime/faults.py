@@ -372,14 +372,9 @@ class FaultInjector(NoFaults):
             return
         exp.trace.record(exp.clock(), "restart", "trainer", exp.version)
         restored = exp.trainer.restore(exp.books.last_save_step)
-        lost_groups = exp.roll_back(restored)
         self.state.trainer_down_until = None
-        for group_id in exp.buffer.rollback(restored, lost_groups):
-            exp.drop_event(group_id, "rolled_back")
+        exp.roll_back(restored)
         exp.note_published(exp.trainer.publish(restored, reset=True))
-        for worker_id, version in exp.fleet.versions().items():
-            if version is not None and version > restored:  # weights of a void branch
-                exp.requeue(exp.fleet.drop_weights(worker_id))
 
     # -- checkpoints -----------------------------------------------------------------
     def held_weights(self) -> dict[int, Any]:

@@ -109,12 +109,15 @@ class Loop:
     def drop_event(self, group_id: int, reason: str, version: int | None = None) -> None:
         self.trace.record(self.clock(), "drop", "buffer", version, reason=reason, rollout=group_id)
 
-    def requeue(self, lost: list[Issue]) -> None:
-        """Prompts a worker lost go back to the controller (same ids and seeds)."""
+    def requeue(self, lost: list[Issue], reason: str = "preempted") -> None:
+        """Prompts a worker lost go back to the controller (same ids and seeds), or are
+        dropped with ``reason``, as ``RecoveryPolicy.worker_lost`` says."""
+        again = set(self.buffer.lose([issue.group_id for issue in lost], reason))
         for issue in lost:
-            self.buffer.reset_group(issue.group_id)
-        self.books.reissued += len(lost)
-        self.controller.requeue(lost)
+            if issue.group_id not in again:
+                self.drop_event(issue.group_id, reason)
+        self.books.reissued += len(again)
+        self.controller.requeue([issue for issue in lost if issue.group_id in again])
 
     def round(self) -> bool:
         """One round over the fleet; returns whether anything moved. ``step`` repeats it
@@ -157,16 +160,21 @@ class Loop:
             self.books.preemptions["worker"] += 1  # no plan killed it: it died
             self.lose_worker(worker_id, lost, reason="actor_died")
 
-    def roll_back(self, step: int) -> list[RolloutGroup]:
+    def roll_back(self, step: int) -> None:
         """The trainer restored checkpoint ``step``: the steps after it leave the books,
         metrics.jsonl and the history (each step stays once, as a resumed run leaves
-        them) and their ``train_step`` events are marked ``discarded``; returns their
-        groups."""
+        them) and their ``train_step`` events are marked ``discarded``; their groups go
+        back to the buffer or are dropped (``RecoveryPolicy.trainer_lost``), and so
+        does the work of workers holding weights of the discarded branch."""
         discarded = set(range(step + 1, self.version + 1))
-        groups = self.books.roll_back(step)
+        self.books.roll_back(step)
         self.logger.rewrite(self.books.history)
         self.trace.discard_steps(discarded)
-        return groups
+        for group_id in self.buffer.rollback(step):
+            self.drop_event(group_id, self.buffer.dropped[group_id])
+        for worker_id, version in self.fleet.versions().items():
+            if version is not None and version > step:  # weights of a void branch
+                self.requeue(self.fleet.drop_weights(worker_id), reason="rolled_back")
 
     def lose_worker(self, worker_id: str, lost: list[Issue], **fields: Any) -> None:
         """A worker left the fleet or went down: its prompts are re-issued, and the
@@ -225,7 +233,7 @@ class Loop:
         due = self.faults.due_step(step)
         push = self.config.weight_sync.should_push(step)
         result = self.trainer.train(batch, step, push and not due)
-        self.books.record_step(groups, result.duration_s)
+        self.books.record_step(result.duration_s)
         t_train = self.clock()
         for fault in due:  # after the step, before its push or save
             self.faults.apply(self, fault)
