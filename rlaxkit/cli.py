@@ -1,4 +1,4 @@
-"""``rlaxkit`` command line: train, sft, eval, plot, demo.
+"""``rlaxkit`` command line: train, sft, eval, plot, trace, simulate, demo.
 
 rlaxkit demo                                  # the embedded default run
 rlaxkit train configs/arithmetic_grpo.yaml --set staleness.max_staleness=4
@@ -8,6 +8,8 @@ rlaxkit train CONFIG --run-dir RUN            # again after a preemption: resume
 rlaxkit sft configs/arithmetic_grpo.yaml      # warm start only (cached in the run dir)
 rlaxkit eval RUN_DIR                          # held-out pass@k of a run's final policy
 rlaxkit plot RUN_DIR                          # PNGs from metrics.jsonl and trace.jsonl
+rlaxkit trace RUN_DIR -o run.perfetto.json    # the trace for ui.perfetto.dev
+rlaxkit simulate configs/sim/toy.yaml --set fleet.num_workers=4   # a simulated run dir
 """
 
 from __future__ import annotations
@@ -24,9 +26,16 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from rlaxkit.config import RunConfig
+from rlaxkit.perfetto import MAX_EVENTS, MAX_EVENTS_PER_TRACK
 
 if TYPE_CHECKING:
     from rlaxkit.evaluation import EvalReport
+    from rlaxkit.perfetto import PerfettoExport
+    from rlaxkit.trace import TraceSink
+    from sim.metrics import SimResult
+    from sim.scenario import Scenario
+
+SIM_CHUNKS = 200  # progress-bar updates of a simulated run
 
 
 class StopRequest:
@@ -155,6 +164,121 @@ def run_job(
     return summary
 
 
+def simulate_job(
+    scenario: Scenario,
+    run_dir: str | Path,
+    *,
+    progress: bool = True,
+    log: Callable[[str], object] = print,
+) -> dict[str, Any]:
+    """Simulate ``scenario`` into a run directory laid out as a real run's.
+
+    Writes ``scenario.yaml`` (the scenario as resolved, overrides applied),
+    ``trace.jsonl``, ``summary.json`` (``SimResult.to_row`` plus the staleness, drop
+    and preemption counts), ``plots/`` and ``run.perfetto.json``. The progress bar
+    advances over simulated time: the run goes in chunks of 1/200 of the horizon
+    (``env.run(until=...)``), which leaves its events and results as they are.
+    """
+    from rlaxkit.plotting import plot_run
+    from rlaxkit.trace import JsonlTraceWriter
+    from sim.scenario import save_scenario
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log(f"run directory: {run_dir} (simulated: {scenario.name}, {scenario.chips} chips)")
+    save_scenario(scenario, run_dir / "scenario.yaml")
+    with JsonlTraceWriter(run_dir / "trace.jsonl", append=False) as trace:
+        result = _simulate_in_chunks(scenario, trace, progress=progress)
+    summary = {
+        **result.to_row(),
+        "samples_trained": result.samples_trained,
+        "samples_generated": result.samples_generated,
+        "staleness": result.staleness,
+        "drops": result.drops,
+        "preemptions_by_kind": result.preemptions,
+        "sim_events": result.events,
+        "wall_s": result.wall_s,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plots = plot_run(run_dir)
+    export = result.to_perfetto(run_dir / "run.perfetto.json", run_dir / "trace.jsonl")
+    log(
+        f"{result.steps} steps in {result.sim_time_s / 3600:.2f} simulated h "
+        f"({result.wall_s:.1f} s wall): {result.samples_per_s:.3g} samples/s, goodput "
+        f"{result.goodput:.3f}, mean staleness {result.mean_staleness:.2f}"
+    )
+    log("plots: " + ", ".join(str(p) for p in plots))
+    log(_export_line(export))
+    return summary
+
+
+def _simulate_in_chunks(scenario: Scenario, trace: TraceSink, *, progress: bool) -> SimResult:
+    """``Simulation(scenario, trace=trace).run()`` with a progress bar: the same stop
+    rule (the target step or the horizon), run ``CHUNKS`` slices of the horizon at a
+    time. ``sim.engine`` offers no progress hook; the chunk timeouts only add events
+    to the schedule, they do not reorder the run's own."""
+    from tqdm.auto import tqdm
+
+    from sim.engine import Simulation, events_scheduled
+    from sim.metrics import build_result
+
+    simulation = Simulation(scenario, trace=trace)
+    env = simulation.env
+    horizon_s = scenario.horizon_s
+    stop = env.any_of([simulation.trainer.done, env.timeout(horizon_s)])
+    bar = tqdm(
+        total=round(horizon_s), unit="sim s", desc="simulate", disable=not progress, leave=False
+    )
+    wall_start = time.perf_counter()
+    while not stop.processed:
+        env.run(until=env.any_of([stop, env.timeout(horizon_s / SIM_CHUNKS)]))
+        bar.update(round(env.now) - bar.n)
+        bar.set_postfix(step=simulation.trainer.version, refresh=False)
+    bar.close()
+    fleet = scenario.fleet
+    return build_result(
+        name=scenario.name,
+        counters=simulation.counters,
+        sim_time_s=env.now,
+        total_slots=fleet.num_workers * fleet.slots_per_worker,
+        events=events_scheduled(env),
+        wall_s=time.perf_counter() - wall_start,
+        reached_target=simulation.trainer.done.triggered,
+    )
+
+
+def _export_line(export: PerfettoExport) -> str:
+    merged = (
+        f"; {export.aggregated_tracks} tracks merged or thinned to fit (see its metadata)"
+        if export.aggregated_tracks
+        else ""
+    )
+    return (
+        f"perfetto: {export.path} ({export.events} events on {export.tracks} tracks, "
+        f"{export.bytes / 1e6:.1f} MB{merged}); open it at https://ui.perfetto.dev"
+    )
+
+
+def load_scenario_with_overrides(path: str | Path, overrides: list[str]) -> Scenario:
+    """A scenario YAML with ``section.field=value`` overrides (values parsed as YAML, so
+    a distribution can be given as ``{type: constant, value: 10}``). As with
+    ``sim.with_overrides``, overriding ``workload.prompts_per_step`` alone also sets
+    ``staleness.batch_size``, which must equal it."""
+    import yaml
+
+    from rlaxkit.configio import apply_overrides
+    from sim.scenario import scenario_from_dict
+
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a scenario file must hold a mapping")
+    given = dict(item.split("=", 1) for item in overrides if "=" in item)
+    given = {key.strip(): value for key, value in given.items()}
+    if "workload.prompts_per_step" in given and "staleness.batch_size" not in given:
+        overrides = [*overrides, f"staleness.batch_size={given['workload.prompts_per_step']}"]
+    return scenario_from_dict(apply_overrides(data, overrides))
+
+
 def _row(report: EvalReport, k: int) -> dict[str, float]:
     row = next(r for r in report.rows if r["k"] == k)
     return {"pass@1": row["pass@k"]}
@@ -196,6 +320,22 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("--samples", type=int, default=None)
     p_plot = sub.add_parser("plot", help="write PNG figures of a run directory")
     p_plot.add_argument("run_dir")
+    p_trace = sub.add_parser("trace", help="export a run's trace for ui.perfetto.dev")
+    p_trace.add_argument("run_dir", help="run directory (or its trace.jsonl)")
+    p_trace.add_argument("-o", "--output", default=None, help="default RUN_DIR/run.perfetto.json")
+    p_trace.add_argument("--max-events", type=int, default=MAX_EVENTS)
+    p_trace.add_argument("--max-events-per-track", type=int, default=MAX_EVENTS_PER_TRACK)
+    p_sim = sub.add_parser("simulate", help="simulate a scenario YAML into a run directory")
+    p_sim.add_argument("scenario", help="scenario YAML, e.g. configs/sim/toy.yaml")
+    p_sim.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a scenario field, e.g. fleet.num_workers=8",
+    )
+    p_sim.add_argument("--run-dir", default=None, help="output directory")
+    p_sim.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
     try:
@@ -228,6 +368,23 @@ def main(argv: list[str] | None = None) -> int:
 
             for path in plot_run(args.run_dir):
                 print(path)
+        elif args.command == "trace":
+            from rlaxkit.perfetto import export_perfetto
+
+            source = Path(args.run_dir)
+            run_dir = source if source.is_dir() else source.parent
+            output = args.output or run_dir / "run.perfetto.json"
+            export = export_perfetto(
+                source,
+                output,
+                max_events=args.max_events,
+                max_events_per_track=args.max_events_per_track,
+            )
+            print(_export_line(export))
+        elif args.command == "simulate":
+            scenario = load_scenario_with_overrides(args.scenario, args.set)
+            run_dir = args.run_dir or f"runs/sim-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            simulate_job(scenario, run_dir, progress=not args.no_progress)
     except (ValueError, FileNotFoundError) as err:
         print(f"rlaxkit {args.command}: {err}", file=sys.stderr)
         return 2
