@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from rlaxkit.algorithms.advantages import grpo_advantages
 from rlaxkit.config import small_run_config
 from rlaxkit.runtime import Experiment
 
@@ -75,6 +76,25 @@ def test_accounting_invariant_at_every_step_with_filtering_and_eta_two(cache):
         assert exp.buffer.accepted + exp.buffer.in_flight <= (
             (2 + exp.version + 1) * exp.config.staleness.batch_size
         )
+
+
+def test_equal_rewards_keep_trains_every_group_and_counts_the_equal_ones(cache):
+    """batching.equal_rewards=keep: an untrained model fails nearly every prompt, and
+    those groups (all rewards 0) train instead of being dropped as ``filtered``; their
+    GRPO advantages are zero, and the step's metrics count them."""
+    config = small_run_config(*SMALL, "sft.steps=0", "batching.equal_rewards=keep")
+    with Experiment(config, cache_dir=cache) as exp:
+        metrics = exp.step()
+        batch = exp.last_batch["batch"]
+        equal = [g for g in exp.last_batch["groups"] if np.all(g.rewards == g.rewards[0])]
+    assert "dropped/filtered" not in metrics
+    assert metrics["batch/equal_reward_groups"] == len(equal) > 0
+    advantages = np.asarray(grpo_advantages(batch.rewards, batch.group_ids, batch.sequence_mask))
+    rewards, group_ids = np.asarray(batch.rewards), np.asarray(batch.group_ids)
+    real = np.asarray(batch.sequence_mask)
+    flat = [g for g in set(group_ids[real]) if np.ptp(rewards[real & (group_ids == g)]) == 0]
+    assert len(flat) == len(equal)
+    assert np.all(advantages[np.isin(group_ids, flat)] == 0.0)
 
 
 def test_last_batch_exposes_rollouts_and_ratios(cache):

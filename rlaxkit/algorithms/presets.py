@@ -3,6 +3,13 @@
 ``algorithm("dapo")`` returns the preset; ``algorithm("dapo", loss={"kl_coef": 0.01})``
 returns it with changes, validated again. Defaults follow the cited papers where they
 state one; where a paper leaves a knob to tuning, the docstring says so.
+
+Which groups a preset trains on is the run's ``BatchPolicy``, not the preset's: by
+default a group whose rewards are all equal is dropped as ``filtered`` (DAPO's dynamic
+sampling; under every group-relative preset its advantages are zero).
+``batching.equal_rewards=keep`` trains every group, as GRPO, Dr.GRPO, RLOO,
+REINFORCE++, GSPO and CISPO were published and as peer libraries default; compare
+against another implementation with it.
 """
 
 from __future__ import annotations
@@ -42,7 +49,9 @@ def grpo() -> AlgorithmConfig:
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300).
 
     ``A_i = (R_i - mean_g R) / std_g R``; per-sequence mean of token terms; clip ε = 0.2;
-    k3 KL to the reference with β = 0.04 (needs a reference model).
+    k3 KL to the reference with β = 0.04 (needs a reference model). As published it
+    trains every group: ``batching.equal_rewards=keep`` (the run drops groups of equal
+    rewards by default).
     """
     return AlgorithmConfig(
         name="grpo",
@@ -71,8 +80,9 @@ def dapo() -> AlgorithmConfig:
     """DAPO (Yu et al. 2025, arXiv 2503.14476).
 
     Group-normalised advantages, clip-higher (ε_low = 0.2, ε_high = 0.28), token-level
-    mean over the batch, no KL. Dynamic sampling and overlong shaping are the buffer's
-    and the reward's business, not the loss's.
+    mean over the batch, no KL. Dynamic sampling is the run's default
+    ``batching.equal_rewards=drop`` (the buffer's business, not the loss's; overlong
+    shaping is the reward's).
     """
     return AlgorithmConfig(
         name="dapo",
@@ -144,7 +154,8 @@ def decoupled_ppo() -> AlgorithmConfig:
     proximal log-probs are recomputed by the trainer before its updates (switch to
     ``loss={"proximal": "loglinear"}`` to skip that forward pass). Group-normalised
     advantages, token-level mean, clip ε = 0.2, full (uncapped) behaviour weight as in
-    the paper; ``behaviour_weight="mask"`` adds a cap.
+    the paper; ``behaviour_weight="mask"`` adds a cap. AReaL filters groups of equal
+    rewards as the run does by default (``batching.equal_rewards=drop``).
     """
     return AlgorithmConfig(
         name="decoupled_ppo",

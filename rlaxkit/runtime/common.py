@@ -30,8 +30,9 @@ def batch_metrics(
 
     Staleness of a group is ``version - 1 - first_version`` (the trainer was at
     ``version - 1`` when it took the batch). Keys: ``step``, ``reward/*``,
-    ``staleness/*``, ``completion/mean_tokens``, ``buffer/*``, ``dropped/<reason>``
-    and ``train/<metric>``; wall-clock keys are the caller's.
+    ``staleness/*``, ``completion/mean_tokens``, ``batch/equal_reward_groups``,
+    ``buffer/*``, ``dropped/<reason>`` and ``train/<metric>``; wall-clock keys are the
+    caller's.
     """
     rewards = np.array([s.reward for s in samples])
     staleness = np.array([version - 1 - g.first_version for g in groups])
@@ -43,6 +44,11 @@ def batch_metrics(
         "staleness/mean": float(staleness.mean()),
         "staleness/max": int(staleness.max()),
         "completion/mean_tokens": float(np.mean([s.num_tokens for s in samples])),
+        # Groups whose rewards are all equal (zero group-relative advantage): trained
+        # only with batching.equal_rewards=keep.
+        "batch/equal_reward_groups": sum(
+            1 for g in groups if len(g.rollouts) > 1 and np.all(g.rewards == g.rewards[0])
+        ),
         "buffer/in_flight": buffer_counts["in_flight"],
         "buffer/buffered": buffer_counts["buffered"],
         "buffer/trained": buffer_counts["trained"],
