@@ -284,6 +284,7 @@ class Experiment(Loop):
                 "restarts": dict(self.books.restarts),
                 "reissued_prompts": self.books.reissued,
                 "buffer": self.buffer.counts(),
+                "dataset_skipped_rows": dict(self.task.skipped_rows),
                 "resumed_from": self.resumed_from,
             }
 

@@ -100,6 +100,7 @@ class ArithmeticTask:
 
     name = "arithmetic"
     reward_execution: RewardExecution = "inline"
+    skipped_rows: dict[str, int] = {}  # generated problems: no file, no row to skip
 
     def __init__(self, config: ArithmeticConfig | None = None):
         self.config = config or ArithmeticConfig()

@@ -116,6 +116,7 @@ class Task(Protocol):
 
     name: str
     reward_execution: RewardExecution  # "inline" for cheap pure rewards, else "pool"
+    skipped_rows: dict[str, int]  # dataset file -> rows skipped when read (on_error=skip)
 
     def problems(self, split: Split, n: int | None = None) -> list[Problem]:
         """The first ``n`` problems of ``split`` (all of them for finite datasets)."""

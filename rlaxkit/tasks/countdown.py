@@ -124,6 +124,7 @@ class CountdownTask:
 
     name = "countdown"
     reward_execution: RewardExecution = "inline"
+    skipped_rows: dict[str, int] = {}  # generated problems: no file, no row to skip
 
     def __init__(self, config: CountdownConfig | None = None):
         self.config = config or CountdownConfig()
