@@ -6,12 +6,17 @@ Measures, in one run:
   cheap pure rewards run inline: the pool's per-item round trip costs far more than the
   check itself;
 * countdown in-process;
-* code through the pool (each test case is a sandboxed child interpreter);
+* code through the pool (each test case is a sandboxed child interpreter), once with the
+  sandbox's limits only and once in namespaces (``rlaxkit.tasks.sandbox``), on the same
+  batch in the same run, so their ratio is the cost of the isolation per program;
 * math through the pool (math-verify / sympy), in the full run only.
 
 Pool start-up is timed separately and excluded from the rates. The last line printed is
 a JSON object with ``arithmetic_per_s`` (in-process), ``arithmetic_pool_per_s``,
-``countdown_per_s``, ``code_per_s`` and, without ``--quick``, ``math_per_s``.
+``countdown_per_s``, ``code_per_s`` (the isolation a run gets here, ``isolation_mode()``),
+``code_limits_only_per_s``, ``code_namespaces_per_s`` and their ratio
+``code_namespaces_vs_limits_only`` (the last two only where namespaces are allowed) and,
+without ``--quick``, ``math_per_s``.
 
 Usage::
 
@@ -26,7 +31,8 @@ import json
 import os
 import time
 
-from rlaxkit.tasks import RewardRunner, RewardRunnerConfig, make_task
+from rlaxkit.tasks import RewardRunner, RewardRunnerConfig, SandboxLimits, make_task
+from rlaxkit.tasks.sandbox import isolation_mode
 
 
 def rate(runner: RewardRunner, problems, completions, repeats: int) -> float:
@@ -89,12 +95,23 @@ def main() -> None:
         out["countdown_per_s"] = rate(runner, problems, completions, repeats=3)
     print(f"countdown inline  : {out['countdown_per_s']:>12,.0f} rewards/s")
 
-    code = make_task("code")
-    problems, completions = batch(code, 60 if quick else 200)
-    with RewardRunner.for_task(code, pool_config) as runner:
-        runner.start()
-        out["code_per_s"] = rate(runner, problems, completions, repeats=1)
-    print(f"code pool         : {out['code_per_s']:>12,.1f} rewards/s (3 tests per program)")
+    mode = isolation_mode()
+    isolations = ["limits-only", "namespaces"] if mode == "namespaces" else ["limits-only"]
+    problems, completions = batch(make_task("code"), 60 if quick else 200)
+    for isolation in isolations:
+        code = make_task("code", limits=SandboxLimits(isolation=isolation))
+        with RewardRunner.for_task(code, pool_config) as runner:
+            runner.start()
+            key = f"code_{isolation.replace('-', '_')}_per_s"
+            out[key] = rate(runner, problems, completions, repeats=1)
+        print(f"code pool         : {out[key]:>12,.1f} rewards/s ({isolation}, 3 tests each)")
+    out["code_per_s"] = out[f"code_{mode.replace('-', '_')}_per_s"]
+    if mode == "namespaces":
+        ratio = out["code_namespaces_per_s"] / out["code_limits_only_per_s"]
+        out["code_namespaces_vs_limits_only"] = ratio
+        print(f"namespaces / limits-only: {ratio:.2f} (code rewards per second)")
+    else:
+        print("code pool         : namespaces refused here, limits only")
 
     if not quick:
         math_task = make_task("math")
