@@ -321,6 +321,26 @@ ESCAPES: dict[str, Escape] = {
         threads_started,
         ROOT_NPROC if IS_ROOT else None,
     ),
+    "launcher_libc": Escape(
+        # The launcher's own ctypes handle, found through the frames above the program.
+        program(
+            """
+            import sys
+            frame = sys._getframe()
+            while frame is not None:
+                if 'libc' in frame.f_globals:
+                    frame.f_globals['libc'].prctl(15, b'pwned')  # PR_SET_NAME
+                    print('LIBC')
+                frame = frame.f_back
+            """
+        ),
+        printed("LIBC"),
+    ),
+    "init_memory": Escape(
+        program("open('/proc/1/mem', 'r+b')\nprint('OPENED')"),
+        printed("OPENED"),
+        "PID 1 is the machine's init, which the program may not open (the case is moot)",
+    ),
     "signal_parent": Escape(
         program("import os, signal\nos.kill(os.getppid(), signal.SIGTERM)\nprint('SIGNALLED')"),
         printed("SIGNALLED"),

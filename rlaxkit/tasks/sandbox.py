@@ -178,7 +178,7 @@ def build_root(source):
     check(libc.umount2(b".", 2), "detach the old root")  # MNT_DETACH
     os.chdir("/")
     mount(None, "/", None, BIND | REMOUNT | RDONLY | NOSUID | NODEV)
-    if os.geteuid() == 0 and not config["in_user_namespace"]:
+    if not config["in_user_namespace"]:
         # Root of the machine: become nobody, in a user namespace of its own (so that
         # RLIMIT_NPROC counts this sandbox only), mapped to root inside.
         os.chown(cwd, UNPRIVILEGED_ID, UNPRIVILEGED_ID)
@@ -261,11 +261,13 @@ def isolate():
             os._exit(1)  # the launcher died before the line above took effect
     except BlockingIOError:
         pass
+    libc.prctl(4, 0)  # PR_SET_DUMPABLE: the program may not ptrace the init or open its memory
     program = os.fork()
     if program:
         _, status = os.waitpid(program, 0)
         os.write(status_write, f"status {status}".encode())
         os._exit(0)
+    libc.prctl(4, 1)  # ... but its own /proc files stay its own
     os.close(alive_read)
     os.close(status_write)
 
@@ -283,6 +285,7 @@ cap(resource.RLIMIT_AS, limits["memory_bytes"])
 cap(resource.RLIMIT_FSIZE, limits["max_file_bytes"])
 cap(resource.RLIMIT_NOFILE, limits["max_open_files"])
 cap(resource.RLIMIT_NPROC, limits["max_processes"] + extra_processes)
+del libc  # its resolved functions would call libc without the dlsym the hook refuses
 BLOCKED = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
            "subprocess.Popen", "os.kill", "os.killpg", "ctypes.dlopen", "ctypes.dlsym"}
 class SandboxRefusal(PermissionError):
