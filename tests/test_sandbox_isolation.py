@@ -321,6 +321,27 @@ ESCAPES: dict[str, Escape] = {
         threads_started,
         ROOT_NPROC if IS_ROOT else None,
     ),
+    "load_native_code": Escape(
+        # A copy of an extension module in the working directory (its tmpfs is noexec). A
+        # copy in a memfd does load: native code gets past the audit hook, not the
+        # namespaces (the module docstring says so).
+        program(
+            """
+            import importlib.util, os, shutil, _json
+            path = shutil.copy(_json.__file__, os.path.abspath('_json.so'))
+            spec = importlib.util.spec_from_file_location('_json', path)
+            importlib.util.module_from_spec(spec)  # dlopen, then its init function
+            print('NATIVE')
+            """
+        ),
+        printed("NATIVE"),
+        "limits-only mode's working directory is on a disk that allows exec",
+    ),
+    "read_hostname": Escape(
+        program("import socket\nprint(socket.gethostname())"),
+        lambda result, bait: socket.gethostname() in result.stdout.split(),
+        "limits-only mode shares the host's name",
+    ),
     "launcher_libc": Escape(
         # The launcher's own ctypes handle, found through the frames above the program.
         program(

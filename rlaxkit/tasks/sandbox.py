@@ -22,8 +22,8 @@ The limits are set by a small launcher inside the child (``resource.setrlimit``)
 a ``preexec_fn``, which is unsafe in a threaded parent (and JAX starts threads).
 
 **Isolation** (``isolation_mode()``). Where the kernel allows it, the launcher puts the
-program in new user, mount, PID and network namespaces (``unshare(2)`` through ``ctypes``,
-no external binary) before it runs:
+program in new user, mount, PID, network, IPC and UTS namespaces (``unshare(2)`` through
+``ctypes``, no external binary) before it runs:
 
 * it runs as root of its own user namespace, mapped to ``nobody`` (65534) outside when the
   caller is root (else to the caller's uid), with every capability dropped and
@@ -39,7 +39,8 @@ no external binary) before it runs:
 * its network namespace has only a loopback interface, left down: no route anywhere (not
   even to itself), no name resolution;
 * it is PID 2 of its own PID namespace under a small init: it can see and signal no process
-  outside, and everything it leaves behind dies with the init.
+  outside, and everything it leaves behind dies with the init;
+* its System V IPC objects, host name (``sandbox``) and session keyring are its own.
 
 Setting up costs a few milliseconds per program (``benchmarks/rewards.py`` measures it).
 Where the kernel refuses namespaces (no unprivileged user namespaces, a seccomp policy,
@@ -49,12 +50,14 @@ not Linux) the sandbox falls back to the limits alone and logs a warning once pe
 Not contained, even with namespaces: the program shares the kernel (a kernel exploit
 escapes), CPU caches and timing side channels; it reads the kernel's global ``/proc``
 files (``cpuinfo``, ``meminfo``, its own mount table, which names the bound paths); its
-tmpfs takes up to ``max_disk_bytes`` of memory on top of ``RLIMIT_AS``. The audit hook is
-not a boundary: ``_posixsubprocess.fork_exec`` and ``signal.pidfd_send_signal`` raise no
-audit event, and native code reaches system calls directly; with namespaces that gains
-nothing, but in limits-only mode a program can also read whatever the user can read, use
-the network, signal the user's processes and, under a root caller, fork without limit.
-Run adversarial code there behind an OS-level boundary (a container, gVisor, a VM).
+tmpfs takes up to ``max_disk_bytes`` of memory on top of ``RLIMIT_AS``. The audit hook
+is not a boundary: ``_posixsubprocess.fork_exec`` and ``signal.pidfd_send_signal`` raise
+no audit event, and an extension module written to a ``memfd`` loads native code that
+makes system calls directly (the tmpfs mounts are ``noexec``, memory files are not);
+with namespaces that gains nothing, but in limits-only mode a program can also read
+whatever the user can read, use the network, signal the user's processes and, under a
+root caller, fork without limit. Run adversarial code there behind an OS-level boundary
+(a container, gVisor, a VM).
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ UNPRIVILEGED_ID = 65534  # ``nobody``: the uid and gid a root caller's programs 
 _READ_CHUNK_BYTES = 65536
 _LIBRARY_DIRS = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32")
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
-_PIVOT_ROOT_SYSCALL = {"x86_64": 155, "aarch64": 41, "riscv64": 41}
+# System calls glibc does not wrap, by machine: (pivot_root, keyctl).
+_SYSCALLS = {"x86_64": (155, 250), "aarch64": (41, 219), "riscv64": (41, 219)}
 _LOGGER = logging.getLogger(__name__)
 
 # The launcher runs as ``python -I -B -c _LAUNCHER CONFIG_JSON``. With namespaces the
@@ -109,7 +113,7 @@ _LOGGER = logging.getLogger(__name__)
 # root, then waits) -> program (PID 2). Numbers are Linux's <sched.h>, <sys/mount.h> and
 # <linux/prctl.h> constants.
 _LAUNCHER = r"""
-import ctypes, json, os, resource, runpy, signal, sys
+import ctypes, errno, json, os, resource, runpy, signal, sys
 config = json.loads(sys.argv[1])
 limits = config["limits"]
 libc = ctypes.CDLL(None, use_errno=True)
@@ -123,8 +127,8 @@ def die_with_parent(parent_pid):
 
 def check(result, what):
     if result != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+        number = ctypes.get_errno()
+        raise OSError(number, f"{what}: {os.strerror(number)}")
 
 def mount(source, target, fstype, flags, data=None):
     encode = lambda text: None if text is None else text.encode()
@@ -174,10 +178,14 @@ def build_root(source):
     with open(root + cwd + "/solution.py", "wb") as file:
         file.write(source)
     os.chdir(root)
-    check(libc.syscall(config["pivot_root_syscall"], b".", b"."), "pivot_root")
+    check(libc.syscall(PIVOT_ROOT, b".", b"."), "pivot_root")
     check(libc.umount2(b".", 2), "detach the old root")  # MNT_DETACH
     os.chdir("/")
     mount(None, "/", None, BIND | REMOUNT | RDONLY | NOSUID | NODEV)
+    check(libc.sethostname(b"sandbox", 7), "sethostname")
+    # KEYCTL_JOIN_SESSION_KEYRING, anonymous: the caller's session keys are not possessed.
+    if libc.syscall(KEYCTL, 1, None) < 0 and ctypes.get_errno() != errno.ENOSYS:
+        check(-1, "join a new session keyring")
     if not config["in_user_namespace"]:
         # Root of the machine: become nobody, in a user namespace of its own (so that
         # RLIMIT_NPROC counts this sandbox only), mapped to root inside.
@@ -211,6 +219,8 @@ def relay(status):
     os._exit(os.waitstatus_to_exitcode(status))
 
 NEWUSER, NEWNS, NEWPID, NEWNET = 0x10000000, 0x00020000, 0x20000000, 0x40000000
+NEWIPC, NEWUTS = 0x08000000, 0x04000000  # System V IPC objects; the host name
+PIVOT_ROOT, KEYCTL = config["syscalls"] or (None, None)
 
 def isolate():
     # Returns in the program's process only; the launcher and the init end in os._exit.
@@ -224,11 +234,11 @@ def isolate():
         config["in_user_namespace"] = os.geteuid() != 0
         if config["in_user_namespace"]:
             uid, gid = os.geteuid(), os.getegid()
-            check(libc.unshare(NEWUSER | NEWNS | NEWPID | NEWNET), "unshare")
+            check(libc.unshare(NEWUSER | NEWNS | NEWPID | NEWNET | NEWIPC | NEWUTS), "unshare")
             map_root_to(uid, gid)
             die_with_parent(config["parent_pid"])  # in case the new credentials reset it
         else:
-            check(libc.unshare(NEWNS | NEWPID | NEWNET), "unshare")
+            check(libc.unshare(NEWNS | NEWPID | NEWNET | NEWIPC | NEWUTS), "unshare")
     except OSError as error:
         os.write(control, f"launcher: {error}".encode())
         os._exit(SETUP_EXIT_CODE)
@@ -285,21 +295,29 @@ cap(resource.RLIMIT_AS, limits["memory_bytes"])
 cap(resource.RLIMIT_FSIZE, limits["max_file_bytes"])
 cap(resource.RLIMIT_NOFILE, limits["max_open_files"])
 cap(resource.RLIMIT_NPROC, limits["max_processes"] + extra_processes)
-del libc  # its resolved functions would call libc without the dlsym the hook refuses
+# The launcher's ctypes would reach native code without the dlopen the hook refuses (its
+# resolved functions, memmove); the program must import it anew, which the hook refuses.
+del libc, ctypes
+for name in ("ctypes", "_ctypes", "ctypes._endian"):
+    sys.modules.pop(name, None)
 BLOCKED = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
            "subprocess.Popen", "os.kill", "os.killpg", "ctypes.dlopen", "ctypes.dlsym"}
 class SandboxRefusal(PermissionError):
     pass
+class SandboxImportRefusal(ImportError):  # what libraries that may use ctypes expect
+    pass
 def audit(event, args):
     if event in BLOCKED:
         raise SandboxRefusal("sandbox refuses " + event)
+    if event == "import" and args[0] in ("ctypes", "_ctypes"):
+        raise SandboxImportRefusal("sandbox refuses import " + args[0])
 sys.addaudithook(audit)
 sys.argv = ["solution.py"]
 try:
     runpy.run_path("solution.py", run_name="__main__")
 except MemoryError:
     os._exit(MEMORY_EXIT_CODE)
-except SandboxRefusal as refusal:
+except (SandboxRefusal, SandboxImportRefusal) as refusal:
     sys.stderr.write(str(refusal) + "\n")
     sys.stderr.flush()
     os._exit(FORBIDDEN_EXIT_CODE)
@@ -406,7 +424,7 @@ def _probe() -> tuple[IsolationMode, str]:
     """The isolation this process can have and, for ``"limits-only"``, why."""
     if not sys.platform.startswith("linux"):
         reason = f"namespaces are Linux only, this is {sys.platform}"
-    elif os.uname().machine not in _PIVOT_ROOT_SYSCALL:
+    elif os.uname().machine not in _SYSCALLS:
         reason = f"no pivot_root system call number known for {os.uname().machine}"
     else:
         probe = "import os\nprint(os.getpid(), os.path.exists('/etc'))"
@@ -463,7 +481,7 @@ def _run(source: str, stdin: str, limits: SandboxLimits, mode: IsolationMode) ->
             "cwd": cwd,
             "view": _filesystem_view(),
             "devices": _DEVICES,
-            "pivot_root_syscall": _PIVOT_ROOT_SYSCALL.get(os.uname().machine),
+            "syscalls": _SYSCALLS.get(os.uname().machine),
         }
         command = [sys.executable, "-I", "-B", "-c", _LAUNCHER, json.dumps(config)]
         start = time.monotonic()
