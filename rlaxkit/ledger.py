@@ -37,12 +37,17 @@ with a reason; and no admitted group is ever lost.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rlaxkit.policies import BatchPolicy, RecoveryPolicy, StalenessPolicy
 
 __all__ = ["GroupLedger", "Ready"]
+
+
+def _ignore(group_id: int, reason: str, version: int | None) -> None:
+    """The default ``on_drop``: nothing to do."""
 
 
 @dataclass
@@ -63,6 +68,10 @@ class GroupLedger:
         staleness: η, the batch size (in groups) and admission.
         batching: the order of batches and the equal-rewards filter.
         recovery: what a lost worker or a trainer restore does to work.
+
+    ``on_drop(group_id, reason, first_version)`` is called for every drop (the version
+    is ``None`` for a group that never finished): the runtime traces it, the simulator
+    counts and traces it.
 
     Attributes:
         in_flight: ids issued and not finished (re-issued ones stay here).
@@ -87,6 +96,7 @@ class GroupLedger:
         self.dropped: dict[int, str] = {}
         self.admitted: set[int] = set()
         self._since_save: dict[int, list[Ready]] = {}  # step -> its batch, until a save
+        self.on_drop: Callable[[int, str, int | None], None] = _ignore
 
     # -- the controller's side ---------------------------------------------------------
     @property
@@ -127,7 +137,7 @@ class GroupLedger:
         if reason is None and self.batching.filtered(equal_rewards):
             reason = "filtered"
         if reason is not None:
-            self.dropped[group_id] = reason
+            self._drop(group_id, reason, first_version)
             return reason
         self.ready[group_id] = Ready(group_id, first_version, last_version, payload)
         self.admitted.add(group_id)
@@ -136,7 +146,11 @@ class GroupLedger:
     def abandon(self, group_id: int, reason: str) -> None:
         """Drops an in-flight prompt (e.g. its reward timed out)."""
         self.in_flight.remove(group_id)
+        self._drop(group_id, reason, None)
+
+    def _drop(self, group_id: int, reason: str, version: int | None) -> None:
         self.dropped[group_id] = reason
+        self.on_drop(group_id, reason, version)
 
     def lose(self, group_ids: list[int], reason: str = "preempted") -> list[int]:
         """The worker holding ``group_ids`` lost them; returns the ids to issue again
@@ -155,7 +169,7 @@ class GroupLedger:
             reason = self.staleness.drop_reason(group.first_version, trainer_version)
             if reason is not None:
                 del self.ready[group_id]
-                self.dropped[group_id] = reason
+                self._drop(group_id, reason, group.first_version)
         size = self.staleness.batch_size
         if len(self.ready) < size:
             return None
@@ -190,12 +204,12 @@ class GroupLedger:
                 if self.recovery.trainer_lost == "requeue":
                     self.ready[group.group_id] = group
                 else:
-                    self.dropped[group.group_id] = "trainer_preempted"
+                    self._drop(group.group_id, "trainer_preempted", group.first_version)
                     dropped.append(group.group_id)
         for group_id, group in list(self.ready.items()):
             if group.last_version > step:
                 del self.ready[group_id]
-                self.dropped[group_id] = "rolled_back"
+                self._drop(group_id, "rolled_back", group.first_version)
                 dropped.append(group_id)
         return dropped
 

@@ -1,26 +1,29 @@
 """Rollout groups and the buffer that admits, holds and batches them.
 
 The buffer is the simulated twin of the runtime's RolloutBuffer plus AReaL's rollout
-controller: it asks the shared :class:`~rlaxkit.policies.StalenessPolicy` whether a new
-generation may start (``accepted + running < (η + version + 1) · batch_size``), holds
-finished groups in arrival order, and hands the trainer full batches, dropping what the
-policy rejects with its reason.
+controller, and keeps its books in the same ``rlaxkit.ledger.GroupLedger``: admission
+(``accepted + running < (η + version + 1) · batch_size``), drops with their reasons,
+batch order, and what lost work and trainer restores do are the runtime's decisions,
+made by the same code under the same policies.
 
 Counting unit: one prompt group (``group_size`` samples), as AReaL counts episodes.
 ``accepted`` is the groups consumed by surviving steps plus those waiting here.
 Admission uses the newest *published* version: AReaL bumps its version only once the
 new weights reached the rollout engines, so a generation admitted for version ``v``
-can be sampled with ``v``.
+can be sampled with ``v``. A lost group is generated again with the same id (and the
+same lengths: the same prompt, the same sampling seed), as the runtime re-issues it.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import simpy
+
+from rlaxkit.ledger import GroupLedger
 
 if TYPE_CHECKING:
     from .engine import Simulation
@@ -50,8 +53,10 @@ class Sample:
 class Group:
     """One prompt and its samples, generated on one worker.
 
-    ``first_version``/``last_version`` are the oldest and newest weight versions any
-    of its tokens were sampled with; ``lineage`` is the store's lineage of those weights.
+    ``first_version``/``last_version`` are the oldest and newest weight versions any of
+    its tokens were sampled with; ``lineage`` is the store's lineage of those weights. A
+    generation that was lost and handed out again is ``void`` (its late results are
+    ignored); :meth:`regenerate` is the new one.
     """
 
     __slots__ = (
@@ -62,6 +67,7 @@ class Group:
         "unscored",
         "started",
         "failed",
+        "void",
         "first_version",
         "last_version",
         "lineage",
@@ -69,7 +75,7 @@ class Group:
         "scored_at",
     )
 
-    def __init__(self, group_id: int, worker: str) -> None:
+    def __init__(self, group_id: int, worker: str = "") -> None:
         self.group_id = group_id
         self.worker = worker
         self.samples: list[Sample] = []
@@ -77,11 +83,21 @@ class Group:
         self.unscored = 0
         self.started = False
         self.failed = False
+        self.void = False
         self.first_version: int | None = None
         self.last_version: int | None = None
         self.lineage = 0
         self.tokens = 0
         self.scored_at = 0.0
+
+    def regenerate(self) -> Group:
+        """The same prompt generated again from scratch: same id, same lengths."""
+        group = Group(self.group_id)
+        group.samples = [
+            Sample(group, s.index, s.prompt_tokens, s.tokens, s.truncated) for s in self.samples
+        ]
+        group.unfinished = group.unscored = len(group.samples)
+        return group
 
     def note_version(self, version: int, lineage: int) -> None:
         """Record that some of its tokens were sampled with ``version``."""
@@ -104,68 +120,97 @@ class Group:
 
 
 class _StartRequest(simpy.Event):
-    """A request to start a generation (:meth:`RolloutBuffer.wait_start`), granted in
-    FIFO order; a preempted worker withdraws it (``cancelled``)."""
+    """A request of ``worker`` to start a generation (:meth:`RolloutBuffer.wait_start`),
+    granted in FIFO order with the group to generate as its value; a preempted worker
+    withdraws it (``cancelled``)."""
 
-    def __init__(self, env: simpy.Environment) -> None:
+    def __init__(self, env: simpy.Environment, worker: str) -> None:
         super().__init__(env)
+        self.worker = worker
         self.cancelled = False
 
 
 class RolloutBuffer:
-    """Admission control, the queue of finished groups, and batching for the trainer."""
+    """Admission, the queue of finished groups and batching, on the runtime's books.
+
+    Every decision is the ``GroupLedger``'s (``rlaxkit.ledger``), the very code the
+    runtime's buffer uses, under the scenario's policies; this class adds what the
+    simulation needs around it: SimPy events for workers waiting to start and for the
+    trainer waiting for a batch, re-issued prompts handed to the next worker that asks,
+    and the counters and trace of every drop.
+    """
 
     name = "buffer"
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
         self.env = sim.env
-        self.policy = sim.scenario.staleness
+        scenario = sim.scenario
+        self.policy = scenario.staleness
         self.batch_size = self.policy.batch_size
-        self.ready: deque[Group] = deque()
-        self.running = 0
-        self.consumed = 0
+        self.ledger = GroupLedger(self.policy, scenario.batching, scenario.recovery)
+        self.ledger.on_drop = self._on_drop
         self.published_version = 0
         self.trainer_version = 0
+        self.reissue: deque[Group] = deque()  # lost groups to generate again, oldest first
+        self.in_flight: dict[int, Group] = {}  # the current generation of each id
         self._waiting: deque[_StartRequest] = deque()
         self._batch_event: simpy.Event | None = None
-        self._restores: list[int] = []
         # Its own stream, drawn only when filtering is on, so runs without it keep
         # every other random draw (and their exact event logs) unchanged.
-        self._filtered_fraction = sim.scenario.workload.filtered_fraction
+        self._filtered_fraction = scenario.workload.filtered_fraction
         self._filter = (
-            np.random.default_rng([sim.scenario.seed, zlib.crc32(b"filter")])
+            np.random.default_rng([scenario.seed, zlib.crc32(b"filter")])
             if self._filtered_fraction > 0
             else None
         )
 
     @property
+    def ready(self) -> list[Group]:
+        """Finished, admitted groups waiting for the trainer (oldest arrival first)."""
+        return [entry.payload for entry in self.ledger.ready.values()]
+
+    @property
+    def running(self) -> int:
+        """Prompt groups issued and not finished (re-issued ones included)."""
+        return len(self.ledger.in_flight)
+
+    @property
     def accepted(self) -> int:
         """Groups consumed by surviving steps plus groups waiting to be trained."""
-        return self.consumed + len(self.ready)
+        return self.ledger.accepted
 
     # --- admission -------------------------------------------------------------------
 
-    def try_start(self) -> bool:
-        """Start one generation now if the policy allows and nobody queues before us."""
-        if self._waiting or not self.policy.can_start_generation(
-            self.accepted, self.running, self.published_version
-        ):
-            return False
-        self.running += 1
-        return True
+    def try_start(self, worker: str) -> Group | None:
+        """The group ``worker`` generates now (a re-issued one first, else a new one if
+        the policy admits it), or ``None`` when it must wait (or others wait first)."""
+        if self._waiting:
+            return None
+        return self._next_group(worker)
 
-    def wait_start(self) -> _StartRequest:
-        """Event granted (FIFO) when the policy lets one more generation start."""
-        event = _StartRequest(self.env)
+    def _next_group(self, worker: str) -> Group | None:
+        if self.reissue:
+            group = self.reissue.popleft()
+        elif self.ledger.room(self.published_version) > 0:
+            group = self.sim.new_group()
+            self.ledger.issue(group.group_id)
+        else:
+            return None
+        group.worker = worker
+        self.in_flight[group.group_id] = group
+        return group
+
+    def wait_start(self, worker: str) -> _StartRequest:
+        """Event granted (FIFO) with the group to generate when one may start."""
+        event = _StartRequest(self.env, worker)
         self._waiting.append(event)
         return event
 
     def cancel(self, event: _StartRequest) -> None:
         """Withdraw a request from :meth:`wait_start` (its worker was preempted)."""
         if event.triggered:
-            self.running -= 1
-            self._dispatch()
+            self.lose([cast(Group, event.value)], "preempted")  # granted, never started
         else:
             event.cancelled = True
 
@@ -175,74 +220,69 @@ class RolloutBuffer:
             if waiting[0].cancelled:
                 waiting.popleft()
                 continue
-            if not self.policy.can_start_generation(
-                self.accepted, self.running, self.published_version
-            ):
+            group = self._next_group(waiting[0].worker)
+            if group is None:
                 return
-            self.running += 1
-            waiting.popleft().succeed()
+            waiting.popleft().succeed(group)
 
     # --- groups coming back ----------------------------------------------------------
 
     def deliver(self, group: Group) -> None:
-        """A fully generated and scored group joins the queue, unless dynamic filtering
-        drops it (``workload.filtered_fraction``: all its rewards were equal)."""
-        self.running -= 1
-        if self._filter is not None and self._filter.random() < self._filtered_fraction:
-            self._drop(group, "filtered")
-            self._dispatch()
+        """A fully generated and scored group is booked: admitted, or dropped (too stale
+        for the trainer now; all rewards equal, ``workload.filtered_fraction``). A
+        generation that was re-issued meanwhile (``void``) is ignored."""
+        if group.void:
             return
-        self.ready.append(group)
-        if self._batch_event is not None and len(self.ready) >= self.batch_size:
+        del self.in_flight[group.group_id]
+        equal = self._filter is not None and self._filter.random() < self._filtered_fraction
+        first, last = group.versions
+        self.ledger.complete(
+            group.group_id,
+            first,
+            last,
+            equal_rewards=equal,
+            trainer_version=self.trainer_version,
+            payload=group,
+        )
+        if self._batch_event is not None and len(self.ledger.ready) >= self.batch_size:
             event, self._batch_event = self._batch_event, None
             event.succeed()
         self._dispatch()
 
     def release(self, group: Group, reason: str) -> None:
-        """A running group is abandoned (worker preempted, reward hung) and dropped."""
-        self.running -= 1
-        self._drop(group, reason)
+        """A running group is abandoned (its reward hung) and dropped."""
+        if group.void:
+            return
+        del self.in_flight[group.group_id]
+        self.ledger.abandon(group.group_id, reason)
         self._dispatch()
 
-    def drop(self, group: Group, reason: str) -> None:
-        """Count and trace a group that will never be trained (not a running one)."""
-        self._drop(group, reason)
+    def lose(self, groups: list[Group], reason: str) -> None:
+        """A worker lost ``groups`` (preempted; or its weights were voided by a restore):
+        each is generated again from scratch by the next worker that asks, or dropped,
+        as ``RecoveryPolicy.worker_lost`` says."""
+        live = [group for group in groups if not group.void]
+        for group in live:
+            group.void = True
+            del self.in_flight[group.group_id]
+        again = set(self.ledger.lose([group.group_id for group in live], reason))
+        self.reissue.extend(group.regenerate() for group in live if group.group_id in again)
+        self.sim.counters.reissued += len(again)
+        self._dispatch()
 
-    def _drop(self, group: Group, reason: str) -> None:
+    def _on_drop(self, group_id: int, reason: str, version: int | None) -> None:
         self.sim.counters.drops[reason] += 1
-        self.sim.record(
-            self.name, "drop", group.first_version, reason=reason, rollout=str(group.group_id)
-        )
+        self.sim.record(self.name, "drop", version, reason=reason, rollout=str(group_id))
 
     # --- trainer side ----------------------------------------------------------------
 
     def take_batch(self) -> list[Group] | None:
-        """``batch_size`` admissible groups in arrival order, or ``None`` if too few.
-
-        Groups the policy rejects at the trainer's version, or that come from a branch
-        discarded by a restore, are dropped on the way.
-        """
-        policy = self.policy
-        version = self.trainer_version
-        kept: list[Group] = []
-        ready = self.ready
-        while ready and len(kept) < self.batch_size:
-            group = ready.popleft()
-            reason = (
-                "rolled_back"
-                if self._discarded(group)
-                else policy.drop_reason(group.versions, version)
-            )
-            if reason is None:
-                kept.append(group)
-            else:
-                self._drop(group, reason)
-        if len(kept) < self.batch_size:
-            ready.extendleft(reversed(kept))
+        """``batch_size`` admitted groups for the trainer's next step, or ``None`` while
+        too few wait; groups too stale by now are dropped first."""
+        batch = self.ledger.take_batch(self.trainer_version)
+        if batch is None:
             self._dispatch()
-            return None
-        self.consumed += self.batch_size
-        return kept
+        return batch
 
     def wait_batch(self) -> simpy.Event:
         """Event fired when at least ``batch_size`` groups are waiting."""
@@ -253,29 +293,29 @@ class RolloutBuffer:
         """The trainer finished a step and is now at ``version``."""
         self.trainer_version = version
 
+    def on_save(self, step: int) -> None:
+        """A checkpoint of ``step`` was written."""
+        self.ledger.saved(step)
+
     def on_publish(self, version: int) -> None:
         """``version`` reached the store: more generations may be admitted."""
         self.published_version = version
         self._dispatch()
 
     def on_restore(self, step: int) -> None:
-        """The trainer restored the checkpoint of ``step``: forget later consumption."""
-        self._restores.append(step)
+        """The trainer restored the checkpoint of ``step``: the groups of the steps after
+        it are requeued or dropped and ready ones from the discarded branch dropped
+        (``GroupLedger.roll_back``); generations sampled from void weights are lost
+        (their workers drop the weights) and, per the policy, generated again."""
         self.trainer_version = step
         self.published_version = min(self.published_version, step)
-        self.consumed = step * self.batch_size
-        kept: deque[Group] = deque()
-        for group in self.ready:
-            if self._discarded(group):
-                self._drop(group, "rolled_back")
-            else:
-                kept.append(group)
-        self.ready = kept
+        self.ledger.roll_back(step)
+        for worker in self.sim.workers:
+            worker.on_rollback(step)
+        void = [
+            group
+            for group in self.in_flight.values()
+            if group.first_version is not None and group.versions[1] > step
+        ]
+        self.lose(sorted(void, key=lambda group: group.group_id), "rolled_back")
         self._dispatch()
-
-    def _discarded(self, group: Group) -> bool:
-        """True when a restore after this group's weights were pulled cut its branch."""
-        restores = self._restores
-        if group.lineage >= len(restores):
-            return False
-        return group.versions[1] > min(restores[group.lineage :])

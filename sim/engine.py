@@ -111,10 +111,10 @@ class Simulation:
             finish="length" if sample.truncated else "stop",
         )
 
-    def new_group(self, worker: str) -> Group:
+    def new_group(self) -> Group:
         """A new prompt group with lengths drawn from the workload distributions."""
         workload = self.scenario.workload
-        group = Group(self._next_group, worker)
+        group = Group(self._next_group)
         self._next_group += 1
         prompt_tokens = max(0, round(self._prompt_lengths.next()))
         cap = workload.max_response_tokens
@@ -158,6 +158,8 @@ def run_config(scenario: Scenario) -> dict[str, Any]:
         "staleness": policy_to_dict(scenario.staleness),
         "weight_sync": policy_to_dict(scenario.weight_sync),
         "checkpoint": policy_to_dict(scenario.checkpointing),
+        "batching": policy_to_dict(scenario.batching),
+        "recovery": policy_to_dict(scenario.recovery),
         "num_workers": fleet.num_workers,
         "slots_per_worker": fleet.slots_per_worker,
         "group_size": scenario.workload.group_size,

@@ -158,9 +158,9 @@ class SerialHost:
             if version is None:
                 continue  # no weights yet: it takes no prompts (``free`` is 0)
             for _ in range(worker.free):
-                if not buffer.try_start():
+                group = buffer.try_start(worker.name)
+                if group is None:
                     return issued
-                group = self.sim.new_group(worker.name)
                 group.started = True
                 group.note_version(version, worker.lineage)
                 worker.groups.append(group)

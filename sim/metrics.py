@@ -36,6 +36,7 @@ class Counters:
         self.samples_generated = 0
         self.tokens_generated = 0
         self.samples_aborted = 0
+        self.reissued = 0  # lost prompt groups handed out again
         self.tokens_wasted = 0
         self.slot_busy_s = 0.0
         self.pulls = 0
@@ -49,15 +50,29 @@ class Counters:
         self.staleness: Counter[int] = Counter()
         self.drops: Counter[str] = Counter()
         self.preemptions: Counter[str] = Counter()
-        # One entry per surviving step: (compute_s, samples, tokens, end_time_s).
+        # One entry per surviving step: (compute_s, samples, tokens, end_time_s), and
+        # the staleness of each group it trained.
         self.steps: list[tuple[float, int, int, float]] = []
+        self.step_staleness: list[list[int]] = []
+
+    def record_step(self, entry: tuple[float, int, int, float], staleness: list[int]) -> None:
+        """A step survived so far: its figures and its groups' staleness."""
+        self.steps.append(entry)
+        self.step_staleness.append(staleness)
+        self.staleness.update(staleness)
 
     def rollback(self, to_step: int) -> None:
-        """Forget the steps after ``to_step`` (lost to a trainer preemption)."""
+        """Forget the steps after ``to_step`` (lost to a trainer preemption): their
+        compute is lost, and their groups' staleness leaves the histogram (the groups
+        train again, or are dropped, and count then)."""
         lost = self.steps[to_step:]
         self.lost_steps += len(lost)
         self.lost_compute_s += sum(step[0] for step in lost)
         del self.steps[to_step:]
+        for staleness in self.step_staleness[to_step:]:
+            self.staleness.subtract(staleness)
+        self.staleness = +self.staleness  # no zero counts left
+        del self.step_staleness[to_step:]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from rlaxkit.faults import FaultPlan
-from rlaxkit.policies import CheckpointPolicy, StalenessPolicy, WeightSyncPolicy
+from rlaxkit.policies import (
+    BatchPolicy,
+    CheckpointPolicy,
+    RecoveryPolicy,
+    StalenessPolicy,
+    WeightSyncPolicy,
+)
 from rlaxkit.validation import check_int
 
 from .distributions import distribution_from_dict, distribution_to_dict
@@ -61,6 +67,8 @@ _SECTIONS: dict[str, type] = {
     "staleness": StalenessPolicy,
     "weight_sync": WeightSyncPolicy,
     "checkpointing": CheckpointPolicy,
+    "batching": BatchPolicy,
+    "recovery": RecoveryPolicy,
     "preemptions": PreemptionSpec,
     "host": HostSpec,
 }
@@ -80,7 +88,9 @@ class Scenario:
     Attributes:
         name: Label used in tables and figures.
         trainer, fleet, param_server, verifier, checkpoint, workload: Entity specs.
-        staleness, weight_sync, checkpointing: The shared ``rlaxkit.policies`` objects.
+        staleness, weight_sync, checkpointing, batching, recovery: The shared
+            ``rlaxkit.policies`` objects (the last two default to what the runtime does:
+            oldest groups first, equal-reward groups dropped, lost work re-issued).
         preemptions: Random preemptions (turned into a FaultPlan at start).
         host: How trainer and workers are scheduled: a parallel fleet (default) or
             the serial host of the deterministic local runtime (:mod:`sim.host`).
@@ -101,6 +111,8 @@ class Scenario:
     staleness: StalenessPolicy
     weight_sync: WeightSyncPolicy = field(default_factory=WeightSyncPolicy)
     checkpointing: CheckpointPolicy = field(default_factory=CheckpointPolicy)
+    batching: BatchPolicy = field(default_factory=BatchPolicy)
+    recovery: RecoveryPolicy = field(default_factory=RecoveryPolicy)
     preemptions: PreemptionSpec = field(default_factory=PreemptionSpec)
     host: HostSpec = field(default_factory=HostSpec)
     fault_plan: FaultPlan = field(default_factory=FaultPlan)

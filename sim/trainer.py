@@ -7,10 +7,11 @@ the trainer for its transfer), save when ``CheckpointPolicy.should_save`` says s
 save blocks it for ``save_s``).
 
 A preemption is a ``simpy.Interrupt`` of that process: the steps since the last
-checkpoint are lost (their compute counts against goodput), the trainer is down for
-``restart_s``, restores for ``restore_s``, pushes the restored weights as a new lineage
-and goes on. What the checkpoint holds is kept; a preemption during the restore starts
-the recovery over.
+checkpoint are lost (their compute counts against goodput; the batch being computed is
+one of them), the trainer is down for ``restart_s``, restores for ``restore_s``, hands
+the lost steps' groups back to the buffer (``RecoveryPolicy.trainer_lost``, as the
+runtime does), pushes the restored weights as a new lineage and goes on. What the
+checkpoint holds is kept; a preemption during the restore starts the recovery over.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import TYPE_CHECKING
 import simpy
 
 if TYPE_CHECKING:
-    from .buffer import Group
     from .engine import Simulation
 
 __all__ = ["Trainer"]
@@ -43,7 +43,6 @@ class Trainer:
         self.up = True
         self._recovering = False
         self._down_until = 0.0
-        self._batch: list[Group] | None = None
         self.done = self.env.event()
         self.process = self.env.process(self._run())
 
@@ -76,7 +75,6 @@ class Trainer:
         tokens = sum(group.tokens for group in batch)
         samples = sum(len(group.samples) for group in batch)
         compute_s = self.spec.step_s(tokens)
-        self._batch = batch  # lost with the step if a preemption cuts the compute
         if self.spec.pauses_fleet:
             for worker in sim.workers:
                 worker.pause()
@@ -91,11 +89,9 @@ class Trainer:
             host.note_step()
             if host.spec.step_s:
                 yield env.timeout(host.spec.step_s)
-        self._batch = None
         self.version += 1
         staleness = [self.version - 1 - group.versions[0] for group in batch]
-        sim.counters.staleness.update(staleness)
-        sim.counters.steps.append((compute_s, samples, tokens, env.now))
+        sim.counters.record_step((compute_s, samples, tokens, env.now), staleness)
         sim.record(
             self.name,
             "train_step",
@@ -117,6 +113,7 @@ class Trainer:
             yield env.timeout(sim.scenario.checkpoint.save_s)
             self.last_save_step = self.version
             self.last_save_s = env.now
+            buffer.on_save(self.version)
             sim.counters.saves += 1
             sim.record(
                 self.name,
@@ -129,9 +126,6 @@ class Trainer:
     def _lose_progress(self) -> None:
         """Drop the steps after the last checkpoint (called on a preemption)."""
         lost = self.version - self.last_save_step
-        for group in self._batch or ():
-            self.sim.buffer.drop(group, "trainer_preempted")
-        self._batch = None
         self.sim.counters.rollback(self.last_save_step)
         self.version = self.last_save_step
         self._recovering = True

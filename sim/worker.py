@@ -16,9 +16,11 @@ Weights follow the shared policies:
   cache (a prefill over prompt + decoded tokens) and goes on (AReaL interruptible
   rollout), so a group may span versions.
 
-A preemption interrupts every slot: the groups not fully decoded are dropped (reason
-``preempted``; the controller reissues prompts), finished samples awaiting their reward
-are kept, and the worker pulls weights again after its restart delay.
+A preemption interrupts every slot: the groups not fully decoded are lost (re-issued
+with the same ids, or dropped as ``preempted``, per the ``RecoveryPolicy``), finished
+samples awaiting their reward are kept, and the worker pulls weights again after its
+restart delay. A trainer restore that voids the weights a worker holds loses its groups
+the same way (reason ``rolled_back``), without the downtime.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ class InferenceWorker:
         self.slice_name = f"slice-{index // self.spec.workers_per_slice}"
         self.version: int | None = None
         self.lineage = 0
-        self.discarded = False
         self.up = True
         self.pulling = False
         self.paused = False
@@ -114,27 +115,24 @@ class InferenceWorker:
                 yield self._idle_wait()
                 continue
             buffer = self.sim.buffer
-            if not buffer.try_start():
+            group = buffer.try_start(self.name)
+            if group is None:
                 self._requesting = True
-                request = buffer.wait_start()
+                request = buffer.wait_start(self.name)
                 try:
-                    yield request
+                    group = yield request
                 except simpy.Interrupt:
                     buffer.cancel(request)
                     raise
                 finally:
                     self._requesting = False
-            self._add_group()
+            self.groups.add(group)
+            self.queue.extend(group.samples)
 
     def _idle_wait(self):
         event = self.env.event()
         self._idle.append(event)
         return event
-
-    def _add_group(self) -> None:
-        group = self.sim.new_group(self.name)
-        self.groups.add(group)
-        self.queue.extend(group.samples)
 
     def _generate(self, sample: Sample) -> ProcessGenerator:
         """Decode ``sample``; pause and resume around in-flight weight updates."""
@@ -234,7 +232,7 @@ class InferenceWorker:
     # --- weights ---------------------------------------------------------------------
 
     def _pull_due(self) -> bool:
-        if self.version is None or self.discarded:
+        if self.version is None:
             return True
         return self.policy.must_pull(self.version, self.sim.ps.latest)
 
@@ -260,7 +258,6 @@ class InferenceWorker:
             return  # preempted mid-pull; preempt() has reset this worker
         self.version = version
         self.lineage = lineage
-        self.discarded = False
         self.pulling = False
         self.sim.counters.pulls += 1
         self.sim.counters.pull_s += env.now - start
@@ -281,11 +278,12 @@ class InferenceWorker:
             self._maybe_pull()
 
     def on_rollback(self, version: int) -> None:
-        """The trainer restored ``version``: newer weights held here are void."""
-        if self.version is not None and self.version > version:
-            self.discarded = True
-            if self._interrupting:
-                self._maybe_pull()
+        """The trainer restored ``version``: weights newer than it are void. As the
+        runtime's worker does, this one drops them and its prompts (lost work, per the
+        ``RecoveryPolicy``) and pulls again before it takes more."""
+        if self.up and self.version is not None and self.version > version:
+            self._drop_work("rolled_back")
+            self._notify()
 
     # --- a shared host --------------------------------------------------------------
 
@@ -312,19 +310,23 @@ class InferenceWorker:
         if not self.up:
             return
         self.up = False
+        self._drop_work("preempted")
+        env.process(self._restart())
+
+    def _drop_work(self, reason: str) -> None:
+        """Loses every group not fully decoded (the buffer re-issues or drops them) and
+        the weights; the slots start over (looking for work, pulling first)."""
+        env, counters = self.env, self.sim.counters
         self.epoch += 1
-        counters = self.sim.counters
         for start in self._decoding.values():
             counters.slot_busy_s += env.now - start
-        for group in sorted(self.groups, key=lambda g: g.group_id):
-            counters.samples_aborted += len(group.samples)
-            self.sim.buffer.release(group, "preempted")
+        lost = sorted(self.groups, key=lambda g: g.group_id)
+        counters.samples_aborted += sum(len(group.samples) for group in lost)
         self.groups.clear()
         self.queue.clear()
         self._decoding.clear()
         self._add_active(-self.active)
         self.version = None
-        self.discarded = False
         self.pulling = False
         self._requesting = False
         self._idle.clear()
@@ -332,7 +334,7 @@ class InferenceWorker:
             proc.interrupt(PREEMPTED)
         if self._pull_proc is not None and self._pull_proc.is_alive:
             self._pull_proc.interrupt(PREEMPTED)
-        env.process(self._restart())
+        self.sim.buffer.lose(lost, reason)
 
     def _restart(self):
         while self.env.now < self._down_until:

@@ -17,23 +17,34 @@ def _log(trace, *kinds):
 
 
 def test_worker_preemption_exact_log():
-    # Preempted at 1.0 s mid-decode: the group is dropped and re-admitted; the worker
-    # is back at 4.0 s, pulls until 4.5 s and decodes until 6.0 s.
+    # Preempted at 1.0 s mid-decode: the group is lost and, as the runtime does, issued
+    # again with the same id (nothing dropped); the worker is back at 4.0 s, pulls until
+    # 4.5 s and decodes it until 6.0 s.
     fault = Fault(kind="preempt_worker", target="worker-0", at_s=1.0, restart_after_s=3.0)
     trace = MemoryTrace()
     result = simulate(_toy(fault, target_steps=1), trace=trace)
     assert _log(trace, "preemption", "drop", "restart", "pull", "generation_end", "train_step") == [
         (0.5, "pull", "worker-0"),
         (1.0, "preemption", "worker-0"),
-        (1.0, "drop", "buffer"),
         (4.0, "restart", "worker-0"),
         (4.5, "pull", "worker-0"),
         (6.0, "generation_end", "worker-0"),
         (6.0, "generation_end", "worker-0"),
         (7.75, "train_step", "trainer"),
     ]
-    assert result.drops == {"preempted": 1}
+    ends = {e["rollout"] for e in trace.events if e.kind == "generation_end"}
+    assert result.drops == {} and ends == {"0"}  # group 0, generated again
     assert result.preemptions == {"worker": 1}
+
+
+def test_worker_preemption_drops_under_the_drop_policy():
+    # RecoveryPolicy(worker_lost="drop"): the lost group is dropped and a new one issued.
+    fault = Fault(kind="preempt_worker", target="worker-0", at_s=1.0, restart_after_s=3.0)
+    scenario = with_overrides(_toy(fault, target_steps=1), {"recovery.worker_lost": "drop"})
+    trace = MemoryTrace()
+    result = simulate(scenario, trace=trace)
+    assert (1.0, "drop", "buffer") in _log(trace, "drop")
+    assert result.drops == {"preempted": 1} and result.time_to_step(1) == pytest.approx(7.75)
 
 
 def test_finished_samples_awaiting_reward_survive_preemption():
@@ -170,8 +181,10 @@ def test_heavy_faults_keep_every_invariant(mode, pauses_fleet, seed):
     assert result.steps == 30
     assert max(result.staleness) <= 2
     buffer = simulation.buffer
-    trained = sum(result.staleness.values())
+    trained = sum(result.staleness.values())  # the surviving steps' groups
+    assert trained == 30 * scenario.staleness.batch_size == len(buffer.ledger.trained)
     created = simulation._next_group
     assert created == trained + sum(result.drops.values()) + buffer.running + len(buffer.ready)
-    assert buffer.running >= 0
+    buffer.ledger.check(created)  # the runtime's accounting invariant, on the same books
+    assert buffer.ledger.accepted_lost() == []
     assert simulation.host_active == sum(w.active for w in simulation.workers) >= 0

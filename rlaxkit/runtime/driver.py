@@ -124,6 +124,7 @@ class Experiment(Loop):
         self.buffer = RolloutBuffer(
             config.staleness, config.group_size, config.batching, config.recovery
         )
+        self.buffer.ledger.on_drop = self.drop_event
         self.published = 0  # the newest version the trainer published
         self.last_batch: dict[str, Any] | None = None
         self.closed = False

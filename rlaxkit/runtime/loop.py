@@ -101,21 +101,17 @@ class Loop:
     def admit(self, rollouts: list[Rollout]) -> None:
         """Books finished rollouts in the buffer (a drop is traced with its reason)."""
         for rollout in rollouts:
-            reason = self.buffer.add(rollout, self.version)
+            self.buffer.add(rollout, self.version)  # a drop is traced by drop_event
             self.window.samples += 1
-            if reason is not None:
-                self.drop_event(rollout.group_id, reason, rollout.first_version)
 
     def drop_event(self, group_id: int, reason: str, version: int | None = None) -> None:
+        """Traces a drop (the buffer's books call it for every one)."""
         self.trace.record(self.clock(), "drop", "buffer", version, reason=reason, rollout=group_id)
 
     def requeue(self, lost: list[Issue], reason: str = "preempted") -> None:
         """Prompts a worker lost go back to the controller (same ids and seeds), or are
         dropped with ``reason``, as ``RecoveryPolicy.worker_lost`` says."""
         again = set(self.buffer.lose([issue.group_id for issue in lost], reason))
-        for issue in lost:
-            if issue.group_id not in again:
-                self.drop_event(issue.group_id, reason)
         self.books.reissued += len(again)
         self.controller.requeue([issue for issue in lost if issue.group_id in again])
 
@@ -170,8 +166,7 @@ class Loop:
         self.books.roll_back(step)
         self.logger.rewrite(self.books.history)
         self.trace.discard_steps(discarded)
-        for group_id in self.buffer.rollback(step):
-            self.drop_event(group_id, self.buffer.dropped[group_id])
+        self.buffer.rollback(step)
         for worker_id, version in self.fleet.versions().items():
             if version is not None and version > step:  # weights of a void branch
                 self.requeue(self.fleet.drop_weights(worker_id), reason="rolled_back")
