@@ -362,6 +362,17 @@ ESCAPES: dict[str, Escape] = {
         printed("OPENED"),
         "PID 1 is the machine's init, which the program may not open (the case is moot)",
     ),
+    "forge_setup_error": Escape(
+        # The pipe on which the launcher reports a failed setup (run_python would raise).
+        program(
+            """
+            import json, os
+            config = json.loads(open('/proc/self/cmdline').read().split('\\0')[5])
+            os.write(config['control_fd'], b'forged')
+            """
+        ),
+        lambda result, bait: False,
+    ),
     "signal_parent": Escape(
         program("import os, signal\nos.kill(os.getppid(), signal.SIGTERM)\nprint('SIGNALLED')"),
         printed("SIGNALLED"),
@@ -418,10 +429,14 @@ def outcomes(bait) -> dict[str, bool]:
             companion = threading.Thread(target=run_python, args=(source, "", LIMITS))
             companion.start()
             time.sleep(0.2)
-        result = run_python(escape.source(bait), limits=LIMITS)
+        try:
+            result = run_python(escape.source(bait), limits=LIMITS)
+        except SandboxSetupError:
+            escaped[name] = True  # the program passed itself off as a broken sandbox
+        else:
+            escaped[name] = escape.escaped(result, bait)
         if companion is not None:
             companion.join()
-        escaped[name] = escape.escaped(result, bait)
     return escaped
 
 

@@ -287,6 +287,7 @@ if config["isolation"] == "namespaces":
     # Counted in the program's user namespace: the init, and the launcher unless it is root.
     extra_processes = 2 if config["in_user_namespace"] else 1
 else:
+    os.close(config["control_fd"])  # only the namespaces' setup reports on it
     extra_processes = 0
 def cap(which, value):
     resource.setrlimit(which, (value, value))
@@ -409,7 +410,7 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
 
 def isolation_mode() -> IsolationMode:
     """``"namespaces"`` where this process's sandbox runs programs in namespaces, else
-    ``"limits-only"`` (logged as a warning the first time). The run summary records it as
+    ``"limits-only"`` (logged as a warning the first time): what a run summary records as
     ``sandbox_isolation``.
 
     Decided once per process by running a probe program in namespaces (~50 ms) and
@@ -497,6 +498,9 @@ def _run(source: str, stdin: str, limits: SandboxLimits, mode: IsolationMode) ->
                     start_new_session=True,  # its own process group, killed as a whole
                     pass_fds=(control_write,),
                 )
+        except BaseException:
+            os.close(control_read)
+            raise
         finally:
             os.close(control_write)
         try:
