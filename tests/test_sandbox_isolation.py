@@ -9,6 +9,7 @@ run. ``test_no_escapes`` prints ``escapes: E of N (mode)``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -73,6 +74,7 @@ class Escape:
     escaped: Callable[[SandboxResult, Bait], bool]
     limits_only_skip: str | None = None
     companion: Callable[[Bait], str] | None = None  # a program run at the same time
+    limits: SandboxLimits = LIMITS
 
 
 def printed_token(result: SandboxResult, bait: Bait) -> bool:
@@ -106,6 +108,15 @@ def home_entries_listed(result: SandboxResult, bait: Bait) -> bool:
     }
     private = {entry.name for entry in home.iterdir()} - shown
     return bool(set(result.stdout.split("\n")) & (private | {"id_ed25519"}))
+
+
+def outlived(result: SandboxResult, bait: Bait) -> bool:
+    """Whether a process with the token's file in its working directory is still alive a
+    second after the run ended."""
+    deadline = time.monotonic() + 1
+    while _processes_with(bait.token) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bool(_processes_with(bait.token))
 
 
 def connected(result: SandboxResult, bait: Bait) -> bool:
@@ -373,6 +384,12 @@ ESCAPES: dict[str, Escape] = {
         ),
         lambda result, bait: False,
     ),
+    "outlive_wall_limit": Escape(
+        # A session of its own, out of the process group the wall limit kills.
+        program("import os, time\nos.setsid()\nopen('{bait.token}', 'w').close()\ntime.sleep(30)"),
+        outlived,
+        limits=dataclasses.replace(LIMITS, wall_time_s=1.0),
+    ),
     "signal_parent": Escape(
         program("import os, signal\nos.kill(os.getppid(), signal.SIGTERM)\nprint('SIGNALLED')"),
         printed("SIGNALLED"),
@@ -430,7 +447,7 @@ def outcomes(bait) -> dict[str, bool]:
             companion.start()
             time.sleep(0.2)
         try:
-            result = run_python(escape.source(bait), limits=LIMITS)
+            result = run_python(escape.source(bait), limits=escape.limits)
         except SandboxSetupError:
             escaped[name] = True  # the program passed itself off as a broken sandbox
         else:
