@@ -225,13 +225,15 @@ def _simulate_in_chunks(scenario: Scenario, trace: TraceSink, *, progress: bool)
     simulation = Simulation(scenario, trace=trace)
     env = simulation.env
     horizon_s = scenario.horizon_s
-    stop = env.any_of([simulation.trainer.done, env.timeout(horizon_s)])
+    done, horizon = simulation.trainer.done, env.timeout(horizon_s)
     bar = tqdm(
         total=round(horizon_s), unit="sim s", desc="simulate", disable=not progress, leave=False
     )
     wall_start = time.perf_counter()
-    while not stop.processed:
-        env.run(until=env.any_of([stop, env.timeout(horizon_s / SIM_CHUNKS)]))
+    while not (done.processed or horizon.processed):
+        # One flat condition per chunk: a processed condition strips the checks of the
+        # conditions nested in it, so a stop rule nested here would never fire.
+        env.run(until=env.any_of([done, horizon, env.timeout(horizon_s / SIM_CHUNKS)]))
         bar.update(round(env.now) - bar.n)
         bar.set_postfix(step=simulation.trainer.version, refresh=False)
     bar.close()
