@@ -32,7 +32,7 @@ from rlaxkit.param_server import ParameterServer
 from rlaxkit.policies import StalenessPolicy, WeightSyncPolicy
 from rlaxkit.replay_log import Decode, ReplayLog, Submit, UpdateWeights, parse_ops
 from rlaxkit.rollout import Rollout
-from rlaxkit.tasks import Problem, RewardRunner, Task
+from rlaxkit.tasks import REWARD_FAILURES, Problem, RewardRunner, Task
 from rlaxkit.trace import TraceSink
 
 
@@ -336,6 +336,8 @@ class InferenceWorker:
                     "parsed": result.parsed,
                     "reason": result.reason,
                     "correct": bool(result.correct),
+                    # Why the reward itself failed, for the run's error message.
+                    **({"detail": result.detail} if result.reason in REWARD_FAILURES else {}),
                 },
                 timings={"issued_s": request.issued_s, "finished_s": now},
             )
@@ -349,6 +351,7 @@ class InferenceWorker:
                 tokens=rollout.num_tokens,
                 first_version=rollout.first_version,
                 finish=rollout.finish_reason,
+                **({"reward_failure": result.reason} if result.reason in REWARD_FAILURES else {}),
             )
             rollouts.append(rollout)
         self.trace.record(

@@ -33,6 +33,8 @@ class RunBooks:
             ``param_server``): a fault plan's, and actors that died on their own.
         restarts: restart events so far by actor (``worker`` for any worker).
         reissued: prompts handed out again after the worker holding them was lost.
+        first_reward_error: the first reward failure a finished sample carried (its
+            reason and detail; not saved): what a run whose rewards fail reports.
     """
 
     version: int = 0
@@ -48,6 +50,7 @@ class RunBooks:
     preemptions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREEMPTIONS, 0))
     restarts: dict[str, int] = field(default_factory=dict)
     reissued: int = 0
+    first_reward_error: str | None = None
 
     def record_step(self, duration_s: float) -> None:
         """A train step was taken in ``duration_s`` compute seconds."""

@@ -276,9 +276,7 @@ class Experiment(Loop):
                 "rounds": self.books.rounds,
                 "accepted_lost": len(self.buffer.accepted_lost()),
                 "failed_pulls": self.fleet.failed_pulls(),
-                "reward_failures": {
-                    k: v for k, v in self.fleet.reward_counters().items() if k.startswith("reward_")
-                },
+                "reward_failures": self.reward_failures(),
                 "workers": len(self.fleet.worker_ids()),
                 "worker_replacements": self.fleet.replacements(),
                 "preemptions": dict(self.books.preemptions),

@@ -38,6 +38,7 @@ from rlaxkit.runtime.books import RunBooks, Window
 from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
 from rlaxkit.runtime.faults import NoFaults
 from rlaxkit.runtime.placement import Parts
+from rlaxkit.tasks import REWARD_FAILURES
 from rlaxkit.validation import is_int
 
 SYNC_ATTEMPTS = 10  # syncs per round before a worker is left to retry next round
@@ -103,6 +104,10 @@ class Loop:
         for rollout in rollouts:
             self.buffer.add(rollout, self.version)  # a drop is traced by drop_event
             self.window.samples += 1
+            reason = rollout.reward_info["reason"]
+            if reason in REWARD_FAILURES and self.books.first_reward_error is None:
+                detail = rollout.reward_info.get("detail")
+                self.books.first_reward_error = f"{reason}: {detail}" if detail else reason
 
     def drop_event(self, group_id: int, reason: str, version: int | None = None) -> None:
         """Traces a drop (the buffer's books call it for every one)."""
@@ -244,6 +249,7 @@ class Loop:
                 "time/train_s": t_train - t_gen,
                 **self.window.close(t_train, self.fleet.generated_tokens()),
                 **self.books.counters(),
+                **{f"reward_failures/{k}": n for k, n in self.reward_failures().items()},
             }
         self.trace.record(
             self.clock(),
@@ -281,6 +287,11 @@ class Loop:
             out.append(self.step())
         return out
 
+    def reward_failures(self) -> dict[str, int]:
+        """Scored samples whose reward failed so far, by reason (``REWARD_FAILURES``)."""
+        counters = self.fleet.reward_counters()
+        return {reason: counters[reason] for reason in REWARD_FAILURES if counters.get(reason)}
+
     def scale_workers(self, n: int) -> Any:
         """Grows or shrinks the fleet to ``n`` workers now (a removed worker's prompts are
         re-issued to the others); returns the newest worker (``None``: none left)."""
@@ -311,15 +322,28 @@ class Loop:
 
 
 def check_drops(exp: Loop, dropped_before: int) -> None:
-    """Raises when more than 50 batches' worth of groups in a row were dropped."""
+    """Raises when more than 50 batches' worth of groups in a row were dropped, saying
+    whether the reward is failing (then with its first failure) or the policy."""
     patience = 50 * exp.config.staleness.batch_size
-    if len(exp.buffer.dropped) - dropped_before > patience:
+    if len(exp.buffer.dropped) - dropped_before <= patience:
+        return
+    failures = exp.reward_failures()
+    scored = exp.fleet.reward_counters().get("scored", 0)
+    if scored and sum(failures.values()) >= scored / 2:
         raise RuntimeError(
-            f"{patience} prompt groups in a row were dropped "
-            f"({exp.buffer.counts()['dropped_by_reason']}) without one batch: with "
-            "'filtered', the policy always or never solves the task; warm start longer "
-            "(sft.steps), pick an easier task, or lower η for 'stale'"
+            f"{patience} prompt groups in a row were dropped and the reward failed on "
+            f"{sum(failures.values())} of {scored} samples ({failures}): the reward "
+            f"function is failing, not the policy. First failure: "
+            f"{exp.books.first_reward_error}. Fix the reward (try it on a few "
+            "completions with rlaxkit.tasks.RewardRunner), or raise its timeout"
         )
+    raise RuntimeError(
+        f"{patience} prompt groups in a row were dropped "
+        f"({exp.buffer.counts()['dropped_by_reason']}) without one batch: with "
+        "'filtered', the policy always or never solves the task; warm start longer "
+        "(sft.steps), pick an easier task, keep them (batching.equal_rewards=keep), or "
+        "lower η for 'stale'"
+    )
 
 
 def stalled(exp: Loop) -> RuntimeError:

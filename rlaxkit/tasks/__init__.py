@@ -19,6 +19,7 @@ from rlaxkit.tasks.base import (
     OUTPUT_LIMIT,
     REWARD_CRASHED,
     REWARD_ERROR,
+    REWARD_FAILURES,
     REWARD_TIMEOUT,
     RUNTIME_ERROR,
     TESTS_FAILED,
@@ -52,6 +53,7 @@ from rlaxkit.tasks.curation import (
 )
 from rlaxkit.tasks.datasets import (
     DatasetError,
+    EmptyDatasetError,
     FieldMapping,
     LoadedDataset,
     load_problems,
@@ -75,6 +77,7 @@ __all__ = [
     "FORBIDDEN_OPERATION",
     "INVALID_EXPRESSION",
     "INVALID_REWARD",
+    "REWARD_FAILURES",
     "MEMORY_LIMIT",
     "NO_ANSWER",
     "NUMBER_MISUSE",
@@ -96,6 +99,7 @@ __all__ = [
     "CurationConfig",
     "CurationResult",
     "DatasetError",
+    "EmptyDatasetError",
     "ExpressionError",
     "FieldMapping",
     "LoadedDataset",

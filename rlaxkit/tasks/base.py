@@ -39,6 +39,8 @@ REWARD_ERROR: Final = "reward_error"  # the reward function raised
 REWARD_TIMEOUT: Final = "reward_timeout"  # the reward function ran past its timeout
 REWARD_CRASHED: Final = "reward_crashed"  # the worker process running the reward died
 INVALID_REWARD: Final = "invalid_reward"  # the reward returned NaN, a wrong type or out of range
+# The reasons that mean the reward itself failed (not the completion): a run counts them.
+REWARD_FAILURES: Final = (REWARD_ERROR, REWARD_TIMEOUT, REWARD_CRASHED, INVALID_REWARD)
 
 
 @dataclass(frozen=True)
