@@ -35,6 +35,7 @@ from rlaxkit.runtime.concurrent import check_supported
 from rlaxkit.runtime.faults import FaultInjector, load_plan
 from rlaxkit.runtime.loop import Loop
 from rlaxkit.runtime.placement import start_placement
+from rlaxkit.tasks import CodeTask, isolation_mode
 
 
 class Experiment(Loop):
@@ -284,6 +285,9 @@ class Experiment(Loop):
                 "reissued_prompts": self.books.reissued,
                 "buffer": self.buffer.counts(),
                 "dataset_skipped_rows": dict(self.task.skipped_rows),
+                # How generated programs are contained, for tasks that run them (this
+                # process's sandbox; reward workers on other hosts may differ).
+                "sandbox_isolation": isolation_mode() if isinstance(self.task, CodeTask) else None,
                 "resumed_from": self.resumed_from,
             }
 

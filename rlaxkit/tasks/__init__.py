@@ -70,7 +70,13 @@ from rlaxkit.tasks.math_answers import (
 from rlaxkit.tasks.policy import TextPolicy, sample_and_score
 from rlaxkit.tasks.registry import make_task, register_task, task_config_class, task_names
 from rlaxkit.tasks.runner import RewardRunner, RewardRunnerConfig, validate_reward
-from rlaxkit.tasks.sandbox import SandboxLimits, SandboxResult, run_python
+from rlaxkit.tasks.sandbox import (
+    SandboxLimits,
+    SandboxResult,
+    SandboxSetupError,
+    isolation_mode,
+    run_python,
+)
 
 __all__ = [
     "CPU_TIME_LIMIT",
@@ -113,6 +119,7 @@ __all__ = [
     "RewardRunnerConfig",
     "SandboxLimits",
     "SandboxResult",
+    "SandboxSetupError",
     "Split",
     "Task",
     "TextPolicy",
@@ -135,6 +142,7 @@ __all__ = [
     "order_by_difficulty",
     "outputs_match",
     "register_task",
+    "isolation_mode",
     "run_python",
     "sample_and_score",
     "split_of",
