@@ -9,10 +9,13 @@ local backend, small enough to learn on two CPU cores in minutes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rlaxkit.algorithms import PRESETS, algorithm
+from rlaxkit.algorithms.config import AdvantageConfig, LossConfig
 from rlaxkit.configio import apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
 from rlaxkit.inference import SamplingConfig
 from rlaxkit.models.config import ModelConfig
@@ -93,6 +96,24 @@ class AlgorithmSpec:
     preset: str = "grpo"
     advantage: dict[str, Any] = field(default_factory=dict)
     loss: dict[str, Any] = field(default_factory=lambda: {"kl_coef": 0.0})
+
+    def __post_init__(self) -> None:
+        """Builds the algorithm once, so a bad preset or slot fails when the config is
+        read, before a run makes its folder or warms up."""
+        if self.preset not in PRESETS:
+            raise ValueError(
+                f"preset: unknown algorithm preset {self.preset!r}; one of {sorted(PRESETS)}"
+            )
+        for slot, cls in (("advantage", AdvantageConfig), ("loss", LossConfig)):
+            allowed = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(getattr(self, slot)) - allowed)
+            if unknown:
+                raise ValueError(f"{slot}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+        overrides = {k: v for k, v in (("advantage", self.advantage), ("loss", self.loss)) if v}
+        try:
+            algorithm(self.preset, **overrides)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{self.preset}: {error}") from error
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,9 +250,11 @@ class RunConfig:
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         """A validated config from nested dicts; a wrong name or value names its path.
 
-        >>> from rlaxkit.configio import apply_overrides
-        >>> RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), ["steps=5"])).steps
-        5
+                >>> from rlaxkit.algorithms import PRESETS, algorithm
+        from rlaxkit.algorithms.config import AdvantageConfig, LossConfig
+        from rlaxkit.configio import apply_overrides
+                >>> RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), ["steps=5"])).steps
+                5
         """
         return from_dict(cls, data, path="config")
 

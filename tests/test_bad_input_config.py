@@ -93,3 +93,18 @@ def test_bad_task_options_are_refused_when_the_config_is_read(override, message)
 def test_every_task_checks_its_options(name, options, message):
     with pytest.raises(ValueError, match=rf"task '{name}' options: {message}"):
         make_task(name, **options)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algorithm.preset=nope", r"config\.algorithm: preset: unknown algorithm preset 'nope'"),
+        ("algorithm.loss.nope=1", r"config\.algorithm: loss: unknown field\(s\) \['nope'\]"),
+        ("algorithm.loss.clip_eps_low=-1", r"config\.algorithm: grpo: clip_eps_low"),
+        ("batching.order=newest", r"config\.batching\.order: must be one of"),
+    ],
+)
+def test_the_algorithm_is_checked_when_the_config_is_read(override, message):
+    """A bad preset or slot fails before a run makes its folder or warms up."""
+    with pytest.raises(ValueError, match=message):
+        small_run_config(override)
