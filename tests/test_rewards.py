@@ -3,6 +3,7 @@ and a counter; hung workers are killed and replaced; the batch always completes.
 
 import math
 import os
+import threading
 import time
 
 import numpy as np
@@ -192,3 +193,42 @@ def _alive(pid: int) -> bool:
             return stat.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _sleeps_forever(problem, completion):
+    if completion == "hang":
+        time.sleep(3600)
+    if completion == "spin":
+        while True:
+            pass
+    return 1.0
+
+
+@pytest.mark.parametrize("where", ["main thread", "worker thread"])
+def test_inline_rewards_are_held_to_their_timeout(where):
+    """A reward that never returns, scored in this process, times out like one in the
+    pool: the batch goes on and the item is reward_timeout."""
+    problems = [Problem(id=str(i), prompt="", answer="") for i in range(4)]
+    config = RewardRunnerConfig(mode="inline", timeout_s=0.2)
+    runner = RewardRunner(_sleeps_forever, config, execution="inline")
+    out: list = []
+
+    # A spinning reward is interrupted on the main thread; on another thread it would be
+    # abandoned still spinning (a busy core for the rest of the session), so it sleeps.
+    last = "spin" if where == "main thread" else "hang"
+
+    def score():
+        out.extend(runner.score(problems, ["ok", "hang", "ok", last]))
+
+    start = time.monotonic()
+    if where == "main thread":
+        score()
+    else:
+        thread = threading.Thread(target=score)
+        thread.start()
+        thread.join(30)
+    assert [r.reason for r in out] == [None, REWARD_TIMEOUT, None, REWARD_TIMEOUT]
+    assert [r.score for r in out] == [1.0, 0.0, 1.0, 0.0]
+    assert time.monotonic() - start < 5
+    if where == "worker thread":
+        assert runner.counters["abandoned_reward_threads"] == 2

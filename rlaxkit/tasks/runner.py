@@ -5,8 +5,11 @@ Two execution modes, chosen per task (``Task.reward_execution``) unless forced:
 * ``"inline"``: the reward is called in this process. For cheap, pure, bounded rewards
   (arithmetic, countdown) the pipe round trip and pickling dominate: in-process scoring
   of arithmetic is about 20x faster than a two-worker pool (``benchmarks/rewards.py``)
-  and needs no worker start-up. Exceptions and garbage are still caught; there is no
-  timeout, which is why only bounded rewards should run inline.
+  and needs no worker start-up. Exceptions and garbage are still caught, and the
+  per-item timeout holds: on the main thread a timer signal interrupts the reward; on
+  another thread the items run in a helper thread and one that overruns is abandoned
+  (its thread stays busy until the reward returns; ``abandoned_reward_threads``).
+  Rewards that may hang belong in the pool, where an overrun kills the process.
 * ``"pool"``: the reward runs in worker processes (started with ``spawn``, never
   ``fork``: the parent may hold JAX threads). Each item has a timeout; a worker that
   overruns it, or dies, is SIGKILLed and replaced, and the batch goes on.
@@ -30,6 +33,7 @@ import multiprocessing.connection
 import numbers
 import pickle
 import signal
+import threading
 import time
 import weakref
 from collections import Counter, deque
@@ -66,7 +70,7 @@ class RewardRunnerConfig:
     Attributes:
       mode: ``"auto"`` follows the task's ``reward_execution``; or force one mode.
       num_workers: pool size.
-      timeout_s: per-item limit in the pool (a code problem runs all its tests in it).
+      timeout_s: per-item limit, in either mode (a code problem runs all its tests in it).
       startup_timeout_s: limit for a worker to start and warm up.
       start_method: ``"spawn"`` or ``"forkserver"`` (never ``"fork"``).
     """
@@ -169,10 +173,7 @@ class RewardRunner:
             )
         hung = self._take_hangs(len(problems))
         if self.mode == "inline":
-            results = [
-                _INLINE_HANG if i in hung else self._score_inline(p, c)
-                for i, (p, c) in enumerate(zip(problems, completions, strict=True))
-            ]
+            results = self._score_inline_batch(problems, completions, hung)
         else:
             results = self._score_pool(problems, completions, hung)
         self.counters["scored"] += len(results)
@@ -215,9 +216,62 @@ class RewardRunner:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _score_inline(self, problem: Problem, completion: str) -> RewardResult:
+    def _score_inline_batch(
+        self, problems: Sequence[Problem], completions: Sequence[str], hung: Set[int]
+    ) -> list[RewardResult]:
+        """Inline scoring with the per-item timeout enforced: on the main thread by a
+        timer signal that interrupts the reward; elsewhere (worker threads) the items run
+        in a helper thread, and one past its time is abandoned there (it keeps the thread
+        until it returns) while the batch goes on."""
+        items = list(zip(problems, completions, strict=True))
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+            previous = signal.signal(signal.SIGALRM, _raise_timed_out)
+            try:
+                return [
+                    _INLINE_HANG if i in hung else self._score_inline(p, c, alarm=True)
+                    for i, (p, c) in enumerate(items)
+                ]
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+        results: list[RewardResult] = []
+        while len(results) < len(items):
+            start = len(results)
+            done = threading.Event()
+            progress: list[RewardResult] = []
+
+            def work(
+                first: int = start, out: list[RewardResult] = progress, end: Any = done
+            ) -> None:
+                for i in range(first, len(items)):
+                    problem, completion = items[i]
+                    hang = i in hung
+                    out.append(_INLINE_HANG if hang else self._score_inline(problem, completion))
+                end.set()
+
+            threading.Thread(target=work, name="rlaxkit-inline-reward", daemon=True).start()
+            seen = -1
+            while not done.is_set():
+                if not done.wait(self.config.timeout_s) and len(progress) == seen:
+                    break  # no item finished for timeout_s: the current one is stuck
+                seen = len(progress)
+            results += list(progress)  # a snapshot: an item finishing late is not kept
+            if len(results) < len(items):  # abandon the stuck thread and its item
+                self.counters["abandoned_reward_threads"] += 1
+                results.append(_timed_out(self.config.timeout_s))
+        return results
+
+    def _score_inline(self, problem: Problem, completion: str, alarm: bool = False) -> RewardResult:
         try:
-            value = self.reward_fn(problem, completion)
+            if alarm:
+                signal.setitimer(signal.ITIMER_REAL, self.config.timeout_s)
+            try:
+                value = self.reward_fn(problem, completion)
+            finally:
+                if alarm:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+        except _RewardTimedOut:
+            return _timed_out(self.config.timeout_s)
         except Exception as error:
             logger.warning("reward raised on problem %s: %r", problem.id, error)
             return RewardResult(0.0, None, REWARD_ERROR, _describe(error))
@@ -372,6 +426,21 @@ def _worker_main(conn: Connection, reward_fn: RewardFn, warmup: Callable[[], Any
             conn.send((item, *outcome))
         except Exception as error:  # an unpicklable result
             conn.send((item, "error", f"result could not be sent: {_describe(error)}"))
+
+
+class _RewardTimedOut(BaseException):
+    """Raised into an inline reward by the timer signal (a BaseException, so the reward's
+    own ``except Exception`` cannot swallow it)."""
+
+
+def _raise_timed_out(signum: int, frame: Any) -> None:
+    raise _RewardTimedOut
+
+
+def _timed_out(timeout_s: float) -> RewardResult:
+    return RewardResult(
+        0.0, None, REWARD_TIMEOUT, f"the reward ran past timeout_s={timeout_s:g} in this process"
+    )
 
 
 _INLINE_HANG = RewardResult(
