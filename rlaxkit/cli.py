@@ -8,6 +8,7 @@ rlaxkit train CONFIG --run-dir RUN            # again after a preemption: resume
 rlaxkit sft configs/arithmetic_grpo.yaml      # warm start only (cached in the run dir)
 rlaxkit eval RUN_DIR                          # held-out pass@k of a run's final policy
 rlaxkit plot RUN_DIR                          # PNGs from metrics.jsonl and trace.jsonl
+rlaxkit plot RUN_DIR --compare SIM_RUN_DIR    # ... and the two traces overlaid
 rlaxkit trace RUN_DIR -o run.perfetto.json    # the trace for ui.perfetto.dev
 rlaxkit simulate configs/sim/toy.yaml --set fleet.num_workers=4   # a simulated run dir
 """
@@ -96,7 +97,7 @@ def run_job(
     """
     from rlaxkit import runtime
     from rlaxkit.models import save_hf_checkpoint
-    from rlaxkit.plotting import plot_run
+    from rlaxkit.plotting import TRAIN_JOB_FIGURES, plot_run
 
     run_dir = Path(run_dir)
     start = time.perf_counter()
@@ -153,7 +154,7 @@ def run_job(
             **{k: v for k, v in exp.summary().items() if k not in ("buffer", "wall_s")},
         }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    plots = plot_run(run_dir)
+    plots = plot_run(run_dir, figures=TRAIN_JOB_FIGURES)
     log(
         f"held-out pass@1 after RL:  {summary['pass@1_after']:.3f} "
         f"({100 * (summary['pass@1_after'] - summary['pass@1_before']):+.1f} points)"
@@ -322,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("--samples", type=int, default=None)
     p_plot = sub.add_parser("plot", help="write PNG figures of a run directory")
     p_plot.add_argument("run_dir")
+    p_plot.add_argument(
+        "--compare", default=None, help="another run directory to overlay (plots/compare.png)"
+    )
     p_trace = sub.add_parser("trace", help="export a run's trace for ui.perfetto.dev")
     p_trace.add_argument("run_dir", help="run directory (or its trace.jsonl)")
     p_trace.add_argument("-o", "--output", default=None, help="default RUN_DIR/run.perfetto.json")
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "plot":
             from rlaxkit.plotting import plot_run
 
-            for path in plot_run(args.run_dir):
+            for path in plot_run(args.run_dir, compare=args.compare):
                 print(path)
         elif args.command == "trace":
             from rlaxkit.perfetto import export_perfetto

@@ -13,13 +13,17 @@ uses (``sim.report``), so a real run and a simulated one look alike.
 - :func:`comparison_figure`: bars of summary numbers (wall time, samples/s) per run;
 - :func:`scaling_figure`: throughput against fleet size, with linear scaling;
 - :func:`overlay_figure`: a simulated series over a measured one;
-- :func:`plot_run`: a run directory's ``reward.png``, ``staleness.png``, ``timeline.png``.
+- :func:`trace_overlay_figure`: two traces (sim against real, or any two) overlaid;
+- :func:`throughput_figure`, :func:`drops_figure`, :func:`timeline_figure`,
+  :func:`staleness_figure`: a trace's throughput and goodput over time, drops stacked by
+  reason, the Gantt chart, the staleness histogram (from ``sim.report``);
+- :func:`plot_run`: a run directory's figures as PNGs (``rlaxkit plot RUN_DIR``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,21 +34,31 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
 from rlaxkit.metrics import read_metrics
-from rlaxkit.trace import read_trace, staleness_distribution
-from sim.report import staleness_figure, timeline_figure
+from rlaxkit.trace import (
+    TraceEvent,
+    durations,
+    generation_records,
+    read_trace,
+    staleness_distribution,
+)
+from sim.report import drops_figure, staleness_figure, throughput_figure, timeline_figure
 
 __all__ = [
     "DPI",
+    "FIGURES",
     "SIZE_IN",
     "comparison_figure",
     "curves_figure",
+    "drops_figure",
     "overlay_figure",
     "pass_at_k_figure",
     "plot_run",
     "reward_figure",
     "scaling_figure",
     "staleness_figure",
+    "throughput_figure",
     "timeline_figure",
+    "trace_overlay_figure",
     "update_figure",
 ]
 
@@ -367,44 +381,124 @@ def overlay_figure(
     return figure
 
 
-def plot_run(run_dir: str | Path) -> list[Path]:
-    """Writes ``plots/reward.png``, ``plots/staleness.png`` and ``plots/timeline.png``
-    for a run directory (each written when its inputs exist); returns the paths.
+def trace_overlay_figure(
+    first: Iterable[TraceEvent],
+    second: Iterable[TraceEvent],
+    *,
+    labels: tuple[str, str] = ("real", "simulated"),
+) -> Figure:
+    """Two traces of the same schema side by side (a real run and its simulation, or any
+    two runs): generation latency and train-step time as CDFs, the staleness of trained
+    rollouts, and trained samples against time.
+    """
+    traces = (list(first), list(second))
+    figure = _figure(9.0, 6.0)
+    (latency, step), (stale, progress) = figure.subplots(2, 2)
+    styles = ("-", "--")
+    for events, label, style, colour in zip(traces, labels, styles, ("C0", "C1"), strict=True):
+        for axes, values in (
+            (latency, [r.latency_s for r in generation_records(events)]),
+            (step, durations(events, "train_step")),
+        ):
+            ordered = np.sort(np.asarray(values, float))
+            if len(ordered):
+                cdf = np.arange(1, len(ordered) + 1) / len(ordered)
+                axes.step(ordered, cdf, style, where="post", color=colour, label=label)
+        steps = [e for e in events if e.kind == "train_step"]
+        if steps:
+            trained = np.cumsum([int(e["samples"]) for e in steps])
+            progress.step([e.t for e in steps], trained, style, where="post", color=colour)
+    width = 0.4
+    for i, (events, colour) in enumerate(zip(traces, ("C0", "C1"), strict=True)):
+        counts = staleness_distribution(events)
+        total = sum(counts.values()) or 1
+        ages = np.array(sorted(counts), float)
+        stale.bar(
+            ages + (i - 0.5) * width,
+            [counts[a] / total for a in sorted(counts)],
+            width,
+            color=colour,
+            hatch="//" if i else None,
+            edgecolor="white",
+        )
+    latency.set(xlabel="generation latency (s)", ylabel="CDF", ylim=(0, 1.02))
+    step.set(xlabel="train-step time (s)", ylabel="CDF", ylim=(0, 1.02))
+    stale.set(xlabel="staleness of trained rollouts", ylabel="fraction")
+    stale.xaxis.set_major_locator(MaxNLocator(integer=True))
+    progress.set(xlabel="time (s)", ylabel="samples trained")
+    for axes in (latency, step, stale, progress):
+        _style(axes)
+    latency.legend(frameon=False, fontsize="small")
+    return figure
 
-    Every PNG is ``SIZE_IN`` inches at ``DPI`` (700 x 400 pixels).
+
+FIGURES = ("reward", "staleness", "timeline", "throughput", "drops")
+TRAIN_JOB_FIGURES = ("reward", "staleness", "timeline")  # what ``rlaxkit train`` writes
+
+
+def plot_run(
+    run_dir: str | Path,
+    *,
+    figures: Sequence[str] = FIGURES,
+    compare: str | Path | None = None,
+) -> list[Path]:
+    """Writes a run directory's figures as ``plots/NAME.png`` (each when its inputs
+    exist) and returns the paths: ``reward`` (from ``metrics.jsonl``), ``staleness``,
+    ``timeline``, ``throughput`` and ``drops`` (from ``trace.jsonl``); with ``compare``
+    (another run directory, real or simulated) also ``compare.png``, the two traces
+    overlaid by :func:`trace_overlay_figure`.
+
+    Every PNG is ``SIZE_IN`` inches at ``DPI`` (700 x 400 pixels), ``compare.png``
+    excepted (900 x 600: four panels).
 
     Raises:
         FileNotFoundError: the directory has neither ``metrics.jsonl`` nor ``trace.jsonl``.
     """
+    unknown = set(figures) - set(FIGURES)
+    if unknown:
+        raise ValueError(f"figures: unknown {sorted(unknown)}; allowed: {list(FIGURES)}")
     run_dir = Path(run_dir)
     metrics_file, trace_file = run_dir / "metrics.jsonl", run_dir / "trace.jsonl"
     if not metrics_file.exists() and not trace_file.exists():
         raise FileNotFoundError(
             f"{run_dir} has neither metrics.jsonl nor trace.jsonl; pass a run directory "
-            "written by `rlaxkit train` or Experiment(run_dir=...)"
+            "written by `rlaxkit train`, `rlaxkit simulate` or Experiment(run_dir=...)"
         )
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
     written = []
-    if metrics_file.exists():
+    if metrics_file.exists() and "reward" in figures:
         metrics = read_metrics(metrics_file)
         summary_file = run_dir / "summary.json"
         evals = (
             json.loads(summary_file.read_text()).get("evals", []) if summary_file.exists() else []
         )
-        if metrics:
+        if metrics and "reward/mean" in metrics[0]:
             written.append(_save(reward_figure(metrics, evals), out / "reward.png"))
     if trace_file.exists():
         events = read_trace(trace_file)
         histogram = staleness_distribution(events)
-        if histogram:
+        if histogram and "staleness" in figures:
             written.append(_save(staleness_figure(histogram), out / "staleness.png"))
-        written.append(_save(timeline_figure(events), out / "timeline.png"))
+        drawers: dict[str, Callable[[list[TraceEvent]], Figure]] = {
+            "timeline": timeline_figure,
+            "throughput": throughput_figure,
+            "drops": drops_figure,
+        }
+        for name, draw in drawers.items():
+            if name in figures:
+                written.append(_save(draw(events), out / f"{name}.png"))
+        if compare is not None:
+            other = Path(compare)
+            other_trace = read_trace(other / "trace.jsonl" if other.is_dir() else other)
+            labels = (run_dir.name or "this run", other.name or "other")
+            figure = trace_overlay_figure(events, other_trace, labels=labels)
+            written.append(_save(figure, out / "compare.png", size=(9.0, 6.0)))
     return written
 
 
-def _save(figure: Figure, path: Path) -> Path:
-    """Saves at exactly ``SIZE_IN`` x ``DPI`` (no tight bbox, so the size is fixed)."""
-    figure.set_size_inches(*SIZE_IN)
+def _save(figure: Figure, path: Path, size: tuple[float, float] = SIZE_IN) -> Path:
+    """Saves at exactly ``size`` x ``DPI`` (no tight bbox, so the size is fixed)."""
+    figure.set_size_inches(*size)
     figure.savefig(path, dpi=DPI)
     return path

@@ -2,8 +2,10 @@
 drawn on the Agg canvas (no display, no pyplot state), ready for ``savefig`` or a
 notebook cell.
 
-- :func:`timeline_figure`: per-worker generations coloured by weight version, trainer
-  steps, pushes, preemptions, from a trace;
+- :func:`timeline_figure`: per-worker slots with generations coloured by weight version,
+  trainer steps, checkpoints, pushes and pulls, idle time and preemptions, from a trace;
+- :func:`throughput_figure`: trained and generated samples/s, goodput, over time;
+- :func:`drops_figure`: dropped rollouts over time, stacked by reason;
 - :func:`staleness_figure`: histogram of per-rollout staleness;
 - :func:`utilisation_figure`: trainer utilisation, goodput and worker utilisation per
   run;
@@ -14,21 +16,27 @@ notebook cell.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import matplotlib
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, MaxNLocator, MultipleLocator
 
-from rlaxkit.trace import TraceEvent, generation_records
+from rlaxkit.trace import GenerationRecord, TraceEvent, generation_records
 
 from .metrics import SimResult
 from .studies import CheckpointStudy, EtaPoint
 
 __all__ = [
     "checkpoint_figure",
+    "drops_figure",
     "eta_curve_figure",
     "staleness_figure",
+    "throughput_figure",
     "timeline_figure",
     "utilisation_figure",
 ]
@@ -41,40 +49,279 @@ def _figure(width: float = 7.0, height: float = 4.0) -> Figure:
 
 
 def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> Figure:
-    """Gantt chart of a trace: one row per worker (first ``max_workers``), one for the
-    trainer; generations coloured by their weight version, preemptions as red marks."""
+    """Gantt chart of a trace: the trainer on top, then one band per worker (the first
+    ``max_workers``), each split into its slots.
+
+    A generation is a bar on its slot coloured by its first weight version, and a train
+    step a bar coloured by the version it produced (the colour bar maps both), with a
+    white edge so consecutive steps stay apart; grey is idle (a slot with no sequence,
+    the trainer waiting for a batch). Checkpoint saves are black bars on the trainer
+    row; pushes (trainer) and pulls (workers) are tick marks; a red band runs from a
+    preemption (x) to the restart.
+    """
     events = list(events)
     records = generation_records(events)
-    workers = sorted({r.actor for r in records}, key=lambda name: int(name.split("-")[-1]))
+    workers = sorted({r.actor for r in records}, key=_actor_number)
     workers = workers[:max_workers]
-    rows = {name: i + 1 for i, name in enumerate(workers)}
-    rows["trainer"] = 0
-    versions = [r.version for r in records if r.version is not None] or [0]
-    colours = matplotlib.colormaps["viridis"]
-    top = max(versions) or 1
-    figure = _figure(9.0, 1.0 + 0.35 * len(rows))
+    end_s = max((e.t for e in events), default=1.0)
+    steps = [e for e in events if e.kind == "train_step"]
+    versions = [r.first_version or 0 for r in records] + [e.version or 0 for e in steps]
+    top = max(versions, default=0)
+    # One colour per version while they can be told apart, a continuous scale beyond.
+    colours = matplotlib.colormaps["viridis"].resampled(top + 1 if top < 16 else 256)
+    norm: matplotlib.colors.Normalize = (
+        matplotlib.colors.BoundaryNorm(np.arange(-0.5, top + 1.5), top + 1)
+        if top < 16
+        else matplotlib.colors.Normalize(0, top)
+    )
+    figure = _figure(9.0, 1.3 + 0.4 * (len(workers) + 1))
     axes = figure.add_subplot()
-    for record in records:
-        if record.actor not in rows:
-            continue
+    # Rows from the top: trainer at len(workers), worker i at len(workers) - 1 - i.
+    rows = {name: len(workers) - 1 - i for i, name in enumerate(workers)}
+    rows["trainer"] = len(workers)
+    height = 0.8
+    for row in rows.values():
+        axes.broken_barh([(0, end_s)], (row - height / 2, height), color="0.92", lw=0)
+    lanes = _slot_lanes([r for r in records if r.actor in rows])
+    for actor, actor_lanes in lanes.items():
+        lane_h = height / len(actor_lanes)
+        base = rows[actor] - height / 2
+        for i, lane in enumerate(actor_lanes):
+            axes.broken_barh(
+                [(r.start_s, r.end_s - r.start_s) for r in lane],
+                (base + (len(actor_lanes) - 1 - i) * lane_h, lane_h * 0.9),
+                facecolors=[colours(norm(r.first_version or 0)) for r in lane],
+                lw=0,
+            )
+    row = rows["trainer"]
+    axes.broken_barh(
+        [(e.t - e["duration_s"], e["duration_s"]) for e in steps],
+        (row - height / 2, height),
+        facecolors=[colours(norm(e.version or 0)) for e in steps],
+        edgecolor="white",
+        lw=0.8,
+    )
+    saves = [e for e in events if e.kind == "checkpoint_save"]
+    axes.broken_barh(
+        [(e.t - e["duration_s"], e["duration_s"]) for e in saves],
+        (row - height / 4, height / 2),
+        color="black",
+        label="checkpoint save" if saves else None,
+    )
+    _marks(axes, [e.t for e in events if e.kind == "push"], row + height / 2, "|", "push")
+    pulls = [e for e in events if e.kind == "pull" and e.actor in rows]
+    _marks(axes, [e.t for e in pulls], [rows[e.actor] + height / 2 for e in pulls], 7, "pull")
+    _downtime(axes, events, rows, height)
+    axes.set_yticks(list(rows.values()), list(rows))
+    axes.set_ylim(-0.6, len(workers) + 0.6)
+    axes.set_xlim(0, end_s)
+    _time_axis(axes, end_s)
+    axes.spines[["top", "right"]].set_visible(False)
+    shown = (
+        f"first {len(workers)} of {len(lanes_all)} workers"
+        if (lanes_all := {r.actor for r in records}) and len(lanes_all) > len(workers)
+        else f"{len(workers)} workers"
+    )
+    axes.set_title(f"timeline ({shown}; a worker's band is its slots)", fontsize="medium")
+    handles = [Patch(color="0.92", label="idle")] + axes.get_legend_handles_labels()[0]
+    axes.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.14),
+        ncol=min(len(handles), 4),
+        frameon=False,
+        fontsize="small",
+    )
+    bar = figure.colorbar(
+        matplotlib.cm.ScalarMappable(norm=norm, cmap=colours), ax=axes, pad=0.01, aspect=30
+    )
+    bar.set_label("weight version")
+    bar.ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
+    return figure
+
+
+def _time_axis(axes: Axes, end_s: float) -> None:
+    """Label the x axis (seconds) in hours past 3 h, with tick labels to match."""
+    if end_s > 3 * 3600:
+        axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 3600:g}"))
+        axes.xaxis.set_major_locator(MultipleLocator(3600 * max(1, round(end_s / 3600 / 8))))
+        axes.set_xlabel("time (h)")
+    else:
+        axes.set_xlabel("time (s)")
+
+
+def _actor_number(name: str) -> tuple[int, str]:
+    suffix = name.rpartition("-")[2]
+    return (int(suffix), name) if suffix.isdigit() else (1 << 30, name)
+
+
+def _slot_lanes(records: list[GenerationRecord]) -> dict[str, list[list[GenerationRecord]]]:
+    """Each worker's generations in lanes that never overlap (first free lane)."""
+    lanes: dict[str, list[list[GenerationRecord]]] = {}
+    for record in sorted(records, key=lambda r: (r.start_s, r.end_s)):
+        actor_lanes = lanes.setdefault(record.actor, [])
+        lane = next((la for la in actor_lanes if la[-1].end_s <= record.start_s), None)
+        if lane is None:
+            actor_lanes.append([record])
+        else:
+            lane.append(record)
+    return lanes
+
+
+def _marks(axes: Axes, times: list[float], y: Any, marker: Any, label: str) -> None:
+    if times:
         axes.plot(
-            [record.start_s, record.end_s],
-            [rows[record.actor]] * 2,
-            color=colours((record.first_version or 0) / top),
-            linewidth=3,
-            alpha=0.5,
-            solid_capstyle="butt",
+            times,
+            np.broadcast_to(y, len(times)),
+            ls="",
+            marker=marker,
+            color="black",
+            markersize=6,
+            label=label,
         )
+
+
+def _downtime(axes: Axes, events: list[TraceEvent], rows: Mapping[str, int], height: float) -> None:
+    """Red bands from each preemption to the actor's restart (or the trace's end)."""
+    down: dict[str, float] = {}
+    bands: list[tuple[str, float, float]] = []
+    end_s = max((e.t for e in events), default=0.0)
+    for event in events:
+        if event.actor not in rows:
+            continue
+        if event.kind == "preemption":
+            down.setdefault(event.actor, event.t)
+        elif event.kind == "restart" and event.actor in down:
+            bands.append((event.actor, down.pop(event.actor), event.t))
+    bands += [(actor, start, end_s) for actor, start in down.items()]
+    for i, (actor, start, stop) in enumerate(bands):
+        row = rows[actor]
+        axes.broken_barh(
+            [(start, stop - start)],
+            (row - height / 2, height),
+            color="tab:red",
+            alpha=0.35,
+            lw=0,
+            label="preempted (down)" if i == 0 else None,
+        )
+        axes.plot(
+            start,
+            row,
+            marker="x",
+            color="tab:red",
+            markersize=8,
+            label="preemption" if i == 0 else None,
+        )
+
+
+def _bins(events: list[TraceEvent], bins: int) -> np.ndarray:
+    end_s = max((e.t for e in events), default=1.0) or 1.0
+    return np.linspace(0.0, end_s, bins + 1)
+
+
+def _busy_per_bin(spans: list[tuple[float, float]], edges: np.ndarray) -> np.ndarray:
+    """Seconds of ``(start, end)`` spans inside each bin."""
+    busy = np.zeros(len(edges) - 1)
+    for start, end in spans:
+        busy += np.clip(np.minimum(edges[1:], end) - np.maximum(edges[:-1], start), 0, None)
+    return busy
+
+
+def throughput_figure(events: Iterable[TraceEvent], *, bins: int = 40) -> Figure:
+    """Throughput and goodput over time.
+
+    Top: samples trained per second, step by step (a step's samples over the time since
+    the previous step ended), and samples generated per second in ``bins`` equal slices
+    of the run. Bottom: goodput so far, the trainer's compute in steps that survived
+    (a trainer preemption's ``lost_steps`` are the steps before it that did not) over
+    the time elapsed, and the share of each slice the trainer was busy, lost steps
+    included.
+    """
+    events = list(events)
+    edges = _bins(events, bins)
+    width = edges[1] - edges[0]
+    steps: list[TraceEvent] = []
+    lost: list[TraceEvent] = []
     for event in events:
         if event.kind == "train_step":
-            axes.barh(0, event["duration_s"], left=event.t - event["duration_s"], color="tab:blue")
-        elif event.kind == "push":
-            axes.plot(event.t, 0, marker="|", color="black", markersize=12)
-        elif event.kind == "preemption" and event.actor in rows:
-            axes.plot(event.t, rows[event.actor], marker="x", color="red", markersize=10)
-    axes.set_yticks(list(rows.values()), list(rows))
-    axes.set_xlabel("time (s)")
-    axes.set_title("timeline (colour: weight version; x: preemption)")
+            steps.append(event)
+        elif event.kind == "preemption" and event.actor == "trainer":
+            count = int(event.get("lost_steps") or 0)
+            if count:
+                lost += steps[-count:]
+                del steps[-count:]
+    generated = np.histogram([e.t for e in events if e.kind == "generation_end"], edges)[0]
+    useful = _busy_per_bin([(e.t - e["duration_s"], e.t) for e in steps], edges)
+    wasted = _busy_per_bin([(e.t - e["duration_s"], e.t) for e in lost], edges)
+    figure = _figure(7.0, 4.0)
+    rate, share = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    middles = (edges[:-1] + edges[1:]) / 2
+    rate.plot(middles, generated / width, label="generated", color="tab:green")
+    ends = np.array([0.0] + [e.t for e in steps])
+    if steps:
+        per_step = np.array([float(e["samples"]) for e in steps]) / np.maximum(np.diff(ends), 1e-12)
+        rate.stairs(per_step, ends, label="trained", color="tab:blue", lw=1.5)
+    rate.set_ylabel("samples / s")
+    rate.set_ylim(bottom=0)
+    share.plot(middles, (useful + wasted) / width, label="trainer busy", color="0.7")
+    if steps:
+        done = np.cumsum([float(e["duration_s"]) for e in steps])
+        share.plot(
+            ends[1:],
+            done / np.maximum(ends[1:], 1e-12),
+            label="goodput so far",
+            color="black",
+            lw=1.5,
+        )
+    share.set_ylim(0, 1.05)
+    share.set_ylabel("share of time")
+    _time_axis(share, edges[-1])
+    for axes in (rate, share):
+        axes.grid(alpha=0.3)
+        axes.spines[["top", "right"]].set_visible(False)
+        axes.legend(frameon=False, fontsize="small", loc="upper left", ncol=2)
+    rate.set_title("throughput and goodput", fontsize="medium")
+    return figure
+
+
+def drops_figure(events: Iterable[TraceEvent], *, bins: int = 30) -> Figure:
+    """Dropped rollouts per time slice, stacked by reason (``stale``, ``preempted``,
+    ``filtered``, ...); a run without drops says so."""
+    events = list(events)
+    drops = [e for e in events if e.kind == "drop"]
+    figure = _figure(7.0, 4.0)
+    axes = figure.add_subplot()
+    edges = _bins(events, bins)
+    reasons = sorted({str(e["reason"]) for e in drops})
+    bottom = np.zeros(bins)
+    for i, reason in enumerate(reasons):
+        counts = np.histogram([e.t for e in drops if e["reason"] == reason], edges)[0]
+        total = int(counts.sum())
+        axes.bar(
+            edges[:-1],
+            counts,
+            np.diff(edges),
+            bottom=bottom,
+            align="edge",
+            label=f"{reason} ({total})",
+            color=f"C{i}",
+            edgecolor="white",
+            lw=0.5,
+        )
+        bottom += counts
+    if not drops:
+        axes.text(
+            0.5, 0.5, "no rollout was dropped", ha="center", va="center", transform=axes.transAxes
+        )
+        axes.set_xlim(edges[0], edges[-1])
+    _time_axis(axes, edges[-1])
+    axes.set_ylabel("dropped rollouts")
+    axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_title("dropped rollouts by reason", fontsize="medium")
+    axes.grid(alpha=0.3)
+    axes.spines[["top", "right"]].set_visible(False)
+    if drops:
+        axes.legend(frameon=False, fontsize="small", title="reason (total)")
     return figure
 
 

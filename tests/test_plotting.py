@@ -1,5 +1,6 @@
 """``rlaxkit plot RUN_DIR`` writes PNGs of the expected size; every figure draws."""
 
+import json
 import struct
 
 import numpy as np
@@ -11,8 +12,9 @@ from rlaxkit import plotting
 from rlaxkit.cli import main
 from rlaxkit.config import small_run_config
 from rlaxkit.metrics import MetricsLogger
+from rlaxkit.perfetto import validate
 from rlaxkit.runtime import Experiment
-from rlaxkit.trace import JsonlTraceWriter
+from rlaxkit.trace import JsonlTraceWriter, MemoryTrace
 
 WIDTH, HEIGHT = (round(s * plotting.DPI) for s in plotting.SIZE_IN)  # 700 x 400
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -24,6 +26,9 @@ def png_size(path) -> tuple[int, int]:
     assert data[:8] == PNG_SIGNATURE, f"{path.name} is not a PNG"
     assert data[12:16] == b"IHDR"
     return struct.unpack(">II", data[16:24])
+
+
+TRACE_PLOTS = ["staleness.png", "timeline.png", "throughput.png", "drops.png"]
 
 
 def check_plots(run_dir, capsys, expected):
@@ -46,13 +51,37 @@ def test_plot_writes_png_files_of_the_expected_size_for_a_simulated_run(tmp_path
     for step in range(1, result.steps + 1):
         logger.log({"step": step, "reward/mean": 0.1 * step})
     logger.close()
-    check_plots(tmp_path, capsys, ["reward.png", "staleness.png", "timeline.png"])
+    check_plots(tmp_path, capsys, ["reward.png", *TRACE_PLOTS])
 
 
 def test_plot_of_a_trace_only_directory_writes_the_trace_figures(tmp_path, capsys):
     with JsonlTraceWriter(tmp_path / "trace.jsonl") as trace:
         sim.simulate(sim.presets.toy(target_steps=2), trace=trace)
-    check_plots(tmp_path, capsys, ["staleness.png", "timeline.png"])
+    check_plots(tmp_path, capsys, TRACE_PLOTS)
+
+
+def test_plot_compare_overlays_two_traces(tmp_path, capsys):
+    for name, steps in (("a", 2), ("b", 3)):
+        (tmp_path / name).mkdir()
+        with JsonlTraceWriter(tmp_path / name / "trace.jsonl") as trace:
+            sim.simulate(sim.presets.toy(target_steps=steps), trace=trace)
+    assert main(["plot", str(tmp_path / "a"), "--compare", str(tmp_path / "b")]) == 0
+    assert png_size(tmp_path / "a" / "plots" / "compare.png") == (900, 600)
+
+
+def test_trace_figures_draw_preemptions_drops_and_lost_steps():
+    trace = MemoryTrace()
+    sim.simulate(sim.presets.checkpoint_study(), trace=trace)
+    kinds = {e.kind for e in trace}
+    assert {"preemption", "restart", "drop", "checkpoint_save"} <= kinds
+    timeline = plotting.timeline_figure(trace)
+    labels = set(timeline.axes[0].get_legend_handles_labels()[1])
+    assert {"preemption", "preempted (down)", "checkpoint save", "push"} <= labels
+    drops = plotting.drops_figure(trace)
+    reasons = {text.get_text().split(" (")[0] for text in drops.axes[0].get_legend().texts}
+    assert reasons == {str(e["reason"]) for e in trace if e.kind == "drop"}
+    throughput = plotting.throughput_figure(trace)
+    assert all(ax.has_data() for ax in throughput.axes)
 
 
 def test_plot_of_a_directory_without_a_run_exits_2_with_a_message(tmp_path, capsys):
@@ -65,7 +94,10 @@ def test_plot_writes_png_files_for_a_real_local_run(tmp_path, capsys):
     config = small_run_config()
     with Experiment(config, run_dir=tmp_path) as exp:
         exp.run(3)
-    check_plots(tmp_path, capsys, ["reward.png", "staleness.png", "timeline.png"])
+    check_plots(tmp_path, capsys, ["reward.png", *TRACE_PLOTS])
+    # The same real run, exported for Perfetto, keeps the format's rules.
+    assert main(["trace", str(tmp_path)]) == 0
+    validate(json.loads((tmp_path / "run.perfetto.json").read_text()))
 
 
 def metrics(n, offset=0.0):
