@@ -9,6 +9,7 @@ local backend, small enough to learn on two CPU cores in minutes.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,11 +251,9 @@ class RunConfig:
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         """A validated config from nested dicts; a wrong name or value names its path.
 
-                >>> from rlaxkit.algorithms import PRESETS, algorithm
-        from rlaxkit.algorithms.config import AdvantageConfig, LossConfig
-        from rlaxkit.configio import apply_overrides
-                >>> RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), ["steps=5"])).steps
-                5
+        >>> from rlaxkit.configio import apply_overrides
+        >>> RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), ["steps=5"])).steps
+        5
         """
         return from_dict(cls, data, path="config")
 
@@ -267,7 +266,26 @@ class RunConfig:
         in part keeps the run's defaults for the rest. The default ``task.options`` are the
         default task's, so a file that names another task starts from no options.
         """
-        return load_yaml(cls, path, overrides, defaults=_defaults_for_file)
+        config = load_yaml(cls, path, None, defaults=_defaults_for_file)
+        return cls.from_overrides(overrides or [], base=config) if overrides else config
+
+    @classmethod
+    def from_overrides(cls, overrides: list[str], base: RunConfig | None = None) -> RunConfig:
+        """``base`` (default ``RunConfig()``) with ``section.field=value`` overrides.
+
+        An override that names another task starts it from no options (the base's are
+        another task's), as a config file that names one does; options the overrides
+        give then apply.
+
+        >>> RunConfig.from_overrides(["task.name=countdown"]).task.options
+        {}
+        """
+        data = (base or cls()).to_dict()
+        task = data["task"]["name"]
+        probe = apply_overrides(copy.deepcopy(data), overrides)  # it writes into its dict
+        if probe["task"]["name"] != task:
+            data["task"]["options"] = {}
+        return cls.from_dict(apply_overrides(data, overrides))
 
     def save(self, path: str | Path) -> None:
         """Writes the full config as YAML (every field, so the run can be reproduced)."""
@@ -305,4 +323,4 @@ SMALL_RUN: tuple[str, ...] = (
 def small_run_config(*overrides: str) -> RunConfig:
     """``RunConfig()`` with ``SMALL_RUN`` and then ``overrides`` (``"section.field=value"``)
     applied, e.g. ``small_run_config("staleness.max_staleness=0")``."""
-    return RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), [*SMALL_RUN, *overrides]))
+    return RunConfig.from_overrides(list(overrides), base=RunConfig.from_overrides(list(SMALL_RUN)))

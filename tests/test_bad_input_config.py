@@ -108,3 +108,19 @@ def test_the_algorithm_is_checked_when_the_config_is_read(override, message):
     """A bad preset or slot fails before a run makes its folder or warms up."""
     with pytest.raises(ValueError, match=message):
         small_run_config(override)
+
+
+def test_set_naming_another_task_starts_it_from_no_options():
+    """--set task.name=countdown: the default options are arithmetic's, so they go, as
+    they do for a file that names another task."""
+    assert small_run_config("task.name=countdown").task.options == {}
+    config = small_run_config("task.name=countdown", "task.options.max_numbers=3")
+    assert config.task.options == {"max_numbers": 3}
+
+
+def test_a_vocabulary_smaller_than_the_tasks_tokenizer_is_refused():
+    from rlaxkit.runtime.build import build_policy, build_task
+
+    config = small_run_config("task.name=countdown")
+    with pytest.raises(ValueError, match=r"model\.config\.vocab_size: 16, but task 'countdown'"):
+        build_policy(config, build_task(config))

@@ -27,6 +27,7 @@ from rlaxkit.models import (
 from rlaxkit.sft import supervised_warm_start
 from rlaxkit.tasks import Task, make_task
 from rlaxkit.trainer import TrainConfig
+from rlaxkit.validation import check_tokenizer_fits
 
 
 def build_task(config: RunConfig) -> Task:
@@ -52,6 +53,13 @@ def build_policy(config: RunConfig, task: Task) -> tuple[Transformer, Tokenizer]
             raise ValueError(f"model.checkpoint {spec.checkpoint} has no tokenizer.json; add one")
         return model, tokenizer
     tokenizer = CharTokenizer(task_alphabet(task))
+    if spec.config.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"model.config.vocab_size: {spec.config.vocab_size}, but task "
+            f"{config.task.name!r} needs a character tokenizer of {tokenizer.vocab_size} "
+            f"symbols; set model.config.vocab_size={tokenizer.vocab_size} (a fresh model "
+            "is built with exactly the tokenizer's size)"
+        )
     model_config = spec.config.replace(vocab_size=tokenizer.vocab_size)
     if spec.param_dtype:
         model_config = model_config.replace(param_dtype=spec.param_dtype)
@@ -94,6 +102,7 @@ def warm_start(
     path = cache_dir / f"warm_start-{key}" if cache_dir else None
     if path is not None and (path / "config.json").exists():
         cached, _ = load_hf_checkpoint(path, with_tokenizer=False)
+        check_tokenizer_fits(tokenizer, cached.config.vocab_size, f"warm start {path}")
         return cached, {"cached": True, "steps": config.sft.steps, "path": str(path)}
     problems = task.problems("train", config.task.num_train)
     pairs = [(task.format_prompt(p), demonstration(p)) for p in problems]
