@@ -48,6 +48,9 @@ def _figure(width: float = 7.0, height: float = 4.0) -> Figure:
     return figure
 
 
+MAX_MARKS_PER_ROW = 40  # pull marks a worker's row takes before they hide its slots
+
+
 def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> Figure:
     """Gantt chart of a trace: the trainer on top, then one band per worker (the first
     ``max_workers``), each split into its slots.
@@ -110,7 +113,10 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
     )
     _marks(axes, [e.t for e in events if e.kind == "push"], row + height / 2, "|", "push")
     pulls = [e for e in events if e.kind == "pull" and e.actor in rows]
-    _marks(axes, [e.t for e in pulls], [rows[e.actor] + height / 2 for e in pulls], 7, "pull")
+    if len(pulls) <= MAX_MARKS_PER_ROW * len(workers):
+        _marks(axes, [e.t for e in pulls], [rows[e.actor] + height / 2 for e in pulls], 7, "pull")
+    else:  # as many marks as pixels would hide the slots under them
+        axes.plot([], [], ls="", label=f"pulls not marked ({len(pulls)})")
     _downtime(axes, events, rows, height)
     axes.set_yticks(list(rows.values()), list(rows))
     axes.set_ylim(-0.6, len(workers) + 0.6)
@@ -128,7 +134,7 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
         handles=handles,
         loc="upper center",
         bbox_to_anchor=(0.5, -0.14),
-        ncol=min(len(handles), 4),
+        ncol=min(len(handles), 3),
         frameon=False,
         fontsize="small",
     )
