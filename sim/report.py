@@ -282,10 +282,10 @@ def throughput_figure(events: Iterable[TraceEvent], *, bins: int = 40) -> Figure
     share.set_ylim(0, 1.05)
     share.set_ylabel("share of time")
     _time_axis(share, edges[-1])
-    for axes in (rate, share):
+    for axes, where in ((rate, "upper left"), (share, "lower right")):
         axes.grid(alpha=0.3)
         axes.spines[["top", "right"]].set_visible(False)
-        axes.legend(frameon=False, fontsize="small", loc="upper left", ncol=2)
+        axes.legend(frameon=False, fontsize="small", loc=where, ncol=2)
     rate.set_title("throughput and goodput", fontsize="medium")
     return figure
 
@@ -332,16 +332,24 @@ def drops_figure(events: Iterable[TraceEvent], *, bins: int = 30) -> Figure:
 
 
 def staleness_figure(staleness: Mapping[int, int] | SimResult) -> Figure:
-    """Bar chart of how many trained rollouts had each staleness."""
+    """Bar chart of how many trained rollouts had each staleness, each bar labelled
+    with its share, the mean in the title."""
     counts = staleness.staleness if isinstance(staleness, SimResult) else dict(staleness)
     figure = _figure(5.0, 3.5)
     axes = figure.add_subplot()
     ages = sorted(counts)
     total = sum(counts.values()) or 1
-    axes.bar(ages, [counts[a] / total for a in ages], color="tab:purple")
+    shares = [counts[a] / total for a in ages]
+    bars = axes.bar(ages, shares, color="tab:purple")
+    axes.bar_label(bars, [f"{share:.1%}" for share in shares], fontsize="small")
+    mean = sum(a * counts[a] for a in ages) / total
+    axes.set_title(f"staleness of trained rollouts (mean {mean:.2f})", fontsize="medium")
     axes.set_xlabel("staleness (trainer version - rollout version)")
     axes.set_ylabel("fraction of trained rollouts")
     axes.set_xticks(ages)
+    axes.set_ylim(0, max(shares, default=1.0) * 1.12)
+    axes.grid(alpha=0.3, axis="y")
+    axes.spines[["top", "right"]].set_visible(False)
     return figure
 
 
