@@ -348,7 +348,9 @@ def trace_event_format(
 
     Args:
         events: ``TraceEvent``s (a ``MemoryTrace``, ``read_trace``) or rows of
-            :func:`read_rows`, in any order.
+            :func:`read_rows`, in the order they were written: a generation's start
+            comes before its end, a preemption after the starts it cuts (tracks are
+            sorted by time on output).
         max_events: cap on spans, instants and counter points in all.
         max_events_per_track: cap on the events of one track (or counter).
         metadata: extra entries for the file's ``metadata`` (e.g. a scenario's name).
