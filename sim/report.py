@@ -237,11 +237,11 @@ def throughput_figure(events: Iterable[TraceEvent], *, bins: int = 40) -> Figure
     """Throughput and goodput over time.
 
     Top: samples trained per second, step by step (a step's samples over the time since
-    the previous step ended), and samples generated per second in ``bins`` equal slices
-    of the run. Bottom: goodput so far, the trainer's compute in steps that survived
-    (a trainer preemption's ``lost_steps`` are the steps before it that did not) over
-    the time elapsed, and the share of each slice the trainer was busy, lost steps
-    included.
+    the previous step ended; per slice past ``2 * bins`` steps), and samples generated
+    per second in ``bins`` equal slices of the run. Bottom: goodput so far, the
+    trainer's compute in steps that survived (a trainer preemption's ``lost_steps`` are
+    the steps before it that did not) over the time elapsed, and the share of each
+    slice the trainer was busy, lost steps included.
     """
     events = list(events)
     edges = _bins(events, bins)
@@ -264,11 +264,15 @@ def throughput_figure(events: Iterable[TraceEvent], *, bins: int = 40) -> Figure
     middles = (edges[:-1] + edges[1:]) / 2
     rate.plot(middles, generated / width, label="generated", color="tab:green")
     ends = np.array([0.0] + [e.t for e in steps])
-    if steps:
-        per_step = np.array([float(e["samples"]) for e in steps]) / np.maximum(np.diff(ends), 1e-12)
+    samples = np.array([float(e["samples"]) for e in steps])
+    if len(steps) > 2 * bins:  # step by step would be a solid block: per slice instead
+        trained = np.histogram(ends[1:], edges, weights=samples)[0]
+        rate.plot(middles, trained / width, label="trained", color="tab:blue")
+    elif steps:
+        per_step = samples / np.maximum(np.diff(ends), 1e-12)
         rate.stairs(per_step, ends, label="trained", color="tab:blue", lw=1.5)
     rate.set_ylabel("samples / s")
-    rate.set_ylim(bottom=0)
+    rate.set_ylim(0, rate.get_ylim()[1] * 1.25)  # headroom for the legend
     share.plot(middles, (useful + wasted) / width, label="trainer busy", color="0.7")
     if steps:
         done = np.cumsum([float(e["duration_s"]) for e in steps])
@@ -279,13 +283,14 @@ def throughput_figure(events: Iterable[TraceEvent], *, bins: int = 40) -> Figure
             color="black",
             lw=1.5,
         )
-    share.set_ylim(0, 1.05)
+    share.set_ylim(0, 1.4)  # headroom for the legend above the 100% line
+    share.set_yticks([0, 0.5, 1])
     share.set_ylabel("share of time")
     _time_axis(share, edges[-1])
-    for axes, where in ((rate, "upper left"), (share, "lower right")):
+    for axes in (rate, share):
         axes.grid(alpha=0.3)
         axes.spines[["top", "right"]].set_visible(False)
-        axes.legend(frameon=False, fontsize="small", loc=where, ncol=2)
+        axes.legend(frameon=False, fontsize="small", loc="upper left", ncol=2)
     rate.set_title("throughput and goodput", fontsize="medium")
     return figure
 
