@@ -1,11 +1,11 @@
 """``rlaxkit`` command line: train, sft, eval, plot, trace, simulate, demo.
 
 rlaxkit demo                                  # the embedded default run
-rlaxkit train configs/arithmetic_grpo.yaml --set staleness.max_staleness=4
+rlaxkit train configs/demo.yaml --set staleness.max_staleness=4
 rlaxkit train configs/arithmetic_ray.yaml     # the same run on the Ray backend (actors)
 rlaxkit train CONFIG --run-dir RUN --faults configs/faults/standard.yaml   # inject faults
 rlaxkit train CONFIG --run-dir RUN            # again after a preemption: resumes
-rlaxkit sft configs/arithmetic_grpo.yaml      # warm start only (cached in the run dir)
+rlaxkit sft configs/demo.yaml                 # warm start only (cached in the run dir)
 rlaxkit eval RUN_DIR                          # held-out pass@k of a run's final policy
 rlaxkit plot RUN_DIR                          # PNGs from metrics.jsonl and trace.jsonl
 rlaxkit plot RUN_DIR --compare SIM_RUN_DIR    # ... and the two traces overlaid
@@ -290,10 +290,7 @@ def _row(report: EvalReport, k: int) -> dict[str, float]:
 def _config(args: argparse.Namespace) -> RunConfig:
     if args.config:
         return RunConfig.from_yaml(args.config, args.set)
-    from rlaxkit.configio import apply_overrides
-
-    data = apply_overrides(RunConfig().to_dict(), args.set)
-    return RunConfig.from_dict(data)
+    return RunConfig.from_overrides(args.set)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,3 +124,14 @@ def test_a_vocabulary_smaller_than_the_tasks_tokenizer_is_refused():
     config = small_run_config("task.name=countdown")
     with pytest.raises(ValueError, match=r"model\.config\.vocab_size: 16, but task 'countdown'"):
         build_policy(config, build_task(config))
+
+
+def test_the_cli_docstring_names_configs_that_exist():
+    import re
+    from pathlib import Path
+
+    import rlaxkit.cli
+
+    root = Path(rlaxkit.cli.__file__).resolve().parents[1]
+    named = set(re.findall(r"configs/[\w/]+\.yaml", rlaxkit.cli.__doc__ or ""))
+    assert named and all((root / path).is_file() for path in named), named
