@@ -443,3 +443,20 @@ def test_text_adapter():
     assert all(isinstance(s, str) and len(s) <= 8 for samples in out for s in samples)
     assert text_generate(["1+2=", "ab"], 3, 0) == out
     assert text_generate([], 2, 0) == []
+
+
+def test_a_prompt_past_the_models_positions_is_generated_with_a_warning(tiny_config):
+    """Empty prompts are refused by index; a prompt whose tokens plus the new ones pass
+    max_position_embeddings is generated, with a warning that names both."""
+    from rlaxkit.inference import SamplingConfig, generate
+    from rlaxkit.models import Transformer
+
+    model = Transformer(
+        dataclasses.replace(tiny_config, max_position_embeddings=8), rngs=nnx.Rngs(0)
+    )
+    config = SamplingConfig(temperature=1.0, max_new_tokens=4, n=1)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(model, [[1, 2], []], config, 0)
+    with pytest.warns(UserWarning, match=r"prompt 0: 6 tokens \+ 4 new pass the model's max_pos"):
+        result = generate(model, [[1, 2, 3, 4, 5, 6]], config, 0)
+    assert result.tokens.shape[-1] == 4

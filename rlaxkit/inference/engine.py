@@ -140,7 +140,12 @@ class InferenceEngine:
         ``fold_in(fold_in(rng, j), t)``, so its tokens do not depend on which row or
         chunk generates them: the same as ``generate(model, [prompt], config, [rng])``.
         """
-        (array,) = as_prompts([prompt], self.model_config.vocab_size)
+        (array,) = as_prompts(
+            [prompt],
+            self.model_config.vocab_size,
+            self.model_config.max_position_embeddings,
+            self.config.max_new_tokens,
+        )
         if len(array) > self.prompt_width:
             raise ValueError(
                 f"prompt of {len(array)} tokens exceeds max_prompt_len ({self.prompt_width})"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -24,8 +25,16 @@ from rlaxkit.inference.results import (
 from rlaxkit.inference.rows import FINISH_REASONS, Rows
 
 
-def as_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[np.ndarray]:
-    """Prompts as int32 arrays, checked to be non-empty and inside the vocabulary."""
+def as_prompts(
+    prompts: Sequence[Sequence[int]],
+    vocab_size: int,
+    max_positions: int | None = None,
+    new_tokens: int = 0,
+) -> list[np.ndarray]:
+    """Prompts as int32 arrays, checked to be non-empty and inside the vocabulary; a
+    prompt whose tokens plus ``new_tokens`` pass ``max_positions`` (the model's
+    ``max_position_embeddings``) is generated with a warning: positions past it were
+    never trained."""
     out = []
     for i, prompt in enumerate(prompts):
         array = np.asarray(prompt, np.int32).reshape(-1)
@@ -33,6 +42,14 @@ def as_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[np.nda
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
         if array.min() < 0 or array.max() >= vocab_size:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
+        if max_positions is not None and array.size + new_tokens > max_positions:
+            warnings.warn(
+                f"prompt {i}: {array.size} tokens + {new_tokens} new pass the model's "
+                f"max_position_embeddings ({max_positions}); positions past it were never "
+                "trained. Shorten the prompt or sampling.max_new_tokens",
+                UserWarning,
+                stacklevel=3,
+            )
         out.append(array)
     if not out:
         raise ValueError("no prompts given")
@@ -87,7 +104,12 @@ def generate(
     """
     graphdef, params = split_model(model)
     model_config = graphdef.merge(params).config
-    prompt_arrays = as_prompts(prompts, model_config.vocab_size)
+    prompt_arrays = as_prompts(
+        prompts,
+        model_config.vocab_size,
+        model_config.max_position_embeddings,
+        config.max_new_tokens,
+    )
     num_prompts, n = len(prompt_arrays), config.n
     budget = budgets(max_new_tokens, num_prompts, config)
     keys = prompt_keys(rng, num_prompts)
