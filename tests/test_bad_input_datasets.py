@@ -95,3 +95,20 @@ def test_a_file_with_nothing_in_the_train_split_is_named(tmp_path, name):
     ):
         task.problems("train")
     assert len(task.problems("test")) == 1
+
+
+def test_a_run_on_a_bad_dataset_fails_before_it_makes_its_folder(tmp_path):
+    """Experiment reads the training data first: an empty file is named, and no run
+    folder, warm start or worker exists yet."""
+    from rlaxkit.config import small_run_config
+    from rlaxkit.runtime import Experiment
+    from rlaxkit.tasks import EmptyDatasetError
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    config = small_run_config(
+        "task.name=math", f"task.options.train_path={data}", "model.config.vocab_size=128"
+    )
+    with pytest.raises(EmptyDatasetError, match="train.jsonl"):
+        Experiment(config, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -50,3 +50,20 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
     with pytest.raises(ValueError, match=message):
         load_hf_checkpoint(tmp_path / "ckpt")
     check_tokenizer_fits(CharTokenizer("0123456789"), 16, "fits")
+
+
+def test_check_hf_checkpoint_reads_headers_only_and_names_a_wrong_shape(tmp_path):
+    """The pre-run check finds what loading would, without reading tensor data: a tensor
+    whose stored shape is not the config's is named with its file."""
+    import json
+
+    from rlaxkit.models import check_hf_checkpoint
+
+    shutil.copytree(QWEN3, tmp_path / "ckpt")
+    assert check_hf_checkpoint(tmp_path / "ckpt").vocab_size > 0
+    config_file = tmp_path / "ckpt" / "config.json"
+    config = json.loads(config_file.read_text())
+    config["intermediate_size"] *= 2
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor .*mlp.* has shape"):
+        check_hf_checkpoint(tmp_path / "ckpt")

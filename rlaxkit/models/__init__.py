@@ -1,7 +1,12 @@
 """The Qwen2 / Qwen3 / Llama-3 decoder, its KV cache, checkpoints and tokenizers."""
 
 from rlaxkit.models.config import ModelConfig, RopeScaling
-from rlaxkit.models.hf import abstract_model, load_hf_checkpoint, save_hf_checkpoint
+from rlaxkit.models.hf import (
+    abstract_model,
+    check_hf_checkpoint,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
 from rlaxkit.models.tokenizer import (
     CharTokenizer,
     HFTokenizer,
@@ -20,6 +25,7 @@ __all__ = [
     "Tokenizer",
     "Transformer",
     "abstract_model",
+    "check_hf_checkpoint",
     "load_hf_checkpoint",
     "positions_from_mask",
     "save_hf_checkpoint",

@@ -47,7 +47,7 @@ def abstract_model(config: ModelConfig) -> Transformer:
 
 
 @contextlib.contextmanager
-def _open_safetensors(file: Path) -> Iterator[Any]:
+def _open_safetensors(file: Path, framework: str = "flax") -> Iterator[Any]:
     """``safe_open(file)``; a missing, truncated or corrupt file raises an error naming it
     (safetensors' own names neither the file nor the fix)."""
     if not file.exists():
@@ -56,7 +56,7 @@ def _open_safetensors(file: Path) -> Iterator[Any]:
             "whole checkpoint directory again"
         )
     try:
-        with safe_open(str(file), framework="flax") as f:
+        with safe_open(str(file), framework=framework) as f:
             yield f
     except SafetensorError as error:
         raise ValueError(
@@ -76,6 +76,45 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"{path} has neither {_SINGLE} nor {_INDEX}")
     with _open_safetensors(single) as f:
         return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+
+def check_hf_checkpoint(
+    path: str | Path, *, param_dtype: str | None = None, strict: bool = True
+) -> ModelConfig:
+    """What :func:`load_hf_checkpoint` checks, from the files' headers only (no tensor
+    data is read): ``config.json``, every tensor present with the shape the config
+    expects, no unused tensor, and a tokenizer that fits the vocabulary. A run calls it
+    before it does any work; returns the model's config.
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`load_hf_checkpoint`, naming the file.
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"model.checkpoint {path}: no config.json there")
+    hf_config = json.loads(config_file.read_text())
+    config = ModelConfig.from_hf(hf_config, strict=strict, param_dtype=param_dtype or "float32")
+    _, abstract_state = nnx.split(abstract_model(config))
+    files = _tensor_files(path)
+    by_file: dict[Path, list[tuple[str, tuple[int, ...]]]] = {}
+    for param_path, leaf in nnx.to_flat_state(abstract_state):
+        name, transposed = hf_name(param_path)
+        if name not in files:
+            raise ValueError(f"checkpoint {path} lacks tensor {name}")
+        shape = tuple(leaf.shape)[::-1] if transposed else tuple(leaf.shape)
+        by_file.setdefault(files[name], []).append((name, shape))
+    for file, names in by_file.items():
+        with _open_safetensors(file, framework="numpy") as f:
+            for name, shape in names:
+                stored = tuple(f.get_slice(name).get_shape())
+                if stored != shape:
+                    raise ValueError(
+                        f"{file}: tensor {name} has shape {stored}, config.json expects {shape}"
+                    )
+    if (path / "tokenizer.json").exists() or (path / "char_tokenizer.json").exists():
+        check_tokenizer_fits(load_tokenizer(path), config.vocab_size, f"checkpoint {path}")
+    return config
 
 
 def load_hf_checkpoint(

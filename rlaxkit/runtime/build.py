@@ -21,6 +21,7 @@ from rlaxkit.models import (
     CharTokenizer,
     Tokenizer,
     Transformer,
+    check_hf_checkpoint,
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
@@ -52,18 +53,39 @@ def build_policy(config: RunConfig, task: Task) -> tuple[Transformer, Tokenizer]
         if tokenizer is None:
             raise ValueError(f"model.checkpoint {spec.checkpoint} has no tokenizer.json; add one")
         return model, tokenizer
-    tokenizer = CharTokenizer(task_alphabet(task))
-    if spec.config.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
-            f"model.config.vocab_size: {spec.config.vocab_size}, but task "
-            f"{config.task.name!r} needs a character tokenizer of {tokenizer.vocab_size} "
-            f"symbols; set model.config.vocab_size={tokenizer.vocab_size} (a fresh model "
-            "is built with exactly the tokenizer's size)"
-        )
+    tokenizer = char_tokenizer(config, task)
     model_config = spec.config.replace(vocab_size=tokenizer.vocab_size)
     if spec.param_dtype:
         model_config = model_config.replace(param_dtype=spec.param_dtype)
     return Transformer(model_config, rngs=nnx.Rngs(config.seed)), tokenizer
+
+
+def char_tokenizer(config: RunConfig, task: Task) -> CharTokenizer:
+    """The character tokenizer of a fresh model for ``task``; refuses a configured
+    ``model.config.vocab_size`` too small for it, naming the size to set."""
+    tokenizer = CharTokenizer(task_alphabet(task))
+    if config.model.config.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"model.config.vocab_size: {config.model.config.vocab_size}, but task "
+            f"{config.task.name!r} needs a character tokenizer of {tokenizer.vocab_size} "
+            f"symbols; set model.config.vocab_size={tokenizer.vocab_size} (a fresh model "
+            "is built with exactly the tokenizer's size)"
+        )
+    return tokenizer
+
+
+def check_inputs(config: RunConfig) -> None:
+    """Reads the run's inputs before it does any work, so a bad file fails before a run
+    folder, a warm start or an actor exists: the task's training data (readable,
+    non-empty, decodable rows; the loaders name file and row) and the model (a
+    checkpoint's config, tensor shapes and tokenizer, from headers only; or the
+    configured vocabulary against the task's character tokenizer)."""
+    task = build_task(config)
+    task.problems("train", config.task.num_train)
+    if config.model.checkpoint:
+        check_hf_checkpoint(config.model.checkpoint, param_dtype=config.model.param_dtype)
+    else:
+        char_tokenizer(config, task)
 
 
 def warm_start_key(config: RunConfig) -> str:

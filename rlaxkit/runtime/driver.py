@@ -30,6 +30,7 @@ from rlaxkit.inference import make_text_generate
 from rlaxkit.metrics import MetricsLogger
 from rlaxkit.runtime import state as codec
 from rlaxkit.runtime.books import RunBooks, Window
+from rlaxkit.runtime.build import check_inputs
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.concurrent import check_supported
 from rlaxkit.runtime.faults import FaultInjector, load_plan
@@ -84,6 +85,7 @@ class Experiment(Loop):
                 "faults: preempt_trainer restores the last checkpoint; give the Experiment "
                 "a run_dir to write checkpoints to"
             )
+        check_inputs(config)  # bad data or checkpoint files fail before any work
         point = codec.find_resume_point(self.run_dir, config, plan, resume)
         if self.run_dir:
             self.run_dir.mkdir(parents=True, exist_ok=True)
