@@ -8,10 +8,10 @@ import pytest
 
 from rlaxkit.config import small_run_config
 from rlaxkit.faults import Fault, FaultPlan, random_preemptions
+from rlaxkit.metrics import read_metrics
 from rlaxkit.runtime import Experiment
 from rlaxkit.tasks import RewardRunner, make_task
 from rlaxkit.tasks.base import REWARD_TIMEOUT
-from rlaxkit.metrics import read_metrics
 from rlaxkit.trace import drop_counts, read_trace, summarize
 
 STANDARD = Path(__file__).resolve().parents[1] / "configs" / "faults" / "standard.yaml"
