@@ -49,7 +49,8 @@ import numpy as np  # noqa: E402
 
 import sim  # noqa: E402
 from rlaxkit.config import small_run_config  # noqa: E402
-from sim.calibrate import record_local_run, window_summary  # noqa: E402
+from rlaxkit.runtime.record import record_local_run  # noqa: E402
+from sim.calibrate import window_summary  # noqa: E402
 
 BASE = ("staleness.max_staleness=1",)
 # name -> (runtime overrides of the base run, simulator overrides of its fit)
@@ -63,7 +64,7 @@ TARGETS = {
 
 
 def run(cache: str, steps: int, overrides: tuple[str, ...], clock: str, warmup_steps: int):
-    """One run's trace events, and how many runs it took (``sim.calibrate.record_local_run``)."""
+    """One run's trace events, and how many runs it took (``record_local_run``)."""
     config = small_run_config(*BASE, *overrides)
     return record_local_run(config, steps, warmup_steps=warmup_steps, clock=clock, cache_dir=cache)
 

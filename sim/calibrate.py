@@ -41,13 +41,10 @@ exactly as the real one's is.
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, get_args
 
 from rlaxkit.faults import Fault, FaultPlan
@@ -86,7 +83,6 @@ __all__ = [
     "calibrate",
     "compiled_in_window",
     "fit_scenario",
-    "record_local_run",
     "window_start",
     "window_summary",
 ]
@@ -156,58 +152,6 @@ def compiled_in_window(events: list[TraceEvent], warmup_steps: int) -> bool:
         compiled([e["duration_s"] for e in events if e.kind == kind and e.t > start]).any()
         for kind in ("decode", "train_step")
     )
-
-
-def record_local_run(
-    config: Any,
-    steps: int,
-    *,
-    warmup_steps: int,
-    clock: str = "wall",
-    cache_dir: str | os.PathLike | None = None,
-    attempts: int = 3,
-) -> tuple[list[TraceEvent], int]:
-    """Runs the deterministic local runtime (``rlaxkit.runtime.Experiment``) for
-    ``steps`` train steps and returns its trace, to calibrate on or compare with.
-
-    ``clock="cpu"`` times the run by the CPU seconds of its process (all threads)
-    instead of the wall clock: a window lasts a few tenths of a second, and on a machine
-    shared with other jobs its wall time says more about them than about the run. The
-    objects that exist before the run are frozen (``gc.freeze``), so that a full
-    collection of a large heap (~100 ms) does not land in the window at random; the
-    run's own collections still count. A run whose window compiled a program
-    (``compiled_in_window``: rare shapes can first appear late) is run again, at most
-    ``attempts`` times in all.
-
-    Returns:
-        ``(events, runs)``: the last run's trace and how many runs it took.
-    """
-    from rlaxkit.runtime import Experiment  # the simulator itself needs no JAX
-
-    class CpuClockExperiment(Experiment):
-        def clock(self) -> float:
-            origin = self.__dict__.setdefault("_cpu_origin_s", time.process_time())
-            return time.process_time() - origin
-
-    if clock not in ("wall", "cpu"):
-        raise ValueError(f"clock: must be 'wall' or 'cpu', got {clock!r}")
-    experiment = CpuClockExperiment if clock == "cpu" else Experiment
-    runs = 0
-    while True:
-        runs += 1
-        gc.collect()
-        gc.freeze()
-        try:
-            with experiment(
-                config, cache_dir=None if cache_dir is None else Path(cache_dir)
-            ) as exp:
-                exp.run(steps)
-                events = list(exp.trace.memory.events)
-        finally:
-            gc.unfreeze()
-        settled = steps <= warmup_steps or not compiled_in_window(events, warmup_steps)
-        if settled or runs >= attempts:
-            return events, runs
 
 
 def window_summary(events: list[TraceEvent], warmup_steps: int) -> TraceSummary:

@@ -26,8 +26,9 @@ import pytest
 
 import sim
 from rlaxkit.config import small_run_config
+from rlaxkit.runtime.record import record_local_run
 from rlaxkit.trace import TraceEvent
-from sim.calibrate import record_local_run, window_summary
+from sim.calibrate import window_summary
 
 pytestmark = pytest.mark.slow  # six real runs, ~15 s with a warm compilation cache
 

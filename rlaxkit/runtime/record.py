@@ -1,0 +1,68 @@
+"""Records a run of the deterministic local runtime for the simulator to calibrate on
+(``sim.calibrate``) or to be compared with. It lives with the runtime: the simulator
+itself imports no runtime and no JAX."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rlaxkit.runtime.driver import Experiment
+from rlaxkit.trace import TraceEvent
+from sim.calibrate import compiled_in_window
+
+__all__ = ["record_local_run"]
+
+
+def record_local_run(
+    config: Any,
+    steps: int,
+    *,
+    warmup_steps: int,
+    clock: str = "wall",
+    cache_dir: str | os.PathLike | None = None,
+    attempts: int = 3,
+) -> tuple[list[TraceEvent], int]:
+    """Runs the deterministic local runtime (``rlaxkit.runtime.Experiment``) for
+    ``steps`` train steps and returns its trace, to calibrate on or compare with.
+
+    ``clock="cpu"`` times the run by the CPU seconds of its process (all threads)
+    instead of the wall clock: a window lasts a few tenths of a second, and on a machine
+    shared with other jobs its wall time says more about them than about the run. The
+    objects that exist before the run are frozen (``gc.freeze``), so that a full
+    collection of a large heap (~100 ms) does not land in the window at random; the
+    run's own collections still count. A run whose window compiled a program
+    (``compiled_in_window``: rare shapes can first appear late) is run again, at most
+    ``attempts`` times in all.
+
+    Returns:
+        ``(events, runs)``: the last run's trace and how many runs it took.
+    """
+
+    class CpuClockExperiment(Experiment):
+        def clock(self) -> float:
+            origin = self.__dict__.setdefault("_cpu_origin_s", time.process_time())
+            return time.process_time() - origin
+
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock: must be 'wall' or 'cpu', got {clock!r}")
+    experiment = CpuClockExperiment if clock == "cpu" else Experiment
+    runs = 0
+    while True:
+        runs += 1
+        gc.collect()
+        gc.freeze()
+        try:
+            with experiment(
+                config, cache_dir=None if cache_dir is None else Path(cache_dir)
+            ) as exp:
+                exp.run(steps)
+                events = list(exp.trace.memory.events)
+        finally:
+            gc.unfreeze()
+        settled = steps <= warmup_steps or not compiled_in_window(events, warmup_steps)
+        if settled or runs >= attempts:
+            return events, runs
