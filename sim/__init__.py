@@ -45,7 +45,7 @@ from .specs import (
     HostSpec,
     ParamServerSpec,
     PreemptionSpec,
-    TrainerSpec,
+    TrainerCostSpec,
     VerifierSpec,
     WorkloadSpec,
 )
@@ -76,7 +76,7 @@ __all__ = [
     "SimResult",
     "Simulation",
     "SweepPoint",
-    "TrainerSpec",
+    "TrainerCostSpec",
     "Uniform",
     "VerifierSpec",
     "WorkloadSpec",

@@ -28,10 +28,10 @@ from rlaxkit.ledger import GroupLedger
 if TYPE_CHECKING:
     from .engine import Simulation
 
-__all__ = ["Group", "RolloutBuffer", "Sample"]
+__all__ = ["Group", "SimBuffer", "SimSample"]
 
 
-class Sample:
+class SimSample:
     """One generated sequence of a group."""
 
     __slots__ = ("group", "index", "prompt_tokens", "tokens", "truncated")
@@ -78,7 +78,7 @@ class Group:
     def __init__(self, group_id: int, worker: str = "") -> None:
         self.group_id = group_id
         self.worker = worker
-        self.samples: list[Sample] = []
+        self.samples: list[SimSample] = []
         self.unfinished = 0
         self.unscored = 0
         self.started = False
@@ -94,7 +94,7 @@ class Group:
         """The same prompt generated again from scratch: same id, same lengths."""
         group = Group(self.group_id)
         group.samples = [
-            Sample(group, s.index, s.prompt_tokens, s.tokens, s.truncated) for s in self.samples
+            SimSample(group, s.index, s.prompt_tokens, s.tokens, s.truncated) for s in self.samples
         ]
         group.unfinished = group.unscored = len(group.samples)
         return group
@@ -120,7 +120,7 @@ class Group:
 
 
 class _StartRequest(simpy.Event):
-    """A request of ``worker`` to start a generation (:meth:`RolloutBuffer.wait_start`),
+    """A request of ``worker`` to start a generation (:meth:`SimBuffer.wait_start`),
     granted in FIFO order with the group to generate as its value; a preempted worker
     withdraws it (``cancelled``)."""
 
@@ -130,7 +130,7 @@ class _StartRequest(simpy.Event):
         self.cancelled = False
 
 
-class RolloutBuffer:
+class SimBuffer:
     """Admission, the queue of finished groups and batching, on the runtime's books.
 
     Every decision is the ``GroupLedger``'s (``rlaxkit.ledger``), the very code the

@@ -73,7 +73,7 @@ from .specs import (
     FleetSpec,
     HostSpec,
     ParamServerSpec,
-    TrainerSpec,
+    TrainerCostSpec,
     VerifierSpec,
     WorkloadSpec,
 )
@@ -259,7 +259,7 @@ def fit_scenario(
     }
     scenario = Scenario(
         name=name,
-        trainer=TrainerSpec.from_rate(
+        trainer=TrainerCostSpec.from_rate(
             tokens_per_s=trainer["tokens_per_s"],
             step_overhead_s=trainer["step_overhead_s"],
             pauses_fleet=bool(shape["pauses_fleet"]),

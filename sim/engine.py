@@ -16,16 +16,16 @@ import simpy
 from rlaxkit.policies import policy_to_dict
 from rlaxkit.trace import TraceSink
 
-from .buffer import Group, RolloutBuffer, Sample
+from .buffer import Group, SimBuffer, SimSample
 from .distributions import Stream
 from .host import SerialHost
 from .injector import FaultInjector, plan_for
 from .metrics import Counters, SimResult, build_result
-from .param_server import ParameterServer
+from .param_server import SimParameterServer
 from .scenario import Scenario
 from .trainer import Trainer
 from .verifier import VerifierPool
-from .worker import InferenceWorker
+from .worker import SimWorker
 
 __all__ = ["Simulation", "simulate"]
 
@@ -61,8 +61,8 @@ class Simulation:
         )
         self._next_group = 0
         self.record("trainer", "run_start", 0, config=run_config(scenario))
-        self.ps = ParameterServer(self)
-        self.buffer = RolloutBuffer(self)
+        self.ps = SimParameterServer(self)
+        self.buffer = SimBuffer(self)
         self.verifier = VerifierPool(self)
         # A serial host (the deterministic local runtime) runs the workers' chunks in the
         # trainer's thread; otherwise every worker slot is a process of its own.
@@ -70,7 +70,7 @@ class Simulation:
         self.workers = (
             []
             if self.host is not None
-            else [InferenceWorker(self, i) for i in range(scenario.fleet.num_workers)]
+            else [SimWorker(self, i) for i in range(scenario.fleet.num_workers)]
         )
         self.trainer = Trainer(self)
         self.injector = FaultInjector(self, plan_for(scenario))
@@ -80,7 +80,9 @@ class Simulation:
         if self.trace is not None:
             self.trace.record(self.env.now, kind, actor, version, **fields)
 
-    def record_start(self, actor: str, version: int | None, sample: Sample, occupancy: int) -> None:
+    def record_start(
+        self, actor: str, version: int | None, sample: SimSample, occupancy: int
+    ) -> None:
         """The ``generation_start`` event of ``sample`` (no-op without a trace)."""
         if self.trace is None:
             return
@@ -95,7 +97,7 @@ class Simulation:
         )
 
     def record_end(
-        self, actor: str, version: int | None, sample: Sample, first_version: int
+        self, actor: str, version: int | None, sample: SimSample, first_version: int
     ) -> None:
         """The ``generation_end`` event of ``sample`` (no-op without a trace)."""
         if self.trace is None:
@@ -124,7 +126,7 @@ class Simulation:
             truncated = False
             if cap is not None and tokens > cap:
                 tokens, truncated = cap, True
-            group.samples.append(Sample(group, index, prompt_tokens, tokens, truncated))
+            group.samples.append(SimSample(group, index, prompt_tokens, tokens, truncated))
         group.unfinished = group.unscored = workload.group_size
         return group
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from simpy.events import ProcessGenerator
 
-from .buffer import Group, Sample
+from .buffer import Group, SimSample
 
 if TYPE_CHECKING:
     from .engine import Simulation
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["ChunkWorker", "SerialHost"]
 
 # One chunk of a worker: (duration_s, rows, started, finished samples, decode steps).
-_ChunkPlan: TypeAlias = tuple[float, int, int, list[Sample], int]
+_ChunkPlan: TypeAlias = tuple[float, int, int, list[SimSample], int]
 
 
 class ChunkWorker:
@@ -55,7 +55,7 @@ class ChunkWorker:
         self.lineage = 0
         self.draining = False
         self.groups: list[Group] = []
-        self.left: dict[Sample, int] = {}  # decode steps each running row still needs
+        self.left: dict[SimSample, int] = {}  # decode steps each running row still needs
         self.unstarted = 0  # sequences issued, prefilled by the next chunk
 
     @property

@@ -19,7 +19,7 @@ from rlaxkit.faults import Fault, FaultPlan, random_preemptions
 if TYPE_CHECKING:
     from .engine import Simulation
     from .scenario import Scenario
-    from .worker import InferenceWorker
+    from .worker import SimWorker
 
 __all__ = ["FaultInjector", "plan_for"]
 
@@ -58,7 +58,7 @@ class FaultInjector:
         self.sim = sim
         self.env = sim.env
         self.workers = {worker.name: worker for worker in sim.workers}
-        self.slices: dict[str, list[InferenceWorker]] = {}
+        self.slices: dict[str, list[SimWorker]] = {}
         for worker in sim.workers:
             self.slices.setdefault(worker.slice_name, []).append(worker)
         for index, fault in enumerate(plan):

@@ -20,7 +20,7 @@ from simpy.events import ProcessGenerator
 if TYPE_CHECKING:
     from .engine import Simulation
 
-__all__ = ["ParameterServer"]
+__all__ = ["SimParameterServer"]
 
 # A pull counts as done when this fraction of its bytes is left (float round-off).
 _DONE_FRACTION = 1e-9
@@ -34,7 +34,7 @@ class _Transfer:
         self.event = event
 
 
-class ParameterServer:
+class SimParameterServer:
     """Versioned weight store shared by the trainer and the workers.
 
     Attributes:

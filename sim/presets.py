@@ -26,7 +26,7 @@ from .specs import (
     FleetSpec,
     ParamServerSpec,
     PreemptionSpec,
-    TrainerSpec,
+    TrainerCostSpec,
     VerifierSpec,
     WorkloadSpec,
 )
@@ -57,7 +57,7 @@ def toy(**overrides: Any) -> Scenario:
     """
     scenario = Scenario(
         name="toy",
-        trainer=TrainerSpec.from_rate(tokens_per_s=20.0, restart_s=5.0),
+        trainer=TrainerCostSpec.from_rate(tokens_per_s=20.0, restart_s=5.0),
         fleet=FleetSpec(
             num_workers=1,
             slots_per_worker=2,
@@ -132,7 +132,7 @@ def rlax_like(
     hbm = chips_per_worker * V5P_HBM_BYTES_PER_S
     weight_bytes = 2 * QWQ_32B_PARAMS
     context_tokens = 12_000
-    trainer = TrainerSpec(
+    trainer = TrainerCostSpec(
         chips=256,
         model_params=QWQ_32B_PARAMS,
         chip_flops=V5P_PEAK_FLOPS,
@@ -221,7 +221,7 @@ def areal_like(
     tokens_per_step = samples_per_step * (lengths.mean() + 200)
     return Scenario(
         name=f"areal_like_eta{max_staleness}",
-        trainer=TrainerSpec.from_rate(tokens_per_s=tokens_per_step / (0.4 * gen_s_per_step)),
+        trainer=TrainerCostSpec.from_rate(tokens_per_s=tokens_per_step / (0.4 * gen_s_per_step)),
         fleet=FleetSpec(
             num_workers=4,
             slots_per_worker=16,
@@ -264,7 +264,7 @@ def local_runtime(
     """
     return Scenario(
         name="local_runtime",
-        trainer=TrainerSpec.from_rate(
+        trainer=TrainerCostSpec.from_rate(
             tokens_per_s=4000.0, step_overhead_s=0.2, restart_s=1.0, pauses_fleet=pauses_fleet
         ),
         fleet=FleetSpec(
@@ -313,7 +313,7 @@ def checkpoint_study(
     """
     return Scenario(
         name=f"checkpoint_every_{every_steps}",
-        trainer=TrainerSpec.from_rate(tokens_per_s=2.0 / step_s, restart_s=60.0),
+        trainer=TrainerCostSpec.from_rate(tokens_per_s=2.0 / step_s, restart_s=60.0),
         fleet=FleetSpec(num_workers=1, slots_per_worker=4, decode_s_per_token=0.01),
         param_server=ParamServerSpec(weight_bytes=0.0, push_bytes_per_s=1.0, pull_bytes_per_s=1.0),
         checkpoint=CheckpointSpec(save_s=save_s, restore_s=60.0),

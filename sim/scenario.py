@@ -37,7 +37,7 @@ from .specs import (
     HostSpec,
     ParamServerSpec,
     PreemptionSpec,
-    TrainerSpec,
+    TrainerCostSpec,
     VerifierSpec,
     WorkloadSpec,
 )
@@ -58,7 +58,7 @@ __all__ = [
 MAX_EXPECTED_PREEMPTIONS = 1_000_000
 
 _SECTIONS: dict[str, type] = {
-    "trainer": TrainerSpec,
+    "trainer": TrainerCostSpec,
     "fleet": FleetSpec,
     "param_server": ParamServerSpec,
     "verifier": VerifierSpec,
@@ -102,7 +102,7 @@ class Scenario:
     """
 
     name: str = "scenario"
-    trainer: TrainerSpec
+    trainer: TrainerCostSpec
     fleet: FleetSpec
     param_server: ParamServerSpec
     verifier: VerifierSpec = field(default_factory=VerifierSpec)

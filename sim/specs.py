@@ -39,7 +39,7 @@ __all__ = [
     "OccupancyScope",
     "ParamServerSpec",
     "PreemptionSpec",
-    "TrainerSpec",
+    "TrainerCostSpec",
     "VerifierSpec",
     "WorkloadSpec",
 ]
@@ -58,7 +58,7 @@ def _check(
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainerSpec:
+class TrainerCostSpec:
     """The trainer's chips and throughput.
 
     Attributes:
@@ -103,7 +103,7 @@ class TrainerSpec:
         step_overhead_s: float = 0.0,
         restart_s: float = 300.0,
         pauses_fleet: bool = False,
-    ) -> TrainerSpec:
+    ) -> TrainerCostSpec:
         """A trainer described only by its measured tokens/s (one abstract chip)."""
         return cls(
             pauses_fleet=pauses_fleet,
@@ -224,7 +224,7 @@ class HostSpec:
     - per chunk on the host: ``chunk_host_s + sample_s · scored`` (rollouts, trace
       records, the buffer, and the round's few policy checks, which a trace cannot
       tell apart from a chunk's);
-    - per train step: its compute (:class:`TrainerSpec`), its push, and ``step_s``
+    - per train step: its compute (:class:`TrainerCostSpec`), its push, and ``step_s``
       (metrics, logging).
 
     Attributes:

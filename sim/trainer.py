@@ -1,7 +1,7 @@
 """The simulated trainer: batches in, steps, pushes, checkpoints, preemptions.
 
 One process loops: wait for a full batch (on a serial host, run the host's rounds
-until there is one: :mod:`sim.host`), compute for ``TrainerSpec.step_s(tokens)``,
+until there is one: :mod:`sim.host`), compute for ``TrainerCostSpec.step_s(tokens)``,
 bump the version, push when ``WeightSyncPolicy.should_push`` says so (the push blocks
 the trainer for its transfer), save when ``CheckpointPolicy.should_save`` says so (the
 save blocks it for ``save_s``).

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, cast
 
 import simpy
 
-from .buffer import Group, Sample
+from .buffer import Group, SimSample
 from .distributions import Constant, Stream
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ class VerifierPool:
         self.spec = sim.scenario.verifier
         self._latencies = Stream(self.spec.latency_s, seed=sim.scenario.seed, name="verifier")
         self.busy = 0
-        self.queue: deque[Sample] = deque()
+        self.queue: deque[SimSample] = deque()
         self.hangs_pending = 0
         latency = self.spec.latency_s
         self._constant = latency.mean() if isinstance(latency, Constant) else None
@@ -43,7 +43,7 @@ class VerifierPool:
         # sample. Same draws in the same order, hence the same run.
         self._per_group = self.spec.concurrency is None and sim.trace is None
 
-    def submit(self, sample: Sample) -> None:
+    def submit(self, sample: SimSample) -> None:
         """Score ``sample`` when a verifier is free."""
         if self._per_group:
             group = sample.group
@@ -58,7 +58,7 @@ class VerifierPool:
             return
         self._start(sample)
 
-    def _latency(self, sample: Sample) -> float:
+    def _latency(self, sample: SimSample) -> float:
         if self.hangs_pending > 0:
             self.hangs_pending -= 1
             sample.group.failed = True
@@ -77,14 +77,14 @@ class VerifierPool:
         else:
             self.sim.buffer.deliver(group)
 
-    def _start(self, sample: Sample) -> None:
+    def _start(self, sample: SimSample) -> None:
         self.busy += 1
         latency = self._latency(sample)
         timer = self.env.timeout(latency, value=(sample, latency))
         timer.callbacks.append(self._done)
 
     def _done(self, event: simpy.Event) -> None:
-        sample, latency = cast(tuple[Sample, float], event.value)  # given in _start
+        sample, latency = cast(tuple[SimSample, float], event.value)  # given in _start
         self.busy -= 1
         group = sample.group
         if self.sim.trace is not None and not group.failed:

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 import simpy
 from simpy.events import ProcessGenerator
 
-from .buffer import Group, Sample
+from .buffer import Group, SimSample
 
 if TYPE_CHECKING:
     from .engine import Simulation
 
-__all__ = ["HOST_BUSY", "PREEMPTED", "WEIGHT_UPDATE", "InferenceWorker"]
+__all__ = ["HOST_BUSY", "PREEMPTED", "WEIGHT_UPDATE", "SimWorker"]
 
 PREEMPTED = "preempted"
 WEIGHT_UPDATE = "weight_update"
@@ -44,7 +44,7 @@ HOST_BUSY = "host_busy"
 _PAUSES = (WEIGHT_UPDATE, HOST_BUSY)
 
 
-class InferenceWorker:
+class SimWorker:
     """One inference worker with ``slots_per_worker`` concurrent sequences."""
 
     def __init__(self, sim: Simulation, index: int) -> None:
@@ -61,7 +61,7 @@ class InferenceWorker:
         self.paused = False
         self.active = 0
         self.epoch = 0
-        self.queue: deque[Sample] = deque()
+        self.queue: deque[SimSample] = deque()
         self.groups: set[Group] = set()
         self._decoding: dict[simpy.Process, float] = {}
         self._requesting = False
@@ -134,7 +134,7 @@ class InferenceWorker:
         self._idle.append(event)
         return event
 
-    def _generate(self, sample: Sample) -> ProcessGenerator:
+    def _generate(self, sample: SimSample) -> ProcessGenerator:
         """Decode ``sample``; pause and resume around in-flight weight updates."""
         env = self.env
         spec = self.spec
@@ -191,7 +191,7 @@ class InferenceWorker:
                 prefill_tokens = 0  # a host pause keeps the KV cache
         self._finish(sample, first_version)
 
-    def _finish(self, sample: Sample, first_version: int) -> None:
+    def _finish(self, sample: SimSample, first_version: int) -> None:
         self._add_active(-1)
         counters = self.sim.counters
         counters.samples_generated += 1

@@ -9,7 +9,7 @@ from sim import (
     HostSpec,
     ParamServerSpec,
     PreemptionSpec,
-    TrainerSpec,
+    TrainerCostSpec,
     Uniform,
     calibrate,
     fit_scenario,
@@ -42,7 +42,7 @@ def _serial(*, workers=1, eta=0, response=None, target_steps=3, **overrides):
         base,
         {
             "host": HostSpec(executor="serial", chunk_steps=4, **COSTS),
-            "trainer": TrainerSpec.from_rate(tokens_per_s=8000.0),
+            "trainer": TrainerCostSpec.from_rate(tokens_per_s=8000.0),
             "param_server": ParamServerSpec(
                 weight_bytes=0.0, push_bytes_per_s=1.0, pull_bytes_per_s=1.0, latency_s=0.002
             ),
