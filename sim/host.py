@@ -24,20 +24,35 @@ step together, and rows start at chunk boundaries.
 This is a different machine from the parallel fleet of :mod:`sim.worker` (per-token
 decode, workers and trainer concurrent); it exists to calibrate on, and predict, local
 runs. It writes the same trace as the runtime, ``decode`` events included, so a
-simulated serial trace calibrates like a real one. Faults are not simulated (the
-runtime replays them on a logical clock; the scenario rejects them).
+simulated serial trace calibrates like a real one.
+
+**Faults** fire as the runtime fires them, on its logical clock ``rounds · round_s``
+(:class:`~sim.injector.SerialFaults`): before a round, due timed faults fire, then
+workers whose downtime is over restart empty (they pull before taking prompts). A
+preempted worker's groups are re-issued (the buffer's ``RecoveryPolicy``) and it sits
+out the rounds until it is back; a slice takes all its workers. A slowed worker
+decodes one chunk every ``factor`` rounds. A preempted trainer takes no batch until
+the clock passes its restart time, while the rounds go on; then it restores its last
+checkpoint (``restore_s``): the lost steps' groups go back to the buffer, workers
+holding weights of the discarded branch drop them and their groups, and the restored
+version is pushed. A fault of ``at_step`` fires after that step's compute, before its
+push or save (:mod:`sim.trainer`).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING, TypeAlias
 
 from simpy.events import ProcessGenerator
+
+from rlaxkit.faults import Fault
 
 from .buffer import Group, SimSample
 
 if TYPE_CHECKING:
     from .engine import Simulation
+    from .injector import SerialFaults
 
 __all__ = ["ChunkWorker", "SerialHost"]
 
@@ -81,7 +96,46 @@ class SerialHost:
         capacity = max(1, fleet.slots_per_worker // workload.group_size)
         self.workers = [ChunkWorker(i, capacity) for i in range(fleet.num_workers)]
         self.rounds = 0
+        self.round_s = self.spec.round_s
+        self.faults: SerialFaults | None = None  # set by the injector when a plan is given
         self._after_step = False  # the next chunk is the first since a train step
+
+    @property
+    def worker_names(self) -> list[str]:
+        return [worker.name for worker in self.workers]
+
+    @property
+    def now_s(self) -> float:
+        """The fault clock: ``rounds · round_s`` (logical seconds)."""
+        return self.rounds * self.round_s
+
+    @property
+    def trainer_down(self) -> bool:
+        return self.faults is not None and self.faults.trainer_down
+
+    def collect_batch(self):
+        """Process body: rounds until the buffer yields a batch; returns it. A trainer
+        whose downtime is over restores first; a trainer that is down takes none."""
+        trainer, buffer = self.sim.trainer, self.sim.buffer
+        while True:
+            faults = self.faults
+            until = None if faults is None else faults.trainer_down_until
+            if faults is not None and until is not None and self.now_s >= until:
+                faults.trainer_down_until = None
+                yield from trainer.restore_serial()
+            if not self.trainer_down:
+                batch = buffer.take_batch()
+                if batch is not None:
+                    return batch
+            yield from self.round()
+
+    def after_step(self, step: int) -> bool:
+        """Fires the faults of ``step`` (after its compute, before its push or save);
+        returns whether the trainer is still up."""
+        if self.faults is not None:
+            for fault in self.faults.due_step(step):
+                self.apply(fault)
+        return not self.trainer_down
 
     def note_step(self) -> None:
         """The trainer finished a step (its next chunk starts with cold caches)."""
@@ -95,14 +149,27 @@ class SerialHost:
                 form (the runtime stops with the same diagnosis). A valid scenario
                 never gets there; the check stops an endless loop of empty rounds.
         """
-        self.rounds += 1
-        for worker in self.workers:
+        yield from self._round(self.now_s)
+        self.rounds += 1  # the fault clock moves at the end of a round, as the runtime's
+
+    def _round(self, now_s: float) -> ProcessGenerator:
+        faults = self.faults
+        live = self.workers
+        if faults is not None:
+            self._before_round(faults, now_s)
+            live = [w for w in self.workers if w.name not in faults.worker_down]
+        for worker in live:
             yield from self._sync(worker)
-        issued = self._issue()
+        issued = self._issue(live)
         if issued and self.spec.issue_s_per_seq:
             yield self.env.timeout(self.spec.issue_s_per_seq * issued)
-        busy = [worker for worker in self.workers if worker.left]
+        chunked = live
+        if faults is not None:  # every live worker's credit moves, busy or not
+            chunked = [w for w in live if faults.takes_chunk(w.name, now_s)]
+        busy = [worker for worker in chunked if worker.left]
         if not busy:
+            if faults is not None and (faults.waiting() or any(w.left for w in live) or issued):
+                return  # something comes back later, or a slowed worker holds work
             raise RuntimeError(
                 "the simulated local loop stalled: no sequence runs and admission lets "
                 f"none start (buffer: {len(self.sim.buffer.ready)} ready groups, batch "
@@ -121,6 +188,78 @@ class SerialHost:
             if i + 1 < len(busy):
                 done = self.env.now + plans[i + 1][0]
             yield from self._finish_chunk(worker, plan)
+
+    # --- faults ----------------------------------------------------------------------
+
+    def _before_round(self, faults: SerialFaults, now_s: float) -> None:
+        """Fires the due timed faults, then restarts the workers that are due back."""
+        for fault in faults.due_timed(now_s):
+            self.apply(fault)
+        for name, until in sorted(faults.worker_down.items()):
+            if now_s >= until:
+                del faults.worker_down[name]
+                self.sim.record(name, "restart", None)
+
+    def apply(self, fault: Fault) -> None:
+        """Injects one fault of a kind the serial host replays (``SERIAL_FAULT_KINDS``)."""
+        faults, sim = self.faults, self.sim
+        assert faults is not None
+        kind, down_s = fault.kind, faults.downtime(fault)
+        if kind in ("preempt_worker", "preempt_slice"):
+            sim.counters.preemptions["slice" if kind == "preempt_slice" else "worker"] += 1
+            for name in faults.targets(fault):
+                self._preempt_worker(name, down_s)
+        elif kind == "preempt_trainer":
+            sim.counters.preemptions["trainer"] += 1
+            faults.trainer_down_until = self.now_s + down_s
+            trainer = sim.trainer
+            sim.record(
+                trainer.name,
+                "preemption",
+                trainer.version,
+                lost_steps=trainer.version - trainer.last_save_step,
+            )
+        elif kind == "slow_worker":
+            assert fault.target and fault.factor and fault.duration_s is not None
+            faults.slow[fault.target] = [fault.factor, self.now_s + fault.duration_s, 0.0]
+            sim.record(fault.target, "fault", None, fault=kind, factor=fault.factor)
+
+    def _preempt_worker(self, name: str, down_s: float) -> None:
+        """The worker loses its weights and groups (re-issued, same ids) until the fault
+        clock passes ``now + down_s``."""
+        faults = self.faults
+        assert faults is not None
+        worker = next(w for w in self.workers if w.name == name)
+        faults.worker_down[name] = self.now_s + down_s
+        lost = self.drop(worker)
+        self.lose(lost, "preempted")
+        self.sim.record(name, "preemption", None, reissued=len(lost), down_s=down_s)
+
+    @staticmethod
+    def drop(worker: ChunkWorker) -> list[Group]:
+        """Empties ``worker`` (no weights, no groups); returns its groups by id."""
+        lost = sorted(worker.groups, key=lambda group: group.group_id)
+        worker.version, worker.draining = None, False
+        worker.groups, worker.left, worker.unstarted = [], {}, 0
+        return lost
+
+    def lose(self, groups: list[Group], reason: str) -> None:
+        """Hands lost groups to the buffer; its re-issue queue is kept in id order, as
+        the runtime's controller keeps its own."""
+        buffer = self.sim.buffer
+        buffer.lose(groups, reason)
+        buffer.reissue = deque(sorted(buffer.reissue, key=lambda group: group.group_id))
+
+    def on_restore(self, step: int) -> None:
+        """The trainer restored checkpoint ``step``: the buffer rolls its books back and
+        loses the groups sampled from newer weights; workers holding such weights drop
+        them (they pull the restored version before taking prompts)."""
+        buffer = self.sim.buffer
+        buffer.on_restore(step)
+        buffer.reissue = deque(sorted(buffer.reissue, key=lambda group: group.group_id))
+        for worker in self.workers:
+            if worker.version is not None and worker.version > step:
+                self.drop(worker)
 
     # --- the phases of a round ---------------------------------------------------------
 
@@ -149,11 +288,12 @@ class SerialHost:
             bytes=self.sim.scenario.param_server.weight_bytes,
         )
 
-    def _issue(self) -> int:
-        """Issues prompt groups as the runtime does; returns the sequences issued."""
+    def _issue(self, live: list[ChunkWorker]) -> int:
+        """Issues prompt groups to the ``live`` workers as the runtime does; returns the
+        sequences issued."""
         buffer = self.sim.buffer
         issued = 0
-        for worker in self.workers:
+        for worker in live:
             version = worker.version
             if version is None:
                 continue  # no weights yet: it takes no prompts (``free`` is 0)

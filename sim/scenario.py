@@ -57,6 +57,10 @@ __all__ = [
 # refused rather than left to run for hours.
 MAX_EXPECTED_PREEMPTIONS = 1_000_000
 
+# Fault kinds the serial host replays (sim.host); the others act inside the parameter
+# server or the reward runner, which it does not model.
+SERIAL_FAULT_KINDS = ("preempt_worker", "preempt_slice", "preempt_trainer", "slow_worker")
+
 _SECTIONS: dict[str, type] = {
     "trainer": TrainerCostSpec,
     "fleet": FleetSpec,
@@ -136,13 +140,26 @@ class Scenario:
             )
         preempts = self.preemptions
         random_faults = (preempts.worker_mtbf_s, preempts.slice_mtbf_s, preempts.trainer_mtbf_s)
-        if self.host.serial and (len(self.fault_plan) or any(random_faults)):
-            # The runtime's deterministic mode fires faults on a logical clock (rounds),
-            # not in wall time; the serial host models the fault-free loop only.
+        if self.host.serial and any(random_faults):
+            # Random preemptions are drawn in simulated seconds; the serial host fires
+            # faults on the runtime's logical clock of rounds, where those times mean
+            # nothing the runtime would do.
             raise ValueError(
-                "host.executor: 'serial' (the deterministic local runtime) simulates no "
-                "faults; remove fault_plan and preemptions, or use executor 'parallel'"
+                "host.executor: 'serial' (the deterministic local runtime) replays faults "
+                "on its logical clock of rounds, not random preemptions in simulated "
+                "seconds; give them as explicit faults in fault_plan, or use executor "
+                "'parallel'"
             )
+        if self.host.serial:
+            # The runtime's deterministic mode fires faults on its logical clock of
+            # rounds, and so does the serial host; the kinds that act inside the
+            # parameter server or the reward are not modelled there.
+            for index, fault in enumerate(self.fault_plan):
+                if fault.kind not in SERIAL_FAULT_KINDS:
+                    raise ValueError(
+                        f"fault_plan[{index}].kind: host.executor 'serial' simulates "
+                        f"{SERIAL_FAULT_KINDS}, not {fault.kind!r}; use executor 'parallel'"
+                    )
         if self.target_steps is not None and (
             not isinstance(self.target_steps, int) or self.target_steps < 1
         ):

@@ -236,6 +236,9 @@ class HostSpec:
         score_s, score_s_per_seq: Time of one scoring call.
         issue_s_per_seq, chunk_host_s, sample_s, step_s: Host time outside the
             device and the timed transfers (above).
+        round_s: Logical seconds one round counts for on the serial host's fault
+            clock (the runtime's ``runtime.round_s``): a fault plan's ``at_s`` and
+            every downtime are read on ``rounds · round_s``, as the runtime reads them.
     """
 
     executor: Executor = "parallel"
@@ -251,6 +254,7 @@ class HostSpec:
     chunk_host_s: float = 0.0
     sample_s: float = 0.0
     step_s: float = 0.0
+    round_s: float = 1.0  # logical seconds per round (RunConfig's runtime.round_s)
 
     def __post_init__(self) -> None:
         if self.executor not in get_args(Executor):
@@ -260,6 +264,7 @@ class HostSpec:
         _check("chunk_steps", self.chunk_steps, integer=True)
         for name in HOST_COSTS:
             _check(name, getattr(self, name), strict=False)
+        _check("round_s", self.round_s)
 
     @property
     def serial(self) -> bool:

@@ -12,6 +12,11 @@ one of them), the trainer is down for ``restart_s``, restores for ``restore_s``,
 the lost steps' groups back to the buffer (``RecoveryPolicy.trainer_lost``, as the
 runtime does), pushes the restored weights as a new lineage and goes on. What the
 checkpoint holds is kept; a preemption during the restore starts the recovery over.
+
+On a serial host nothing interrupts the trainer: the host fires faults between its
+rounds and after a step's compute, as the deterministic runtime does (:mod:`sim.host`).
+A preempted trainer keeps its steps until its restart time on the logical clock has
+come, then restores (:meth:`Trainer.restore_serial`) and loses them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import simpy
+
+from rlaxkit.trace import TraceEvent
 
 if TYPE_CHECKING:
     from .engine import Simulation
@@ -64,13 +71,13 @@ class Trainer:
         buffer = sim.buffer
         waited_from = env.now
         host = sim.host
-        batch = buffer.take_batch()
-        while batch is None:
-            if host is not None:  # one thread: the trainer's wait is the host's rounds
-                yield from host.round()
-            else:
-                yield buffer.wait_batch()
+        if host is not None:  # one thread: the trainer's wait is the host's rounds
+            batch = yield from host.collect_batch()
+        else:
             batch = buffer.take_batch()
+            while batch is None:
+                yield buffer.wait_batch()
+                batch = buffer.take_batch()
         sim.counters.trainer_wait_s += env.now - waited_from
         tokens = sum(group.tokens for group in batch)
         samples = sum(len(group.samples) for group in batch)
@@ -104,15 +111,21 @@ class Trainer:
             staleness=staleness,
         )
         buffer.on_step(self.version)
-        sim.injector.on_step(self.version)
-        if sim.scenario.weight_sync.should_push(self.version):
+        up = True
+        now_s = env.now
+        if host is not None:  # faults of this step fire before its push or save
+            up = host.after_step(self.version)
+            now_s = host.now_s  # checkpoint intervals run on the logical clock there
+        else:
+            sim.injector.on_step(self.version)
+        if up and sim.scenario.weight_sync.should_push(self.version):
             yield from sim.ps.push(self.version)
         policy = sim.scenario.checkpointing
-        if policy.should_save(self.version, env.now, self.last_save_step, self.last_save_s):
+        if up and policy.should_save(self.version, now_s, self.last_save_step, self.last_save_s):
             start = env.now
             yield env.timeout(sim.scenario.checkpoint.save_s)
             self.last_save_step = self.version
-            self.last_save_s = env.now
+            self.last_save_s = now_s
             buffer.on_save(self.version)
             sim.counters.saves += 1
             sim.record(
@@ -153,6 +166,28 @@ class Trainer:
         sim.ps.rollback(self.version)
         yield from sim.ps.push(self.version)
 
+    def restore_serial(self):
+        """Process body (serial host): the trainer is back after its downtime and
+        restores its last checkpoint; the steps since are lost (their compute counts
+        against goodput), their groups go back to the buffer, workers holding newer
+        weights drop them and their groups, and the restored version is pushed as a new
+        lineage (the runtime's ``restore_trainer_if_due``)."""
+        env, sim = self.env, self.sim
+        host = sim.host
+        assert host is not None
+        sim.record(self.name, "restart", self.version)
+        start = env.now
+        yield env.timeout(sim.scenario.checkpoint.restore_s)
+        step = self.last_save_step
+        _discard_steps(sim, set(range(step + 1, self.version + 1)))
+        sim.counters.rollback(step)
+        sim.counters.restores += 1
+        self.version = step
+        sim.record(self.name, "checkpoint_restore", step, step=step, duration_s=env.now - start)
+        host.on_restore(step)
+        sim.ps.rollback(step)
+        yield from sim.ps.push(step)
+
     def preempt(self, down_s: float) -> None:
         """Take the trainer down for ``down_s`` seconds; it loses unsaved steps."""
         self._down_until = max(self._down_until, self.env.now + down_s)
@@ -160,3 +195,17 @@ class Trainer:
         if self.process.is_alive:
             self.up = False
             self.process.interrupt(PREEMPTED)
+
+
+def _discard_steps(sim: Simulation, steps: set[int]) -> None:
+    """Marks the ``train_step`` events of ``steps`` ``discarded`` (a restore went back
+    over them), as the runtime marks its own, so that summaries of the trace count only
+    kept steps. Only a trace kept in memory can be marked; a file's stays as written."""
+    events = getattr(sim.trace, "events", None)
+    if not isinstance(events, list) or not steps:
+        return
+    for i, event in enumerate(events):
+        if event.kind == "train_step" and not event.discarded and event.get("step") in steps:
+            events[i] = TraceEvent(
+                event.t, event.kind, event.actor, event.version, {**event.fields, "discarded": True}
+            )
