@@ -10,11 +10,16 @@ import pytest
 from rlaxkit.config import small_run_config
 from rlaxkit.metrics import read_metrics
 from rlaxkit.runtime import Experiment
-from rlaxkit.tasks import ArithmeticConfig, ArithmeticTask, RewardResult, register_task
+from rlaxkit.tasks import (
+    ArithmeticConfig,
+    ArithmeticTask,
+    RewardResult,
+    register_task,
+    unregister_task,
+)
 from rlaxkit.trace import read_trace
 
 
-@register_task("arithmetic_half_nan", ArithmeticConfig)
 class HalfNaN(ArithmeticTask):
     """Arithmetic whose reward is NaN for every second problem (an invalid reward)."""
 
@@ -26,7 +31,6 @@ class HalfNaN(ArithmeticTask):
         return super().score(problem, completion)
 
 
-@register_task("arithmetic_raises", ArithmeticConfig)
 class Raises(ArithmeticTask):
     """Arithmetic whose reward always raises."""
 
@@ -34,6 +38,16 @@ class Raises(ArithmeticTask):
 
     def score(self, problem, completion) -> RewardResult:
         raise KeyError("the grader's answer table has no entry")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bad_tasks():
+    """The two tasks exist for this module only (other tests walk every task)."""
+    for name, task in (("arithmetic_half_nan", HalfNaN), ("arithmetic_raises", Raises)):
+        register_task(name, ArithmeticConfig)(task)
+    yield
+    for name in ("arithmetic_half_nan", "arithmetic_raises"):
+        unregister_task(name)
 
 
 @pytest.fixture(scope="module")

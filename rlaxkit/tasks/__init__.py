@@ -68,7 +68,13 @@ from rlaxkit.tasks.math_answers import (
     extract_boxed,
 )
 from rlaxkit.tasks.policy import TextPolicy, sample_and_score
-from rlaxkit.tasks.registry import make_task, register_task, task_config_class, task_names
+from rlaxkit.tasks.registry import (
+    make_task,
+    register_task,
+    task_config_class,
+    task_names,
+    unregister_task,
+)
 from rlaxkit.tasks.runner import RewardRunner, RewardRunnerConfig, validate_reward
 from rlaxkit.tasks.sandbox import (
     SandboxLimits,
@@ -142,6 +148,7 @@ __all__ = [
     "order_by_difficulty",
     "outputs_match",
     "register_task",
+    "unregister_task",
     "isolation_mode",
     "run_python",
     "sample_and_score",

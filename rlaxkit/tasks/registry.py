@@ -26,6 +26,12 @@ def register_task(name: str, config_cls: type) -> Callable[[_Factory], _Factory]
     return decorate
 
 
+def unregister_task(name: str) -> None:
+    """Removes task ``name`` (registered by a test or a notebook for a while)."""
+    _check_name(name)
+    del _REGISTRY[name]
+
+
 def task_names() -> list[str]:
     """The registered task names, sorted."""
     return sorted(_REGISTRY)

@@ -32,6 +32,7 @@ import multiprocessing
 import multiprocessing.connection
 import numbers
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -142,6 +143,7 @@ class RewardRunner:
         self.mode: RewardExecution = execution if self.config.mode == "auto" else self.config.mode
         self.counters: Counter[str] = Counter()
         self.hangs_pending = 0
+        self._helper: _HelperThread | None = None  # inline scoring off the main thread
         self._workers: list[_Worker] = []
         self._context: SpawnContext | ForkServerContext
         if self.config.start_method == "spawn":
@@ -207,8 +209,11 @@ class RewardRunner:
         ]
 
     def close(self) -> None:
-        """Stops the pool workers (idempotent)."""
+        """Stops the pool workers and the inline helper thread (idempotent)."""
         self._finalizer()
+        if self._helper is not None:
+            self._helper.stop()
+            self._helper = None
 
     def __enter__(self) -> RewardRunner:
         return self
@@ -236,27 +241,19 @@ class RewardRunner:
                 signal.signal(signal.SIGALRM, previous)
         results: list[RewardResult] = []
         while len(results) < len(items):
-            start = len(results)
-            done = threading.Event()
+            if self._helper is None:
+                self._helper = _HelperThread(self._score_inline)
+            start, done = len(results), threading.Event()
             progress: list[RewardResult] = []
-
-            def work(
-                first: int = start, out: list[RewardResult] = progress, end: Any = done
-            ) -> None:
-                for i in range(first, len(items)):
-                    problem, completion = items[i]
-                    hang = i in hung
-                    out.append(_INLINE_HANG if hang else self._score_inline(problem, completion))
-                end.set()
-
-            threading.Thread(target=work, name="rlaxkit-inline-reward", daemon=True).start()
+            rest = [(i in hung, p, c) for i, (p, c) in enumerate(items) if i >= start]
+            self._helper.jobs.put((rest, progress, done))
             seen = -1
-            while not done.is_set():
-                if not done.wait(self.config.timeout_s) and len(progress) == seen:
-                    break  # no item finished for timeout_s: the current one is stuck
-                seen = len(progress)
+            while not done.wait(self.config.timeout_s) and len(progress) != seen:
+                seen = len(progress)  # an item finished within timeout_s: wait on
             results += list(progress)  # a snapshot: an item finishing late is not kept
-            if len(results) < len(items):  # abandon the stuck thread and its item
+            if len(results) < len(items):  # the current item is stuck: leave it there
+                self._helper.abandoned = True
+                self._helper = None
                 self.counters["abandoned_reward_threads"] += 1
                 results.append(_timed_out(self.config.timeout_s))
         return results
@@ -426,6 +423,31 @@ def _worker_main(conn: Connection, reward_fn: RewardFn, warmup: Callable[[], Any
             conn.send((item, *outcome))
         except Exception as error:  # an unpicklable result
             conn.send((item, "error", f"result could not be sent: {_describe(error)}"))
+
+
+class _HelperThread:
+    """A daemon thread that scores inline items for callers off the main thread, so a
+    caller can stop waiting for one that overruns (and leave this thread with it)."""
+
+    def __init__(self, score: Callable[[Problem, str], RewardResult]) -> None:
+        self.score = score
+        self.jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.abandoned = False
+        self.thread = threading.Thread(target=self._loop, name="rlaxkit-inline-reward", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            items, out, done = job
+            for hang, problem, completion in items:
+                if self.abandoned:
+                    return  # its caller went on without it
+                out.append(_INLINE_HANG if hang else self.score(problem, completion))
+            done.set()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=5)
 
 
 class _RewardTimedOut(BaseException):
