@@ -25,8 +25,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check rlaxkit sim tests benchmarks notebooks
 	$(BIN)/mypy rlaxkit sim
 
+# Two pytest workers (one per core here); the tests that start processes of their own
+# (Ray clusters, multi-process JAX) share one of them (conftest.py: xdist_group).
+PYTEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/python -m pytest -q -ra --durations=15
+	$(BIN)/python -m pytest -q -ra --durations=15 -n $(PYTEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

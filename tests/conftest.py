@@ -62,6 +62,24 @@ def ray_cluster():
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+# Modules whose tests start processes of their own (a Ray cluster, JAX processes): with
+# ``make test``'s two workers they all run on one, one after another, so that two such
+# runs never share the two cores.
+PROCESS_MODULES = {
+    "test_distributed.py",
+    "test_distributed_ray.py",
+    "test_param_server_processes.py",
+    "test_ray_backend.py",
+    "test_ray_resume.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in PROCESS_MODULES or "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
+
 def pytest_configure(config):
     """Share compiled XLA programs between tests (many build identical tiny models)."""
     import jax
