@@ -15,7 +15,10 @@ simulator trace calibrate the same way:
 - ``reward``: verifier latencies (empirical); ``push``/``pull``: transfer times;
   ``checkpoint_save``/``checkpoint_restore``: their durations; ``drop`` with reason
   ``filtered``: the share of finished groups dynamic filtering drops;
-- ``preemption``/``restart``: replayed as a FaultPlan at the same times.
+- ``preemption``/``restart``: replayed as a FaultPlan at the same times (parallel
+  fleet). A serial host replays the plan the run was given (``faults=``) on the
+  runtime's logical clock, as the runtime fired it (:func:`sim.calibrate_host.
+  serial_fault_settings` says why the trace cannot give it back exactly).
 
 **Two machines.** A real fleet (and the local runtime's concurrent mode) is the
 *parallel* model above. The local runtime's deterministic mode runs trainer and
@@ -44,7 +47,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, get_args
 
 from rlaxkit.faults import Fault, FaultPlan
@@ -62,7 +65,7 @@ from rlaxkit.trace import (
 from rlaxkit.validation import check_int
 
 from .calibrate_fits import compiled, fit_decode, fit_trainer
-from .calibrate_host import fit_host
+from .calibrate_host import fault_figures, fit_host, serial_fault_settings
 from .distributions import Constant, Empirical
 from .engine import simulate
 from .metrics import SimResult
@@ -193,6 +196,7 @@ def fit_scenario(
     name: str = "calibrated",
     warmup_steps: int = 0,
     executor: Executor | None = None,
+    faults: FaultPlan | None = None,
 ) -> tuple[Scenario, dict[str, float]]:
     """A scenario fitted to ``trace``, and the fitted timing parameters.
 
@@ -211,6 +215,12 @@ def fit_scenario(
     per-token fleet). By default it is ``serial`` when the config says the run was the
     local backend in deterministic mode (or a simulated serial host), else
     ``parallel``.
+
+    ``faults``: the FaultPlan the run was given. The serial host replays it on the
+    runtime's logical clock (``runtime.round_s``, ``restart_s`` and
+    ``workers_per_slice`` from the config) and needs it when the trace records
+    preemptions; the parallel fleet replays the trace's preemptions at their times
+    unless a plan is given.
     """
     events = _load(trace)
     config = _config(events)
@@ -221,8 +231,11 @@ def fit_scenario(
     start_s = window_start(events, warmup_steps) if warmup_steps else float("-inf")
     host = HostSpec()
     host_fitted: dict[str, float] = {}
+    plan = _faults(events) if faults is None else faults
+    fault_clock: dict[str, Any] = {}
     if executor == "serial":
         host, host_fitted = fit_host(events, chunk_steps=int(shape["chunk_steps"]), start_s=start_s)
+        plan, fault_clock = serial_fault_settings(events, config, faults)
     decode = fit_decode(events, pauses_fleet=bool(shape["pauses_fleet"]), start_s=start_s)
     trainer = fit_trainer(events, start_s)
     records = generation_records(events)
@@ -245,6 +258,11 @@ def fit_scenario(
         {str(e["rollout"]) for e in window if e.kind == "generation_end" and "rollout" in e.fields}
     )
     filtered_fraction = min(filtered / finished, 0.95) if finished else 0.0
+    # Saves in the window (a run's first save, before its loop, costs more); a run
+    # without restores is assumed to restore in the time it saves.
+    saves = durations(window, "checkpoint_save") or durations(events, "checkpoint_save")
+    save_s = _mean(saves, 0.0)
+    restore_s = _mean(durations(events, "checkpoint_restore"), save_s)
     fitted = {
         **decode,
         "trainer_tokens_per_s": trainer["tokens_per_s"],
@@ -280,10 +298,7 @@ def fit_scenario(
         verifier=VerifierSpec(
             latency_s=Empirical(values=tuple(rewards)) if rewards else Constant(value=0.0)
         ),
-        checkpoint=CheckpointSpec(
-            save_s=_mean(durations(events, "checkpoint_save"), 0.0),
-            restore_s=_mean(durations(events, "checkpoint_restore"), 0.0),
-        ),
+        checkpoint=CheckpointSpec(save_s=save_s, restore_s=restore_s),
         workload=WorkloadSpec(
             prompts_per_step=staleness.batch_size,
             group_size=int(shape["group_size"]),
@@ -296,11 +311,11 @@ def fit_scenario(
         weight_sync=policy_from_dict("weight_sync", config.get("weight_sync", {})),
         checkpointing=policy_from_dict("checkpoint", config.get("checkpoint", {})),
         host=host,
-        fault_plan=_faults(events),
-        target_steps=len(steps) or None,
+        fault_plan=plan,
+        target_steps=sum(1 for e in steps if not e.discarded) or None,
         horizon_s=max(2.0 * end_s, 1.0),
     )
-    return scenario, fitted
+    return with_overrides(scenario, fault_clock), fitted
 
 
 # The fewest train steps a calibration's prediction simulates (see ``calibrate``).
@@ -323,6 +338,8 @@ class Calibration:
     measured_staleness: dict[int, int]
     predicted: SimResult
     predicted_window: TraceSummary
+    measured_figures: dict[str, float] = field(default_factory=dict)
+    predicted_figures: dict[str, float] = field(default_factory=dict)
 
     @property
     def measured_mean_staleness(self) -> float:
@@ -339,6 +356,19 @@ class Calibration:
                 self.predicted.mean_staleness - self.measured_mean_staleness
             ),
         }
+
+    def figure_errors(self) -> dict[str, float]:
+        """Per :func:`~sim.calibrate_host.fault_figures` figure: predicted / measured - 1
+        (``_abs``: predicted - measured, for staleness in versions and for counts the
+        run measured as zero)."""
+        out = {}
+        for name, measured in self.measured_figures.items():
+            predicted = self.predicted_figures[name]
+            if name.startswith("staleness") or measured == 0:
+                out[f"{name}_abs"] = predicted - measured
+            else:
+                out[name] = predicted / measured - 1.0
+        return out
 
     def report(self) -> str:
         """Predicted vs measured, one line per figure (throughput over the window)."""
@@ -370,6 +400,8 @@ def calibrate(
     warmup_steps: int = 3,
     executor: Executor | None = None,
     simulated_steps: int | None = None,
+    faults: FaultPlan | None = None,
+    repeats: int = 1,
 ) -> Calibration:
     """Fit ``trace``, re-simulate the fitted scenario, compare with the measurement.
 
@@ -387,14 +419,24 @@ def calibrate(
             trace's, but at least ``MIN_SIMULATED_STEPS``). A short real run makes its
             random draws (lengths, which groups filtering drops) once; a longer
             simulated run averages them out, so its window measures the expected
-            throughput. ``Calibration.scenario`` keeps the trace's length.
+            throughput. ``Calibration.scenario`` keeps the trace's length. With a
+            fault plan the default is the trace's length: the faults fire at fixed
+            times and steps, and a longer run would dilute what they cost.
+        faults: The FaultPlan the run was given (see :func:`fit_scenario`).
+        repeats: Simulations (seeds ``seed, seed + 1, ...``) whose
+            ``predicted_figures`` are averaged: a short run's cost of a fault depends
+            on what its draws put in flight when it fires.
     """
     events = _load(trace)
-    scenario, fitted = fit_scenario(events, warmup_steps=warmup_steps, executor=executor)
+    check_int("repeats", repeats, minimum=1)
+    scenario, fitted = fit_scenario(
+        events, warmup_steps=warmup_steps, executor=executor, faults=faults
+    )
     scenario = with_overrides(scenario, {**(overrides or {}), "seed": seed})
     steps = scenario.target_steps or 0
     if simulated_steps is None:
-        simulated_steps = max(steps, MIN_SIMULATED_STEPS)
+        floor = 1 if len(scenario.fault_plan) else MIN_SIMULATED_STEPS
+        simulated_steps = max(steps, floor)
     longer = with_overrides(
         scenario,
         {
@@ -402,8 +444,14 @@ def calibrate(
             "horizon_s": scenario.horizon_s * max(1.0, simulated_steps / max(steps, 1)),
         },
     )
+    group_size = longer.workload.group_size
     simulated = MemoryTrace()
     predicted = simulate(longer, trace=simulated)
+    figures = [_figures(simulated.events, warmup_steps, group_size)]
+    for repeat in range(1, repeats):
+        again = MemoryTrace()
+        simulate(with_overrides(longer, {"seed": seed + repeat}), trace=again)
+        figures.append(_figures(again.events, warmup_steps, group_size))
     return Calibration(
         scenario=scenario,
         fitted=fitted,
@@ -411,7 +459,13 @@ def calibrate(
         measured_staleness=staleness_distribution(events),
         predicted=predicted,
         predicted_window=window_summary(simulated.events, warmup_steps),
+        measured_figures=_figures(events, warmup_steps, group_size),
+        predicted_figures={k: statistics.fmean(f[k] for f in figures) for k in figures[0]},
     )
+
+
+def _figures(events: list[TraceEvent], warmup_steps: int, group_size: int) -> dict[str, float]:
+    return fault_figures(events, window_start(events, warmup_steps), group_size)
 
 
 def _load(trace: Iterable[TraceEvent] | str | os.PathLike) -> list[TraceEvent]:

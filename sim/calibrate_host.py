@@ -34,16 +34,21 @@ does little per round besides issuing, so ``chunk_host_s`` carries it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
+from rlaxkit.faults import FaultPlan
 from rlaxkit.trace import TraceEvent
 
 from .calibrate_fits import compiled, nonnegative_lstsq
 from .specs import HOST_COSTS, HostSpec
 
-__all__ = ["fit_host", "host_gaps"]
+__all__ = ["FAULT_DROPS", "fault_figures", "fit_host", "host_gaps", "serial_fault_settings"]
+
+# Drop reasons of groups lost to a fault (rlaxkit.ledger).
+FAULT_DROPS = ("preempted", "rolled_back", "trainer_preempted")
 
 _TIMED = ("reward", "pull", "push", "train_step", "checkpoint_save")
 
@@ -179,3 +184,70 @@ def fit_host(
     fitted["host_compiling_s"] = float(duration[compiling].sum())
     fitted["host_untimed_s"] = float(untimed.sum())
     return spec, fitted
+
+
+def serial_fault_settings(
+    events: list[TraceEvent], config: Mapping[str, Any], plan: FaultPlan | None
+) -> tuple[FaultPlan, dict[str, Any]]:
+    """The plan the serial host replays and the scenario overrides of the runtime's
+    fault clock (``runtime.round_s``, ``restart_s``, ``workers_per_slice``).
+
+    The plan must be the one the run was given: the runtime fires faults on its
+    logical clock of rounds, and its trace records when they fired in wall (or CPU)
+    time only, without a trainer's downtime, and no event marks a round in which no
+    worker decoded, so neither the times nor the downtimes can be read back exactly.
+
+    Raises:
+        ValueError: the trace records preemptions and no plan was given.
+    """
+    if plan is None:
+        fired = [e for e in events if e.kind == "preemption"]
+        if fired:
+            raise ValueError(
+                f"faults: the trace records {len(fired)} preemptions; the serial host "
+                "replays them on the runtime's logical clock, which the trace does not "
+                "carry: pass the run's plan (calibrate(trace, faults=plan))"
+            )
+        plan = FaultPlan()
+    runtime = config.get("runtime") or {}
+    overrides: dict[str, Any] = {}
+    if "round_s" in runtime:
+        overrides["host.round_s"] = float(runtime["round_s"])
+    if "restart_s" in runtime:  # one downtime for workers and trainer alike
+        overrides["fleet.restart_s"] = float(runtime["restart_s"])
+        overrides["trainer.restart_s"] = float(runtime["restart_s"])
+    if "workers_per_slice" in runtime:
+        overrides["fleet.workers_per_slice"] = int(runtime["workers_per_slice"])
+    return plan, overrides
+
+
+def fault_figures(
+    events: Iterable[TraceEvent], start_s: float, group_size: int
+) -> dict[str, float]:
+    """What faults cost a run, read the same way from a real or a simulated trace.
+
+    Over the window after ``start_s``, on the kept (not ``discarded``) train steps:
+    ``samples_per_s``; ``goodput``, their compute seconds per second; the staleness of
+    their rollouts (``staleness_mean``, ``staleness_p90``). Over the whole run:
+    ``reissued_samples``, sequences started again after their worker lost them (a
+    sample id started more than once); ``lost_samples``, those plus the samples of
+    groups dropped for a fault (``FAULT_DROPS``, ``group_size`` each); ``lost_steps``,
+    discarded train steps.
+    """
+    events = list(events)
+    kept = [e for e in events if e.kind == "train_step" and not e.discarded and e.t > start_s]
+    end_s = max((e.t for e in kept), default=start_s)
+    window_s = max(end_s - start_s, 1e-12)
+    staleness = np.array([float(s) for e in kept for s in e.get("staleness", ())])
+    starts = [str(e["sample"]) for e in events if e.kind == "generation_start"]
+    reissued = len(starts) - len(set(starts))
+    fault_drops = sum(1 for e in events if e.kind == "drop" and e.get("reason") in FAULT_DROPS)
+    return {
+        "samples_per_s": sum(float(e["samples"]) for e in kept) / window_s,
+        "goodput": sum(float(e["duration_s"]) for e in kept) / window_s,
+        "reissued_samples": float(reissued),
+        "lost_samples": float(reissued + group_size * fault_drops),
+        "lost_steps": float(sum(1 for e in events if e.kind == "train_step" and e.discarded)),
+        "staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
+        "staleness_p90": float(np.quantile(staleness, 0.9)) if staleness.size else 0.0,
+    }

@@ -7,6 +7,8 @@ one worker of 8 slots (2 groups of 4 samples), 2 groups per step, 4-token prompt
 6-token completions, chunks of 4 decode steps; pull and push 0.002 s each.
 """
 
+import statistics
+
 import pytest
 
 from rlaxkit.faults import Fault, FaultPlan
@@ -18,6 +20,7 @@ from sim import (
     PreemptionSpec,
     TrainerCostSpec,
     Uniform,
+    calibrate,
     presets,
     with_overrides,
 )
@@ -218,3 +221,46 @@ def test_books_balance_under_every_fault(pull_mode, recovery):
     assert [e["step"] for e in kept] == list(range(1, 15))
     if recovery == "drop":
         assert {"preempted", "trainer_preempted"} <= set(result.drops)
+
+
+PLAN = [
+    Fault(kind="preempt_worker", target="worker-0", at_s=8.0, restart_after_s=3.0),
+    Fault(kind="preempt_trainer", at_step=9, restart_after_s=2.0),
+    Fault(kind="preempt_worker", target="worker-1", at_s=30.0, restart_after_s=1.0),
+]
+
+
+def _truth(plan, steps=24, seed=0):
+    scenario = _serial(
+        plan,
+        workers=2,
+        eta=1,
+        steps=steps,
+        response=Uniform(low=1.0, high=12.0),
+        **{"checkpointing.every_steps": 5, "seed": seed},
+    )
+    return _run(scenario)[2]
+
+
+def test_calibration_replays_the_plan_on_the_logical_clock():
+    # Fitted on a fault-free serial trace (exact costs), the plan replayed predicts the
+    # runs that had it: the same decisions; only the random lengths differ, so the
+    # prediction (8 seeds) is compared with the mean of 8 runs of other seeds.
+    plan = FaultPlan(tuple(PLAN))
+    runs = [calibrate(_truth(PLAN, seed=seed), warmup_steps=3, faults=plan) for seed in range(1, 9)]
+    truth = {
+        k: statistics.fmean(r.measured_figures[k] for r in runs) for k in runs[0].measured_figures
+    }
+    prediction = calibrate(_truth([]), warmup_steps=3, faults=plan, repeats=8)
+    assert len(prediction.scenario.fault_plan) == 3
+    assert prediction.predicted.steps == 24  # the faults' run, not a diluted longer one
+    predicted = prediction.predicted_figures
+    assert truth["lost_steps"] == 4 and predicted["lost_steps"] == pytest.approx(4.0)
+    for figure in ("samples_per_s", "goodput", "lost_samples"):
+        assert predicted[figure] == pytest.approx(truth[figure], rel=0.1), figure
+    assert abs(predicted["staleness_mean"] - truth["staleness_mean"]) < 0.1
+
+
+def test_calibration_needs_the_plan_of_a_faulty_serial_run():
+    with pytest.raises(ValueError, match=r"faults: the trace records \d+ preemptions"):
+        calibrate(_truth(PLAN), warmup_steps=3)
