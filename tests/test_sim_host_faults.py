@@ -264,3 +264,26 @@ def test_calibration_replays_the_plan_on_the_logical_clock():
 def test_calibration_needs_the_plan_of_a_faulty_serial_run():
     with pytest.raises(ValueError, match=r"faults: the trace records \d+ preemptions"):
         calibrate(_truth(PLAN), warmup_steps=3)
+
+
+def test_fidelity_benchmark_runs_on_simulated_runs():
+    # benchmarks/sim_fidelity.py's logic, with simulated runs standing in for real ones.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "sim_fidelity.py"
+    spec = importlib.util.spec_from_file_location("sim_fidelity", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    plans = {"none": FaultPlan(), "faults": FaultPlan(tuple(PLAN))}
+    report = bench.fidelity(
+        lambda plan, steps: _truth(list(plan), steps=steps),
+        steps=16,
+        warmup_steps=3,
+        repeats=2,
+        plans=plans,
+    )
+    assert set(report) == {f"{f}_err" for f in bench.FIGURES} | {"plans"}
+    assert report["plans"]["none"]["errors"]["lost_samples"] == 0.0
+    assert report["plans"]["faults"]["measured"]["lost_steps"] > 0

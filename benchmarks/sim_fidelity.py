@@ -1,0 +1,228 @@
+"""How well the simulator predicts real local runs with faults, calibrated on one without.
+
+Runs the deterministic local backend on the tests' tiny model (``config.SMALL_RUN``, η
+= 1, 2 workers in one slice, a checkpoint every ``CHECKPOINT_EVERY`` steps): a
+fault-free base run, then one run per fault plan of :data:`PLANS` (worker preemptions;
+a slice preemption; trainer preemptions, timed and at steps). ``sim.calibrate`` fits
+the serial host (``sim/host.py``) to the base trace and replays each plan on the
+runtime's logical clock (``faults=plan``), averaging its figures over ``--repeats``
+seeds; each is compared with the run that had the plan:
+
+- ``samples_per_s`` and ``goodput`` (kept train compute per second) over the window
+  after ``--warmup-steps`` train steps;
+- ``lost_samples``: sequences started again after a fault, plus the samples of groups
+  a fault dropped (``sim.calibrate_host.fault_figures``);
+- ``staleness_mean`` and ``staleness_p90`` of the kept steps' rollouts (in versions).
+
+Every error is predicted ÷ measured - 1, staleness predicted - measured (versions).
+Runs are timed on the process's CPU clock (``--clock cpu``, as
+``benchmarks/sim_calibration.py`` explains) with XLA on one thread (``XLA_FLAGS``
+below), first run a few throw-away steps (warm start and compilations), and run again
+when their window compiled a program. The ``none`` plan is a second fault-free run:
+its errors are the spread of repeated runs, which no prediction can beat.
+
+Usage::
+
+    python benchmarks/sim_fidelity.py --quick   # about 2 min on 2 cores
+
+The last line printed is one JSON object: the largest absolute error of each figure
+over the plans (``*_err``) and the per-plan rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One XLA thread: on the CPU clock a multi-threaded XLA counts its pool's spinning, and
+# repeated windows of one configuration then differ by 30% (decode time 0.21 s against
+# 0.38 s); with one thread they differ by 2-3%.
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
+
+import sim  # noqa: E402
+from rlaxkit.faults import Fault, FaultPlan  # noqa: E402
+from rlaxkit.trace import TraceEvent  # noqa: E402
+from sim.calibrate import compiled_in_window, window_start  # noqa: E402
+from sim.calibrate_host import fault_figures  # noqa: E402
+
+CHECKPOINT_EVERY = 10  # steps between checkpoints (a restore goes back up to 9 steps)
+BASE = (
+    "staleness.max_staleness=1",
+    f"checkpoint.every_steps={CHECKPOINT_EVERY}",
+    "runtime.workers_per_slice=2",
+)
+# Times are logical seconds (rounds of runtime.round_s = 1 s; about 1.6 rounds per step
+# here), all after the warm-up steps. ``none`` is a second fault-free run: the spread
+# of repeated runs, which bounds every other row.
+PLANS: dict[str, FaultPlan] = {
+    "none": FaultPlan(),
+    "workers": FaultPlan(
+        (
+            Fault(kind="preempt_worker", target="worker-0", at_s=10.0, restart_after_s=4.0),
+            Fault(kind="preempt_worker", target="worker-1", at_s=18.0, restart_after_s=3.0),
+            Fault(kind="preempt_worker", target="worker-0", at_s=26.0, restart_after_s=6.0),
+            Fault(kind="preempt_worker", target="worker-1", at_s=34.0, restart_after_s=2.0),
+        )
+    ),
+    "slice": FaultPlan(
+        (
+            Fault(kind="preempt_slice", target="slice-0", at_s=14.0, restart_after_s=5.0),
+            Fault(kind="preempt_slice", target="slice-0", at_s=30.0, restart_after_s=3.0),
+        )
+    ),
+    "trainer": FaultPlan(
+        (
+            Fault(kind="preempt_trainer", at_step=8, restart_after_s=3.0),
+            Fault(kind="preempt_trainer", at_step=17, restart_after_s=2.0),
+            Fault(kind="preempt_trainer", at_s=32.0, restart_after_s=4.0),
+        )
+    ),
+}
+FIGURES = ("samples_per_s", "goodput", "lost_samples", "staleness_mean", "staleness_p90")
+RELATIVE = ("samples_per_s", "goodput", "lost_samples")
+
+Recorder = Callable[[FaultPlan, int], list[TraceEvent]]
+
+
+def local_recorder(cache: str, clock: str, warmup_steps: int, attempts: int = 3) -> Recorder:
+    """Records a run of the deterministic local runtime with a fault plan (a checkpoint
+    directory of its own, for trainer restores), as ``record_local_run`` records one
+    without: CPU clock, objects frozen before it, run again if its window compiled."""
+    from rlaxkit.config import small_run_config
+    from rlaxkit.runtime.driver import Experiment
+
+    class CpuClockExperiment(Experiment):
+        def clock(self) -> float:
+            origin = self.__dict__.setdefault("_cpu_origin_s", time.process_time())
+            return time.process_time() - origin
+
+    experiment = CpuClockExperiment if clock == "cpu" else Experiment
+    config = small_run_config(*BASE)
+
+    def record(plan: FaultPlan, steps: int) -> list[TraceEvent]:
+        for _ in range(attempts):
+            with tempfile.TemporaryDirectory() as run_dir:
+                gc.collect()
+                gc.freeze()
+                try:
+                    with experiment(
+                        config, run_dir=run_dir, cache_dir=Path(cache), faults=plan
+                    ) as exp:
+                        exp.run(steps)
+                        events = list(exp.trace.memory.events)
+                finally:
+                    gc.unfreeze()
+            if steps <= warmup_steps or not compiled_in_window(events, warmup_steps):
+                break
+        return events
+
+    return record
+
+
+def _measure(events: list[TraceEvent], warmup_steps: int) -> dict[str, float]:
+    config = next(e for e in events if e.kind == "run_start")["config"]
+    group_size = int(config.get("sampling", {}).get("n", config.get("group_size", 1)))
+    return fault_figures(events, window_start(events, warmup_steps), group_size)
+
+
+def fidelity(
+    record: Recorder,
+    *,
+    steps: int,
+    warmup_steps: int,
+    repeats: int,
+    runs: int = 1,
+    plans: dict[str, FaultPlan] = PLANS,
+) -> dict[str, Any]:
+    """Calibrates on a fault-free run and predicts the runs of each plan; the report.
+
+    With ``runs`` above 1 there are that many base runs and runs per plan, taken in
+    turn; each base run predicts the plans' runs after it, and the mean prediction is
+    compared with the mean measurement.
+    """
+    measured_runs: dict[str, list[dict[str, float]]] = {name: [] for name in plans}
+    predicted_runs: dict[str, list[dict[str, float]]] = {name: [] for name in plans}
+    for _ in range(runs):
+        base = record(FaultPlan(), steps)
+        for name, plan in plans.items():
+            measured_runs[name].append(_measure(record(plan, steps), warmup_steps))
+            prediction = sim.calibrate(
+                base, warmup_steps=warmup_steps, faults=plan, repeats=repeats
+            )
+            predicted_runs[name].append(prediction.predicted_figures)
+    rows = {}
+    for name in plans:
+        measured, predicted = _mean(measured_runs[name]), _mean(predicted_runs[name])
+        errors = {}
+        for figure in FIGURES:
+            m, p = measured[figure], predicted[figure]
+            errors[figure] = (p / m - 1.0 if m else p - m) if figure in RELATIVE else p - m
+        rows[name] = {
+            "measured": {k: round(v, 4) for k, v in measured.items()},
+            "predicted": {k: round(v, 4) for k, v in predicted.items()},
+            "errors": {k: round(v, 4) for k, v in errors.items()},
+        }
+    report = {
+        f"{figure}_err": max(abs(row["errors"][figure]) for row in rows.values())
+        for figure in FIGURES
+    }
+    return {**report, "plans": rows}
+
+
+def _mean(figures: list[dict[str, float]]) -> dict[str, float]:
+    return {key: sum(f[key] for f in figures) / len(figures) for key in figures[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="30 steps, 2 runs each")
+    parser.add_argument("--runs", type=int, default=3, help="real runs of each plan")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=20, help="simulations per plan")
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    args = parser.parse_args(argv)
+    steps, runs = (30, 2) if args.quick else (args.steps, args.runs)
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    cache = tempfile.mkdtemp(prefix="rlaxkit-sim-fidelity-")
+    import jax
+
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache, "jax"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    record = local_recorder(cache, args.clock, args.warmup_steps)
+    record(PLANS["trainer"], 10)  # warm start, compilations and a restore, not timed
+    report = fidelity(
+        record, steps=steps, warmup_steps=args.warmup_steps, repeats=args.repeats, runs=runs
+    )
+    print(f"{'plan':>8} {'figure':>15} {'measured':>10} {'predicted':>10} {'error':>8}")
+    for name, row in report["plans"].items():
+        for figure in FIGURES:
+            m, p, e = row["measured"][figure], row["predicted"][figure], row["errors"][figure]
+            print(f"{name:>8} {figure:>15} {m:>10.4g} {p:>10.4g} {e:>+8.3f}")
+    report |= {
+        "clock": args.clock,
+        "steps": steps,
+        "runs": runs,
+        "repeats": args.repeats,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "load_avg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+    }
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
