@@ -26,7 +26,9 @@ Usage::
     python benchmarks/sim_fidelity.py --quick   # about 2 min on 2 cores
 
 The last line printed is one JSON object: the largest absolute error of each figure
-over the plans (``*_err``) and the per-plan rows.
+over the plans (``*_err``; lost samples over the plans whose real runs lost some, and
+``lost_samples_where_none_measured``, the samples the simulator lost in the others) and
+the per-plan rows.
 """
 
 from __future__ import annotations
@@ -164,19 +166,34 @@ def fidelity(
     rows = {}
     for name in plans:
         measured, predicted = _mean(measured_runs[name]), _mean(predicted_runs[name])
-        errors = {}
+        errors: dict[str, float | None] = {}
         for figure in FIGURES:
             m, p = measured[figure], predicted[figure]
-            errors[figure] = (p / m - 1.0 if m else p - m) if figure in RELATIVE else p - m
+            if figure not in RELATIVE:
+                errors[figure] = p - m
+            else:  # none measured: no relative error (the count is in the row)
+                errors[figure] = p / m - 1.0 if m else None
         rows[name] = {
             "measured": {k: round(v, 4) for k, v in measured.items()},
             "predicted": {k: round(v, 4) for k, v in predicted.items()},
-            "errors": {k: round(v, 4) for k, v in errors.items()},
+            "errors": {k: None if v is None else round(v, 4) for k, v in errors.items()},
         }
     report = {
-        f"{figure}_err": max(abs(row["errors"][figure]) for row in rows.values())
+        f"{figure}_err": max(
+            (abs(e) for row in rows.values() if (e := row["errors"][figure]) is not None),
+            default=0.0,
+        )
         for figure in FIGURES
     }
+    # Plans that lost nothing in the real runs: the samples the simulator lost there.
+    report["lost_samples_where_none_measured"] = max(
+        (
+            row["predicted"]["lost_samples"]
+            for row in rows.values()
+            if row["errors"]["lost_samples"] is None
+        ),
+        default=0.0,
+    )
     return {**report, "plans": rows}
 
 
@@ -211,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in report["plans"].items():
         for figure in FIGURES:
             m, p, e = row["measured"][figure], row["predicted"][figure], row["errors"][figure]
-            print(f"{name:>8} {figure:>15} {m:>10.4g} {p:>10.4g} {e:>+8.3f}")
+            error = "-" if e is None else f"{e:+.3f}"
+            print(f"{name:>8} {figure:>15} {m:>10.4g} {p:>10.4g} {error:>8}")
     report |= {
         "clock": args.clock,
         "steps": steps,

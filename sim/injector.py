@@ -65,7 +65,8 @@ class FaultInjector:
         self.env = sim.env
         self._by_step: dict[int, list[Fault]] = {}
         if sim.host is not None:  # one thread: the host fires them between its rounds
-            sim.host.faults = SerialFaults(plan, sim.host.worker_names, sim.scenario)
+            if len(plan):
+                sim.host.faults = SerialFaults(plan, sim.host.worker_names, sim.scenario)
             return
         self.workers = {worker.name: worker for worker in sim.workers}
         self.slices: dict[str, list[SimWorker]] = {}

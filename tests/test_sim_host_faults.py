@@ -284,6 +284,7 @@ def test_fidelity_benchmark_runs_on_simulated_runs():
         repeats=2,
         plans=plans,
     )
-    assert set(report) == {f"{f}_err" for f in bench.FIGURES} | {"plans"}
-    assert report["plans"]["none"]["errors"]["lost_samples"] == 0.0
+    expected = {f"{f}_err" for f in bench.FIGURES} | {"plans", "lost_samples_where_none_measured"}
+    assert set(report) == expected
+    assert report["plans"]["none"]["errors"]["lost_samples"] is None  # none lost: no ratio
     assert report["plans"]["faults"]["measured"]["lost_steps"] > 0
