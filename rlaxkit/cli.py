@@ -26,6 +26,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from rlaxkit.config import RunConfig
 from rlaxkit.perfetto import MAX_EVENTS, MAX_EVENTS_PER_TRACK
 
@@ -283,8 +285,12 @@ def load_scenario_with_overrides(path: str | Path, overrides: list[str]) -> Scen
 
 
 def _row(report: EvalReport, k: int) -> dict[str, float]:
+    """Held-out pass@1 and its standard error over the problems (each problem's pass@1
+    is its share of correct samples)."""
     row = next(r for r in report.rows if r["k"] == k)
-    return {"pass@1": row["pass@k"]}
+    per_problem = [p["correct"] / report.samples for p in report.per_problem]
+    spread = float(np.std(per_problem, ddof=1)) if len(per_problem) > 1 else 0.0
+    return {"pass@1": row["pass@k"], "pass@1_se": spread / max(len(per_problem), 1) ** 0.5}
 
 
 def _config(args: argparse.Namespace) -> RunConfig:

@@ -226,7 +226,7 @@ class RunConfig:
     recovery: RecoveryPolicy = field(default_factory=RecoveryPolicy)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(every_steps=50))
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:

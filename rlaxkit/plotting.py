@@ -97,20 +97,27 @@ def reward_figure(metrics: Sequence[Mapping[str, Any]], evals: Sequence[Mapping]
 
     Args:
         metrics: the run's per-step metrics (``step`` and ``reward/mean`` are read).
-        evals: ``{"step", "pass@1"}`` rows (``summary.json``'s ``evals``).
+        evals: ``{"step", "pass@1"}`` rows (``summary.json``'s ``evals``); with
+            ``pass@1_se`` the curve gets its 95% band.
     """
     figure = _figure()
     axes = figure.add_subplot()
     steps = [m["step"] for m in metrics]
     axes.plot(steps, [m["reward/mean"] for m in metrics], label="train reward (mean)", lw=1)
     if evals:
-        axes.plot(
-            [e["step"] for e in evals],
-            [e["pass@1"] for e in evals],
-            "o-",
-            label="held-out pass@1",
-            color="black",
-        )
+        eval_steps = [e["step"] for e in evals]
+        passed = np.array([e["pass@1"] for e in evals])
+        axes.plot(eval_steps, passed, "o-", label="held-out pass@1", color="black")
+        if all("pass@1_se" in e for e in evals):
+            band = 1.96 * np.array([e["pass@1_se"] for e in evals])
+            axes.fill_between(
+                eval_steps,
+                passed - band,
+                passed + band,
+                color="black",
+                alpha=0.15,
+                label="95% interval (over problems)",
+            )
     axes.set_xlabel("trainer step")
     axes.set_ylabel("reward / accuracy")
     axes.set_ylim(0, 1)

@@ -37,6 +37,7 @@ def test_train_writes_a_complete_run_directory(tmp_path, capsys):
     } <= kinds
     summary = json.loads((run / "summary.json").read_text())
     assert 0 <= summary["pass@1_before"] <= 1 and 0 <= summary["pass@1_after"] <= 1
+    assert all(0 <= e["pass@1_se"] <= 0.5 for e in summary["evals"])  # the plot's band
     assert sorted(p.name for p in (run / "plots").glob("*.png")) == [
         "reward.png",
         "staleness.png",

@@ -144,3 +144,15 @@ def test_bad_figure_input_names_the_problem():
         plotting.curves_figure({"a": metrics(2)}, [])
     with pytest.raises(ValueError, match="panels"):
         plotting.overlay_figure({})
+
+
+def test_held_out_pass_at_1_is_a_curve_with_its_band():
+    """Evaluations every eval.every_steps draw a curve; their standard errors a band."""
+    evals = [{"step": s, "pass@1": 0.2 + s / 100, "pass@1_se": 0.02} for s in (0, 10, 20)]
+    figure = plotting.reward_figure(metrics(21), evals)
+    (axes,) = figure.axes
+    (band,) = axes.collections  # fill_between
+    low, high = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
+    assert low == pytest.approx(0.2 - 1.96 * 0.02) and high == pytest.approx(0.4 + 1.96 * 0.02)
+    labels = [t.get_text() for t in axes.get_legend().get_texts()]
+    assert "held-out pass@1" in labels
