@@ -177,8 +177,9 @@ class Loop:
                 self.requeue(self.fleet.drop_weights(worker_id), reason="rolled_back")
 
     def lose_worker(self, worker_id: str, lost: list[Issue], **fields: Any) -> None:
-        """A worker left the fleet or went down: its prompts are re-issued, and the
-        trace records a ``preemption`` with ``fields`` (its reason, downtime)."""
+        """A worker left the fleet or went down: its prompts are re-issued (or dropped,
+        per ``RecoveryPolicy.worker_lost``), and the trace records a ``preemption`` with
+        ``fields`` (its reason, downtime)."""
         self.requeue(lost)
         self.trace.record(self.clock(), "preemption", worker_id, None, reissued=len(lost), **fields)
 
