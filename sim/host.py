@@ -27,8 +27,9 @@ runs. It writes the same trace as the runtime, ``decode`` events included, so a
 simulated serial trace calibrates like a real one.
 
 **Faults** fire as the runtime fires them, on its logical clock ``rounds · round_s``
-(:class:`~sim.injector.SerialFaults`): before a round, due timed faults fire, then
-workers whose downtime is over restart empty (they pull before taking prompts). A
+(``rlaxkit.fault_clock.FaultState``, the runtime's own): before a round, due timed
+faults fire, then workers whose downtime is over restart empty (they pull before
+taking prompts). A
 preempted worker's groups are re-issued (the buffer's ``RecoveryPolicy``) and it sits
 out the rounds until it is back; a slice takes all its workers. A slowed worker
 decodes one chunk every ``factor`` rounds. A preempted trainer takes no batch until
@@ -51,8 +52,9 @@ from rlaxkit.faults import Fault
 from .buffer import Group, SimSample
 
 if TYPE_CHECKING:
+    from rlaxkit.fault_clock import FaultState
+
     from .engine import Simulation
-    from .injector import SerialFaults
 
 __all__ = ["ChunkWorker", "SerialHost"]
 
@@ -97,7 +99,7 @@ class SerialHost:
         self.workers = [ChunkWorker(i, capacity) for i in range(fleet.num_workers)]
         self.rounds = 0
         self.round_s = self.spec.round_s
-        self.faults: SerialFaults | None = None  # set by the injector when a plan is given
+        self.faults: FaultState | None = None  # set by the injector when a plan is given
         self._after_step = False  # the next chunk is the first since a train step
 
     @property
@@ -191,7 +193,7 @@ class SerialHost:
 
     # --- faults ----------------------------------------------------------------------
 
-    def _before_round(self, faults: SerialFaults, now_s: float) -> None:
+    def _before_round(self, faults: FaultState, now_s: float) -> None:
         """Fires the due timed faults, then restarts the workers that are due back."""
         for fault in faults.due_timed(now_s):
             self.apply(fault)
@@ -211,14 +213,10 @@ class SerialHost:
                 self._preempt_worker(name, down_s)
         elif kind == "preempt_trainer":
             sim.counters.preemptions["trainer"] += 1
-            faults.trainer_down_until = self.now_s + down_s
+            was_up = faults.preempt_trainer(self.now_s, down_s)
             trainer = sim.trainer
-            sim.record(
-                trainer.name,
-                "preemption",
-                trainer.version,
-                lost_steps=trainer.version - trainer.last_save_step,
-            )
+            lost = trainer.version - trainer.last_save_step if was_up else 0
+            sim.record(trainer.name, "preemption", trainer.version, lost_steps=lost)
         elif kind == "slow_worker":
             assert fault.target and fault.factor and fault.duration_s is not None
             faults.slow[fault.target] = [fault.factor, self.now_s + fault.duration_s, 0.0]

@@ -6,8 +6,8 @@ trainer preemption is never the trainer interrupting itself). Random preemptions
 :class:`~sim.specs.PreemptionSpec` are generated as a plan first, so a simulated run and
 a runtime run can replay the very same faults.
 
-On the serial host (:mod:`sim.host`) the plan is kept by :class:`SerialFaults` instead,
-the twin of the runtime's ``FaultState``: faults fire on the logical clock ``rounds ·
+On the serial host (:mod:`sim.host`) the plan is kept by the runtime's own
+``rlaxkit.fault_clock.FaultState`` instead: faults fire on the logical clock ``rounds ·
 host.round_s``, timed ones before the first round at or after their ``at_s``, step ones
 after that step's compute and before its push or save, as the deterministic local
 runtime fires them.
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from simpy.events import ProcessGenerator
 
+from rlaxkit.fault_clock import FaultState
 from rlaxkit.faults import Fault, FaultPlan, random_preemptions
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from .scenario import Scenario
     from .worker import SimWorker
 
-__all__ = ["FaultInjector", "SerialFaults", "plan_for"]
+__all__ = ["FaultInjector", "plan_for"]
 
 
 def plan_for(scenario: Scenario) -> FaultPlan:
@@ -66,7 +67,15 @@ class FaultInjector:
         self._by_step: dict[int, list[Fault]] = {}
         if sim.host is not None:  # one thread: the host fires them between its rounds
             if len(plan):
-                sim.host.faults = SerialFaults(plan, sim.host.worker_names, sim.scenario)
+                fleet = sim.scenario.fleet
+                sim.host.faults = FaultState(
+                    plan,
+                    sim.host.worker_names,
+                    fleet.workers_per_slice,
+                    fleet.restart_s,
+                    trainer_restart_s=sim.scenario.trainer.restart_s,
+                    where="fault_plan",
+                )
             return
         self.workers = {worker.name: worker for worker in sim.workers}
         self.slices: dict[str, list[SimWorker]] = {}
@@ -135,94 +144,6 @@ class FaultInjector:
             sim.ps.failing_pulls[fault.target or "*"] += fault.count
         elif kind == "hang_reward":
             sim.verifier.hangs_pending += fault.count
-
-
-class SerialFaults:
-    """Which faults fired and what is down, on the serial host's logical clock (the
-    runtime's ``rlaxkit.runtime.faults.FaultState``, which the simulator does not import).
-
-    Args:
-        plan: the faults to replay.
-        worker_names: the host's workers; ``slice-i`` holds workers ``i·k .. i·k+k-1``
-            with ``k = fleet.workers_per_slice``.
-        scenario: downtimes of faults without ``restart_after_s`` (``fleet.restart_s``,
-            ``trainer.restart_s``), in logical seconds like the plan's times.
-
-    Raises:
-        ValueError: a fault names a worker or slice the fleet does not have.
-    """
-
-    def __init__(self, plan: FaultPlan, worker_names: list[str], scenario: Scenario) -> None:
-        self.plan = plan
-        self.scenario = scenario
-        per_slice = scenario.fleet.workers_per_slice
-        self.slices: dict[str, list[str]] = {}
-        for i, name in enumerate(worker_names):
-            self.slices.setdefault(f"slice-{i // per_slice}", []).append(name)
-        for index, fault in enumerate(plan):
-            where = f"fault_plan[{index}].target"
-            if fault.kind in ("preempt_worker", "slow_worker") and fault.target not in worker_names:
-                raise ValueError(f"{where}: no worker named {fault.target!r} in this fleet")
-            if fault.kind == "preempt_slice" and fault.target not in self.slices:
-                raise ValueError(f"{where}: no slice named {fault.target!r} in this fleet")
-        self.fired: set[int] = set()
-        self.worker_down: dict[str, float] = {}  # worker -> back at (logical seconds)
-        self.slow: dict[str, list[float]] = {}  # worker -> [factor, until, credit]
-        self.trainer_down_until: float | None = None
-
-    def downtime(self, fault: Fault) -> float:
-        """Logical seconds a preemption keeps its target down."""
-        if fault.restart_after_s is not None:
-            return fault.restart_after_s
-        if fault.kind == "preempt_trainer":
-            return self.scenario.trainer.restart_s
-        return self.scenario.fleet.restart_s
-
-    def due_timed(self, now_s: float) -> list[Fault]:
-        """Timed faults whose time has come, marked fired, in plan time order."""
-        due = []
-        for index, fault in sorted(enumerate(self.plan), key=lambda x: (x[1].at_s or 0, x[0])):
-            if fault.at_s is not None and index not in self.fired and fault.at_s <= now_s:
-                self.fired.add(index)
-                due.append(fault)
-        return due
-
-    def due_step(self, step: int) -> list[Fault]:
-        """Faults of ``step`` not fired yet (once each, even if a restore repeats it)."""
-        due = []
-        for index, fault in enumerate(self.plan):
-            if fault.at_step == step and index not in self.fired:
-                self.fired.add(index)
-                due.append(fault)
-        return due
-
-    def targets(self, fault: Fault) -> list[str]:
-        """The workers a worker or slice fault takes down."""
-        target = _target(fault)
-        return self.slices[target] if fault.kind == "preempt_slice" else [target]
-
-    def takes_chunk(self, worker: str, now_s: float) -> bool:
-        """Whether a (possibly slowed) worker decodes a chunk this round: a slowed one
-        every ``factor`` rounds, by credit, as the runtime counts it."""
-        slow = self.slow.get(worker)
-        if slow is None:
-            return True
-        factor, until, credit = slow
-        if now_s >= until:
-            del self.slow[worker]
-            return True
-        credit += 1.0 / factor
-        taken = credit >= 1.0
-        slow[2] = credit - 1.0 if taken else credit
-        return taken
-
-    @property
-    def trainer_down(self) -> bool:
-        return self.trainer_down_until is not None
-
-    def waiting(self) -> bool:
-        """True while something is down and comes back later."""
-        return bool(self.worker_down) or self.trainer_down
 
 
 def _target(fault: Fault) -> str:

@@ -313,5 +313,7 @@ def test_one_fault_plan_runs_on_both_placements_and_loses_nothing_accepted(
     # One of each kind in the plan, counted as such (a slice is one preemption).
     assert summary["preemptions"] == {"worker": 1, "slice": 1, "trainer": 1, "param_server": 1}
     assert summary["reissued_prompts"] == exp.history[-1]["reissued/prompts"]
+    if backend == "local":  # in process the outage holds pushes back; it restarts once
+        assert summary["restarts"]["param_server"] == 1
     assert {"worker-0", "worker-1", "trainer"} <= preempted
     assert outage["fault"] == "kill_param_server" and 5 in pushes  # served again after it

@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from rlaxkit.fault_clock import FaultState
 from rlaxkit.faults import Fault, FaultPlan
 from rlaxkit.runtime.faulty_store import UnreliableParameterServer
 
@@ -51,110 +52,6 @@ __all__ = [
     "FaultState",
     "load_plan",
 ]
-
-
-class FaultState:
-    """Which faults have fired and what is down or slow, on the fault clock.
-
-    Args:
-        plan: the faults to inject.
-        worker_ids: the fleet's worker names.
-        workers_per_slice: workers per slice (``slice-i`` holds ``i·k .. i·k+k-1``).
-        restart_s: downtime of a fault without ``restart_after_s``.
-
-    Raises:
-        ValueError: a fault names a worker or slice this fleet does not have.
-    """
-
-    def __init__(
-        self, plan: FaultPlan, worker_ids: list[str], workers_per_slice: int, restart_s: float
-    ):
-        self.plan = plan
-        self.restart_s = restart_s
-        self.slices: dict[str, list[str]] = {}
-        for i, worker in enumerate(worker_ids):
-            self.slices.setdefault(f"slice-{i // workers_per_slice}", []).append(worker)
-        for index, fault in enumerate(plan):
-            where = f"faults[{index}].target"
-            if fault.kind in ("preempt_worker", "slow_worker", "fail_pull") and (
-                fault.target is not None and fault.target not in worker_ids
-            ):
-                raise ValueError(f"{where}: no worker named {fault.target!r}; have {worker_ids}")
-            if fault.kind == "preempt_slice" and fault.target not in self.slices:
-                raise ValueError(
-                    f"{where}: no slice named {fault.target!r}; have {sorted(self.slices)} "
-                    "(runtime.workers_per_slice sets how workers group into slices)"
-                )
-        self.fired: set[int] = set()
-        self.worker_down: dict[str, float] = {}  # worker -> back at (fault clock)
-        self.slow: dict[str, list[float]] = {}  # worker -> [factor, until, credit]
-        self.trainer_down_until: float | None = None
-
-    def downtime(self, fault: Fault) -> float:
-        return self.restart_s if fault.restart_after_s is None else fault.restart_after_s
-
-    def due_timed(self, now_s: float) -> list[Fault]:
-        """Timed faults whose time has come, marked fired, in plan time order."""
-        due = []
-        for index, fault in sorted(enumerate(self.plan), key=lambda x: (x[1].at_s or 0, x[0])):
-            if fault.at_s is not None and index not in self.fired and fault.at_s <= now_s:
-                self.fired.add(index)
-                due.append(fault)
-        return due
-
-    def due_step(self, step: int) -> list[Fault]:
-        """Step faults for ``step`` not fired yet (each fires once, even if the step is
-        reached again after a trainer restore), marked fired."""
-        due = []
-        for index, fault in enumerate(self.plan):
-            if fault.at_step == step and index not in self.fired:
-                self.fired.add(index)
-                due.append(fault)
-        return due
-
-    def targets(self, fault: Fault) -> list[str]:
-        """Worker names a worker or slice fault applies to."""
-        assert fault.target is not None  # checked when the plan was loaded
-        return self.slices[fault.target] if fault.kind == "preempt_slice" else [fault.target]
-
-    def takes_chunk(self, worker_id: str, now_s: float) -> bool:
-        """Whether a (possibly slowed) worker decodes a chunk this round."""
-        slow = self.slow.get(worker_id)
-        if slow is None:
-            return True
-        factor, until, credit = slow
-        if now_s >= until:
-            del self.slow[worker_id]
-            return True
-        credit += 1.0 / factor
-        taken = credit >= 1.0
-        slow[2] = credit - 1.0 if taken else credit
-        return taken
-
-    def waiting(self) -> bool:
-        """True while something is down and scheduled to come back."""
-        return bool(self.worker_down) or self.trainer_down_until is not None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "plan": self.plan.to_dicts(),
-            "fired": sorted(self.fired),
-            "worker_down": dict(self.worker_down),
-            "slow": {w: list(v) for w, v in self.slow.items()},
-            "trainer_down_until": self.trainer_down_until,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["plan"] != self.plan.to_dicts():
-            raise ValueError(
-                "faults: the checkpoint was written with another fault plan "
-                f"({len(state['plan'])} faults; this run has {len(self.plan)}); resume "
-                "with the same --faults plan or start a new run directory"
-            )
-        self.fired = set(state["fired"])
-        self.worker_down = dict(state["worker_down"])
-        self.slow = {w: list(v) for w, v in state["slow"].items()}
-        self.trainer_down_until = state["trainer_down_until"]
 
 
 def load_plan(plan: FaultPlan | str | os.PathLike | list | None) -> FaultPlan:
@@ -242,6 +139,10 @@ class NoFaults:
     def waiting(self) -> bool:
         return False
 
+    def store_down(self) -> bool:
+        """True while an injected parameter-server outage holds pushes back."""
+        return False
+
     def held_weights(self) -> dict[int, Any]:
         return {}
 
@@ -307,9 +208,10 @@ class FaultInjector(NoFaults):
         return self.state.trainer_down_until is not None
 
     def waiting(self) -> bool:
-        return self.state.waiting() or (
-            self.store is not None and self.store.down_until is not None
-        )
+        return self.state.waiting() or self.store_down()
+
+    def store_down(self) -> bool:
+        return self.store is not None and self.store.down_until is not None
 
     # -- firing ----------------------------------------------------------------------
     def apply(self, exp: Experiment, fault: Fault) -> None:
@@ -322,15 +224,11 @@ class FaultInjector(NoFaults):
                 self.preempt_worker(exp, worker_id, down)
             return
         if fault.kind == "preempt_trainer":
-            self.state.trainer_down_until = now + down
-            exp.trace.record(
-                exp.clock(),
-                "preemption",
-                "trainer",
-                exp.version,
-                lost_steps=exp.version - exp.books.last_save_step,
-            )
-            exp.trainer.kill()
+            was_up = self.state.preempt_trainer(now, down)
+            lost = exp.version - exp.books.last_save_step if was_up else 0
+            exp.trace.record(exp.clock(), "preemption", "trainer", exp.version, lost_steps=lost)
+            if was_up:
+                exp.trainer.kill()
             return
         actor = {"kill_param_server": "param_server", "hang_reward": "verifier"}
         exp.trace.record(

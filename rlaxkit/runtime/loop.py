@@ -191,9 +191,12 @@ class Loop:
 
     def ensure_published(self) -> int | None:
         """The published version; has the trainer publish again if the store lost it
-        (a parameter server restarted empty)."""
+        (a parameter server restarted empty). While an injected outage holds a push back,
+        the store is behind but has lost nothing: it publishes the push when it is back."""
         latest = self.parts.store.latest_version()
-        if self.faults.trainer_down() or (latest is not None and latest >= self.published):
+        if self.faults.trainer_down() or self.faults.store_down():
+            return latest
+        if latest is not None and latest >= self.published:
             return latest
         self.trace.record(self.clock(), "restart", "param_server", latest)
         version = self.trainer.publish(self.version)
