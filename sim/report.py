@@ -57,10 +57,11 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
 
     A generation is a bar on its slot coloured by its first weight version, and a train
     step a bar coloured by the version it produced (the colour bar maps both), with a
-    white edge so consecutive steps stay apart; grey is idle (a slot with no sequence,
-    the trainer waiting for a batch). Checkpoint saves are black bars on the trainer
-    row; pushes (trainer) and pulls (workers) are tick marks; a red band runs from a
-    preemption (x) to the restart.
+    white edge so consecutive steps stay apart (when they are wide enough to show one);
+    grey is idle (a slot with no sequence, the trainer waiting for a batch), hatching the
+    set-up before the first generation (warm start, compilation). Checkpoint saves
+    are black bars on the trainer row; pushes (trainer) and pulls (workers) are tick
+    marks; a red band runs from a preemption (x) to the restart.
     """
     events = list(events)
     records = generation_records(events)
@@ -97,13 +98,29 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
                 lw=0,
             )
     row = rows["trainer"]
+    # A white edge keeps consecutive steps apart where a step is a few pixels wide; on
+    # narrower ones it would paint the whole lane white.
+    pixels_per_s = figure.get_figwidth() * figure.dpi * 0.8 / max(end_s, 1e-9)
+    step_px = float(np.median([e["duration_s"] for e in steps])) * pixels_per_s if steps else 0
     axes.broken_barh(
         [(e.t - e["duration_s"], e["duration_s"]) for e in steps],
         (row - height / 2, height),
         facecolors=[colours(norm(e.version or 0)) for e in steps],
         edgecolor="white",
-        lw=0.8,
+        lw=0.8 if step_px >= 4 else 0,
     )
+    # Before the first generation or step: setting up (warm start, first compilations).
+    busy = [r.start_s for r in records] + [e.t - e["duration_s"] for e in steps]
+    if busy and min(busy) > 0.05 * end_s:
+        axes.axvspan(
+            0,
+            min(busy),
+            facecolor="white",
+            edgecolor="0.6",
+            hatch="//",
+            lw=0,
+            label="setup (warm start)",
+        )
     saves = [e for e in events if e.kind == "checkpoint_save"]
     axes.broken_barh(
         [(e.t - e["duration_s"], e["duration_s"]) for e in saves],
