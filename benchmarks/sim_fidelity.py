@@ -44,13 +44,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One XLA thread: on the CPU clock a multi-threaded XLA counts its pool's spinning, and
 # repeated windows of one configuration then differ by 30% (decode time 0.21 s against
-# 0.38 s); with one thread they differ by 2-3%.
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-)
+# 0.38 s); with one thread they differ by 2-3%. Set by ``main`` (before JAX starts its
+# backend), not at import: a test that imports this module must not change the flags
+# of the processes it starts.
+ONE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 import sim  # noqa: E402
 from rlaxkit.faults import Fault, FaultPlan  # noqa: E402
@@ -202,6 +201,8 @@ def _mean(figures: list[dict[str, float]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("XLA_FLAGS", ONE_THREAD_XLA)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="30 steps, 2 runs each")
     parser.add_argument("--runs", type=int, default=3, help="real runs of each plan")

@@ -146,3 +146,54 @@ assert summary["accepted_lost"] == 0
 
 # %%
 timeline_figure(events)
+
+# %% [markdown]
+# ## 4. What the simulator predicted for this run
+#
+# The simulator's serial host is the model of this deterministic local runtime; it
+# keeps its books in the runtime's own ledger and fires faults on the runtime's own
+# clock. Calibrated on a fault-free run of the same config, it replays the same plan;
+# side by side with what the run above measured (over the same window: the steps
+# after the first, which compiles).
+#
+# Read the throughput rows with the run's length in mind: on the wall clock, a run of
+# a few steps is dominated by one-time costs the model does not see (the restore from
+# disk, programs compiled after it, checkpoint writes): with the CI settings (10 steps)
+# the simulator predicts several times the measured samples/s while lost work and
+# staleness agree. `benchmarks/sim_fidelity.py` measures the prediction properly
+# (longer runs, the CPU clock, repeated runs): there the errors are about 10%.
+
+# %%
+clean_dir = run_dir.parent / "clean"
+with Experiment(config, run_dir=clean_dir) as clean:
+    clean.run(REAL_STEPS)
+predicted = sim.calibrate(clean_dir / "trace.jsonl", faults=plan)
+measured = sim.calibrate(events, faults=plan)  # read the same way, from the real trace
+print(f"{'':>18} {'measured':>9} {'simulated':>9}")
+for name in ("samples_per_s", "goodput", "lost_samples", "lost_steps", "staleness_mean"):
+    real, model = measured.measured_figures[name], predicted.predicted_figures[name]
+    print(f"{name:>18} {real:>9.3f} {model:>9.3f}")
+
+# %%
+import matplotlib.pyplot as plt  # noqa: E402
+
+figure, axes = plt.subplots(figsize=(7.0, 3.0))
+real = measured.measured_staleness
+model = predicted.predicted.staleness
+ages = sorted(set(real) | set(model))
+width = 0.4
+axes.bar(
+    [a - width / 2 for a in ages],
+    [real.get(a, 0) / max(sum(real.values()), 1) for a in ages],
+    width,
+    label="measured",
+)
+axes.bar(
+    [a + width / 2 for a in ages],
+    [model.get(a, 0) / max(sum(model.values()), 1) for a in ages],
+    width,
+    label="simulated",
+)
+axes.set(xlabel="staleness (versions)", ylabel="share of trained groups", xticks=ages)
+axes.legend(frameon=False)
+figure
