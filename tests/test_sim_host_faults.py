@@ -10,6 +10,7 @@ one worker of 8 slots (2 groups of 4 samples), 2 groups per step, 4-token prompt
 import statistics
 
 import pytest
+from test_sim_host import COSTS  # the hand-derived costs of those tests
 
 from rlaxkit.faults import Fault, FaultPlan
 from rlaxkit.trace import MemoryTrace, summarize
@@ -25,20 +26,6 @@ from sim import (
     with_overrides,
 )
 from sim.engine import Simulation
-
-COSTS = {
-    "chunk_s": 0.010,
-    "chunk_s_per_step": 0.001,
-    "prefill_s_per_seq": 0.0005,
-    "finish_s_per_seq": 0.0002,
-    "chunk_s_after_step": 0.003,
-    "score_s": 0.002,
-    "score_s_per_seq": 0.0001,
-    "issue_s_per_seq": 0.0003,
-    "chunk_host_s": 0.0004,
-    "sample_s": 0.00005,
-    "step_s": 0.001,
-}
 
 
 def _serial(faults, *, workers=1, eta=0, steps=3, response=None, **overrides):
