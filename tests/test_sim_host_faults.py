@@ -10,43 +10,24 @@ one worker of 8 slots (2 groups of 4 samples), 2 groups per step, 4-token prompt
 import statistics
 
 import pytest
-from test_sim_host import COSTS  # the hand-derived costs of those tests
+from test_sim_host import _serial as serial_scenario
 
 from rlaxkit.faults import Fault, FaultPlan
 from rlaxkit.trace import MemoryTrace, summarize
 from sim import (
-    Constant,
-    HostSpec,
-    ParamServerSpec,
     PreemptionSpec,
-    TrainerCostSpec,
     Uniform,
     calibrate,
-    presets,
     with_overrides,
 )
 from sim.engine import Simulation
 
 
-def _serial(faults, *, workers=1, eta=0, steps=3, response=None, **overrides):
-    base = presets.local_runtime(num_workers=workers, max_staleness=eta, target_steps=steps)
-    return with_overrides(
-        base,
-        {
-            "host": HostSpec(executor="serial", chunk_steps=4, **COSTS),
-            "trainer": TrainerCostSpec.from_rate(tokens_per_s=8000.0),
-            "param_server": ParamServerSpec(
-                weight_bytes=0.0, push_bytes_per_s=1.0, pull_bytes_per_s=1.0, latency_s=0.002
-            ),
-            "fleet.slots_per_worker": 8,
-            "workload.prompts_per_step": 2,
-            "workload.prompt_tokens": Constant(value=4.0),
-            "workload.response_tokens": response or Constant(value=6.0),
-            "checkpointing.every_steps": 1,
-            "fault_plan": FaultPlan(tuple(faults)),
-            **overrides,
-        },
-    )
+def _serial(faults, *, steps=3, **changes):
+    """test_sim_host's serial scenario, checkpointing every step, with ``faults``."""
+    overrides = {k: changes.pop(k) for k in list(changes) if "." in k}
+    plan = {"checkpointing.every_steps": 1, "fault_plan": FaultPlan(tuple(faults))}
+    return serial_scenario(target_steps=steps, **changes, **(plan | overrides))
 
 
 def _run(scenario):
