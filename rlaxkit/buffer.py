@@ -69,8 +69,9 @@ class RolloutBuffer:
         partial samples are forgotten), the others are dropped with ``reason``
         (``RecoveryPolicy.worker_lost``)."""
         again = self.ledger.lose(group_ids, reason)
+        kept = set(again)
         for group_id in group_ids:
-            if group_id in again:
+            if group_id in kept:
                 self._pending[group_id].samples.clear()
             else:
                 del self._pending[group_id]
@@ -102,7 +103,7 @@ class RolloutBuffer:
         return self.ledger.complete(
             group.group_id,
             group.first_version,
-            max(r.last_version for r in group.rollouts),
+            group.last_version,
             equal_rewards=self.group_size > 1 and bool(np.all(rewards == rewards[0])),
             trainer_version=trainer_version,
             payload=group,
@@ -180,10 +181,7 @@ class RolloutBuffer:
         """Restores books saved by ``state_dict``; pending prompts come back empty
         (their partial samples are regenerated)."""
         groups = [_group_from_dict(data) for data in state["ready"]]
-        ready = [
-            Ready(g.group_id, g.first_version, max(r.last_version for r in g.rollouts), payload=g)
-            for g in groups
-        ]
+        ready = [Ready(g.group_id, g.first_version, g.last_version, payload=g) for g in groups]
         self._pending = {int(g): _Pending(p) for g, p in state["pending"].items()}
         self.ledger.load(
             ready,

@@ -94,6 +94,11 @@ class RolloutGroup:
     def first_version(self) -> int:
         return min(r.first_version for r in self.rollouts)
 
+    @functools.cached_property
+    def last_version(self) -> int:
+        """The newest weight version any of its tokens was sampled with."""
+        return max(r.last_version for r in self.rollouts)
+
     @property
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.rollouts)
