@@ -68,6 +68,7 @@ def ray_cluster():
 PROCESS_MODULES = {
     "test_distributed.py",
     "test_distributed_ray.py",
+    "test_multihost.py",
     "test_param_server_processes.py",
     "test_ray_backend.py",
     "test_ray_resume.py",
