@@ -84,6 +84,16 @@ class InProcessParameterServer:
         with self._cond:
             return list(self._versions)
 
+    def read(self, version: int) -> Any | None:
+        """The tree pushed as ``version`` if the store still retains it, else ``None``.
+
+        Records no transfer: a caller that reads versions one by one (the delta client,
+        ``delta_store``) accounts for the bytes it uses.
+        """
+        with self._cond:
+            entry = self._versions.get(int(version))
+        return None if entry is None else entry[0]
+
     def push(self, version: int, params: Any) -> None:
         """Publishes ``params`` as ``version`` and evicts versions beyond ``keep``.
 

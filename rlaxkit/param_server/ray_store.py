@@ -65,6 +65,7 @@ from rlaxkit.param_server.base import (
     record_transfer,
     tree_nbytes,
 )
+from rlaxkit.validation import check_int
 
 __all__ = [
     "RAY_SYSTEM_CONFIG",
@@ -129,6 +130,11 @@ class ParameterServerActor:
         ref, nbytes = self._versions[version]
         return version, [ref], nbytes
 
+    def ref(self, version: int) -> list[ray.ObjectRef] | None:
+        """``[ref]`` of ``version`` if it is retained, else ``None``."""
+        entry = self._versions.get(int(version))
+        return None if entry is None else [entry[0]]
+
     def latest_version(self) -> int | None:
         """The newest registered version, or ``None`` (also right after a restart)."""
         return next(reversed(self._versions), None)
@@ -173,6 +179,9 @@ class RayObjectStoreParameterServer:
         default_timeout_s: the timeout of a pull that gives none (``None``: wait
             forever, as the protocol says).
         on_event: optional ``on_event(kind, version, duration_s=..., bytes=..., ...)``.
+        retain_pushes: how many of its newest pushes the trainer's client keeps
+            references to, for :meth:`republish` (a delta-published version needs the
+            versions its chunks were last written in; see ``delta_store``).
     """
 
     def __init__(
@@ -183,7 +192,9 @@ class RayObjectStoreParameterServer:
         poll_interval_s: float = 0.01,
         default_timeout_s: float | None = None,
         on_event: EventHook | None = None,
+        retain_pushes: int = 1,
     ) -> None:
+        check_int("retain_pushes", retain_pushes, minimum=1)
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
         self.actor = actor
@@ -192,7 +203,11 @@ class RayObjectStoreParameterServer:
         self.default_timeout_s = default_timeout_s
         self.on_event = on_event
         self.stats = TransferStats()
-        self._retained: tuple[int, ray.ObjectRef, int] | None = None
+        self.retain_pushes = retain_pushes
+        # (version, ref, nbytes) of the newest pushes, kept for republish(); older freed.
+        self._retained: collections.deque[tuple[int, ray.ObjectRef, int]] = collections.deque(
+            maxlen=retain_pushes
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -200,6 +215,7 @@ class RayObjectStoreParameterServer:
             "to_device": self.to_device,
             "poll_interval_s": self.poll_interval_s,
             "default_timeout_s": self.default_timeout_s,
+            "retain_pushes": self.retain_pushes,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -218,22 +234,25 @@ class RayObjectStoreParameterServer:
         nbytes = tree_nbytes(host)
         ref = ray.put(host)
         ray.get(self.actor.register.remote(int(version), [ref], nbytes, reset))
-        self._retained = (int(version), ref, nbytes)  # Kept for republish(); older freed.
+        if reset:
+            self._retained.clear()
+        self._retained.append((int(version), ref, nbytes))
         record = TransferRecord(
             kind="push", version=int(version), duration_s=time.perf_counter() - start, bytes=nbytes
         )
         record_transfer(self.stats, self.on_event, record)
 
     def republish(self) -> int | None:
-        """Registers the newest pushed reference again (after the actor restarted empty);
-        returns its version, or ``None`` if this client has not pushed."""
-        if self._retained is None:
+        """Registers the retained pushes (the newest ``retain_pushes``) the actor lacks
+        again, oldest first (after it restarted empty); returns the newest version, or
+        ``None`` if this client has not pushed."""
+        if not self._retained:
             return None
-        version, ref, nbytes = self._retained
         latest = self.latest_version()
-        if latest is None or latest < version:
-            ray.get(self.actor.register.remote(version, [ref], nbytes))
-        return version
+        for version, ref, nbytes in self._retained:
+            if latest is None or latest < version:
+                ray.get(self.actor.register.remote(version, [ref], nbytes))
+        return self._retained[-1][0]
 
     # -- the workers' side -------------------------------------------------------------
     def latest_version(self) -> int | None:
@@ -243,6 +262,20 @@ class RayObjectStoreParameterServer:
     def versions(self) -> list[int]:
         """Versions the actor retains, oldest first."""
         return ray.get(self.actor.versions.remote())
+
+    def read(self, version: int) -> Any | None:
+        """The host arrays of ``version`` (read-only views of the object store on this
+        host), or ``None`` if the actor no longer retains it. Records no transfer: a
+        caller that reads versions one by one (the delta client, ``delta_store``)
+        accounts for what it uses.
+
+        Raises:
+            WeightsLostError: the version's owner died.
+        """
+        found = ray.get(self.actor.ref.remote(int(version)))
+        if found is None:
+            return None
+        return _get_weights(found[0], int(version))
 
     def pull(self, min_version: int | None = None, timeout: float | None = None) -> tuple[int, Any]:
         """``(version, params)`` of the newest version, waiting for one ``>= min_version``.
@@ -265,13 +298,7 @@ class RayObjectStoreParameterServer:
             time.sleep(self.poll_interval_s)
         ready_at = time.perf_counter()
         version, (ref,), nbytes = found
-        try:
-            params = ray.get(ref)
-        except ObjectLostError as error:
-            raise WeightsLostError(
-                f"weights version {version} are lost ({type(error).__name__}): the trainer "
-                "that put them died; keep the current weights until it publishes again"
-            ) from error
+        params = _get_weights(ref, version)
         if self.to_device:
             params = jax.device_put(params)
             jax.block_until_ready(params)
@@ -284,3 +311,15 @@ class RayObjectStoreParameterServer:
         )
         record_transfer(self.stats, self.on_event, record)
         return version, params
+
+
+def _get_weights(ref: ray.ObjectRef, version: int) -> Any:
+    """``ray.get(ref)``; a lost object (its owner, the trainer, died) is a
+    :class:`WeightsLostError`."""
+    try:
+        return ray.get(ref)
+    except ObjectLostError as error:
+        raise WeightsLostError(
+            f"weights version {version} are lost ({type(error).__name__}): the trainer "
+            "that put them died; keep the current weights until it publishes again"
+        ) from error

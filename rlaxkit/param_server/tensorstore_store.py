@@ -220,6 +220,21 @@ class TensorStoreParameterServer:
             with self._pushed:
                 self._pushed.wait(wait_s)
 
+    def read(self, version: int) -> dict[Any, Any] | None:
+        """The host arrays of ``version`` as a nested ``dict`` (see
+        :func:`rlaxkit.param_server.treepaths.nested_dict`; raw leaves mapped, holding the
+        version's lease while they live), or ``None`` if it is not on disk.
+
+        No template, no device placement and no transfer record: a caller that reads
+        versions one by one (the delta client, ``delta_store``) decides what to use of
+        them and accounts for it.
+        """
+        read = self._read_version(int(version))
+        if read is None:
+            return None
+        manifest, arrays = read
+        return treepaths.nested_dict([leaf["path"] for leaf in manifest["leaves"]], arrays)
+
     def _read_version(self, version: int) -> tuple[dict[str, Any], list[np.ndarray]] | None:
         """Reads one version under its lease; ``None`` if it was evicted meanwhile.
 

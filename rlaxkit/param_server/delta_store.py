@@ -1,0 +1,431 @@
+"""Delta publication: a push stores, and a pull fetches, only the chunks that changed.
+
+:class:`DeltaParameterServer` wraps any store that can :meth:`read` a retained version
+(the in-process, TensorStore and Ray stores) and implements the ``ParameterServer``
+protocol on top of it. What it pushes to that store is not the weights but a *record*,
+a flat dict of five arrays:
+
+- ``meta``: JSON (as ``uint8``): format, chunk size, and each leaf's key path, dtype
+  and shape;
+- ``sums``: the checksum of every chunk of the version (``delta.chunk_checksums``);
+- ``owner``: for every chunk, the version whose record holds its bytes;
+- ``changed``, ``payload``: the chunks this record holds and their bytes.
+
+A push hashes the new weights, compares the checksums with the previous push's and
+stores the chunks that differ (``owner`` = this version for them, the previous owner
+for the rest). Every ``snapshot_every``-th push, the first push of a client, and any
+push whose tree's leaves differ from the previous one store every chunk: a *full
+snapshot*, so the owners of a version lie within its last ``snapshot_every`` pushes.
+
+A pull reads the newest record's ``sums`` and ``owner``, compares them with the
+checksums of the version the client holds (its previous pull, or nothing), and reads
+each differing chunk from the record of its owner: every chunk once, from where it was
+last written. So a client that holds nothing, or whose version was evicted long ago,
+catches up in one pass over the model's bytes (the snapshot's chunks plus the later
+deltas' chunks, never a chunk twice), and a client one version behind reads what
+changed in one step. The result is exact bit for bit up to a SHA-256 collision between
+two versions of a chunk (``delta`` module docstring). Leaves with no changed chunk are
+the held arrays themselves; changed ones are new buffers (the held ones are never
+written, since pulled arrays may alias them).
+
+**Retention.** A version's owners must still be stored when it is read, so the wrapped
+store must keep at least ``snapshot_every`` versions (it keeps ``keep`` and a reader
+needs the newest; ``keep + snapshot_every - 1`` lets the newest ``keep`` all be read).
+If a push evicts an owner while a pull reads, the pull starts over on the newest.
+
+**When it pays.** Delta publication saves bytes in proportion to the chunks that do not
+change. After an optimizer step on float32 weights with Adam nearly every element
+changes by a few bits, so nearly every chunk changes (``benchmarks/weight_sync.py``
+measures it after a real step); what it saves there is only what no step touches
+(frozen leaves). It costs the pusher a SHA-256 pass over the weights (about 1.4 GB/s a
+core) and the puller a copy of each changed leaf.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import threading
+import time
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from rlaxkit.param_server import treepaths
+from rlaxkit.param_server.base import (
+    EventHook,
+    ParameterServer,
+    TransferRecord,
+    TransferStats,
+    check_new_version,
+    pull_timeout_error,
+    record_transfer,
+)
+from rlaxkit.param_server.delta import (
+    ChunkLayout,
+    byte_view,
+    changed_chunks,
+    check_chunk_bytes,
+    chunk_checksums,
+    gather_chunks,
+    scatter_chunks,
+)
+from rlaxkit.param_server.layout import aligned_empty
+from rlaxkit.validation import check_int
+
+__all__ = ["FORMAT", "DeltaParameterServer", "ReadableStore", "delta_keep"]
+
+FORMAT = "rlaxkit.param_server.delta/1"
+_HASH_THREADS = max(1, min(4, os.cpu_count() or 1))  # hashlib releases the GIL.
+
+
+class ReadableStore(ParameterServer, Protocol):
+    """A parameter server that can also read any version it retains."""
+
+    def read(self, version: int) -> Any | None:
+        """The tree pushed as ``version`` (host arrays), or ``None`` once evicted."""
+        ...
+
+
+def delta_keep(keep: int, snapshot_every: int) -> int:
+    """Versions the wrapped store must retain so that its newest ``keep`` versions can
+    all be read: each needs the records of up to ``snapshot_every - 1`` earlier pushes.
+
+    >>> delta_keep(2, 8)
+    9
+    """
+    return keep + snapshot_every - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Published:
+    """What the pusher remembers of its previous push: enough to diff the next one."""
+
+    leaves: list[dict[str, Any]]
+    sums: np.ndarray
+    owner: np.ndarray
+    since_snapshot: int  # Pushes after the last full snapshot.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """What the puller holds: a version's flat byte buffers and their checksums."""
+
+    version: int
+    meta: dict[str, Any]
+    layout: ChunkLayout
+    buffers: list[np.ndarray]
+    sums: np.ndarray
+
+
+class _Evicted(Exception):
+    """A record the pull needed is gone (a push evicted it meanwhile)."""
+
+
+class DeltaParameterServer:
+    """The ``ParameterServer`` protocol over delta records in another store.
+
+    >>> import numpy as np
+    >>> from rlaxkit.param_server import InProcessParameterServer
+    >>> store = DeltaParameterServer(InProcessParameterServer(keep=4), snapshot_every=4,
+    ...                              chunk_bytes=64)
+    >>> weights = {"w": np.zeros(1024, np.float32)}  # 4096 bytes: 64 chunks
+    >>> store.push(1, weights)
+    >>> store.pull()[0], store.stats.last("pull").bytes - store.metadata_bytes
+    (1, 4096)
+    >>> weights["w"][:16] = 1.0  # the first chunk changes
+    >>> store.push(2, weights)
+    >>> version, params = store.pull()
+    >>> version, store.stats.last("pull").bytes - store.metadata_bytes
+    (2, 64)
+    >>> bool(np.array_equal(params["w"], weights["w"]))
+    True
+
+    Args:
+        inner: the store that holds the records; it must keep at least
+            ``snapshot_every`` versions (:func:`delta_keep` for how many readers need).
+            Give it no ``on_event`` hook: this object reports the transfers.
+        snapshot_every: every this many pushes store a full snapshot (1: every push).
+        chunk_bytes: the chunk size in bytes (smaller chunks find sparser changes and
+            cost more checksums and bookkeeping).
+        template: optional pytree with the weights' key paths; pulls return its
+            structure, placed with its leaves' shardings. Without one, a pull returns
+            the structure this object last pushed when that matches, else a nested
+            ``dict`` (:func:`rlaxkit.param_server.treepaths.nested_dict`).
+        poll_interval_s: how often a waiting pull asks the store again.
+        on_event: optional ``on_event(kind, version, duration_s=..., bytes=..., ...)``.
+    """
+
+    def __init__(
+        self,
+        inner: ReadableStore,
+        *,
+        snapshot_every: int = 8,
+        chunk_bytes: int = 1 << 20,
+        template: Any = None,
+        poll_interval_s: float = 0.01,
+        on_event: EventHook | None = None,
+    ) -> None:
+        self.snapshot_every = check_int("snapshot_every", snapshot_every, minimum=1)
+        self.chunk_bytes = check_chunk_bytes(chunk_bytes)
+        inner_keep = getattr(inner, "keep", None)
+        if isinstance(inner_keep, int) and inner_keep < snapshot_every:
+            raise ValueError(
+                f"snapshot_every: the wrapped store keeps {inner_keep} versions, fewer than "
+                f"snapshot_every={snapshot_every}, so the chunks of its newest version could "
+                f"be evicted; keep at least delta_keep(keep, snapshot_every) versions there "
+                f"or lower snapshot_every"
+            )
+        if poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
+        if hasattr(inner, "retain_pushes"):  # Ray: republish() must restore the owners.
+            inner.retain_pushes = max(inner.retain_pushes, snapshot_every)
+        self.inner = inner
+        self.template = template
+        self.poll_interval_s = poll_interval_s
+        self.on_event = on_event
+        self.stats = TransferStats()
+        self.metadata_bytes = 0  # Of the newest record: meta, sums and owner arrays.
+        self._push_lock = threading.Lock()
+        self._pull_lock = threading.Lock()
+        self._published: _Published | None = None
+        self._held: _Held | None = None
+        self._pushed_tree: tuple[list[treepaths.KeyPath], Any] | None = None
+        self._layouts: dict[str, ChunkLayout] = {}
+        self._hasher = concurrent.futures.ThreadPoolExecutor(
+            max_workers=_HASH_THREADS, thread_name_prefix="param-server-hash"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A client travels without what it pushed or holds: its first push is a full
+        # snapshot and its first pull reads every chunk.
+        return {
+            "inner": self.inner,
+            "snapshot_every": self.snapshot_every,
+            "chunk_bytes": self.chunk_bytes,
+            "template": self.template,
+            "poll_interval_s": self.poll_interval_s,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        DeltaParameterServer.__init__(self, state.pop("inner"), **state)
+
+    # ----------------------------------------------------------------- passthrough
+    def latest_version(self) -> int | None:
+        """The newest published version, or ``None`` before the first push."""
+        return self.inner.latest_version()
+
+    def versions(self) -> list[int]:
+        """The versions the wrapped store retains, oldest first."""
+        versions = getattr(self.inner, "versions", None)
+        return [] if versions is None else list(versions())
+
+    def republish(self) -> int | None:
+        """The wrapped store's ``republish`` (Ray: after its actor restarted empty)."""
+        republish = getattr(self.inner, "republish", None)
+        return None if republish is None else republish()
+
+    # ----------------------------------------------------------------- pushing
+    def push(self, version: int, params: Any, *, reset: bool = False) -> None:
+        """Publishes ``params`` as ``version``: the chunks changed since the previous push,
+        or every chunk (a full snapshot; see the module docstring).
+
+        Args:
+            reset: forget what was pushed before (a restarted trainer, whose store lost
+                its versions): this push is a full snapshot, and the wrapped store is
+                told to reset too.
+
+        Raises:
+            ValueError: ``version`` is not newer than the latest published version.
+        """
+        with self._push_lock:
+            if not reset:
+                check_new_version(version, self.inner.latest_version())
+            version = int(version)
+            start = time.perf_counter()
+            paths, leaves, treedef = treepaths.flatten(params)
+            arrays = [np.asarray(x) for x in jax.device_get(leaves)]
+            buffers = [byte_view(a) for a in arrays]
+            meta_leaves = [
+                {"path": p, "dtype": a.dtype.name, "shape": list(a.shape)}
+                for p, a in zip(paths, arrays, strict=True)
+            ]
+            meta = {"format": FORMAT, "chunk_bytes": self.chunk_bytes, "leaves": meta_leaves}
+            layout = self._layout(meta)
+            sums = self._checksums(buffers)
+            previous = None if reset else self._published
+            full = (
+                previous is None
+                or previous.leaves != meta_leaves
+                or previous.since_snapshot + 1 >= self.snapshot_every
+            )
+            if full or previous is None:
+                changed = np.arange(layout.num_chunks, dtype=np.int64)
+                owner = np.full(layout.num_chunks, version, np.int64)
+            else:
+                changed = changed_chunks(previous.sums, sums)
+                owner = previous.owner.copy()
+                owner[changed] = version
+            record = {
+                "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8).copy(),
+                "sums": sums,
+                "owner": owner,
+                "changed": changed,
+                "payload": gather_chunks(buffers, layout, changed),
+            }
+            if reset:
+                self.inner.push(version, record, reset=True)  # type: ignore[call-arg]
+            else:
+                self.inner.push(version, record)
+            since = 0 if full or previous is None else previous.since_snapshot + 1
+            self._published = _Published(meta_leaves, sums, owner, since)
+            self._pushed_tree = (paths, treedef)
+            nbytes = sum(a.nbytes for a in record.values())
+            duration_s = time.perf_counter() - start
+        push = TransferRecord(kind="push", version=version, duration_s=duration_s, bytes=nbytes)
+        record_transfer(self.stats, self.on_event, push)
+
+    def _checksums(self, buffers: list[np.ndarray]) -> np.ndarray:
+        """Every chunk's checksum, leaves hashed on several threads."""
+        parts = list(self._hasher.map(lambda b: chunk_checksums(b, self.chunk_bytes), buffers))
+        return np.concatenate([np.empty((0, 16), np.uint8), *parts])
+
+    def _layout(self, meta: dict[str, Any]) -> ChunkLayout:
+        """The chunk layout a record's ``meta`` describes (cached by its text)."""
+        key = json.dumps([meta["chunk_bytes"], meta["leaves"]])
+        layout = self._layouts.get(key)
+        if layout is None:
+            leaf_bytes = [
+                int(np.prod(leaf["shape"], dtype=np.int64)) * np.dtype(leaf["dtype"]).itemsize
+                for leaf in meta["leaves"]
+            ]
+            layout = ChunkLayout.of(leaf_bytes, int(meta["chunk_bytes"]))
+            self._layouts = {key: layout}  # The tree rarely changes: keep one.
+        return layout
+
+    # ----------------------------------------------------------------- pulling
+    def pull(self, min_version: int | None = None, timeout: float | None = None) -> tuple[int, Any]:
+        """Returns ``(version, params)`` of the newest version, reading only the chunks
+        that differ from what this client holds.
+
+        Waits until a version ``>= min_version`` exists (any version when ``None``), for
+        at most ``timeout`` seconds (forever when ``None``).
+
+        Raises:
+            TimeoutError: no such version was published within ``timeout``.
+            ValueError: a record is not a delta record, or lacks a chunk it should hold.
+        """
+        start = time.perf_counter()
+        deadline = None if timeout is None else start + timeout
+        while True:
+            latest = self.inner.latest_version()
+            if latest is not None and (min_version is None or latest >= min_version):
+                ready_at = time.perf_counter()
+                try:
+                    with self._pull_lock:
+                        held, nbytes = self._catch_up(latest)
+                except _Evicted:
+                    if self.inner.latest_version() == latest:
+                        raise RuntimeError(
+                            f"version {latest}: a record its chunks are in is no longer "
+                            "stored; the wrapped store keeps too few versions (keep at least "
+                            "delta_keep(keep, snapshot_every))"
+                        ) from None
+                    continue  # Pushes evicted what we read: go again on the newest.
+                params = self._to_tree(held)
+                pull = TransferRecord(
+                    kind="pull",
+                    version=latest,
+                    duration_s=time.perf_counter() - ready_at,
+                    bytes=nbytes,
+                    wait_s=ready_at - start,
+                )
+                record_transfer(self.stats, self.on_event, pull)
+                return latest, params
+            remaining = None if deadline is None else deadline - time.perf_counter()
+            if remaining is not None and remaining <= 0:
+                raise pull_timeout_error(min_version, timeout, latest, "the delta store")
+            time.sleep(
+                self.poll_interval_s if remaining is None else min(self.poll_interval_s, remaining)
+            )
+
+    def _read(self, version: int) -> dict[str, Any]:
+        record = self.inner.read(version)
+        if record is None:
+            raise _Evicted(version)
+        return record
+
+    def _catch_up(self, version: int) -> tuple[_Held, int]:
+        """The held state at ``version`` and the bytes read to get there."""
+        held = self._held
+        if held is not None and held.version == version:
+            return held, 0
+        record = self._read(version)
+        meta = json.loads(np.asarray(record["meta"]).tobytes())
+        if meta.get("format") != FORMAT:
+            raise ValueError(
+                f"version {version}: not a delta record (format {meta.get('format')!r})"
+            )
+        layout = self._layout(meta)
+        sums, owner = np.asarray(record["sums"]), np.asarray(record["owner"])
+        self.metadata_bytes = int(np.asarray(record["meta"]).nbytes + sums.nbytes + owner.nbytes)
+        same_tree = held is not None and held.meta == meta
+        need = changed_chunks(held.sums if held is not None and same_tree else None, sums)
+        touched = set(np.unique(layout.leaf[need]).tolist())
+        buffers: list[np.ndarray] = []
+        for i, nbytes in enumerate(layout.leaf_bytes):
+            old = held.buffers[i] if held is not None and same_tree else None
+            if old is not None and i not in touched:
+                buffers.append(old)  # Unchanged: the same (read-only) buffer.
+                continue
+            new = aligned_empty((nbytes,), np.dtype(np.uint8))  # JAX aliases aligned memory.
+            if old is not None:
+                np.copyto(new, old)
+            buffers.append(new)
+        owners = owner[need]
+        for source in np.unique(owners).tolist():
+            ids = need[owners == source]
+            source_record = record if source == version else self._read(source)
+            held_ids = np.asarray(source_record["changed"])
+            at = np.searchsorted(held_ids, ids)
+            if np.any(at >= held_ids.size) or np.any(
+                held_ids[np.minimum(at, held_ids.size - 1)] != ids
+            ):
+                raise ValueError(
+                    f"version {version}: the record of version {source} lacks chunks its "
+                    "owner table assigns to it; the store is damaged or mixes two pushers"
+                )
+            positions = layout.offsets(held_ids)[at]
+            scatter_chunks(buffers, layout, ids, np.asarray(source_record["payload"]), positions)
+        for buffer in buffers:
+            buffer.flags.writeable = False
+        self._held = _Held(version, meta, layout, buffers, sums)
+        return self._held, self.metadata_bytes + layout.payload_bytes(need)
+
+    def _to_tree(self, held: _Held) -> Any:
+        leaves_meta = held.meta["leaves"]
+        paths = [leaf["path"] for leaf in leaves_meta]
+        arrays = [
+            buffer.view(np.dtype(leaf["dtype"])).reshape(leaf["shape"])
+            for buffer, leaf in zip(held.buffers, leaves_meta, strict=True)
+        ]
+        if self.template is not None:
+            treepaths.unflatten_like(self.template, paths, arrays)  # Checks the key paths.
+            template_leaves, treedef = jax.tree.flatten(self.template)
+            placed = [
+                jax.device_put(a, getattr(want, "sharding", None))
+                for a, want in zip(arrays, template_leaves, strict=True)
+            ]
+            return jax.tree.unflatten(treedef, placed)
+        placed = jax.device_put(arrays)
+        pushed = self._pushed_tree
+        if pushed is not None and pushed[0] == paths:
+            return jax.tree_util.tree_unflatten(pushed[1], placed)
+        return treepaths.nested_dict(paths, placed)
+
+    def close(self) -> None:
+        """Stops the hashing threads."""
+        self._hasher.shutdown(wait=False)
