@@ -30,6 +30,7 @@ from rlaxkit.policies import (
 from rlaxkit.ray_config import RayConfig
 from rlaxkit.sft import SFTConfig
 from rlaxkit.tasks.registry import build_config, task_config_class
+from rlaxkit.tracking import TrackerName, check_tracking
 from rlaxkit.trainer import OptimizerConfig
 from rlaxkit.validation import check_int
 
@@ -203,6 +204,8 @@ class RunConfig:
     (``rlaxkit.runtime.Experiment``) or ``ray`` (``rlaxkit.runtime.RayExperiment``), and
     ``ray`` (a ``rlaxkit.ray_config.RayConfig``: actor resources, weight store, restarts)
     says where the Ray backend places its actors; the local backend ignores it.
+    ``tracking`` names where metrics go besides ``metrics.jsonl`` (always written):
+    ``tensorboard``, ``wandb``, ``mlflow`` (``rlaxkit.tracking``).
     """
 
     seed: int = 0
@@ -228,8 +231,10 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(every_steps=50))
     ray: RayConfig = field(default_factory=RayConfig)
+    tracking: tuple[TrackerName, ...] = ("jsonl",)
 
     def __post_init__(self) -> None:
+        check_tracking(self.tracking)  # before any work: a tracker's package is missing
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
         if self.sampling.n < 2 and self.algorithm.preset in ("grpo", "dr_grpo", "dapo", "rloo"):

@@ -27,7 +27,6 @@ from rlaxkit.controller import PromptController
 from rlaxkit.evaluation import EvalReport, evaluate_policy
 from rlaxkit.faults import FaultPlan
 from rlaxkit.inference import make_text_generate
-from rlaxkit.metrics import MetricsLogger
 from rlaxkit.runtime import state as codec
 from rlaxkit.runtime.books import RunBooks, Window
 from rlaxkit.runtime.build import check_inputs
@@ -37,6 +36,7 @@ from rlaxkit.runtime.faults import FaultInjector, load_plan
 from rlaxkit.runtime.loop import Loop
 from rlaxkit.runtime.placement import start_placement
 from rlaxkit.tasks import CodeTask, isolation_mode
+from rlaxkit.tracking import check_run_dir, open_trackers
 
 
 class Experiment(Loop):
@@ -85,6 +85,7 @@ class Experiment(Loop):
                 "faults: preempt_trainer restores the last checkpoint; give the Experiment "
                 "a run_dir to write checkpoints to"
             )
+        check_run_dir(config.tracking, self.run_dir)
         check_inputs(config)  # bad data or checkpoint files fail before any work
         point = codec.find_resume_point(self.run_dir, config, plan, resume)
         if self.run_dir:
@@ -152,11 +153,19 @@ class Experiment(Loop):
             self.parts.close()
             self.trace.close()
             raise
-        self.logger = MetricsLogger(
-            self.run_dir / "metrics.jsonl" if self.run_dir else None,
-            total_steps=config.steps,
-            progress=progress,
-        )
+        try:
+            self.logger = open_trackers(
+                config.tracking,
+                self.run_dir,
+                config=config.to_dict(),
+                resumed_from=self.books.resumed_from,
+                total_steps=config.steps,
+                progress=progress,
+            )
+        except BaseException:
+            self.parts.close()
+            self.trace.close()
+            raise
         self.window = Window(self.clock(), self.fleet.generated_tokens())
 
     # -- names a notebook reaches for --------------------------------------------------
@@ -340,6 +349,7 @@ class Experiment(Loop):
             lost_steps=summary["lost_steps"],
         )
         self.parts.close()
+        self.logger.log_summary(summary)
         self.logger.close()
         self.trace.close()
 

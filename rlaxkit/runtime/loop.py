@@ -32,13 +32,13 @@ from rlaxkit.batch import collate
 from rlaxkit.buffer import RolloutBuffer
 from rlaxkit.config import RunConfig
 from rlaxkit.controller import Issue, PromptController
-from rlaxkit.metrics import MetricsLogger
 from rlaxkit.rollout import Rollout, RolloutGroup
 from rlaxkit.runtime.books import RunBooks, Window
 from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
 from rlaxkit.runtime.faults import NoFaults
 from rlaxkit.runtime.placement import Parts
 from rlaxkit.tasks import REWARD_FAILURES
+from rlaxkit.tracking import Trackers
 from rlaxkit.validation import is_int
 
 SYNC_ATTEMPTS = 10  # syncs per round before a worker is left to retry next round
@@ -62,7 +62,7 @@ class Loop:
     buffer: RolloutBuffer
     published: int
     last_batch: dict[str, Any] | None
-    logger: MetricsLogger
+    logger: Trackers
     window: Window
     _t0: float
 
@@ -164,12 +164,13 @@ class Loop:
     def roll_back(self, step: int) -> None:
         """The trainer restored checkpoint ``step``: the steps after it leave the books,
         metrics.jsonl and the history (each step stays once, as a resumed run leaves
-        them) and their ``train_step`` events are marked ``discarded``; their groups go
-        back to the buffer or are dropped (``RecoveryPolicy.trainer_lost``), and so
-        does the work of workers holding weights of the discarded branch."""
+        them; ``Trackers.roll_back`` says what external trackers keep) and their
+        ``train_step`` events are marked ``discarded``; their groups go back to the
+        buffer or are dropped (``RecoveryPolicy.trainer_lost``), and so does the work
+        of workers holding weights of the discarded branch."""
         discarded = set(range(step + 1, self.version + 1))
         self.books.roll_back(step)
-        self.logger.rewrite(self.books.history)
+        self.logger.roll_back(step, self.books.history)
         self.trace.discard_steps(discarded)
         self.buffer.rollback(step)
         for worker_id, version in self.fleet.versions().items():
@@ -255,6 +256,7 @@ class Loop:
                 **self.books.counters(),
                 **{f"reward_failures/{k}": n for k, n in self.reward_failures().items()},
             }
+        staleness = [step - 1 - g.first_version for g in groups]
         self.trace.record(
             self.clock(),
             "train_step",
@@ -267,11 +269,11 @@ class Loop:
             tokens=int(np.asarray(batch.attention_mask).sum()),
             completion_tokens=int(np.asarray(batch.loss_mask).sum()),
             duration_s=result.duration_s,
-            staleness=[step - 1 - g.first_version for g in groups],
+            staleness=staleness,
         )
         self.last_batch = {"groups": groups, "batch": batch, "metrics": metrics}
         self.books.history.append(metrics)
-        self.logger.log(metrics)
+        self.logger.log(metrics, histograms={"staleness": staleness})
         if (workers := self.parts.schedule(step)) is not None:
             self.scale_workers(workers)  # ray.worker_schedule: an elastic fleet
         policy = self.config.checkpoint

@@ -1,0 +1,234 @@
+"""Trackers: what TensorBoard, W&B (offline) and MLflow hold after a run, read back with
+their own readers and compared with metrics.jsonl; a resumed run continues the same
+tracker runs; a rewind hides TensorBoard's discarded steps and gives W&B and MLflow a
+second point."""
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb.proto import wandb_internal_pb2
+
+from rlaxkit import tracking
+from rlaxkit.config import RunConfig, small_run_config
+from rlaxkit.metrics import read_metrics
+from rlaxkit.runtime import Experiment
+
+ALL = "tracking=[jsonl,tensorboard,wandb,mlflow]"
+RUN = ["checkpoint.every_steps=2", "steps=5", "eval.num_problems=4", "eval.samples=2"]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """W&B stays offline and MLflow uses the run directory's store: no server is asked."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+
+
+# -- readers -----------------------------------------------------------------------------
+def tensorboard_scalars(logdir):
+    """{tag: {step: value}} as TensorBoard shows it (purged steps hidden)."""
+    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    return events, {
+        t: {e.step: e.value for e in events.Scalars(t)} for t in events.Tags()["scalars"]
+    }
+
+
+def wandb_records(run_file):
+    """The records of an offline run's ``.wandb`` file: a LevelDB-style log of 32 KiB
+    blocks, each record chunked behind a 7-byte header (crc32, length, type; type 1 a
+    whole record, 2-4 its first, middle and last chunks), after the 7-byte file header."""
+    data, block = Path(run_file).read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    position, chunks, records = 7, b"", []
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # too little room left for a header: padding
+            position += block - position % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if length == 0 and kind == 0:
+            break
+        chunks += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            records.append(record)
+            chunks = b""
+    return records
+
+
+def wandb_history(records):
+    rows = []
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            rows.append(
+                {
+                    item.key or ".".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+            )
+    return rows
+
+
+# -- config-time errors --------------------------------------------------------------------
+def test_unknown_tracker_names_the_field():
+    with pytest.raises(ValueError, match=r"tracking\[1\]: must be one of"):
+        RunConfig.from_overrides(["tracking=[jsonl,neptune]"])
+    with pytest.raises(ValueError, match="tracking: unknown tracker 'neptune'"):
+        RunConfig(tracking=("neptune",))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"tracking: \['wandb'\] named more than once"):
+        RunConfig.from_overrides(["tracking=[wandb,wandb]"])
+
+
+def test_a_missing_package_names_the_field_and_the_extra(monkeypatch):
+    monkeypatch.setitem(tracking.REQUIREMENTS, "wandb", (("no_such_module_here",), "wandb"))
+    with pytest.raises(
+        ValueError, match=r"tracking: wandb needs no_such_module_here.*rlaxkit\[wandb\]"
+    ):
+        RunConfig.from_overrides(["tracking=[jsonl,wandb]"])
+
+
+def test_external_trackers_need_a_run_dir():
+    with pytest.raises(ValueError, match=r"tracking: \['tensorboard'\] write under the run dir"):
+        Experiment(small_run_config("tracking=[tensorboard]"))  # fails before any work
+
+
+# -- a rewind ------------------------------------------------------------------------------
+def test_tensorboard_hides_the_steps_after_a_rewind(tmp_path):
+    board = tracking.TensorBoardTracker(tmp_path)
+    for step in (1, 2, 3, 4):
+        board.log_metrics(step, {"loss": float(step)})
+    board.rewind(2)  # steps 3 and 4 are taken again
+    for step in (3, 4, 5):
+        board.log_metrics(step, {"loss": 10.0 * step})
+    board.log_histogram(5, "staleness", {0: 3, 2: 1})
+    board.close()
+    events, scalars = tensorboard_scalars(tmp_path)
+    assert scalars["loss"] == {1: 1.0, 2: 2.0, 3: 30.0, 4: 40.0, 5: 50.0}
+    (histogram,) = events.Histograms("staleness")
+    value = histogram.histogram_value
+    # A bucket per integer from min to max: (-0.5, 0.5], (0.5, 1.5], (1.5, 2.5].
+    assert (value.min, value.max, value.num, value.sum, value.sum_squares) == (0, 2, 4, 2, 4)
+    assert list(value.bucket_limit) == [0.5, 1.5, 2.5] and list(value.bucket) == [3, 0, 1]
+
+
+# -- a run, stopped and resumed ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """A run with every tracker stopped after step 3 (its checkpoint: step 2) and resumed
+    to step 5: steps 3 is taken twice."""
+    root = tmp_path_factory.mktemp("tracking")
+    run, config = root / "run", small_run_config(*RUN, ALL)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "offline")
+        patch.setenv("WANDB_SILENT", "true")
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        patch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+        with Experiment(config, run_dir=run, cache_dir=root / "cache") as exp:
+            stopped = [exp.step() for _ in range(3)]
+        ids = json.loads((run / "tracking.json").read_text())
+        with Experiment(config, run_dir=run, cache_dir=root / "cache") as exp:
+            assert exp.resumed_from == 2
+            exp.run()
+            lost_steps = exp.books.lost_steps
+    return {"run": run, "stopped": stopped, "ids": ids, "lost_steps": lost_steps}
+
+
+def test_resumed_run_continues_the_same_tracker_runs(resumed_run):
+    run, ids = resumed_run["run"], resumed_run["ids"]
+    assert json.loads((run / "tracking.json").read_text()) == ids
+    offline_runs = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 2 and all(p.name.endswith(ids["wandb"]) for p in offline_runs)
+    (experiment,) = [
+        e
+        for e in MlflowClient(f"sqlite:///{run}/mlflow.db").search_experiments()
+        if e.name == "rlaxkit"
+    ]
+    runs = MlflowClient(f"sqlite:///{run}/mlflow.db").search_runs([experiment.experiment_id])
+    assert [r.info.run_id for r in runs] == [ids["mlflow"]]
+    assert runs[0].info.status == "FINISHED"
+
+
+def test_tensorboard_holds_metrics_jsonl(resumed_run):
+    run = resumed_run["run"]
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+    events, scalars = tensorboard_scalars(run / "tensorboard")
+    for row in rows:  # the stopped run's step 3 is hidden: its wall times differ
+        for key, value in row.items():
+            if isinstance(value, int | float):
+                assert scalars[key][row["step"]] == np.float32(value), (key, row["step"])
+    assert all(set(scalars[k]) == {1, 2, 3, 4, 5} for k in rows[0])
+    staleness = events.Histograms("staleness")
+    assert [h.step for h in staleness] == [1, 2, 3, 4, 5]
+    assert all(h.histogram_value.num == 4 for h in staleness)  # staleness.batch_size groups
+    assert scalars["summary/steps"] == {5: 5.0}
+    assert scalars["summary/lost_steps"] == {5: float(resumed_run["lost_steps"])}
+    configs = events.Tensors("config/text_summary")  # at step 0, once per session
+    assert len(configs) == 2 and "batch_size: 4" in configs[-1].tensor_proto.string_val[0].decode()
+
+
+def test_wandb_offline_run_holds_metrics_jsonl(resumed_run):
+    run = resumed_run["run"]
+    rows = read_metrics(run / "metrics.jsonl")
+    sessions = [
+        wandb_records(next(p.glob("run-*.wandb")))
+        for p in sorted((run / "wandb").glob("offline-run-*"))
+    ]
+    first, second = (wandb_history(records) for records in sessions)
+    metrics = [h for h in first + second if "reward/mean" in h]
+    # Step 3 twice: the stopped run's and the resumed run's (W&B cannot un-log).
+    assert [h["step"] for h in metrics] == [1, 2, 3, 3, 4, 5]
+    kept = {h["step"]: h for h in metrics}  # the later point of a step is the kept one
+    stopped = {h["step"]: h for h in metrics[:3]}
+    for row in rows:
+        for key, value in row.items():
+            if isinstance(value, int | float):
+                assert kept[row["step"]][key] == value, (key, row["step"])
+    assert stopped[3]["time/train_s"] == resumed_run["stopped"][2]["time/train_s"]
+    histograms = [h for h in first + second if "staleness._type" in h]
+    assert [h["step"] for h in histograms] == [1, 2, 3, 3, 4, 5]
+    assert all(sum(h["staleness.values"]) == 4 for h in histograms)
+    config = {
+        item.key: json.loads(item.value_json)
+        for record in sessions[0]
+        if record.WhichOneof("record_type") == "config"
+        for item in record.config.update
+    }
+    assert config["staleness"]["batch_size"] == 4 and config["steps"] == 5
+    summary = {
+        item.key or ".".join(item.nested_key): json.loads(item.value_json)
+        for record in sessions[1]
+        if record.WhichOneof("record_type") == "summary"
+        for item in record.summary.update
+    }
+    assert summary["steps"] == 5 and summary["lost_steps"] == resumed_run["lost_steps"]
+    assert summary["buffer/dropped_by_reason/filtered"] == rows[-1]["dropped/filtered"]
+
+
+def test_mlflow_store_holds_metrics_jsonl(resumed_run):
+    run, run_id = resumed_run["run"], resumed_run["ids"]["mlflow"]
+    rows = read_metrics(run / "metrics.jsonl")
+    client = MlflowClient(f"sqlite:///{run}/mlflow.db")
+    history = client.get_metric_history(run_id, "reward/mean")
+    assert sorted(m.step for m in history) == [1, 2, 3, 3, 4, 5]
+    for key in ("reward/mean", "staleness/mean", "time/train_s", "buffer/dropped"):
+        points = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+        kept = {m.step: m.value for m in points}
+        assert kept == {row["step"]: row[key] for row in rows}, key
+    data = client.get_run(run_id).data
+    assert data.params["staleness.batch_size"] == "4"
+    assert data.params["tracking"] == "['jsonl', 'tensorboard', 'wandb', 'mlflow']"
+    assert data.metrics["summary/steps"] == 5
+    assert data.metrics["summary/lost_steps"] == resumed_run["lost_steps"]
+    counts = {k: v for k, v in data.metrics.items() if k.startswith("staleness/count/")}
+    assert sum(counts.values()) == 4  # the last step's histogram: its 4 groups
+    assert data.metrics["summary/buffer/dropped_by_reason/filtered"] == rows[-1]["dropped/filtered"]
