@@ -54,6 +54,12 @@ Stores:
 
 To add a store, add a factory to ``STORES``.
 
+**Delta publication** (``benchmarks/weight_delta.py``, run here too unless
+``--no-delta``): the fraction of bytes that change after a real train step
+(``delta_changed_fraction``), and the time and bytes of a delta pull against a full
+pull through the TensorStore store (``delta_pull_speedup``, ``delta_bytes_ratio``);
+the numbers of that module are under ``"delta"``.
+
 Usage::
 
     python benchmarks/weight_sync.py --quick     # 10, 64, 256 MB; under a minute
@@ -82,6 +88,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import weight_delta  # noqa: E402  (benchmarks/ is the script's directory)
 
 from rlaxkit.param_server import (  # noqa: E402
     InProcessParameterServer,
@@ -394,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="start Ray with its default system config instead of RAY_SYSTEM_CONFIG",
     )
+    parser.add_argument(
+        "--no-delta", action="store_true", help="skip the delta-publication measurement"
+    )
+    parser.add_argument(
+        "--delta-only", action="store_true", help="only the delta-publication measurement"
+    )
     args = parser.parse_args(argv)
     RAY_DEFAULT_CONFIG = args.ray_default_config
 
@@ -405,12 +418,27 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     start = time.perf_counter()
     try:
-        report = run(sizes, args.stores, repeats, root)
+        report = {} if args.delta_only else run(sizes, args.stores, repeats, root)
+        if not args.no_delta:
+            delta = weight_delta.measure(args.quick, root / "delta")
+            report["delta"] = delta
+            for key in (
+                "delta_changed_fraction",
+                "delta_pull_speedup",
+                "delta_bytes_ratio",
+                "delta_push_slowdown",
+            ):
+                report[key] = delta[key]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report["quick"] = args.quick
     report["wall_s"] = time.perf_counter() - start
     report["load_average_1m"] = [load_before, os.getloadavg()[0]]
+    if "delta" in report:
+        weight_delta.print_summary(report["delta"])
+    if args.delta_only:
+        print(json.dumps(report))
+        return 0
     verdict = "meets" if report["fraction_of_memcpy"] >= GOAL_FRACTION else "misses"
     print(
         f"worst store at {max(sizes)} MB: {report['worst_store']}, "

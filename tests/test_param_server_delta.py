@@ -85,8 +85,9 @@ def test_bad_settings_name_the_field():
     with pytest.raises(ValueError, match="snapshot_every"):
         DeltaParameterServer(InProcessParameterServer(keep=2), snapshot_every=0)
     # The store must keep the versions a newest version's chunks may lie in.
+    # (Checked at the first push: only the pusher's store evicts.)
     with pytest.raises(ValueError, match="snapshot_every.*delta_keep"):
-        DeltaParameterServer(InProcessParameterServer(keep=2), snapshot_every=4)
+        DeltaParameterServer(InProcessParameterServer(keep=2), snapshot_every=4).push(1, {})
 
 
 # ----------------------------------------------------------------- the store

@@ -71,7 +71,6 @@ from rlaxkit.param_server.delta import (
     check_chunk_bytes,
     chunk_checksums,
     gather_chunks,
-    scatter_chunks,
 )
 from rlaxkit.param_server.layout import aligned_empty
 from rlaxkit.validation import check_int
@@ -171,14 +170,6 @@ class DeltaParameterServer:
     ) -> None:
         self.snapshot_every = check_int("snapshot_every", snapshot_every, minimum=1)
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
-        inner_keep = getattr(inner, "keep", None)
-        if isinstance(inner_keep, int) and inner_keep < snapshot_every:
-            raise ValueError(
-                f"snapshot_every: the wrapped store keeps {inner_keep} versions, fewer than "
-                f"snapshot_every={snapshot_every}, so the chunks of its newest version could "
-                f"be evicted; keep at least delta_keep(keep, snapshot_every) versions there "
-                f"or lower snapshot_every"
-            )
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
         if hasattr(inner, "retain_pushes"):  # Ray: republish() must restore the owners.
@@ -241,6 +232,14 @@ class DeltaParameterServer:
         Raises:
             ValueError: ``version`` is not newer than the latest published version.
         """
+        inner_keep = getattr(self.inner, "keep", None)  # The store that evicts: the pusher's.
+        if isinstance(inner_keep, int) and inner_keep < self.snapshot_every:
+            raise ValueError(
+                f"snapshot_every: the wrapped store keeps {inner_keep} versions, fewer than "
+                f"snapshot_every={self.snapshot_every}, so the chunks of its newest version "
+                "could be evicted; keep at least delta_keep(keep, snapshot_every) versions "
+                "there or lower snapshot_every"
+            )
         with self._push_lock:
             if not reset:
                 check_new_version(version, self.inner.latest_version())
@@ -374,32 +373,55 @@ class DeltaParameterServer:
         self.metadata_bytes = int(np.asarray(record["meta"]).nbytes + sums.nbytes + owner.nbytes)
         same_tree = held is not None and held.meta == meta
         need = changed_chunks(held.sums if held is not None and same_tree else None, sums)
-        touched = set(np.unique(layout.leaf[need]).tolist())
+        # Where each needed chunk is: the payload of its owner's record, at an offset.
+        payloads: dict[int, np.ndarray] = {}
+        source = np.empty(need.size, np.int64)
+        position = np.empty(need.size, np.int64)
+        owners = owner[need]
+        for owner_version in np.unique(owners).tolist():
+            mine = owners == owner_version
+            ids = need[mine]
+            found = record if owner_version == version else self._read(owner_version)
+            stored = np.asarray(found["changed"])
+            at = np.searchsorted(stored, ids)
+            if np.any(at >= stored.size) or np.any(stored[np.minimum(at, stored.size - 1)] != ids):
+                raise ValueError(
+                    f"version {version}: the record of version {owner_version} lacks chunks "
+                    "its owner table assigns to it; the store is damaged or mixes two pushers"
+                )
+            payloads[owner_version] = np.asarray(found["payload"])
+            source[mine] = owner_version
+            position[mine] = layout.offsets(stored)[at]
         buffers: list[np.ndarray] = []
+        counts = np.bincount(layout.leaf, minlength=len(layout.leaf_bytes))
+        needed_leaf = layout.leaf[need]
         for i, nbytes in enumerate(layout.leaf_bytes):
             old = held.buffers[i] if held is not None and same_tree else None
-            if old is not None and i not in touched:
+            mine = needed_leaf == i
+            if old is not None and not np.any(mine):
                 buffers.append(old)  # Unchanged: the same (read-only) buffer.
+                continue
+            ids, sources, positions = need[mine], source[mine], position[mine]
+            if (
+                ids.size == counts[i]
+                and ids.size
+                and np.all(sources == sources[0])
+                and np.all(positions - positions[0] == layout.start[ids])
+            ):
+                # The whole leaf lies in one record, in one piece: use it where it is
+                # (mapped, for the TensorStore store), not a copy.
+                at = int(positions[0])
+                buffers.append(payloads[int(sources[0])][at : at + nbytes])
                 continue
             new = aligned_empty((nbytes,), np.dtype(np.uint8))  # JAX aliases aligned memory.
             if old is not None:
                 np.copyto(new, old)
-            buffers.append(new)
-        owners = owner[need]
-        for source in np.unique(owners).tolist():
-            ids = need[owners == source]
-            source_record = record if source == version else self._read(source)
-            held_ids = np.asarray(source_record["changed"])
-            at = np.searchsorted(held_ids, ids)
-            if np.any(at >= held_ids.size) or np.any(
-                held_ids[np.minimum(at, held_ids.size - 1)] != ids
+            for g, owner_version, at in zip(
+                ids.tolist(), sources.tolist(), positions.tolist(), strict=True
             ):
-                raise ValueError(
-                    f"version {version}: the record of version {source} lacks chunks its "
-                    "owner table assigns to it; the store is damaged or mixes two pushers"
-                )
-            positions = layout.offsets(held_ids)[at]
-            scatter_chunks(buffers, layout, ids, np.asarray(source_record["payload"]), positions)
+                start, size = int(layout.start[g]), int(layout.size[g])
+                new[start : start + size] = payloads[owner_version][at : at + size]
+            buffers.append(new)
         for buffer in buffers:
             buffer.flags.writeable = False
         self._held = _Held(version, meta, layout, buffers, sums)
