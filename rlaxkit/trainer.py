@@ -49,7 +49,7 @@ from rlaxkit.algorithms import (
 from rlaxkit.batch import TrainBatch
 from rlaxkit.jaxutil import TieredJit
 from rlaxkit.logprobs import logprobs_and_entropy
-from rlaxkit.models import positions_from_mask
+from rlaxkit.models import REMAT_POLICIES, RematPolicy, is_stacked, positions_from_mask
 from rlaxkit.validation import check_int
 
 MESH_AXES = ("data", "fsdp", "model")
@@ -107,6 +107,10 @@ class TrainConfig:
         compute_dtype: cast parameters to this dtype for the forward pass (build the
             graphdef with the same ``param_dtype``; master weights stay as given). ``None``
             computes in the parameters' dtype. bfloat16 is for accelerators.
+        remat: activation checkpointing of the policy's blocks in the backward pass:
+            ``none`` keeps every activation, ``dots`` keeps the weight matmuls' outputs
+            and recomputes the rest (attention scores included), ``full`` keeps only
+            each block's input. Memory for time; the numbers do not change.
     """
 
     algorithm: AlgorithmConfig
@@ -117,8 +121,11 @@ class TrainConfig:
     shuffle: bool = False
     temperature: float = 1.0
     compute_dtype: Literal["float32", "bfloat16"] | None = None
+    remat: RematPolicy = "none"
 
     def __post_init__(self) -> None:
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat: must be one of {REMAT_POLICIES}, got {self.remat!r}")
         for name in ("micro_batches", "mini_batches", "epochs"):
             check_int(name, getattr(self, name), minimum=1)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
@@ -173,7 +180,8 @@ def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW; no weight decay on vectors (norms, biases)."""
+    """Global-norm clipping then AdamW; no weight decay on vectors (norms, biases), also
+    when layers are stacked (``ModelConfig.scan_layers``: the layer axis is not counted)."""
     # ``mask`` must be static: inject_hyperparams would call a callable mask as a schedule.
     adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
         learning_rate=learning_rate_schedule(cfg),
@@ -181,7 +189,9 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
         b2=cfg.b2,
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
-        mask=lambda tree: jax.tree.map(lambda x: jnp.ndim(x) >= 2, tree),
+        mask=lambda tree: jax.tree_util.tree_map_with_path(
+            lambda path, x: jnp.ndim(x) - is_stacked(path) >= 2, tree
+        ),
     )
     clip = optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm else optax.identity()
     return optax.chain(clip, adamw)
@@ -236,11 +246,20 @@ def param_partition_spec(path: Sequence[Any], shape: tuple[int, ...], mesh: Mesh
     ``in`` and ``model`` on ``out``; row-parallel ones (o, down) the reverse; the
     embedding puts ``model`` on the vocabulary and ``fsdp`` on the width. Other
     matrices shard their largest dimension over ``fsdp``; vectors and scalars are
-    replicated. An axis that does not divide its dimension is dropped.
+    replicated. An axis that does not divide its dimension is dropped. Stacked blocks
+    (``ModelConfig.scan_layers``) keep their leading layer axis whole and shard the rest
+    as one layer's parameter.
     """
+    names = _path_names(path)
+    if is_stacked(path) and len(shape) >= 1:
+        return P(None, *_layer_partition_spec(names, tuple(shape[1:]), mesh))
+    return _layer_partition_spec(names, tuple(shape), mesh)
+
+
+def _layer_partition_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+    """``param_partition_spec`` of one layer's parameter (no layer axis)."""
     if len(shape) < 2:
         return P()
-    names = _path_names(path)
     axes: list[str | None]
     if any(n in _COLUMN_PARALLEL for n in names):
         axes = ["fsdp", "model"]
@@ -373,7 +392,7 @@ def _build(
     def policy_forward(params, tokens, positions, attention_mask):
         model = nnx.merge(graphdef, cast(params))
         # The last position predicts nothing in the batch: no logits for it.
-        hidden = model.hidden_states(tokens, positions, attention_mask)[:, :-1]
+        hidden = model.hidden_states(tokens, positions, attention_mask, remat=cfg.remat)[:, :-1]
         logp, entropy = logprobs_and_entropy(model.unembed(hidden), tokens[:, 1:], cfg.temperature)
         return jnp.pad(logp, ((0, 0), (1, 0))), jnp.pad(entropy, ((0, 0), (1, 0)))
 

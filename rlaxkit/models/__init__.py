@@ -7,6 +7,7 @@ from rlaxkit.models.hf import (
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
+from rlaxkit.models.layout import is_stacked, relayout, stack_layers, unstack_layers
 from rlaxkit.models.tokenizer import (
     CharTokenizer,
     HFTokenizer,
@@ -14,11 +15,19 @@ from rlaxkit.models.tokenizer import (
     load_tokenizer,
     save_tokenizer,
 )
-from rlaxkit.models.transformer import KVCache, Transformer, positions_from_mask
+from rlaxkit.models.transformer import (
+    REMAT_POLICIES,
+    KVCache,
+    RematPolicy,
+    Transformer,
+    positions_from_mask,
+)
 
 __all__ = [
     "CharTokenizer",
     "HFTokenizer",
+    "REMAT_POLICIES",
+    "RematPolicy",
     "KVCache",
     "ModelConfig",
     "RopeScaling",
@@ -26,9 +35,13 @@ __all__ = [
     "Transformer",
     "abstract_model",
     "check_hf_checkpoint",
+    "is_stacked",
     "load_hf_checkpoint",
     "positions_from_mask",
+    "relayout",
     "save_hf_checkpoint",
     "save_tokenizer",
+    "stack_layers",
+    "unstack_layers",
     "load_tokenizer",
 ]

@@ -100,6 +100,12 @@ class ModelConfig:
         tie_word_embeddings: the output projection reuses the embedding table.
         attention_bias: bias on q/k/v/o (llama, qwen3); qwen2 always has q/k/v bias.
         param_dtype: storage and compute dtype of the weights; logits are always float32.
+        scan_layers: store the decoder blocks stacked (every block parameter gets a
+            leading ``[num_layers]`` axis) and run the training forward as one
+            ``lax.scan`` over them, so compile time and program size do not grow with
+            depth. The numbers are the same as with one module per layer (the default);
+            ``rlaxkit.models.layout`` converts parameters between the two layouts.
+            Not an architecture field: ``to_hf`` leaves it out.
     """
 
     family: Family = "qwen3"
@@ -117,8 +123,11 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     param_dtype: ParamDtype = "float32"
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers must be true or false, got {self.scan_layers!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         if self.param_dtype not in PARAM_DTYPES:

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
 from rlaxkit.models.config import ModelConfig
+from rlaxkit.models.layout import relayout
 from rlaxkit.models.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
 from rlaxkit.models.transformer import Transformer
 from rlaxkit.validation import check_tokenizer_fits
@@ -123,6 +124,7 @@ def load_hf_checkpoint(
     param_dtype: str | None = None,
     strict: bool = True,
     with_tokenizer: bool = True,
+    scan_layers: bool = False,
 ) -> tuple[Transformer, Tokenizer | None]:
     """Loads a local HF checkpoint directory into a ``Transformer``.
 
@@ -132,6 +134,7 @@ def load_hf_checkpoint(
             ``torch_dtype`` when it is one of those, else float32.
         strict: reject unknown ``config.json`` fields (see ``ModelConfig.from_hf``).
         with_tokenizer: also load the tokenizer when the directory has one.
+        scan_layers: return the blocks stacked (``ModelConfig.scan_layers``).
 
     Raises:
         ValueError: a tensor is missing, unexpected, or has the wrong shape (named), or a
@@ -182,7 +185,7 @@ def load_hf_checkpoint(
                         f"{tuple(leaf.shape)}"
                     )
                 loaded.append((param_path, leaf.replace(jnp.asarray(array, dtype))))
-    model = nnx.merge(graphdef, nnx.from_flat_state(loaded))
+    model = relayout(nnx.merge(graphdef, nnx.from_flat_state(loaded)), scan_layers=scan_layers)
     tokenizer = None
     has_tokenizer = (path / "tokenizer.json").exists() or (path / "char_tokenizer.json").exists()
     if with_tokenizer and has_tokenizer:
@@ -200,7 +203,9 @@ def save_hf_checkpoint(
 ) -> Path:
     """Writes ``model`` as an HF checkpoint directory that ``load_hf_checkpoint`` and
     ``transformers`` read back; shards with an index when larger than ``max_shard_bytes``.
+    Stacked blocks (``scan_layers``) are written per layer, as HF names them.
     """
+    model = relayout(model, scan_layers=False)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))

@@ -14,12 +14,21 @@ Two entry points share one block implementation:
   values into a ``KVCache`` at each row's own write offset and attends to everything
   valid in the cache up to each query's slot. Prefill is ``decode`` with many tokens;
   one decode step is ``decode`` with one.
+
+Depth and memory: with ``ModelConfig.scan_layers`` the blocks are stored stacked and
+the training forward is one ``lax.scan`` over them (one block's program, compiled once);
+``hidden_states(..., remat=...)`` recomputes each block's activations in the backward
+pass instead of keeping them (``"dots"`` keeps the outputs of the weight matmuls,
+``"full"`` only each block's input). Neither changes a number. ``decode`` keeps a
+Python loop over layers (the sampler's cache is one array per layer) and takes each
+block's weights from the stack by a static index.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +37,30 @@ from flax import nnx
 from rlaxkit.models.config import ModelConfig
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives no NaN
+
+RematPolicy = Literal["none", "dots", "full"]
+REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "full")
+
+
+def check_remat(remat: str) -> None:
+    """Raises ``ValueError`` naming ``remat`` unless it is one of ``REMAT_POLICIES``."""
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat: must be one of {REMAT_POLICIES}, got {remat!r}")
+
+
+def _rematted(fn: Callable[..., Any], remat: RematPolicy, *, in_scan: bool) -> Callable[..., Any]:
+    """``fn`` under ``jax.checkpoint`` with the policy ``remat`` names.
+
+    ``"dots"`` saves the results of matmuls without batch dimensions, which here are the
+    weight projections (activations are ``[B·T, hidden]``); the attention scores, which
+    grow with the square of the length, are recomputed. ``"full"`` saves nothing but the
+    block's inputs. Under ``lax.scan`` the scan itself keeps XLA from merging the
+    recomputation into the forward pass, so ``prevent_cse`` is off there (JAX's advice).
+    """
+    if remat == "none":
+        return fn
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "dots" else None
+    return jax.checkpoint(fn, policy=policy, prevent_cse=not in_scan)
 
 
 @jax.tree_util.register_dataclass
@@ -278,7 +311,14 @@ class Transformer(nnx.Module):
             embedding_init=nnx.initializers.normal(0.02),
             rngs=rngs,
         )
-        self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+        blocks = [Block(config, rngs) for _ in range(config.num_layers)]
+        if config.scan_layers:
+            # Built one by one and stacked, so both layouts start from the same numbers.
+            states = [nnx.state(block) for block in blocks]
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+            self.layers: Block | nnx.List[Block] = nnx.merge(nnx.graphdef(blocks[0]), stacked)
+        else:
+            self.layers = nnx.List(blocks)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -294,9 +334,19 @@ class Transformer(nnx.Module):
         return jnp.einsum("...h,hv->...v", hidden, kernel, preferred_element_type=jnp.float32)
 
     def hidden_states(
-        self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array | None = None
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        attention_mask: jax.Array | None = None,
+        *,
+        remat: RematPolicy = "none",
     ) -> jax.Array:
-        """Final-norm hidden states ``[B, T, hidden]`` of the training forward."""
+        """Final-norm hidden states ``[B, T, hidden]`` of the training forward.
+
+        ``remat`` chooses what the backward pass recomputes (see the module docstring);
+        it changes memory and time, never the result.
+        """
+        check_remat(remat)
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, bool)
         t = tokens.shape[1]
@@ -304,9 +354,36 @@ class Transformer(nnx.Module):
         mask = causal[None] & attention_mask.astype(bool)[:, None, :]
         inv_freq = rope_frequencies(self.config)
         x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x, _ = layer(x, positions, inv_freq, mask)
+        if isinstance(self.layers, Block):  # stacked: one scan step per layer
+            graphdef, stacked = nnx.split(self.layers)
+
+            def scan_step(x: jax.Array, layer_state: Any) -> tuple[jax.Array, None]:
+                block = nnx.merge(graphdef, layer_state)
+                return block(x, positions, inv_freq, mask)[0], None
+
+            x, _ = jax.lax.scan(_rematted(scan_step, remat, in_scan=True), x, stacked)
+        elif remat == "none":
+            for layer in self.layers:
+                x, _ = layer(x, positions, inv_freq, mask)
+        else:
+            for layer in self.layers:
+                graphdef, layer_state = nnx.split(layer)
+
+                def step(layer_state: Any, x: jax.Array, graphdef: Any = graphdef) -> jax.Array:
+                    return nnx.merge(graphdef, layer_state)(x, positions, inv_freq, mask)[0]
+
+                x = _rematted(step, remat, in_scan=False)(layer_state, x)
         return self.norm(x)
+
+    def blocks(self) -> list[Block]:
+        """One ``Block`` per layer; with stacked layers, views of each layer's slice."""
+        if isinstance(self.layers, Block):
+            graphdef, stacked = nnx.split(self.layers)
+            return [
+                nnx.merge(graphdef, jax.tree.map(lambda w, i=i: w[i], stacked))
+                for i in range(self.config.num_layers)
+            ]
+        return list(self.layers)
 
     def __call__(
         self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array | None = None
@@ -343,7 +420,7 @@ class Transformer(nnx.Module):
         inv_freq = rope_frequencies(self.config)
         x = self.embed_tokens(tokens)
         ks, vs = [], []
-        for layer, k, v in zip(self.layers, cache.k, cache.v, strict=True):
+        for layer, k, v in zip(self.blocks(), cache.k, cache.v, strict=True):
             x, (k, v) = layer(x, positions, inv_freq, mask, (k, v, start))
             ks.append(k)
             vs.append(v)

@@ -1,0 +1,238 @@
+"""Scan over layers and activation checkpointing change memory and compile time, never a
+number: stacked = per-layer and remat = no remat, for the forward pass, the KV-cache
+decode, a train step (also sharded), checkpoints and HF round trips."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from test_trainer import CONFIG, OPTIMIZER, batch_of, relative_error
+
+from rlaxkit.algorithms import algorithm
+from rlaxkit.checkpoint import CheckpointManager, restore_train_state, save_train_state
+from rlaxkit.jaxutil import count_compilations
+from rlaxkit.models import (
+    KVCache,
+    ModelConfig,
+    Transformer,
+    is_stacked,
+    load_hf_checkpoint,
+    relayout,
+    save_hf_checkpoint,
+    stack_layers,
+    unstack_layers,
+)
+from rlaxkit.trainer import (
+    OptimizerConfig,
+    TrainConfig,
+    create_train_state,
+    make_gradient_fn,
+    make_optimizer,
+    make_train_step,
+    param_partition_spec,
+)
+
+SCAN = CONFIG.replace(scan_layers=True)
+
+
+def test_stacked_layers_start_from_the_per_layer_numbers_and_convert_both_ways():
+    per_layer = Transformer(CONFIG, rngs=nnx.Rngs(0))
+    stacked = Transformer(SCAN, rngs=nnx.Rngs(0))
+    kernel = stacked.layers.self_attn.q_proj.kernel[...]
+    assert kernel.shape == (CONFIG.num_layers, *per_layer.layers[0].self_attn.q_proj.kernel.shape)
+    for i in range(CONFIG.num_layers):
+        np.testing.assert_array_equal(kernel[i], per_layer.layers[i].self_attn.q_proj.kernel[...])
+    converted = stack_layers(nnx.state(per_layer))
+    jax.tree.map(np.testing.assert_array_equal, converted, nnx.state(stacked))
+    jax.tree.map(np.testing.assert_array_equal, unstack_layers(converted), nnx.state(per_layer))
+    assert relayout(per_layer, scan_layers=False) is per_layer
+
+
+def test_scan_and_remat_give_the_per_layer_logits_and_decode():
+    per_layer = Transformer(CONFIG, rngs=nnx.Rngs(0))
+    stacked = Transformer(SCAN, rngs=nnx.Rngs(0))
+    rng = np.random.RandomState(0)
+    tokens = jnp.asarray(rng.randint(0, CONFIG.vocab_size, (2, 9)))
+    mask = jnp.asarray(np.arange(9)[None] >= np.array([[0], [3]]))  # second row left-padded
+    positions = jnp.maximum(jnp.cumsum(mask, -1) - 1, 0) * mask
+    logits = nnx.jit(
+        lambda model, remat: model.unembed(
+            model.hidden_states(tokens, positions, mask, remat=remat)
+        ),
+        static_argnums=1,
+    )
+    want = logits(per_layer, "none")
+    for model in (per_layer, stacked):
+        for remat in ("none", "dots", "full"):
+            got = logits(model, remat)
+            assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= 1e-6
+    cache = KVCache.zeros(CONFIG, 2, 12)
+    decode = nnx.jit(lambda model: model.decode(tokens, positions, cache, mask))
+    a, cache_a = decode(per_layer)
+    b, cache_b = decode(stacked)
+    np.testing.assert_array_equal(a, b)  # decode runs the same per-layer program
+    jax.tree.map(np.testing.assert_array_equal, cache_a, cache_b)
+
+
+def _parts(config, remat):
+    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    cfg = TrainConfig(
+        algorithm=algorithm("grpo"), optimizer=OPTIMIZER, micro_batches=2, remat=remat
+    )
+    ref = nnx.state(Transformer(config, rngs=nnx.Rngs(1)))
+    return cfg, graphdef, create_train_state(cfg, params, ref_params=ref)
+
+
+def _per_layer(tree, config):
+    return unstack_layers(tree) if config.scan_layers else tree
+
+
+def test_gradients_with_scan_or_remat_equal_the_per_layer_gradient():
+    # GRPO (k3 KL to a reference, two micro-batches): within 1e-6 of the per-layer,
+    # no-remat gradient, relative (measured: 0 for scan alone, 4.8e-7 with remat, whose
+    # recomputed forward rounds differently).
+    cfg, graphdef, state = _parts(CONFIG, "none")
+    want, want_metrics = make_gradient_fn(cfg, graphdef)(state, batch_of(seed=0))
+    for config, remat in ((CONFIG, "full"), (SCAN, "none"), (SCAN, "dots")):
+        cfg, graphdef, state = _parts(config, remat)
+        grads, metrics = make_gradient_fn(cfg, graphdef)(state, batch_of(seed=0))
+        assert relative_error(_per_layer(grads[0], config), want[0]) <= 1e-6, (config, remat)
+        assert abs(float(metrics["loss"]) - float(want_metrics["loss"])) <= 1e-6
+
+
+def test_scan_and_remat_train_steps_do_not_recompile_and_equal_per_layer_steps():
+    # Two AdamW steps stay within 1e-5: Adam's first update is ~lr·sign(g), so entries
+    # with |g| near eps turn the gradient's rounding into visible differences (the
+    # sharded = unsharded test uses the same bound for the same reason).
+    def run(config, remat):
+        cfg, graphdef, state = _parts(config, remat)
+        step = make_train_step(cfg, graphdef)
+        state, first = step(state, batch_of(seed=0))
+        with count_compilations() as compiles:
+            state, second = step(state, batch_of(seed=1))
+            jax.block_until_ready(state)
+        assert compiles.count == 0  # the second step reuses the first one's program
+        return _per_layer(state.params, config), [float(first["loss"]), float(second["loss"])]
+
+    want, want_losses = run(CONFIG, "none")
+    got, losses = run(SCAN, "dots")
+    assert relative_error(got, want) <= 1e-5
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+
+
+def test_stacked_parameters_shard_and_decay_like_one_layer():
+    class Mesh:  # param_partition_spec reads only the axis names and sizes
+        axis_names = ("data", "fsdp", "model")
+        devices = np.empty((1, 2, 2))
+
+    path = ("layers", "self_attn", "q_proj", "kernel")
+    assert is_stacked(path) and not is_stacked(("layers", 0, "self_attn", "q_proj", "kernel"))
+    assert param_partition_spec(path, (2, 32, 64), Mesh) == P(None, "fsdp", "model")
+    assert param_partition_spec(path[:1] + (0,) + path[1:], (32, 64), Mesh) == P("fsdp", "model")
+    down = ("layers", "mlp", "down_proj", "kernel")
+    assert param_partition_spec(down, (2, 64, 32), Mesh) == P(None, "model", "fsdp")
+    assert param_partition_spec(("layers", "input_layernorm", "weight"), (2, 32), Mesh) == P(None)
+    # Weight decay: stacked norm weights [L, hidden] are vectors of each layer, not
+    # decayed. A zero gradient leaves only the decay term in the update.
+    tx = make_optimizer(OptimizerConfig(weight_decay=1.0, learning_rate=1.0))
+    params = nnx.state(Transformer(SCAN, rngs=nnx.Rngs(0)))
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    assert float(jnp.max(jnp.abs(updates["layers"]["input_layernorm"]["weight"][...]))) == 0.0
+    assert float(jnp.max(jnp.abs(updates["layers"]["mlp"]["up_proj"]["kernel"][...]))) > 0.0
+
+
+def test_checkpoints_and_hf_round_trips_work_in_either_layout(tmp_path):
+    stacked = Transformer(SCAN, rngs=nnx.Rngs(0))
+    save_hf_checkpoint(stacked, tmp_path / "hf")
+    per_layer, _ = load_hf_checkpoint(tmp_path / "hf")
+    again, _ = load_hf_checkpoint(tmp_path / "hf", scan_layers=True)
+    assert not per_layer.config.scan_layers and again.config.scan_layers
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(again), nnx.state(stacked))
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        nnx.state(per_layer),
+        nnx.state(Transformer(CONFIG, rngs=nnx.Rngs(0))),
+    )
+    cfg = TrainConfig(algorithm=algorithm("grpo"), optimizer=OPTIMIZER)
+    state = create_train_state(cfg, nnx.state(stacked))
+    with CheckpointManager(tmp_path / "ckpt", async_save=False) as manager:
+        save_train_state(manager, state)
+        like = create_train_state(cfg, nnx.state(Transformer(SCAN, rngs=nnx.Rngs(5))))
+        restored = restore_train_state(manager, like, step=0)
+    jax.tree.map(np.testing.assert_array_equal, restored, state)
+
+
+def test_bad_scan_and_remat_options_name_the_field():
+    with pytest.raises(ValueError, match="scan_layers"):
+        ModelConfig(**{**dataclasses.asdict(CONFIG), "scan_layers": "yes"})
+    with pytest.raises(ValueError, match=r"remat: must be one of \('none', 'dots', 'full'\)"):
+        TrainConfig(algorithm=algorithm("grpo"), remat="all")
+    model = Transformer(CONFIG, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="remat"):
+        model.hidden_states(jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), remat="x")
+
+
+SHARDED = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp
+    from flax import nnx
+    from test_trainer import CONFIG, OPTIMIZER, batch_of, relative_error
+    from rlaxkit.algorithms import algorithm
+    from rlaxkit.models import Transformer, unstack_layers
+    from rlaxkit.trainer import (
+        TrainConfig, create_train_state, make_mesh, make_train_step, shard_batch,
+        shard_train_state,
+    )
+
+    def run(config, remat, mesh):
+        graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+        cfg = TrainConfig(
+            algorithm=algorithm("grpo", loss={"kl_coef": 0.0}), optimizer=OPTIMIZER, remat=remat
+        )
+        state = create_train_state(cfg, params)
+        step = make_train_step(cfg, graphdef, mesh=mesh)
+        batch = batch_of(seed=0, rows=8)
+        if mesh is not None:
+            state, batch = shard_train_state(state, mesh), shard_batch(batch, mesh)
+        return step(state, batch)[0]
+
+    want = run(CONFIG, "none", None)
+    got = run(CONFIG.replace(scan_layers=True), "dots", make_mesh(1, 2, 2))
+    kernel = got.params["layers"]["self_attn"]["q_proj"]["kernel"][...]
+    params = unstack_layers(jax.device_get(got.params))
+    print(json.dumps({"rel": relative_error(params, want.params),
+                      "spec": str(kernel.sharding.spec)}))
+    """
+)
+
+
+def test_sharded_scan_with_remat_equals_one_device():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", SHARDED],
+        cwd=os.path.dirname(here),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["rel"] <= 1e-6, result
+    assert result["spec"] == str(P(None, "fsdp", "model")), result
