@@ -47,6 +47,7 @@ EVAL_PROBLEMS = 8 if SMALL else 200  # one-digit addition (SMALL) has few test p
 # %matplotlib inline
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -54,6 +55,7 @@ from rlaxkit.config import SMALL_RUN, RunConfig
 from rlaxkit.configio import apply_overrides
 from rlaxkit.evaluation import evaluate_policy
 from rlaxkit.inference import make_text_generate
+from rlaxkit.perfetto import export_perfetto
 from rlaxkit.plotting import compare_runs_figure
 from rlaxkit.runtime import Experiment
 from rlaxkit.trace import staleness_distribution
@@ -67,12 +69,17 @@ def config_for(eta: int, preset: str) -> RunConfig:
         f"steps={STEPS}",
         f"staleness.max_staleness={eta}",
         f"algorithm.preset={preset}",
+        # metrics.jsonl is always written; TensorBoard too (pip install 'rlaxkit[tensorboard]';
+        # wandb and mlflow are the other trackers, see docs/observability.md).
+        "tracking=[jsonl,tensorboard]",
     ]
     return RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), overrides))
 
 
 # All runs share one warm start: it depends on the model, task, SFT config and seed only.
 warm_start_cache = tempfile.mkdtemp(prefix="rlaxkit-nb02-")
+# Each run writes a directory here: config.yaml, metrics.jsonl, trace.jsonl, tensorboard/.
+runs_root = Path(tempfile.mkdtemp(prefix="rlaxkit-nb02-runs-"))
 
 # %% [markdown]
 # ## The runs
@@ -87,7 +94,8 @@ runs = {}
 for preset in PRESETS:
     for eta in ETAS:
         label = f"η={eta} · {'decoupled' if preset == 'decoupled_ppo' else preset}"
-        with Experiment(config_for(eta, preset), cache_dir=warm_start_cache) as exp:
+        config, run_dir = config_for(eta, preset), runs_root / f"eta{eta}-{preset}"
+        with Experiment(config, run_dir=run_dir, cache_dir=warm_start_cache) as exp:
             metrics, step_s = [], []
             for _ in range(STEPS):
                 start = time.perf_counter()
@@ -116,6 +124,25 @@ for preset in PRESETS:
             f"mean staleness {np.mean([m['staleness/mean'] for m in metrics]):.2f}  "
             f"dropped {runs[label]['dropped']}"
         )
+
+# %% [markdown]
+# ## Looking at the runs: TensorBoard and Perfetto
+#
+# `tracking=[jsonl,tensorboard]` in the config (on the command line:
+# `--set 'tracking=[jsonl,tensorboard]'`) gave every run a `tensorboard/` folder beside
+# its `metrics.jsonl`: `tensorboard --logdir RUNS_ROOT` overlays the eight runs (step
+# metrics, the staleness histogram of each batch, the config and the summary). `wandb`
+# (offline with `WANDB_MODE=offline`) and `mlflow` (a SQLite store in the run directory)
+# take the same list. The Perfetto export (`rlaxkit trace RUN_DIR` from the shell) turns
+# a run's `trace.jsonl` into a timeline of every slot, train step, push and pull: drag
+# the file into https://ui.perfetto.dev.
+
+# %%
+run_dir = runs_root / "eta2-grpo"
+print("tensorboard --logdir", runs_root)
+print(sorted(p.name for p in run_dir.iterdir()))
+export = export_perfetto(run_dir, run_dir / "run.perfetto.json")
+print(f"{export.path}: {export.events} events on {export.tracks} tracks, {export.bytes} bytes")
 
 # %% [markdown]
 # ## Ratios: where decoupled PPO matters

@@ -15,7 +15,7 @@ from wandb.proto import wandb_internal_pb2
 
 from rlaxkit import tracking
 from rlaxkit.config import RunConfig, small_run_config
-from rlaxkit.metrics import read_metrics
+from rlaxkit.metrics import MetricsLogger, read_metrics
 from rlaxkit.runtime import Experiment
 
 ALL = "tracking=[jsonl,tensorboard,wandb,mlflow]"
@@ -118,6 +118,59 @@ def test_tensorboard_hides_the_steps_after_a_rewind(tmp_path):
     # A bucket per integer from min to max: (-0.5, 0.5], (0.5, 1.5], (1.5, 2.5].
     assert (value.min, value.max, value.num, value.sum, value.sum_squares) == (0, 2, 4, 2, 4)
     assert list(value.bucket_limit) == [0.5, 1.5, 2.5] and list(value.bucket) == [3, 0, 1]
+
+
+class Recorder:
+    """A tracker that records its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def log_metrics(self, step, metrics):
+        self.calls.append(("metrics", step, dict(metrics)))
+
+    def log_histogram(self, step, name, counts):
+        self.calls.append(("histogram", step, name, dict(counts)))
+
+    def log_config(self, config):
+        self.calls.append(("config", dict(config)))
+
+    def log_summary(self, summary):
+        self.calls.append(("summary", dict(summary)))
+
+    def rewind(self, step):
+        self.calls.append(("rewind", step))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def test_trackers_fan_out_and_a_roll_back_rewrites_metrics_jsonl(tmp_path):
+    recorder = Recorder()
+    trackers = tracking.Trackers(
+        MetricsLogger(tmp_path / "metrics.jsonl", progress=False), {"r": recorder}
+    )
+    for step in (1, 2, 3):
+        trackers.log({"step": step, "loss": step / 2, "note": "x"}, {"staleness": [0, 1, 1]})
+    trackers.roll_back(1, [{"step": 1, "loss": 0.5, "note": "x"}])
+    trackers.log({"step": 2, "loss": 7.0}, {"staleness": [2]})
+    trackers.log_summary({"steps": 2, "buffer": {"dropped": 1}})
+    trackers.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "loss": 0.5, "note": "x"},
+        {"step": 2, "loss": 7.0},
+    ]
+    assert recorder.calls[:2] == [
+        ("metrics", 1, {"step": 1.0, "loss": 0.5}),  # numbers only
+        ("histogram", 1, "staleness", {0: 1, 1: 2}),
+    ]
+    assert recorder.calls[6:] == [
+        ("rewind", 1),
+        ("metrics", 2, {"step": 2.0, "loss": 7.0}),
+        ("histogram", 2, "staleness", {2: 1}),
+        ("summary", {"steps": 2, "buffer": {"dropped": 1}}),
+        ("close",),
+    ]
 
 
 # -- a run, stopped and resumed ----------------------------------------------------------
