@@ -16,7 +16,6 @@ engine, which regenerates its in-flight prompts bit for bit.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -311,12 +310,12 @@ class InferenceWorker:
         if not requests:
             return []
         pairs = [(r, c) for r in requests for c in sorted(r.done, key=lambda c: c.sample_index)]
-        start = time.perf_counter()
+        start = self.clock()
         results = self.scorer.score(
             [r.problem for r, _ in pairs], [self._text(c) for _, c in pairs]
         )
-        score_s = time.perf_counter() - start
         now = self.clock()
+        score_s = now - start
         # One array per prompt, shared by its samples (nothing writes to it).
         prompts = {id(r): np.asarray(r.prompt_tokens, np.int32) for r in requests}
         rollouts = []

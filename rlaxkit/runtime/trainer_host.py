@@ -3,7 +3,6 @@ this process or as a Ray actor (``rlaxkit.runtime.hosts``)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -213,11 +212,13 @@ class TrainerHost:
             TrainerRestartedError: the state is not at ``step - 1``.
         """
         self._expect(step - 1)
-        start = time.perf_counter()
+        # On the run's clock, as every other duration in the trace (a calibration
+        # recorded on the CPU clock compares them with the run's windows).
+        start = self.clock()
         self.state, step_metrics = self.train_step(self.state, self._place_batch(batch))
         self._version = step
         metrics = {k: float(v) for k, v in self._host(step_metrics).items()}
-        duration_s = time.perf_counter() - start
+        duration_s = self.clock() - start
         if self.config.weight_sync.should_push(self.version):
             if push:
                 params = self._for_push(self.state.params)
