@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlaxkit.validation import check_int, is_int
+from rlaxkit.validation import check_int, check_number, is_int
 
 WeightStoreKind = Literal["object_store", "tensorstore"]
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -96,6 +96,10 @@ class RayConfig:
         param_server_max_restarts: how often Ray restarts a dead parameter server; the
             trainer then registers its newest version again.
         replace_dead_workers: start a new worker actor for each one that dies.
+        worker_start_wait_s: how long a round waits for a new worker actor to start
+            (Ray places it, its constructor runs) before it goes on without it; the
+            worker then joins the first round after it is up. A replacement for a
+            worker lost with its host waits so for a host with its resources to join.
         max_worker_replacements: give up (raise) after this many replacements, so a
             worker that dies on start does not loop forever.
         worker_schedule: an elastic fleet from the config: ``(step, workers)`` pairs,
@@ -114,6 +118,7 @@ class RayConfig:
     trainer_max_restarts: int = 3
     param_server_max_restarts: int = 3
     replace_dead_workers: bool = True
+    worker_start_wait_s: float = 300.0
     max_worker_replacements: int = 16
     trainer_processes: int = 1
     trainer_mesh: tuple[int, int, int] = (1, -1, 1)
@@ -150,6 +155,7 @@ class RayConfig:
             "max_worker_replacements",
         ):
             check_int(name, getattr(self, name), minimum=0, allowed="an int >= 0")
+        check_number("worker_start_wait_s", self.worker_start_wait_s, minimum=0.0)
         processes = check_int(
             "trainer_processes",
             self.trainer_processes,

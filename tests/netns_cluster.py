@@ -119,6 +119,8 @@ class NetnsCluster:
         self.temp_dir = Path(tempfile.mkdtemp(prefix=f"rlx{self.tag}", dir="/tmp"))
         self._namespaces: list[str] = []
 
+    python = PYTHON
+
     @property
     def address(self) -> str:
         """The GCS address (``ray.address`` of a run on this cluster)."""
@@ -286,6 +288,16 @@ class NetnsCluster:
             [IP, "netns", "pids", host.namespace], capture_output=True, text=True
         )
         return [int(p) for p in listed.stdout.split()]
+
+    def processes(self, name: str, title: str) -> list[int]:
+        """Processes in ``name``'s namespace whose command line starts with ``title``
+        (Ray names an actor's process ``ray::<Class>``)."""
+        found = []
+        for pid in self.pids(name):
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title.encode()):
+                    found.append(pid)
+        return found
 
     def kill_host(self, name: str) -> int:
         """Node loss: SIGKILL every process in ``name``'s namespace (its Ray node, the

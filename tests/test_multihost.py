@@ -15,11 +15,16 @@ root, no ``ip``).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 from netns_cluster import NetnsCluster, unavailable_reason
+from test_distributed_ray import close_to
 from test_runtime import SMALL, learning_metrics
 
 from rlaxkit.config import small_run_config
@@ -31,7 +36,7 @@ pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-STEPS = 4
+STEPS = 6
 HOSTS = {
     "a": {"host_a": 2},  # the trainer and the parameter server
     "b": {"host_b": 1, "inference": 1, "trainer_slot": 1},
@@ -113,3 +118,195 @@ def test_workers_on_two_hosts_and_the_trainer_on_a_third_learn_as_the_local_run(
     assert sorted(placed["WorkerHost"]) == sorted([nodes["b"], nodes["c"]])
     pulls = [e for e in read_trace(tmp_path / "run" / "trace.jsonl") if e.kind == "pull"]
     assert {e.actor for e in pulls} == {"worker-0", "worker-1"}
+
+
+DRIVER = str(Path(__file__).resolve().with_name("multihost_driver.py"))
+
+
+def wait_for(condition, what, timeout_s=300.0):
+    """Polls ``condition`` until it is true (raises naming ``what`` after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_a_lost_host_is_detected_its_prompts_reissued_and_it_is_used_again_when_back(
+    cluster, cache, tmp_path
+):
+    """Every process of host b (its Ray node, the worker actor on it) is killed while
+    the worker holds prompts: the run finds the worker dead, re-issues its prompts to
+    the worker on c and trains on; the replacement worker waits for a host with an
+    ``inference`` slot; when b's node comes back (a new Ray node) the replacement
+    starts there and takes work. Nothing accepted is lost."""
+    steps, lost_after, back_after = 8, 2, 4
+    config = small_run_config(
+        *SMALL,
+        f"steps={steps}",
+        "runtime.chunk_steps=1",  # prompts stay in flight across rounds
+        "runtime.backend=ray",
+        f"ray.address={cluster.address}",
+        "ray.weight_store=tensorstore",  # weights through the run directory, shared
+        "ray.worker_start_wait_s=5",
+        *PLACED,
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    config.save(tmp_path / "config.yaml")
+    argv = [cluster.python, DRIVER, str(tmp_path / "config.yaml"), str(run), str(cache)]
+    pauses = [f"--pause-after={lost_after}", f"--pause-after={back_after}"]
+    driver = cluster.popen("a", [*argv, *pauses], log=tmp_path / "driver.log")
+    try:
+        paused = run / f"paused-{lost_after}.json"
+        wait_for(lambda: paused.exists() or driver.poll() is not None, "the first pause")
+        in_flight = json.loads(paused.read_text())["in_flight"]
+        assert cluster.kill_host("b") > 0  # node loss: its raylet, its worker, all of it
+        (run / f"go-{lost_after}").touch()
+        paused = run / f"paused-{back_after}.json"
+        wait_for(lambda: paused.exists() or driver.poll() is not None, "the second pause")
+        assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+        cluster.start_node("b")  # the host comes back: a new Ray node with its resources
+        b = cluster.nodes["b"].address
+        wait_for(
+            lambda: any(
+                a["class"] == "WorkerHost" and a["state"] == "ALIVE" and a["address"] == b
+                for a in cluster.actor_placements()
+            ),
+            "the replacement worker to start on b",
+        )
+        (run / f"go-{back_after}").touch()
+        assert driver.wait(timeout=600) == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    result = json.loads((run / "result.json").read_text())
+    summary, events = result["summary"], read_trace(run / "trace.jsonl")
+    (lost,) = [e for e in events if e.kind == "preemption"]
+    assert lost["reason"] == "actor_died" and lost["reissued"] == len(in_flight[lost.actor]) > 0
+    (restart,) = [e for e in events if e.kind == "restart" and e.actor.startswith("worker")]
+    assert restart["replaces"] == lost.actor
+    survivor = next(w for w in in_flight if w != lost.actor)
+    # Between the loss and the return the survivor alone generated, and the run trained.
+    lost_at = lost.t
+    back_at = next(e.t for e in events if e.actor == restart.actor and e.kind == "pull")
+    between = [e for e in events if lost_at < e.t < back_at]
+    assert {e.actor for e in between if e.kind == "generation_end"} == {survivor}
+    assert [e["step"] for e in between if e.kind == "train_step"] == list(
+        range(lost_after + 1, back_after + 1)
+    )
+    # The lost prompts were generated again, with their old ids.
+    again = {e["rollout"] for e in events if e.kind == "generation_start" and e.t > lost_at}
+    assert set(in_flight[lost.actor]) <= again
+    # Back on b, the replacement took work and finished rollouts.
+    assert any(e.kind == "generation_end" and e.actor == restart.actor for e in events)
+    assert summary["accepted_lost"] == 0 and summary["worker_replacements"] == 1
+    assert summary["buffer"]["trained"] == steps * config.staleness.batch_size
+    assert "preempted" not in summary["buffer"]["dropped_by_reason"]
+
+
+def metrics_steps(run_dir):
+    """Steps in ``metrics.jsonl`` so far (a line being written is skipped)."""
+    steps = []
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        with contextlib.suppress(ValueError, KeyError):
+            steps.append(json.loads(line)["step"])
+    return steps
+
+
+def partial_saves(run_dir, step):
+    """Orbax's temporary directories of an unfinished save of ``step``."""
+    return list((run_dir / "checkpoints").glob(f"{step}.orbax-checkpoint-tmp*"))
+
+
+def test_the_driver_killed_mid_run_and_mid_save_resumes_to_the_uninterrupted_run(
+    cluster, cache, local_run, tmp_path
+):
+    """``rlaxkit train`` is killed with SIGKILL after step 3 (its last checkpoint is
+    step 2); run again, it resumes from step 2 and is killed, with the trainer, in the
+    middle of writing checkpoint 4; run a third time, it resumes from step 2 (the
+    unfinished save is never listed) and finishes as the local run, bit for bit."""
+    config = small_run_config(
+        *SMALL,
+        f"steps={STEPS}",
+        "checkpoint.every_steps=2",
+        "runtime.backend=ray",
+        f"ray.address={cluster.address}",
+        *PLACED,
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    config.save(tmp_path / "config.yaml")
+    argv = [RLAXKIT, "train", str(tmp_path / "config.yaml"), "--run-dir", str(run)]
+    argv += ["--cache-dir", str(cache), "--no-progress"]
+
+    def train_until(condition, what):
+        driver = cluster.popen("a", argv, log=tmp_path / "driver.log")
+        try:
+            wait_for(lambda: condition() or driver.poll() is not None, what, timeout_s=600)
+            assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+            return driver
+        except BaseException:
+            driver.kill()
+            raise
+
+    # 1. Killed between steps: step 3 is in metrics.jsonl, checkpoint 2 is the last.
+    driver = train_until(lambda: 3 in metrics_steps(run), "step 3")
+    driver.kill()
+    driver.wait()
+    assert (run / "checkpoints" / "2").is_dir()
+    # 2. Resumed, then killed with its trainer while checkpoint 4 is being written.
+    driver = train_until(lambda: partial_saves(run, 4), "the save of checkpoint 4")
+    trainers = cluster.processes("a", "ray::TrainerHost")
+    driver.kill()
+    for pid in trainers:
+        os.kill(pid, signal.SIGKILL)
+    driver.wait()
+    assert trainers and partial_saves(run, 4) and not (run / "checkpoints" / "4").exists()
+    # 3. Resumed from checkpoint 2 again, to the end.
+    summary = train(cluster, config, run, cache)
+    assert summary["resumed_from"] == 2
+    assert summary["steps"] == STEPS and summary["accepted_lost"] == 0
+    assert comparable(read_metrics(run / "metrics.jsonl")) == local_run
+    assert metrics_steps(run) == list(range(1, STEPS + 1))
+    kept = [e["step"] for e in read_trace(run / "trace.jsonl") if e.kind == "train_step"]
+    assert kept == list(range(1, STEPS + 1))
+
+
+def test_a_trainer_of_two_processes_on_two_hosts_learns_as_one(cluster, cache, local_run, tmp_path):
+    """``ray.trainer_processes=2`` with ``STRICT_SPREAD``: one trainer process on b,
+    one on c, one ``jax.distributed`` group whose coordinator and gloo collectives go
+    over the virtual network; every learning metric within 1e-5 of the local run."""
+    jobs_before = {a["job"] for a in cluster.actor_placements()}
+    config = small_run_config(
+        *SMALL,
+        f"steps={STEPS}",
+        "runtime.backend=ray",
+        f"ray.address={cluster.address}",
+        *PLACED,
+        "ray.trainer_processes=2",
+        "ray.trainer_placement=STRICT_SPREAD",
+        "ray.trainer.resources={trainer_slot: 1}",
+    )
+    summary = train(cluster, config, tmp_path / "run", cache)
+    assert summary["steps"] == STEPS and summary["accepted_lost"] == 0
+    rows = comparable(read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    assert len(rows) == len(local_run)
+    for step, (got, expected) in enumerate(zip(rows, local_run, strict=True), start=1):
+        assert not close_to(got, expected), f"step {step}: {close_to(got, expected)}"
+    placed = [
+        a["address"]
+        for a in cluster.actor_placements()
+        if a["job"] not in jobs_before and a["class"] == "TrainerProcessActor"
+    ]
+    nodes = cluster.nodes
+    assert sorted(placed) == sorted([nodes["b"].address, nodes["c"].address])
+
+
+def test_worker_start_wait_is_checked():
+    from rlaxkit.ray_config import RayConfig
+
+    assert RayConfig().worker_start_wait_s == 300.0
+    with pytest.raises(ValueError, match="worker_start_wait_s: must be a number"):
+        RayConfig(worker_start_wait_s=-1)

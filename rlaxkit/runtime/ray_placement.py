@@ -49,9 +49,42 @@ from rlaxkit.tasks import RewardRunner
 
 
 class RayTransport:
-    """Worker actors, called all at once; a dead one is found when its call fails."""
+    """Worker actors, called all at once; a dead one is found when its call fails.
+
+    A new worker actor is waited for at its first ``sync`` for up to ``start_wait_s``
+    (Ray places it and runs its constructor). One that is still not up then (a
+    replacement for a worker lost with its node, waiting for a host with its resources
+    to join) sits out the rounds: its ``sync`` is not sent, so it gets no work and the
+    round goes on with the rest of the fleet; once it is up it syncs and takes work like
+    any other. Other calls wait for it (a checkpoint gathers every worker's state).
+    """
+
+    def __init__(self, start_wait_s: float) -> None:
+        self.start_wait_s = start_wait_s
+        # Per new worker actor, by handle id: the handle, its ``__ray_ready__`` and the
+        # monotonic time until which a ``sync`` waits for it.
+        self._starting: dict[int, tuple[Any, Any, float]] = {}
+
+    def started(self, handle: Any) -> Any:
+        """Notes a new worker actor; returns its handle."""
+        deadline = time.monotonic() + self.start_wait_s
+        self._starting[id(handle)] = (handle, handle.__ray_ready__.remote(), deadline)
+        return handle
+
+    def up(self, handle: Any) -> bool:
+        """Whether the actor behind ``handle`` is up (or has failed to start: its next
+        call finds out); waits for a new one until its deadline."""
+        starting = self._starting.get(id(handle))
+        if starting is None:
+            return True
+        _, ready, deadline = starting
+        done, _ = ray.wait([ready], timeout=max(0.0, deadline - time.monotonic()))
+        if done:
+            del self._starting[id(handle)]
+        return bool(done)
 
     def call(self, calls: list) -> tuple[dict[str, Any], list[Any]]:
+        calls = [c for c in calls if c[1] != "sync" or self.up(c[0].handle)]
         refs = [(slot, getattr(slot.handle, m).remote(*args)) for slot, m, args in calls]
         replies, dead = {}, []
         for slot, ref in refs:
@@ -64,10 +97,12 @@ class RayTransport:
     step = call
 
     def kill(self, handle: Any) -> None:
+        self._starting.pop(id(handle), None)
         with contextlib.suppress(Exception):
             ray.kill(handle)
 
     def stop(self, handle: Any) -> None:
+        self._starting.pop(id(handle), None)
         stop_actor(handle)
 
 
@@ -189,8 +224,10 @@ def _place(
     )
     options = {**rc.worker.options(), "max_restarts": 0, "max_task_retries": 0}
 
+    transport = RayTransport(rc.worker_start_wait_s)
+
     def start_actor(worker_id: str) -> Any:
-        return (
+        return transport.started(
             remote(WorkerHost)
             .options(**options)
             .remote(worker_id, config, parts.graphdef, parts.tokenizer, store, wall, jax_options)
@@ -198,7 +235,7 @@ def _place(
 
     fleet = Fleet(
         start_actor,
-        RayTransport(),
+        transport,
         trace,
         clock,
         rc.replace_dead_workers,

@@ -1,0 +1,49 @@
+"""A driver that a test runs on one host of a ``NetnsCluster`` and steers by files.
+
+``python tests/multihost_driver.py CONFIG RUN_DIR CACHE_DIR --pause-after 2 --pause-after 4``
+runs ``Experiment(config, run_dir)`` (the config places it: ``runtime.backend=ray``,
+``ray.address``) step by step. After each ``--pause-after`` step it writes
+``RUN_DIR/paused-<step>.json`` (the prompts each worker holds) and waits for the test
+to create ``RUN_DIR/go-<step>`` (having, say, killed a host meanwhile). At
+``config.steps`` it checks the accounting and writes ``RUN_DIR/result.json``: the
+summary, the history and each worker's prompts held at the pauses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from rlaxkit.config import RunConfig
+from rlaxkit.runtime import Experiment
+
+GO_WAIT_S = 600.0  # how long a pause waits for the test
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("cache_dir")
+    parser.add_argument("--pause-after", type=int, action="append", default=[])
+    args = parser.parse_args()
+    config = RunConfig.from_yaml(args.config)
+    with Experiment(config, run_dir=args.run_dir, cache_dir=args.cache_dir) as exp:
+        while exp.version < config.steps:
+            exp.step()
+            exp.check_accounting()
+            if exp.version in args.pause_after:
+                paused = {"step": exp.version, "in_flight": exp.fleet.in_flight()}
+                (args.run_dir / f"paused-{exp.version}.json").write_text(json.dumps(paused))
+                go = args.run_dir / f"go-{exp.version}"
+                deadline = time.monotonic() + GO_WAIT_S
+                while not go.exists() and time.monotonic() < deadline:
+                    time.sleep(0.2)
+        result = {"summary": exp.summary(), "history": exp.history}
+    (args.run_dir / "result.json").write_text(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()
