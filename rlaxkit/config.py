@@ -20,6 +20,7 @@ from rlaxkit.algorithms.config import AdvantageConfig, LossConfig
 from rlaxkit.configio import apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
 from rlaxkit.inference import SamplingConfig
 from rlaxkit.models.config import ModelConfig
+from rlaxkit.param_server import ParamServerConfig
 from rlaxkit.policies import (
     BatchPolicy,
     CheckpointPolicy,
@@ -205,7 +206,8 @@ class RunConfig:
     ``ray`` (a ``rlaxkit.ray_config.RayConfig``: actor resources, weight store, restarts)
     says where the Ray backend places its actors; the local backend ignores it.
     ``tracking`` names where metrics go besides ``metrics.jsonl`` (always written):
-    ``tensorboard``, ``wandb``, ``mlflow`` (``rlaxkit.tracking``).
+    ``tensorboard``, ``wandb``, ``mlflow`` (``rlaxkit.tracking``). ``param_server``
+    turns on delta publication (``rlaxkit.param_server.ParamServerConfig``).
     """
 
     seed: int = 0
@@ -231,12 +233,23 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(every_steps=50))
     ray: RayConfig = field(default_factory=RayConfig)
+    param_server: ParamServerConfig = field(default_factory=ParamServerConfig)
     tracking: tuple[TrackerName, ...] = ("jsonl",)
 
     def __post_init__(self) -> None:
         check_tracking(self.tracking)  # before any work: a tracker's package is missing
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if (
+            self.param_server.delta
+            and self.runtime.keep_versions < self.param_server.snapshot_every
+        ):
+            raise ValueError(
+                f"param_server.snapshot_every is {self.param_server.snapshot_every} but "
+                f"runtime.keep_versions is {self.runtime.keep_versions}: a delta-published "
+                "version needs the versions since its snapshot; raise keep_versions or "
+                "lower snapshot_every"
+            )
         if self.sampling.n < 2 and self.algorithm.preset in ("grpo", "dr_grpo", "dapo", "rloo"):
             raise ValueError(
                 f"sampling.n is {self.sampling.n}; group-relative algorithms "

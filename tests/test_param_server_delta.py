@@ -267,13 +267,16 @@ def test_an_nnx_state_comes_back_in_its_structure(tiny_model, tmp_path):
     state = nnx.state(tiny_model, nnx.Param)
     writer = DeltaParameterServer(TensorStoreParameterServer(tmp_path, keep=2), snapshot_every=2)
     writer.push(1, state)
-    reader = DeltaParameterServer(
-        TensorStoreParameterServer(tmp_path), snapshot_every=2, template=state
-    )
-    version, pulled = reader.pull(min_version=1, timeout=5)
-    assert jax.tree.structure(pulled) == jax.tree.structure(state)
-    for got, want in zip(jax.tree.leaves(pulled), jax.tree.leaves(state), strict=True):
-        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    # With a template, and without one (the records carry the tree's skeleton).
+    for template in (state, None):
+        reader = DeltaParameterServer(
+            TensorStoreParameterServer(tmp_path), snapshot_every=2, template=template
+        )
+        version, pulled = reader.pull(min_version=1, timeout=5)
+        assert isinstance(pulled, nnx.State)
+        assert jax.tree.structure(pulled) == jax.tree.structure(state)
+        for got, want in zip(jax.tree.leaves(pulled), jax.tree.leaves(state), strict=True):
+            assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
 
 def test_delta_pulls_through_the_ray_object_store(ray_cluster):
@@ -301,3 +304,35 @@ def test_delta_pulls_through_the_ray_object_store(ray_cluster):
             assert moved == differing_bytes(held, weights, 8)
             held = weights
     ray.kill(actor)
+
+
+# ----------------------------------------------------------------- the run config
+def test_the_config_turns_delta_on_and_checks_it():
+    from rlaxkit.config import RunConfig
+    from rlaxkit.param_server import ParamServerConfig
+
+    config = RunConfig.from_overrides(["param_server.delta=true", "param_server.snapshot_every=2"])
+    assert config.param_server == ParamServerConfig(delta=True, snapshot_every=2)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        RunConfig.from_overrides(["param_server.chunk_bytes=16"])
+    with pytest.raises(ValueError, match="snapshot_every.*keep_versions"):
+        RunConfig.from_overrides(["param_server.delta=true", "param_server.snapshot_every=8"])
+
+
+def test_a_local_run_learns_the_same_with_delta_publication(tmp_path):
+    from rlaxkit.config import small_run_config
+    from rlaxkit.runtime import Experiment
+
+    runs = {}
+    for delta in ("false", "true"):
+        config = small_run_config(f"param_server.delta={delta}", "param_server.chunk_bytes=4096")
+        with Experiment(config, cache_dir=tmp_path) as exp:
+            runs[delta] = [
+                {k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
+                for m in exp.run(3)
+            ]
+            store = exp.parts.store
+            assert isinstance(store, DeltaParameterServer) == (delta == "true")
+            if delta == "true":  # the workers' pulls went through it
+                assert store.stats.count["pull"] > 0 and store.stats.count["push"] == 4
+    assert runs["true"] == runs["false"]

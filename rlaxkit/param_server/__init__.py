@@ -7,6 +7,8 @@
 - :class:`RayObjectStoreParameterServer` (``rlaxkit.param_server.ray_store``, extra
   ``ray``): the trainer puts each version in Ray's object store once; workers get it
   zero-copy on the same host. Imported on first use, so Ray stays optional.
+- :class:`DeltaParameterServer` (``delta_store``): over any of them, pushes store and
+  pulls read only the chunks that changed; :class:`ParamServerConfig` turns it on.
 - :func:`tree_nbytes`: bytes of a pytree's arrays; :class:`TransferStats`: what moved.
 """
 
@@ -21,6 +23,7 @@ from rlaxkit.param_server.base import (
     TransferStats,
     tree_nbytes,
 )
+from rlaxkit.param_server.delta_store import DeltaParameterServer, ParamServerConfig
 from rlaxkit.param_server.local import InProcessParameterServer
 from rlaxkit.param_server.tensorstore_store import TensorStoreParameterServer
 
@@ -28,8 +31,10 @@ if TYPE_CHECKING:
     from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer
 
 __all__ = [
+    "DeltaParameterServer",
     "EventHook",
     "InProcessParameterServer",
+    "ParamServerConfig",
     "ParameterServer",
     "RayObjectStoreParameterServer",
     "TensorStoreParameterServer",

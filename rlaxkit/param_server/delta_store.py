@@ -9,7 +9,10 @@ a flat dict of five arrays:
   and shape;
 - ``sums``: the checksum of every chunk of the version (``delta.chunk_checksums``);
 - ``owner``: for every chunk, the version whose record holds its bytes;
-- ``changed``, ``payload``: the chunks this record holds and their bytes.
+- ``changed``, ``payload``: the chunks this record holds and their bytes;
+- ``skeleton``: the pickled tree of ``jax.ShapeDtypeStruct`` leaves, which a reader
+  with no template of its own rebuilds its pulls in (an ``nnx.State`` comes back an
+  ``nnx.State`` through any store, as it does through Ray's unwrapped).
 
 A push hashes the new weights, compares the checksums with the previous push's and
 stores the chunks that differ (``owner`` = this version for them, the previous owner
@@ -47,6 +50,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import pickle
 import threading
 import time
 from typing import Any, Protocol
@@ -75,7 +79,7 @@ from rlaxkit.param_server.delta import (
 from rlaxkit.param_server.layout import aligned_empty
 from rlaxkit.validation import check_int
 
-__all__ = ["FORMAT", "DeltaParameterServer", "ReadableStore", "delta_keep"]
+__all__ = ["FORMAT", "DeltaParameterServer", "ParamServerConfig", "ReadableStore", "delta_keep"]
 
 FORMAT = "rlaxkit.param_server.delta/1"
 _HASH_THREADS = max(1, min(4, os.cpu_count() or 1))  # hashlib releases the GIL.
@@ -87,6 +91,58 @@ class ReadableStore(ParameterServer, Protocol):
     def read(self, version: int) -> Any | None:
         """The tree pushed as ``version`` (host arrays), or ``None`` once evicted."""
         ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParamServerConfig:
+    """How weights are published (the run config's ``param_server`` section).
+
+    Attributes:
+        delta: publish through :class:`DeltaParameterServer`: pushes store and pulls read
+            only the chunks that changed. Off by default: after a float32 optimizer step
+            nearly every chunk changes, and then it costs the pusher a hash of every
+            byte for no saving (``benchmarks/weight_delta.py``). It pays when few chunks
+            change, e.g. frozen leaves.
+        snapshot_every: with ``delta``, every this many pushes store every chunk; the
+            store must keep at least this many versions (``runtime.keep_versions``).
+        chunk_bytes: with ``delta``, the chunk size in bytes (>= 4096).
+    """
+
+    delta: bool = False
+    snapshot_every: int = 4
+    chunk_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.delta, bool):
+            raise ValueError(f"delta: must be true or false, got {self.delta!r}")
+        check_int("snapshot_every", self.snapshot_every, minimum=1)
+        check_int(
+            "chunk_bytes",
+            self.chunk_bytes,
+            minimum=4096,
+            allowed="an int >= 4096 (bytes; every chunk costs a checksum and bookkeeping)",
+        )
+
+    def wrap(
+        self,
+        server: Any,
+        *,
+        template: Any = None,
+        default_timeout_s: float | None = None,
+        on_event: EventHook | None = None,
+    ) -> Any:
+        """``server`` itself without ``delta``, else a :class:`DeltaParameterServer` over
+        it (give ``server`` no ``on_event`` of its own then)."""
+        if not self.delta:
+            return server
+        return DeltaParameterServer(
+            server,
+            snapshot_every=self.snapshot_every,
+            chunk_bytes=self.chunk_bytes,
+            template=template,
+            default_timeout_s=default_timeout_s,
+            on_event=on_event,
+        )
 
 
 def delta_keep(keep: int, snapshot_every: int) -> int:
@@ -118,6 +174,7 @@ class _Held:
     layout: ChunkLayout
     buffers: list[np.ndarray]
     sums: np.ndarray
+    skeleton: bytes
 
 
 class _Evicted(Exception):
@@ -155,6 +212,8 @@ class DeltaParameterServer:
             the structure this object last pushed when that matches, else a nested
             ``dict`` (:func:`rlaxkit.param_server.treepaths.nested_dict`).
         poll_interval_s: how often a waiting pull asks the store again.
+        default_timeout_s: the timeout of a pull that gives none (``None``: wait
+            forever, as the protocol says).
         on_event: optional ``on_event(kind, version, duration_s=..., bytes=..., ...)``.
     """
 
@@ -166,6 +225,7 @@ class DeltaParameterServer:
         chunk_bytes: int = 1 << 20,
         template: Any = None,
         poll_interval_s: float = 0.01,
+        default_timeout_s: float | None = None,
         on_event: EventHook | None = None,
     ) -> None:
         self.snapshot_every = check_int("snapshot_every", snapshot_every, minimum=1)
@@ -177,6 +237,7 @@ class DeltaParameterServer:
         self.inner = inner
         self.template = template
         self.poll_interval_s = poll_interval_s
+        self.default_timeout_s = default_timeout_s
         self.on_event = on_event
         self.stats = TransferStats()
         self.metadata_bytes = 0  # Of the newest record: meta, sums and owner arrays.
@@ -186,6 +247,7 @@ class DeltaParameterServer:
         self._held: _Held | None = None
         self._pushed_tree: tuple[list[treepaths.KeyPath], Any] | None = None
         self._layouts: dict[str, ChunkLayout] = {}
+        self._skeleton: tuple[bytes, Any] = (b"", None)  # (pickled, unpickled), last used
         self._hasher = concurrent.futures.ThreadPoolExecutor(
             max_workers=_HASH_THREADS, thread_name_prefix="param-server-hash"
         )
@@ -199,6 +261,7 @@ class DeltaParameterServer:
             "chunk_bytes": self.chunk_bytes,
             "template": self.template,
             "poll_interval_s": self.poll_interval_s,
+            "default_timeout_s": self.default_timeout_s,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -253,6 +316,10 @@ class DeltaParameterServer:
                 for p, a in zip(paths, arrays, strict=True)
             ]
             meta = {"format": FORMAT, "chunk_bytes": self.chunk_bytes, "leaves": meta_leaves}
+            if self._pushed_tree is None or self._pushed_tree[1] != treedef:
+                abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+                skeleton = pickle.dumps(jax.tree.unflatten(treedef, abstract))
+                self._skeleton = (skeleton, None)
             layout = self._layout(meta)
             sums = self._checksums(buffers)
             previous = None if reset else self._published
@@ -274,6 +341,7 @@ class DeltaParameterServer:
                 "owner": owner,
                 "changed": changed,
                 "payload": gather_chunks(buffers, layout, changed),
+                "skeleton": np.frombuffer(self._skeleton[0], np.uint8).copy(),
             }
             if reset:
                 self.inner.push(version, record, reset=True)  # type: ignore[call-arg]
@@ -317,6 +385,7 @@ class DeltaParameterServer:
             TimeoutError: no such version was published within ``timeout``.
             ValueError: a record is not a delta record, or lacks a chunk it should hold.
         """
+        timeout = self.default_timeout_s if timeout is None else timeout
         start = time.perf_counter()
         deadline = None if timeout is None else start + timeout
         while True:
@@ -424,7 +493,8 @@ class DeltaParameterServer:
             buffers.append(new)
         for buffer in buffers:
             buffer.flags.writeable = False
-        self._held = _Held(version, meta, layout, buffers, sums)
+        skeleton = np.asarray(record["skeleton"]).tobytes() if "skeleton" in record else b""
+        self._held = _Held(version, meta, layout, buffers, sums, skeleton)
         return self._held, self.metadata_bytes + layout.payload_bytes(need)
 
     def _to_tree(self, held: _Held) -> Any:
@@ -446,6 +516,10 @@ class DeltaParameterServer:
         pushed = self._pushed_tree
         if pushed is not None and pushed[0] == paths:
             return jax.tree_util.tree_unflatten(pushed[1], placed)
+        if held.skeleton:
+            if self._skeleton[0] != held.skeleton or self._skeleton[1] is None:
+                self._skeleton = (held.skeleton, pickle.loads(held.skeleton))
+            return treepaths.unflatten_like(self._skeleton[1], paths, placed)
         return treepaths.nested_dict(paths, placed)
 
     def close(self) -> None:

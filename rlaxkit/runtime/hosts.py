@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import jax
 
-from rlaxkit.param_server import ParameterServer, TensorStoreParameterServer
+from rlaxkit.param_server import ParameterServer, ParamServerConfig, TensorStoreParameterServer
 from rlaxkit.trace import MemoryTrace, TraceEvent
 
 # jax.config options copied from the driver into every actor (same platform, same
@@ -107,24 +107,39 @@ class WeightStore:
     def in_process(self) -> bool:
         return self.kind == "inprocess"
 
-    def connect(self, on_event: Any = None, pull_timeout_s: float | None = None) -> ParameterServer:
+    def connect(
+        self,
+        on_event: Any = None,
+        pull_timeout_s: float | None = None,
+        publication: ParamServerConfig | None = None,
+    ) -> ParameterServer:
         """A client of this store for the calling process; ``pull_timeout_s`` bounds a
-        pull that gives no timeout of its own (object store only)."""
+        pull that gives no timeout of its own (object store only); ``publication`` (the
+        run's ``param_server`` section) with ``delta`` reads and publishes through a
+        ``DeltaParameterServer`` (the in-process ``server`` is given wrapped already)."""
         if self.kind == "inprocess":
             return self.server
+        publication = publication or ParamServerConfig()
+        hook = None if publication.delta else on_event  # the wrapper reports then
+        server: Any
         if self.kind == "object_store":
             import ray
 
             from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer
 
             actor = ray.get_actor(str(self.actor_name))
-            return RayObjectStoreParameterServer(
-                actor, on_event=on_event, default_timeout_s=pull_timeout_s
+            server = RayObjectStoreParameterServer(
+                actor, on_event=hook, default_timeout_s=pull_timeout_s
             )
-        return TensorStoreParameterServer(
-            str(self.directory),
-            keep=self.keep,
-            template=self.template,
-            durable=self.durable,
-            on_event=on_event,
+        else:
+            server = TensorStoreParameterServer(
+                str(self.directory),
+                keep=self.keep,
+                template=self.template,
+                durable=self.durable,
+                on_event=hook,
+            )
+        timeout_s = pull_timeout_s if self.kind == "object_store" else None  # as unwrapped
+        return publication.wrap(
+            server, template=self.template, default_timeout_s=timeout_s, on_event=on_event
         )

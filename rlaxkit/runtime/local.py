@@ -16,7 +16,7 @@ from typing import Any
 
 from rlaxkit.checkpoint import abstract_tree
 from rlaxkit.config import RunConfig
-from rlaxkit.param_server import InProcessParameterServer
+from rlaxkit.param_server import InProcessParameterServer, ParameterServer
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.concurrent import ConcurrentCollector
 from rlaxkit.runtime.faults import FaultInjector, NoFaults
@@ -53,8 +53,11 @@ def start_local(
                 bytes=fields.get("bytes", 0),
             )
 
-    def new_store() -> InProcessParameterServer:
-        return InProcessParameterServer(keep=config.runtime.keep_versions, on_event=on_transfer)
+    def new_store() -> ParameterServer:
+        keep = config.runtime.keep_versions
+        if config.param_server.delta:
+            return config.param_server.wrap(InProcessParameterServer(keep), on_event=on_transfer)
+        return InProcessParameterServer(keep=keep, on_event=on_transfer)
 
     store: Any = new_store()
     if isinstance(faults, FaultInjector):  # the plan's outages and failing pulls

@@ -92,7 +92,11 @@ class TrainerHost:
             train_config, graphdef, mesh=self.mesh, keep_params=self.in_process
         )
         self.store_kind = store.kind
-        self.param_server = store.connect(on_event=self._on_transfer) if self.pushes else None
+        self.param_server = (
+            store.connect(on_event=self._on_transfer, publication=config.param_server)
+            if self.pushes
+            else None
+        )
         self.checkpoints = None
         if checkpoint_dir is not None:
             self.checkpoints = CheckpointManager(

@@ -92,7 +92,9 @@ class WorkerHost:
         self.weights_lost = _weights_lost(store)
         self.scorer = scorer or RewardRunner.for_task(task).start()
         self.in_process = store.in_process
-        server = store.connect(pull_timeout_s=_WORKER_PULL_TIMEOUT_S)
+        server = store.connect(
+            pull_timeout_s=_WORKER_PULL_TIMEOUT_S, publication=config.param_server
+        )
         if hasattr(server, "view"):  # a fault plan's store: failing pulls per worker
             server = server.view(worker_id)
         self.store = _Observed(server)
