@@ -52,6 +52,7 @@ PYTHON = sys.executable
 RAY = str(Path(PYTHON).with_name("ray"))
 HEAD_PORT = 6379  # in the head's namespace: no other cluster can hold it there
 NETNS_ETC = Path("/etc/netns")
+START_ATTEMPTS = 3  # ``ray start`` of one node
 # Node loss is found by the GCS's health checks: every 0.5 s, dead after 4 misses.
 SYSTEM_CONFIG = {
     "health_check_period_ms": 500,
@@ -226,7 +227,16 @@ class NetnsCluster:
             ]
         else:
             argv.append(f"--address={self.address}")
-        self.run(name, argv, timeout_s=180.0)
+        for attempt in range(START_ATTEMPTS):
+            try:
+                self.run(name, argv, timeout_s=180.0)
+                break
+            except (RuntimeError, subprocess.TimeoutExpired):
+                # ``ray start`` gives a raylet 30 s to register, which a loaded machine
+                # can miss: clear the half-started node and try again.
+                self.kill_host(name)
+                if attempt + 1 == START_ATTEMPTS:
+                    raise
         host.up, host.starts = True, host.starts + 1
 
     def start(self) -> NetnsCluster:
