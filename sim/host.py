@@ -270,7 +270,7 @@ class SerialHost:
             return
         start = self.env.now
         from_version = worker.version
-        version, lineage = yield from ps.pull(worker.name)
+        version, lineage, nbytes = yield from ps.pull(worker.name, (worker.version, worker.lineage))
         worker.version, worker.lineage, worker.draining = version, lineage, False
         for group in worker.groups:  # in flight: their next tokens come from it
             group.note_version(version, lineage)
@@ -283,7 +283,7 @@ class SerialHost:
             version,
             duration_s=self.env.now - start,
             from_version=from_version,
-            bytes=self.sim.scenario.param_server.weight_bytes,
+            bytes=nbytes,
         )
 
     def _issue(self, live: list[ChunkWorker]) -> int:

@@ -6,13 +6,22 @@ store's egress as a fluid (processor sharing): each of ``n`` active pulls moves
 The store never waits on a reader. Killing it aborts the pulls in flight (they start
 over when it is back) and holds pushes; its versions survive (RLAX backs the store with
 TensorStore, ``docs/papers.md`` [R4]).
+
+**Delta publication** (``ParamServerSpec.delta_changed_fraction = f``), as
+``rlaxkit.param_server.DeltaParameterServer`` does it: a push moves the ``f ·
+weight_bytes`` that changed, except every ``snapshot_every``-th push (counting the
+initial weights as one, and after a rollback) moves every byte. A pull moves the bytes
+that differ from what the worker holds, wherever they were last written, so snapshots
+cost pushes only: a worker ``s`` versions behind moves ``(1 - (1 - f)^s) ·
+weight_bytes`` (each version changes an independent ``f`` of the chunks); a worker that
+holds nothing, or weights of a rolled-back lineage, moves every byte.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import simpy
 from simpy.events import ProcessGenerator
@@ -20,10 +29,18 @@ from simpy.events import ProcessGenerator
 if TYPE_CHECKING:
     from .engine import Simulation
 
-__all__ = ["SimParameterServer"]
+__all__ = ["SimParameterServer", "SimPull"]
 
 # A pull counts as done when this fraction of its bytes is left (float round-off).
 _DONE_FRACTION = 1e-9
+
+
+class SimPull(NamedTuple):
+    """What a pull delivered: the version, its lineage and the bytes it moved."""
+
+    version: int
+    lineage: int
+    bytes: float
 
 
 class _Transfer:
@@ -60,6 +77,7 @@ class SimParameterServer:
         self._last_update = 0.0
         self._timer_token = 0
         self.failing_pulls: Counter[str] = Counter()
+        self._pushes_since_snapshot: int | None = 0  # None: the next push is a snapshot
 
     # --- availability ----------------------------------------------------------------
 
@@ -93,26 +111,41 @@ class SimParameterServer:
     def push(self, version: int) -> ProcessGenerator:
         """Process body: the trainer transfers ``version``; then it is published.
 
-        Takes ``latency_s + weight_bytes / push_bytes_per_s`` while the store is up; a
-        kill during the transfer restarts it.
+        Takes ``latency_s + bytes / push_bytes_per_s`` while the store is up (``bytes``:
+        see :meth:`push_bytes`); a kill during the transfer restarts it.
         """
         start = self.env.now
+        nbytes, snapshot = self.push_bytes()
         while True:
             while not self.up:
                 yield self._up_event
             kills = self._kills
-            yield self.env.timeout(self.spec.push_s())
+            yield self.env.timeout(self.spec.push_s(nbytes))
             if kills == self._kills:
                 break
+        if self.spec.delta_changed_fraction is not None:
+            since = self._pushes_since_snapshot
+            self._pushes_since_snapshot = 0 if snapshot or since is None else since + 1
         self.sim.counters.pushes += 1
-        self.sim.record(
-            "trainer",
-            "push",
-            version,
-            duration_s=self.env.now - start,
-            bytes=self.spec.weight_bytes,
-        )
+        self.sim.record("trainer", "push", version, duration_s=self.env.now - start, bytes=nbytes)
         self.publish(version)
+
+    def push_bytes(self) -> tuple[float, bool]:
+        """``(bytes, full snapshot)`` of the next push (see the module docstring)."""
+        f, every = self.spec.delta_changed_fraction, self.spec.snapshot_every
+        since = self._pushes_since_snapshot
+        if f is None or since is None or since + 1 >= every:
+            return float(self.spec.weight_bytes), True
+        return f * self.spec.weight_bytes, False
+
+    def pull_bytes(self, held: tuple[int | None, int] | None) -> float:
+        """Bytes a pull of the newest version moves to a worker holding ``held``
+        (``(version, lineage)``; see the module docstring)."""
+        f = self.spec.delta_changed_fraction
+        if f is None or held is None or held[0] is None or held[1] != self.lineage:
+            return float(self.spec.weight_bytes)
+        behind = self.latest - held[0]
+        return (1.0 - (1.0 - f) ** behind) * self.spec.weight_bytes if behind > 0 else 0.0
 
     def publish(self, version: int) -> None:
         """Make ``version`` the newest and tell the buffer and the workers."""
@@ -125,17 +158,21 @@ class SimParameterServer:
         """Start a new lineage at ``version`` (the trainer restored an older checkpoint)."""
         self.lineage += 1
         self.latest = version
+        self._pushes_since_snapshot = None  # the restored trainer publishes a snapshot
         for worker in self.sim.workers:
             worker.on_rollback(version)
 
     # --- worker side -----------------------------------------------------------------
 
-    def pull(self, worker_name: str) -> Generator[simpy.Event, Any, tuple[int, int]]:
-        """Process body returning ``(version, lineage)`` once the newest weights arrive.
+    def pull(
+        self, worker_name: str, held: tuple[int | None, int] | None = None
+    ) -> Generator[simpy.Event, Any, SimPull]:
+        """Process body returning what arrived once the newest weights are in.
 
-        Waits while the store is down, pays ``latency_s``, then moves ``weight_bytes``
-        at the shared rate. A fault-injected failure costs the transfer and a retry
-        after the fleet's ``pull_retry_s``.
+        Waits while the store is down, pays ``latency_s``, then moves the bytes that
+        differ from ``held`` (the worker's ``(version, lineage)``; all of them without
+        deltas or weights, :meth:`pull_bytes`) at the shared rate. A fault-injected
+        failure costs the transfer and a retry after the fleet's ``pull_retry_s``.
         """
         while True:
             while not self.up:
@@ -145,7 +182,8 @@ class SimParameterServer:
                 if self._is_down():
                     continue
             version, lineage = self.latest, self.lineage
-            transfer = self._start_transfer()
+            nbytes = self.pull_bytes(held)
+            transfer = self._start_transfer(nbytes)
             try:
                 ok = yield transfer
             except BaseException:
@@ -159,7 +197,7 @@ class SimParameterServer:
                 self.sim.record(worker_name, "fault", version, fault="fail_pull")
                 yield self.env.timeout(self.sim.scenario.fleet.pull_retry_s)
                 continue
-            return version, lineage
+            return SimPull(version, lineage, nbytes)
 
     def _is_down(self) -> bool:
         """Whether the store is down now. A call rather than ``not self.up`` after a
@@ -170,13 +208,13 @@ class SimParameterServer:
     def _rate(self) -> float:
         return self.spec.pull_rate(len(self._transfers))
 
-    def _start_transfer(self) -> simpy.Event:
+    def _start_transfer(self, nbytes: float) -> simpy.Event:
         self._advance()
         event = self.env.event()
-        if self.spec.weight_bytes <= 0:
+        if nbytes <= 0:
             event.succeed(True)
             return event
-        self._transfers.append(_Transfer(float(self.spec.weight_bytes), event))
+        self._transfers.append(_Transfer(float(nbytes), event))
         self._schedule_next()
         return event
 

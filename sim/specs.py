@@ -317,6 +317,10 @@ class ParamServerSpec:
             unlimited, each pull gets its link rate).
         latency_s: Fixed cost per push or pull (RPC setup, resharding).
         restart_s: Downtime after the store is killed.
+        delta_changed_fraction: ``None`` publishes every version whole; a fraction ``f``
+            in [0, 1] publishes deltas (``rlaxkit.param_server.DeltaParameterServer``),
+            each version changing ``f`` of the bytes (see ``SimParameterServer``).
+        snapshot_every: With deltas, every this many pushes is a full snapshot.
     """
 
     weight_bytes: float
@@ -325,6 +329,8 @@ class ParamServerSpec:
     total_bytes_per_s: float | None = None
     latency_s: float = 0.0
     restart_s: float = 30.0
+    delta_changed_fraction: float | None = None
+    snapshot_every: int = 4
 
     def __post_init__(self) -> None:
         _check("weight_bytes", self.weight_bytes, strict=False)
@@ -334,10 +340,19 @@ class ParamServerSpec:
             _check("total_bytes_per_s", self.total_bytes_per_s)
         _check("latency_s", self.latency_s, strict=False)
         _check("restart_s", self.restart_s, strict=False)
+        if self.delta_changed_fraction is not None:
+            _check("delta_changed_fraction", self.delta_changed_fraction, strict=False)
+            if self.delta_changed_fraction > 1:
+                raise ValueError(
+                    "delta_changed_fraction: must be a fraction in [0, 1] (or None: no "
+                    f"deltas), got {self.delta_changed_fraction!r}"
+                )
+        _check("snapshot_every", self.snapshot_every, low=1, strict=False, integer=True)
 
-    def push_s(self) -> float:
-        """Seconds for the trainer to push one version."""
-        return self.latency_s + self.weight_bytes / self.push_bytes_per_s
+    def push_s(self, nbytes: float | None = None) -> float:
+        """Seconds for the trainer to push ``nbytes`` (default: one whole version)."""
+        nbytes = self.weight_bytes if nbytes is None else nbytes
+        return self.latency_s + nbytes / self.push_bytes_per_s
 
     def pull_rate(self, concurrent: int) -> float:
         """Bytes/s one pull gets while ``concurrent`` pulls share the store."""

@@ -253,7 +253,9 @@ class SimWorker:
             for proc in list(self._decoding):
                 proc.interrupt(WEIGHT_UPDATE)
         try:
-            version, lineage = yield from self.sim.ps.pull(self.name)
+            version, lineage, nbytes = yield from self.sim.ps.pull(
+                self.name, (self.version, self.lineage)
+            )
         except simpy.Interrupt:
             return  # preempted mid-pull; preempt() has reset this worker
         self.version = version
@@ -267,7 +269,7 @@ class SimWorker:
             version,
             duration_s=env.now - start,
             from_version=from_version,
-            bytes=self.sim.scenario.param_server.weight_bytes,
+            bytes=nbytes,
         )
         self._notify()
         self._maybe_pull()
