@@ -16,9 +16,11 @@ An iteration is what a synchronous (η = 0) GRPO trainer does per step:
    from the update's own forward pass), no KL term (``kl_coef = 0``: no reference
    model), AdamW.
 
-Settings (both 4 layers, 4 query / 2 key-value heads, head width 32, SwiGLU width 512):
-``small`` hidden 128, vocabulary 512, 4 prompts x 4 samples, 16 new tokens; ``large``
-hidden 256, vocabulary 2048, 8 prompts x 4 samples, 32 new tokens.
+Settings (both Qwen3-shaped like google-tunix's ``Qwen3``: 4 layers, 4 query / 2
+key-value heads of width ``hidden / 4``, SwiGLU width ``4 x hidden``, tied embeddings,
+RoPE base 10 000): ``small`` hidden 128, vocabulary 512, 4 prompts x 4 samples, 16 new
+tokens; ``large`` hidden 256, vocabulary 2048, 8 prompts x 4 samples, 32 new tokens.
+``benchmarks/peers/run.py`` runs the peer on the same shapes, side by side.
 
 ``first_step_s`` is the wall time of the first small iteration in a fresh process with
 JAX's persistent compilation cache turned off: tracing and compiling every program
@@ -35,10 +37,10 @@ Building the model and the optimizer state (``setup_s``) is reported separately.
 times are the median of the timed iterations that follow a warm-up; each asserts that
 it compiled nothing.
 
-Peer figures are quoted from elsewhere (the issue tracker), **not measured here**:
-google-tunix 0.1.7 about 0.11 s (small) and 0.85 s (large) per step after a 5-9 s
-first-step compile; TRL 1.16 about 0.15-0.22 s and 0.78 s. The target is half the faster
-peer's time: small <= 0.055 s, large <= 0.39 s; first step < 5 s.
+Peer figures are quoted from an earlier run, **not measured here**: google-tunix 0.1.7
+about 0.11 s (small) and 0.85 s (large) per step after a 5-9 s first-step compile; TRL
+1.16 about 0.15-0.22 s and 0.78 s. ``benchmarks/peers/run.py`` measures tunix in the
+same run instead.
 
 Usage::
 
@@ -57,6 +59,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -99,15 +102,19 @@ class Setting:
     new_tokens: int
 
 
-def qwen3(hidden: int, vocab: int, layers: int = 4, mlp: int = 512) -> ModelConfig:
+def qwen3(hidden: int, vocab: int, layers: int = 4, mlp: int | None = None) -> ModelConfig:
+    """The peer's Qwen3 shape: 4 heads of ``hidden / 4``, 2 key-value heads, SwiGLU
+    ``4 x hidden`` (the peer's ``hidden_dim = 4 x embed_dim``), tied embeddings."""
     return ModelConfig(
         family="qwen3",
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=mlp,
+        intermediate_size=4 * hidden if mlp is None else mlp,
         num_layers=layers,
         num_heads=4,
         num_kv_heads=2,
+        rope_theta=10_000.0,
+        tie_word_embeddings=True,
     )
 
 
@@ -120,26 +127,43 @@ SMOKE = (
 )
 
 
-class GRPOLoop:
-    """Synchronous GRPO on the arithmetic task: ``step(i)`` is one full iteration."""
+Score = Callable[[int, list[int]], float]  # (prompt index, completion tokens) -> reward
 
-    def __init__(self, setting: Setting, seed: int = 0, tiered: bool = True):
+
+class GRPOLoop:
+    """Synchronous GRPO: ``step(i)`` is one full iteration on prompts ``i * P ...``.
+
+    ``score(k, tokens)`` rewards a completion of prompt ``k`` (its stop token removed);
+    ``arithmetic_loop`` builds the arithmetic task's loop. ``model`` (default: a fresh
+    one seeded with ``seed``) is the initial policy.
+    """
+
+    def __init__(
+        self,
+        setting: Setting,
+        prompts: Sequence[Sequence[int]],
+        score: Score,
+        *,
+        pad_id: int,
+        eos_id: int,
+        seed: int = 0,
+        tiered: bool = True,
+        model: Transformer | None = None,
+    ):
         self.setting = setting
-        self.task = ArithmeticTask(ArithmeticConfig(seed=seed))
-        self.tokenizer = CharTokenizer(self.task.alphabet())
-        if self.tokenizer.vocab_size > setting.model.vocab_size:
-            raise ValueError("the model's vocabulary must cover the character tokenizer")
-        model = Transformer(setting.model, rngs=nnx.Rngs(seed))
+        self.score = score
+        self.pad_id = pad_id
+        if model is None:
+            model = Transformer(setting.model, rngs=nnx.Rngs(seed))
         self.graphdef, params = nnx.split(model)
-        self.problems = self.task.problems("train", 64 * setting.prompts)
-        self.prompts = [self.tokenizer.encode(self.task.format_prompt(p)) for p in self.problems]
+        self.prompts = [list(p) for p in prompts]
         width = max(len(p) for p in self.prompts) + setting.new_tokens
         self.bucket = BucketSpec(lengths=(-(-width // 8) * 8,))
         self.sampling = SamplingConfig(
             temperature=1.0,
             max_new_tokens=setting.new_tokens,
             n=setting.samples,
-            stop_tokens=(self.tokenizer.eos_id,),
+            stop_tokens=(eos_id,),
         )
         self.train_config = TrainConfig(
             algorithm=algorithm("grpo", loss={"kl_coef": 0.0, "proximal": "recompute"}),
@@ -188,7 +212,7 @@ class GRPOLoop:
     def step(self, i: int) -> dict[str, float]:
         """Iteration ``i`` (its own prompts and seed); returns phase timings and metrics."""
         s, t0 = self.setting, time.perf_counter()
-        index = [(i * s.prompts + k) % len(self.problems) for k in range(s.prompts)]
+        index = [(i * s.prompts + k) % len(self.prompts) for k in range(s.prompts)]
         prompts = [self.prompts[k] for k in index]
         version = int(self.state.step)
         result = generate(
@@ -200,18 +224,18 @@ class GRPOLoop:
             for j in range(s.samples):
                 done = result.completion(a, j)
                 text_tokens = done.tokens[:-1] if done.finish_reason == "stop" else done.tokens
-                reward = self.task.score(self.problems[k], self.tokenizer.decode(text_tokens))
+                reward = self.score(k, text_tokens)
                 samples.append(
                     Sample(
                         prompt_tokens=prompts[a],
                         completion_tokens=done.tokens,
                         behaviour_logprobs=done.logprobs,
                         versions=done.versions,
-                        reward=reward.score,
+                        reward=reward,
                         group_id=a,
                     )
                 )
-        batch = collate(samples, bucket=self.bucket, pad_token_id=self.tokenizer.pad_id)
+        batch = collate(samples, bucket=self.bucket, pad_token_id=self.pad_id)
         t2 = time.perf_counter()
         if self._compiling is not None:
             self._compiling.join()
@@ -230,6 +254,29 @@ class GRPOLoop:
         }
 
 
+def arithmetic_loop(setting: Setting, seed: int = 0, tiered: bool = True) -> GRPOLoop:
+    """``GRPOLoop`` on the arithmetic task, prompts and completions in characters."""
+    task = ArithmeticTask(ArithmeticConfig(seed=seed))
+    tokenizer = CharTokenizer(task.alphabet())
+    if tokenizer.vocab_size > setting.model.vocab_size:
+        raise ValueError("the model's vocabulary must cover the character tokenizer")
+    problems = task.problems("train", 64 * setting.prompts)
+    prompts = [tokenizer.encode(task.format_prompt(p)) for p in problems]
+
+    def score(k: int, tokens: list[int]) -> float:
+        return task.score(problems[k], tokenizer.decode(tokens)).score
+
+    return GRPOLoop(
+        setting,
+        prompts,
+        score,
+        pad_id=tokenizer.pad_id,
+        eos_id=tokenizer.eos_id,
+        seed=seed,
+        tiered=tiered,
+    )
+
+
 def timed_steps(loop: GRPOLoop, first: int, count: int) -> list[dict[str, float]]:
     """``count`` iterations, none of which may compile."""
     out = []
@@ -244,7 +291,7 @@ def timed_steps(loop: GRPOLoop, first: int, count: int) -> list[dict[str, float]
 def first_step_only(args: argparse.Namespace) -> int:
     """The small setting's first step alone, in this (fresh) process; prints JSON."""
     jax.config.update("jax_enable_compilation_cache", False)
-    loop = GRPOLoop(SMALL, args.seed, tiered=not args.untiered)
+    loop = arithmetic_loop(SMALL, args.seed, tiered=not args.untiered)
     start = time.perf_counter()
     if not args.serial_compile:
         loop.start_compiling()
@@ -290,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for setting, count in zip(settings, repeats, strict=True):
         start = time.perf_counter()
-        loop = GRPOLoop(setting, args.seed, tiered=not args.untiered)
+        loop = arithmetic_loop(setting, args.seed, tiered=not args.untiered)
         setup_s = time.perf_counter() - start  # model and optimizer initialisation
         start = time.perf_counter()
         if not args.serial_compile:
