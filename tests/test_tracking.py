@@ -17,6 +17,7 @@ from rlaxkit import tracking
 from rlaxkit.config import RunConfig, small_run_config
 from rlaxkit.metrics import MetricsLogger, read_metrics
 from rlaxkit.runtime import Experiment
+from rlaxkit.runtime.state import config_differences
 
 ALL = "tracking=[jsonl,tensorboard,wandb,mlflow]"
 RUN = ["checkpoint.every_steps=2", "steps=5", "eval.num_problems=4", "eval.samples=2"]
@@ -99,6 +100,14 @@ def test_a_missing_package_names_the_field_and_the_extra(monkeypatch):
 def test_external_trackers_need_a_run_dir():
     with pytest.raises(ValueError, match=r"tracking: \['tensorboard'\] write under the run dir"):
         Experiment(small_run_config("tracking=[tensorboard]"))  # fails before any work
+
+
+def test_a_checkpoint_resumes_whatever_the_trackers():
+    with_trackers = small_run_config(ALL).to_dict()
+    before_tracking = small_run_config().to_dict()
+    del before_tracking["tracking"]  # a checkpoint written before the setting existed
+    assert config_differences(before_tracking, with_trackers) == []
+    assert config_differences(small_run_config().to_dict(), with_trackers) == []
 
 
 # -- a rewind ------------------------------------------------------------------------------

@@ -49,7 +49,10 @@ JSON_ITEMS = ("meta", "controller", "buffer", "workers", "fleet", "faults", "his
 # Fields that may change between a save and a resume: how long to run, how to evaluate,
 # when to checkpoint, where Ray would place actors (the local backend ignores it).
 # Everything else shapes the RL state and must match.
-RESUMABLE_FIELDS = ("steps", "eval", "checkpoint", "ray")
+# Config sections a run may change when it resumes: they change where it goes and what
+# it records, not what it computes (tracking: a checkpoint written before it existed, or
+# another list of trackers, resumes).
+RESUMABLE_FIELDS = ("steps", "eval", "checkpoint", "ray", "tracking")
 
 
 def param_shapes(tree: Any) -> dict[str, list]:
