@@ -10,6 +10,9 @@ consecutive published versions, ``A`` and ``B``. Reported:
   weights are often published);
 - ``chunk_changed_fraction``: the fraction of the bytes a delta push stores (chunks whose
   bytes changed) at 4 KiB, 64 KiB and 1 MiB chunks, float32 and bfloat16;
+- ``sparse_bytes_fraction``: what an element-level encoding (a bitmask of the changed
+  elements and their new values) would move, as a fraction of the bytes: computed from
+  the element counts, **not** an encoding rlaxkit implements;
 - a timed sync through the TensorStore store (snapshots in a directory that another
   process reads): the trainer pushes ``A, B, A, B, ...`` as consecutive versions (each
   pair one real step apart) and a reader one version behind pulls each, through
@@ -120,7 +123,11 @@ def two_versions(quick: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarr
 
 def changed_fractions(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, Any]:
     """Element and chunk changed fractions of ``a -> b``, float32 and bfloat16."""
-    out: dict[str, Any] = {"element_changed_fraction": {}, "chunk_changed_fraction": {}}
+    out: dict[str, Any] = {
+        "element_changed_fraction": {},
+        "chunk_changed_fraction": {},
+        "sparse_bytes_fraction": {},
+    }
     for dtype in ("float32", "bfloat16"):
         cast = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
         old = [byte_view(x.astype(cast)) for x in a.values()]
@@ -130,7 +137,9 @@ def changed_fractions(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dic
             int(np.any((x != y).reshape(-1, item), axis=1).sum())
             for x, y in zip(old, new, strict=True)
         )
-        out["element_changed_fraction"][dtype] = differ / (sum(x.size for x in old) // item)
+        elements = sum(x.size for x in old) // item
+        out["element_changed_fraction"][dtype] = differ / elements
+        out["sparse_bytes_fraction"][dtype] = (differ * item + elements / 8) / (elements * item)
         for chunk_bytes in CHUNK_SIZES:
             layout = ChunkLayout.of([x.size for x in old], chunk_bytes)
             sums_old = np.concatenate([chunk_checksums(x, chunk_bytes) for x in old])
@@ -219,6 +228,11 @@ def print_summary(report: dict[str, Any]) -> None:
     )
     for name, fraction in chunks.items():
         print(f"  bytes in changed chunks, {name:<18} {fraction:.3f}")
+    sparse = report["sparse_bytes_fraction"]
+    print(
+        f"  a bitmask + changed values (not implemented) would move {sparse['float32']:.3f} "
+        f"(float32), {sparse['bfloat16']:.3f} (bfloat16)"
+    )
     full, delta = report["full_sync"], report["delta_sync"]
     print(
         f"TensorStore sync, one version behind: full pull {full['pull_s']:.4f} s, delta pull "

@@ -65,6 +65,9 @@ Usage::
     python benchmarks/weight_sync.py --quick     # 10, 64, 256 MB; under a minute
     python benchmarks/weight_sync.py             # 10, 100, 1000 MB
 
+The delta measurement adds its two train steps (compiled in 10-20 s on two busy cores);
+``--no-delta`` leaves it out, ``--delta-only`` runs only it.
+
 The last line printed is one JSON object with every number, and ``fraction_of_memcpy``
 of the worst store at the largest size.
 """
