@@ -11,6 +11,7 @@ rlaxkit plot RUN_DIR                          # PNGs from metrics.jsonl and trac
 rlaxkit plot RUN_DIR --compare SIM_RUN_DIR    # ... and the two traces overlaid
 rlaxkit trace RUN_DIR -o run.perfetto.json    # the trace for ui.perfetto.dev
 rlaxkit simulate configs/sim/toy.yaml --set fleet.num_workers=4   # a simulated run dir
+rlaxkit plan configs/plan/qwen25_7b_v5p.yaml --set remat=full   # memory and FLOPs per chip
 """
 
 from __future__ import annotations
@@ -345,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_sim.add_argument("--run-dir", default=None, help="output directory")
     p_sim.add_argument("--no-progress", action="store_true")
+    p_plan = sub.add_parser("plan", help="compile a run's programs for a mesh: memory, FLOPs")
+    p_plan.add_argument("config", nargs="?", help="plan YAML (rlaxkit.planning.PlanConfig)")
+    p_plan.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. mesh=[1,16,4]"
+    )
+    p_plan.add_argument("--json", action="store_true", help="print one JSON line instead")
     args = parser.parse_args(argv)
 
     try:
@@ -394,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
             scenario = load_scenario_with_overrides(args.scenario, args.set)
             run_dir = args.run_dir or f"runs/sim-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
             simulate_job(scenario, run_dir, progress=not args.no_progress)
+        elif args.command == "plan":
+            from rlaxkit.planning import load_plan_config, plan
+
+            result = plan(load_plan_config(args.config, args.set))
+            print(json.dumps(result.summary()) if args.json else result.table())
     except (ValueError, FileNotFoundError) as err:
         print(f"rlaxkit {args.command}: {err}", file=sys.stderr)
         return 2

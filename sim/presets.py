@@ -11,10 +11,14 @@ reasoning behind it.
   rlaxkit's single-process local backend.
 - :func:`checkpoint_study`: a trainer-bound run with exponential trainer preemptions,
   for choosing the checkpoint interval (Young/Daly).
+- :func:`planned`: any of them with the trainer's FLOPs per token, the workers' decode
+  cost and the push bytes taken from compiled programs (``rlaxkit.planning.plan``)
+  instead of the assumptions above, which stay the fallback.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from rlaxkit.policies import CheckpointPolicy, PullMode, StalenessPolicy, WeightSyncPolicy
@@ -31,7 +35,7 @@ from .specs import (
     WorkloadSpec,
 )
 
-__all__ = ["areal_like", "checkpoint_study", "local_runtime", "rlax_like", "toy"]
+__all__ = ["areal_like", "checkpoint_study", "local_runtime", "planned", "rlax_like", "toy"]
 
 HOUR_S = 3600.0
 
@@ -105,6 +109,9 @@ def rlax_like(
       [R3] is ``max_worker_lag``, 0 by default (a worker behind the newest published
       version pulls before its next request). Rollouts are single-version [R4], so pulls
       happen between requests.
+    - The trainer's FLOPs per token, the decode cost and the push below are assumptions,
+      the fallback when no plan was compiled: :func:`planned` replaces them with a
+      compiled plan's (``rlaxkit plan configs/plan/qwen3_32b_v5p.yaml``).
     - Trainer MFU 0.35 (assumption: typical for 32B FSDP training on TPU); 8 FLOPs per
       token per parameter (6 for forward/backward plus 2 for the log-prob recompute
       RLAX does on the trainer [R4]).
@@ -329,3 +336,45 @@ def checkpoint_study(
         horizon_s=horizon_s,
         seed=seed,
     )
+
+
+# The fields a plan may set: trainer throughput, worker shape and decode cost, push size.
+PLANNED_FIELDS = frozenset(
+    {
+        "trainer.chips",
+        "trainer.model_params",
+        "trainer.chip_flops",
+        "trainer.mfu",
+        "trainer.flops_per_token_factor",
+        "fleet.chips_per_worker",
+        "fleet.slots_per_worker",
+        "fleet.decode_s_per_token",
+        "fleet.decode_s_per_token_per_seq",
+        "param_server.weight_bytes",
+    }
+)
+
+
+def planned(base: Scenario, compiled: Mapping[str, Any]) -> Scenario:
+    """``base`` with the costs a compiled plan gives (``Plan.sim_overrides()``).
+
+    The trainer's step time then follows from the FLOPs XLA counted for the real train
+    step (``flops_per_token_factor``, with the plan's chips, chip peak and MFU), the
+    workers' per-token time from the bytes the real decode step moves over HBM, and the
+    push from the weights' bytes; every other number stays ``base``'s. The name gets
+    ``_planned``, so a report tells compiled rates from the presets' assumed ones.
+
+    >>> s = planned(toy(), {"trainer.flops_per_token_factor": 2.0})
+    >>> s.name, s.trainer.step_s(40.0)   # twice the FLOPs per token: twice the 2 s step
+    ('toy_planned', 4.0)
+
+    Raises:
+        ValueError: a key that is not one of ``PLANNED_FIELDS``.
+    """
+    unknown = sorted(set(compiled) - PLANNED_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"compiled: {unknown} are not plan outputs; allowed: {sorted(PLANNED_FIELDS)}"
+        )
+    scenario = with_overrides(base, dict(compiled))
+    return with_overrides(scenario, {"name": f"{base.name}_planned"})

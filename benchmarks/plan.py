@@ -1,0 +1,159 @@
+"""Planning benchmark: compile time against depth, FLOPs against the train-step
+benchmark's count, and the plans of two real models on v5p meshes.
+
+1. **Depth**: the train step of Qwen2.5-0.5B's dimensions cut to 4 and to 32 layers
+   (scan over layers, mesh ``(1, 2, 2)``, 4 x 256 tokens) compiled for the plan; the
+   ratio of the two compile times (goal <= 1.5: a scanned program is one block's).
+2. **FLOPs**: the plan of ``benchmarks/train_step.py``'s quick model (8 x 256 tokens,
+   float32, one device) against that benchmark's model-FLOP count (``step_flops``;
+   goal: within 10%), and the compiled step's argument bytes against the bytes of the
+   real state and batch built here.
+3. **Plans**: Qwen2.5-7B on a ``(1, 16, 4)`` mesh and Qwen3-32B on ``(1, 64, 4)``
+   (``configs/plan/*.yaml``: 64 rows of 8192 tokens), each with ``remat=full`` (all
+   programs) and ``remat=none`` (train step only): wall time of each, and whether the
+   train step fits a v5p chip's 95 GiB.
+
+Usage::
+
+    python benchmarks/plan.py --quick   # 1, 2 and the Qwen2.5-7B plans
+    python benchmarks/plan.py           # ... and the Qwen3-32B plans
+
+The last line printed is one JSON object with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+from train_step import QUICK, make_batch, step_flops  # noqa: E402
+
+from rlaxkit.algorithms import algorithm  # noqa: E402
+from rlaxkit.models import Transformer  # noqa: E402
+from rlaxkit.planning import load_plan_config, plan  # noqa: E402
+from rlaxkit.trainer import TrainConfig, create_train_state  # noqa: E402
+
+GIB = 1024**3
+
+
+def depth(layers: int) -> float:
+    """Compile seconds of the scanned train step with ``layers`` layers."""
+    result = plan(
+        model="qwen2.5-0.5b",
+        num_layers=layers,
+        mesh=(1, 2, 2),
+        rows=4,
+        prompt_tokens=64,
+        completion_tokens=192,
+        programs=("train",),
+    )
+    return result.program("train").compile_s
+
+
+def flops_check() -> dict[str, float | bool]:
+    """The plan of the train-step benchmark's quick model against its FLOP count."""
+    model, rows, length = QUICK.model, QUICK.rows, QUICK.length
+    with tempfile.TemporaryDirectory() as directory:
+        (Path(directory) / "config.json").write_text(json.dumps(model.to_hf()))
+        result = plan(
+            model=directory,
+            rows=rows,
+            prompt_tokens=length // 4,
+            completion_tokens=length - length // 4,
+            master_dtype="float32",
+            compute_dtype="float32",
+            programs=("train",),
+        )
+    train = result.program("train")
+    want = step_flops(model, rows, length)
+    # The real arrays the benchmark trains on: state (scanned layout) and batch.
+    scanned = model.replace(scan_layers=True)
+    params = nnx.state(Transformer(scanned, rngs=nnx.Rngs(0)))
+    cfg = TrainConfig(algorithm=algorithm("grpo", loss={"kl_coef": 0.0}))
+    real = (create_train_state(cfg, params), make_batch(model, rows, length, 0))
+    real_bytes = sum(x.nbytes for x in jax.tree.leaves(real))
+    return {
+        "plan_flops": train.flops,
+        "benchmark_flops": want,
+        "flops_rel_err": abs(train.flops - want) / want,
+        "argument_bytes": train.argument_bytes,
+        "real_argument_bytes": real_bytes,
+        "argument_bytes_equal": train.argument_bytes == real_bytes,
+    }
+
+
+def big_plan(name: str) -> dict[str, object]:
+    """The plan of ``configs/plan/{name}.yaml`` with ``remat=full`` and ``none``."""
+    config = load_plan_config(ROOT / "configs" / "plan" / f"{name}.yaml")
+    start = time.perf_counter()
+    full = plan(dataclasses.replace(config, remat="full"))
+    full_s = time.perf_counter() - start
+    print(full.table())
+    start = time.perf_counter()
+    none = plan(dataclasses.replace(config, remat="none", programs=("train",)))
+    none_s = time.perf_counter() - start
+    print(none.table())
+    return {
+        "plan_s": full_s,
+        "plan_no_remat_train_s": none_s,
+        "fits_v5p_remat_full": full.fits("train"),
+        "fits_v5p_remat_none": none.fits("train"),
+        "train_peak_gib_remat_full": full.program("train").peak_bytes / GIB,
+        "train_peak_gib_remat_none": none.program("train").peak_bytes / GIB,
+        "prefill_fits": full.fits("prefill"),
+        "decode_fits": full.fits("decode"),
+        "step_s_at_mfu": full.step_s,
+        "trainer_tokens_per_s": full.trainer_tokens_per_s,
+        "kv_cache_gib_per_worker": full.kv_cache_bytes / GIB,
+        "push_gib": full.push_bytes / GIB,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="skip the Qwen3-32B plans")
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]
+    compile_4, compile_32 = depth(4), depth(32)
+    print(f"scanned train step compile: 4 layers {compile_4:.1f} s, 32 layers {compile_32:.1f} s")
+    flops = flops_check()
+    print(
+        f"plan FLOPs {flops['plan_flops']:.4g} vs train_step.py {flops['benchmark_flops']:.4g} "
+        f"(rel. err. {flops['flops_rel_err']:.3f}); argument bytes {flops['argument_bytes']} "
+        f"vs real arrays {flops['real_argument_bytes']}"
+    )
+    report: dict[str, object] = {
+        "quick": args.quick,
+        "compile_s_4_layers": compile_4,
+        "compile_s_32_layers": compile_32,
+        "compile_ratio_32_vs_4": compile_32 / compile_4,
+        **flops,
+    }
+    qwen7 = big_plan("qwen25_7b_v5p")
+    report["qwen25_7b_plan_s"] = qwen7["plan_s"]
+    report["qwen25_7b"] = qwen7
+    report["qwen3_32b_plan_s"] = None
+    if not args.quick:
+        qwen32 = big_plan("qwen3_32b_v5p")
+        report["qwen3_32b_plan_s"] = qwen32["plan_s"]
+        report["qwen3_32b"] = qwen32
+    report["load_average_1m"] = [load_before, os.getloadavg()[0]]
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

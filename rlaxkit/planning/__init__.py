@@ -1,0 +1,97 @@
+"""Plan a run before renting it: compile the real programs for the target mesh.
+
+``plan(PlanConfig(...))`` (or ``rlaxkit plan CONFIG``) builds the train step and the
+sampler's prefill and decode programs from abstract shapes for the plan's meshes,
+compiles them with XLA on this machine's CPU (as many forced host devices as the larger
+mesh, in a fresh process), and reads XLA's memory and cost analyses: per device, what
+each program needs against the chip's HBM, whether it fits and what to change if not,
+the FLOPs and time of a train step at an MFU, the KV-cache and push bytes, and the
+simulator's inputs (``Plan.sim_overrides``). No weight is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlaxkit.configio import apply_overrides, from_dict, to_dict
+from rlaxkit.planning.costs import Plan, ProgramCost, kv_bytes_per_token
+from rlaxkit.planning.specs import CHIPS, MODEL_PRESETS, ChipSpec, PlanConfig
+
+__all__ = [
+    "CHIPS",
+    "MODEL_PRESETS",
+    "ChipSpec",
+    "Plan",
+    "PlanConfig",
+    "ProgramCost",
+    "kv_bytes_per_token",
+    "load_plan_config",
+    "plan",
+]
+
+_DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
+
+
+def plan(config: PlanConfig | None = None, *, timeout_s: float = 1800.0, **fields: Any) -> Plan:
+    """Compiles ``config``'s programs in a fresh process and reads them against its chip.
+
+    The child process gets ``--xla_force_host_platform_device_count`` for the plan's
+    devices in its own environment; this process's JAX and flags are untouched.
+
+    Args:
+        config: the run to plan; ``None`` builds one from ``fields``.
+        timeout_s: give up after this long.
+        **fields: ``PlanConfig`` fields (with ``config``: changes to it).
+
+    Raises:
+        ValueError: a bad field, named (before anything compiles).
+        RuntimeError: the compile process failed; the message ends with its stderr.
+    """
+    if config is None:
+        config = PlanConfig(**fields)
+    elif fields:
+        config = from_dict(PlanConfig, {**to_dict(config), **fields})
+    env = dict(os.environ)
+    flags = _DEVICE_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={config.devices}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "rlaxkit.planning.compile"],
+        input=json.dumps(to_dict(config)),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    wall_s = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling the plan failed:\n{done.stderr[-4000:]}")
+    costs = json.loads(done.stdout.strip().splitlines()[-1])
+    return Plan(
+        config=config,
+        model=config.model_config(),
+        programs=tuple(from_dict(ProgramCost, c) for c in costs),
+        wall_s=wall_s,
+    )
+
+
+def load_plan_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> PlanConfig:
+    """A ``PlanConfig`` from a YAML file (or the defaults) with ``key=value`` overrides.
+
+    >>> load_plan_config(None, ["model=qwen3-8b", "mesh=[1, 8, 2]"]).trainer_chips
+    16
+    """
+    data = yaml.safe_load(Path(path).read_text()) if path else {}
+    return from_dict(PlanConfig, apply_overrides(data or {}, list(overrides or [])))

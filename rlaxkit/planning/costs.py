@@ -1,0 +1,265 @@
+"""A compiled plan: what XLA said about each program, and what follows from it for a
+chip (fits or not, what to change, step time at an MFU, KV-cache and push bytes, the
+simulator's inputs). Plain Python: reading a plan needs no JAX."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlaxkit.configio import to_dict
+from rlaxkit.models.config import ModelConfig
+from rlaxkit.planning.specs import CHIPS, GIB, ChipSpec, PlanConfig
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgramCost:
+    """XLA's analysis of one compiled program, per device.
+
+    Attributes:
+        name: ``train``, ``prefill`` or ``decode``.
+        devices: chips the program is partitioned over.
+        argument_bytes, output_bytes: its inputs and outputs on one device.
+        alias_bytes: outputs written into donated inputs (counted once).
+        temp_bytes: XLA's scratch buffers on one device.
+        flops: FLOPs on one device (for ``train`` the whole step, loops unrolled; for
+            ``decode`` one decode step).
+        bytes_accessed: bytes read and written on one device (XLA's count).
+        compile_s: seconds to lower and compile it here.
+        loop_flops: XLA's own count for the program (loop bodies counted once).
+    """
+
+    name: str
+    devices: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    flops: float
+    bytes_accessed: float
+    compile_s: float
+    loop_flops: float = 0.0
+
+    @property
+    def peak_bytes(self) -> int:
+        """Memory the program needs on one device: arguments, outputs not written into
+        donated arguments, and temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The compiled programs of a ``PlanConfig`` read against its chip.
+
+    Every memory and FLOP figure comes from XLA's CPU compiler partitioning the real
+    programs for the plan's meshes: an estimate of a TPU's, whose compiler fuses and
+    lays out differently (``docs/running_at_scale.md``, "Before you rent").
+    """
+
+    config: PlanConfig
+    model: ModelConfig
+    programs: tuple[ProgramCost, ...]
+    wall_s: float = 0.0
+
+    @property
+    def chip(self) -> ChipSpec:
+        """The chip the plan is read against."""
+        return CHIPS[self.config.chip]
+
+    def program(self, name: str) -> ProgramCost:
+        """The program called ``name``."""
+        for program in self.programs:
+            if program.name == name:
+                return program
+        raise KeyError(f"the plan compiled no {name!r} program (programs: {self.config.programs})")
+
+    def fits(self, name: str) -> bool:
+        """Whether ``name``'s per-device memory is within the chip's HBM."""
+        return self.program(name).peak_bytes <= self.chip.hbm_bytes
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Trained tokens per step (``rows × length``)."""
+        return self.config.rows * self.config.length
+
+    @property
+    def step_flops(self) -> float:
+        """FLOPs of one train step on all the trainer's chips."""
+        return self.program("train").flops * self.config.trainer_chips
+
+    @property
+    def step_s(self) -> float:
+        """Train step time at the chip's peak times ``config.mfu``."""
+        return self.program("train").flops / (self.chip.peak_flops * self.config.mfu)
+
+    @property
+    def trainer_tokens_per_s(self) -> float:
+        """Trained tokens per second at ``step_s``."""
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """KV cache of one worker: ``slots × length`` tokens of every layer's K and V."""
+        per_token = kv_bytes_per_token(self.model, self.config.compute_dtype)
+        return self.config.slots * self.config.length * per_token
+
+    @property
+    def push_bytes(self) -> int:
+        """Bytes of one weight push (every parameter in the compute dtype)."""
+        return self.model.num_params() * self._compute_bytes
+
+    @property
+    def _compute_bytes(self) -> int:
+        return _DTYPE_BYTES[self.config.compute_dtype]
+
+    def decode_step_s(self) -> float:
+        """One decode step of ``slots`` rows, memory-bound: the decode program's bytes
+        per device over the chip's HBM bandwidth, divided by ``decode_efficiency``."""
+        bytes_per_device = self.program("decode").bytes_accessed
+        return bytes_per_device / self.chip.hbm_bytes_per_s / self.config.decode_efficiency
+
+    def advice(self, name: str) -> list[str]:
+        """What to change so that ``name`` fits (empty when it fits)."""
+        if self.fits(name):
+            return []
+        p, c = self.program(name), self.config
+        over = (p.peak_bytes - self.chip.hbm_bytes) / GIB
+        tips = [f"{over:.1f} GiB over the {self.chip.name}'s {self.chip.hbm_bytes / GIB:.0f} GiB"]
+        if name == "train":
+            if c.remat != "full":
+                nxt = "dots" if c.remat == "none" else "full"
+                tips.append(
+                    f"remat={nxt} (keeps fewer activations; temporaries now "
+                    f"{p.temp_bytes / GIB:.1f} GiB)"
+                )
+            shards = c.mesh[0] * c.mesh[1]
+            if c.rows % (2 * c.micro_batches * shards) == 0:
+                tips.append(f"micro_batches={2 * c.micro_batches} (about halves the activations)")
+            tips.append(
+                f"fsdp={2 * c.mesh[1]} (spreads the {p.argument_bytes / GIB:.1f} GiB "
+                "of weights, moments and batch per device; twice the chips)"
+            )
+        else:
+            tips.append(
+                f"slots={max(c.slots // 2, c.samples_per_prompt)} (KV cache now "
+                f"{self.kv_cache_bytes / GIB:.1f} GiB per worker)"
+            )
+            tips.append(f"sampler_chips={2 * c.sampler_chips} (splits weights and cache)")
+        return tips
+
+    def sim_overrides(self) -> dict[str, Any]:
+        """The simulator's inputs from the compiled programs, as dotted scenario paths
+        (``sim.with_overrides``; ``sim.presets.planned`` applies them): the trainer's
+        chips, FLOPs per token and MFU, the worker's shape and decode cost, the push."""
+        out: dict[str, Any] = {"param_server.weight_bytes": float(self.push_bytes)}
+        names = {p.name for p in self.programs}
+        if "train" in names:
+            params = float(self.model.num_params())
+            out.update(
+                {
+                    "trainer.chips": self.config.trainer_chips,
+                    "trainer.model_params": params,
+                    "trainer.chip_flops": self.chip.peak_flops,
+                    "trainer.mfu": self.config.mfu,
+                    "trainer.flops_per_token_factor": self.step_flops
+                    / (self.tokens_per_step * params),
+                }
+            )
+        if "decode" in names:
+            weights_s = (
+                self.push_bytes
+                / self.config.sampler_chips
+                / self.chip.hbm_bytes_per_s
+                / self.config.decode_efficiency
+            )
+            per_seq_s = max(self.decode_step_s() - weights_s, 0.0) / self.config.slots
+            out.update(
+                {
+                    "fleet.chips_per_worker": self.config.sampler_chips,
+                    "fleet.slots_per_worker": self.config.slots,
+                    "fleet.decode_s_per_token": weights_s,
+                    "fleet.decode_s_per_token_per_seq": per_seq_s,
+                }
+            )
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """The plan's figures as plain data (one JSON object)."""
+        names = {p.name for p in self.programs}
+        out: dict[str, Any] = {
+            "config": to_dict(self.config),
+            "params": self.model.num_params(),
+            "chip": self.chip.name,
+            "hbm_bytes": self.chip.hbm_bytes,
+            "programs": {
+                p.name: {**to_dict(p), "peak_bytes": p.peak_bytes, "fits": self.fits(p.name)}
+                for p in self.programs
+            },
+            "advice": {p.name: self.advice(p.name) for p in self.programs},
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "push_bytes": self.push_bytes,
+            "sim_overrides": self.sim_overrides(),
+            "wall_s": self.wall_s,
+        }
+        if "train" in names:
+            out |= {
+                "step_flops": self.step_flops,
+                "step_s": self.step_s,
+                "trainer_tokens_per_s": self.trainer_tokens_per_s,
+            }
+        if "decode" in names:
+            out["decode_step_s"] = self.decode_step_s()
+        return out
+
+    def table(self) -> str:
+        """The plan as text: one line per program, then the derived figures."""
+        c, chip = self.config, self.chip
+        lines = [
+            f"plan: {c.model} ({self.model.num_params() / 1e9:.2f}B params, "
+            f"{self.model.num_layers} layers), trainer mesh {c.mesh} = {c.trainer_chips} "
+            f"{chip.name} chips, {c.rows} x {c.length} tokens, micro_batches "
+            f"{c.micro_batches}, remat {c.remat}, {c.master_dtype} master / "
+            f"{c.compute_dtype} compute",
+            "per device (GiB)  args    outs   alias   temps    peak  / HBM   fits   "
+            "TFLOPs  compile s",
+        ]
+        for p in self.programs:
+            lines.append(
+                f"{p.name:<8} x{p.devices:<5} {p.argument_bytes / GIB:7.2f} "
+                f"{p.output_bytes / GIB:7.2f} {p.alias_bytes / GIB:7.2f} "
+                f"{p.temp_bytes / GIB:7.2f} {p.peak_bytes / GIB:7.2f} / "
+                f"{chip.hbm_bytes / GIB:<5.0f}"
+                f" {'yes' if self.fits(p.name) else 'NO':<5} {p.flops / 1e12:8.2f} "
+                f"{p.compile_s:8.1f}"
+            )
+            for tip in self.advice(p.name):
+                lines.append(f"    change: {tip}")
+        names = {p.name for p in self.programs}
+        if "train" in names:
+            lines.append(
+                f"train step: {self.step_flops / 1e15:.2f} PFLOPs in all; "
+                f"{self.step_s:.2f} s at {c.mfu:.0%} MFU of {chip.peak_flops / 1e12:.0f} "
+                f"TFLOP/s per chip = {self.trainer_tokens_per_s:,.0f} tokens/s"
+            )
+        lines.append(
+            f"KV cache: {self.kv_cache_bytes / GIB:.2f} GiB per worker ({c.slots} slots x "
+            f"{c.length} tokens); weight push: {self.push_bytes / GIB:.2f} GiB "
+            f"({c.compute_dtype})"
+        )
+        if "decode" in names:
+            lines.append(
+                f"decode step ({c.slots} rows, memory-bound at "
+                f"{c.decode_efficiency:.0%} of HBM bandwidth): {self.decode_step_s() * 1e3:.1f} ms"
+            )
+        lines.append(
+            "estimate: XLA's CPU compiler, not the TPU's (other fusion and layouts); "
+            f"compiled in {self.wall_s:.0f} s"
+        )
+        return "\n".join(lines)
+
+
+def kv_bytes_per_token(model: ModelConfig, dtype: str) -> int:
+    """KV-cache bytes of one token: every layer's keys and values."""
+    return model.num_layers * 2 * model.num_kv_heads * model.head_dim * _DTYPE_BYTES[dtype]

@@ -1,0 +1,290 @@
+"""Planning a run: the compiled programs' bytes are the real arrays' bytes, the FLOPs of
+a scanned, accumulated step are those of the unrolled step, a scanned program does not
+grow with depth, and the plan's arithmetic (fits, advice, step time, KV cache, push,
+simulator inputs) is worked out by hand."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import rlaxkit
+from rlaxkit.algorithms import algorithm
+from rlaxkit.batch import TrainBatch
+from rlaxkit.cli import main as cli_main
+from rlaxkit.models import ModelConfig, Transformer
+from rlaxkit.planning import (
+    CHIPS,
+    MODEL_PRESETS,
+    Plan,
+    PlanConfig,
+    ProgramCost,
+    load_plan_config,
+)
+from rlaxkit.planning.compile import compile_train
+from rlaxkit.trainer import TrainConfig, create_train_state, make_train_step, param_partition_spec
+
+GIB = 1024**3
+TINY = ModelConfig(
+    family="qwen2",
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+)
+
+
+def test_presets_have_the_published_parameter_counts():
+    # Counts from the model cards (embedding counted once when tied).
+    published = {
+        "qwen2.5-0.5b": 494_032_768,
+        "qwen2.5-1.5b": 1_543_714_304,
+        "qwen2.5-7b": 7_615_616_512,
+        "qwen3-8b": 8_190_735_360,
+        "qwen3-32b": 32_762_123_264,
+        "llama-3.1-8b": 8_030_261_248,
+    }
+    assert {k: m.num_params() for k, m in MODEL_PRESETS.items()} == published
+
+
+def test_plan_arithmetic_by_hand():
+    config = PlanConfig(
+        model="qwen2.5-0.5b",
+        mesh=(1, 4, 2),
+        rows=8,
+        prompt_tokens=100,
+        completion_tokens=156,
+        chip="v5e",
+        mfu=0.5,
+        slots=16,
+        samples_per_prompt=4,
+        sampler_chips=2,
+        decode_efficiency=0.6,
+    )
+    train = ProgramCost(
+        name="train",
+        devices=8,
+        argument_bytes=10 * GIB,
+        output_bytes=6 * GIB,
+        alias_bytes=6 * GIB,
+        temp_bytes=7 * GIB,
+        flops=1.97e14,
+        bytes_accessed=0.0,
+        compile_s=1.0,
+    )
+    decode = ProgramCost(
+        name="decode",
+        devices=2,
+        argument_bytes=GIB,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=0,
+        flops=0.0,
+        bytes_accessed=0.82e12 * 0.6 * 0.01,  # 10 ms at 60% of a v5e's 0.82 TB/s
+        compile_s=1.0,
+    )
+    p = Plan(config=config, model=config.model_config(), programs=(train, decode))
+    assert train.peak_bytes == 17 * GIB  # 10 + 6 - 6 + 7
+    assert not p.fits("train") and p.fits("decode")  # a v5e has 16 GiB
+    # 1.97e14 FLOPs per chip at 50% of 197 TFLOP/s: 2 s; 8 rows x 256 tokens per step.
+    assert p.step_s == pytest.approx(2.0)
+    assert p.trainer_tokens_per_s == pytest.approx(1024.0)
+    assert p.step_flops == pytest.approx(8 * 1.97e14)
+    # KV cache: 24 layers x (K, V) x 2 heads x 64 dims x 2 bytes = 12288 bytes per token.
+    assert p.kv_cache_bytes == 16 * 256 * 12288
+    assert p.push_bytes == 2 * 494_032_768
+    assert p.decode_step_s() == pytest.approx(0.01)
+    advice = " ".join(p.advice("train"))
+    assert "1.0 GiB over" in advice
+    assert "remat=dots" in advice and "micro_batches=2" in advice and "fsdp=8" in advice
+    assert p.advice("decode") == []
+    sim = p.sim_overrides()
+    assert sim["trainer.flops_per_token_factor"] == pytest.approx(
+        8 * 1.97e14 / (2048 * 494_032_768)
+    )
+    assert sim["trainer.chips"] == 8 and sim["fleet.chips_per_worker"] == 2
+    weights_s = 2 * 494_032_768 / 2 / 0.82e12 / 0.6
+    assert sim["fleet.decode_s_per_token"] == pytest.approx(weights_s)
+    assert sim["fleet.decode_s_per_token_per_seq"] == pytest.approx((0.01 - weights_s) / 16)
+    assert "NO" in p.table() and "estimate" in p.table()
+    json.dumps(p.summary())
+
+
+def test_plan_configs_name_the_bad_field():
+    with pytest.raises(ValueError, match="rows: 12 must split"):
+        PlanConfig(mesh=(1, 8, 1), rows=12)
+    with pytest.raises(ValueError, match="chip: must be one of"):
+        PlanConfig(chip="v9")
+    with pytest.raises(ValueError, match="model: 'gpt-9' is neither a preset"):
+        PlanConfig(model="gpt-9")
+    with pytest.raises(ValueError, match="remat"):
+        load_plan_config(None, ["remat=some"])
+    assert sorted(CHIPS) == ["h100", "v4", "v5e", "v5p", "v6e"]
+    for name in ("qwen25_7b_v5p", "qwen3_32b_v5p"):
+        config = load_plan_config(f"configs/plan/{name}.yaml")
+        assert config.length == 8192
+
+
+def _lowered_step(config, micro_batches=1, rows=4, length=16):
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    cfg = TrainConfig(
+        algorithm=algorithm("grpo", loss={"kl_coef": 0.0}), micro_batches=micro_batches
+    )
+    state = jax.eval_shape(lambda p: create_train_state(cfg, p), params)
+    batch = _abstract_batch(rows, length)
+    return make_train_step(cfg, graphdef).lower(state, batch), state, batch
+
+
+def _abstract_batch(rows, length):
+    def s(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+    return TrainBatch(
+        tokens=s((rows, length), jnp.int32),
+        attention_mask=s((rows, length), bool),
+        loss_mask=s((rows, length), jnp.float32),
+        behaviour_logprobs=s((rows, length), jnp.float32),
+        versions=s((rows, length), jnp.int32),
+        rewards=s((rows,), jnp.float32),
+        group_ids=s((rows,), jnp.int32),
+        sequence_mask=s((rows,), bool),
+    )
+
+
+def test_scanned_program_does_not_grow_with_depth():
+    scan = [
+        len(_lowered_step(TINY.replace(num_layers=n, scan_layers=True))[0].as_text())
+        for n in (2, 8)
+    ]
+    unrolled = [len(_lowered_step(TINY.replace(num_layers=n))[0].as_text()) for n in (2, 8)]
+    assert scan[1] / scan[0] < 1.02  # the layer count is only a shape
+    assert unrolled[1] / unrolled[0] > 2.5
+
+
+def test_plan_flops_of_a_scanned_step_equal_the_unrolled_step(tmp_path):
+    # XLA counts a loop body once; the plan's probes scale it to every layer.
+    # Reference: the unscanned step (its loops run once, so XLA's count is the whole
+    # step's).
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf()))
+    config = PlanConfig(
+        model=str(tmp_path),
+        rows=4,
+        prompt_tokens=6,
+        completion_tokens=10,
+        compute_dtype="float32",
+        programs=("train",),
+    )
+    [train] = compile_train(config)
+    reference = _lowered_step(TINY, rows=4, length=16)[0].compile().cost_analysis()["flops"]
+    assert train.flops == pytest.approx(reference, rel=1e-6)
+    assert train.loop_flops < train.flops  # what XLA alone would have said
+
+
+def _shard_bytes(tree, sizes):
+    class Mesh:  # param_partition_spec reads only the axis names and sizes
+        axis_names = tuple(sizes)
+        devices = np.empty(tuple(sizes.values()))
+
+    def nbytes(path, leaf):
+        spec = param_partition_spec(path, leaf.shape, Mesh)
+        shape = [
+            d // (sizes[a] if a else 1)
+            for d, a in zip(leaf.shape, (*spec, *[None] * 9), strict=False)
+        ]
+        return math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+
+    return sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(nbytes, tree)))
+
+
+def test_compiled_bytes_are_the_real_arrays_bytes_on_a_forced_mesh(tmp_path):
+    # One compile process with 4 forced devices, mesh (1, 2, 2); this process keeps its
+    # one device and its XLA flags.
+    flags = os.environ.get("XLA_FLAGS")
+    config_json = tmp_path / "config.json"
+    config_json.write_text(json.dumps(TINY.to_hf()))
+    result = rlaxkit.plan(
+        model=str(config_json),
+        mesh=(1, 2, 2),
+        rows=4,
+        prompt_tokens=6,
+        completion_tokens=10,
+        compute_dtype="float32",
+        sampler_chips=2,
+        slots=4,
+        samples_per_prompt=2,
+        programs=("train", "decode"),
+    )
+    assert os.environ.get("XLA_FLAGS") == flags and jax.device_count() == 1
+    train = result.program("train")
+    assert train.devices == 4
+    scanned = TINY.replace(scan_layers=True)
+    _, state, batch = _lowered_step(scanned, rows=4, length=16)
+    sizes = {"data": 1, "fsdp": 2, "model": 2}
+    state_bytes = _shard_bytes(state, sizes)
+    batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) // 2
+    cfg = TrainConfig(algorithm=algorithm("grpo", loss={"kl_coef": 0.0}))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(scanned, rngs=nnx.Rngs(0))))
+    metrics = jax.eval_shape(make_train_step(cfg, graphdef), state, batch)[1]
+    metric_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(metrics))
+    assert train.argument_bytes == state_bytes + batch_bytes  # rows split over fsdp = 2
+    assert train.alias_bytes == state_bytes  # the donated state is updated in place
+    # Outputs: the new state and the metrics, plus XLA's CPU output tuple, a table of one
+    # 8-byte pointer per output array.
+    outputs = len(jax.tree.leaves(state)) + len(jax.tree.leaves(metrics))
+    assert train.output_bytes == state_bytes + metric_bytes + 8 * outputs
+    # The sampler's weights and caches (float32, kv heads split over 2 chips).
+    decode = result.program("decode")
+    weights = _shard_bytes(
+        nnx.state(nnx.eval_shape(lambda: Transformer(TINY, rngs=nnx.Rngs(0)))),
+        {"data": 1, "fsdp": 1, "model": 2},
+    )
+    cache = 2 * TINY.num_layers * 4 * (TINY.num_kv_heads // 2) * 16 * TINY.head_dim * 4
+    assert decode.argument_bytes > weights + cache
+    assert result.kv_cache_bytes == 2 * cache
+
+
+def test_cli_plan_prints_one_json_line(capsys):
+    code = cli_main(
+        [
+            "plan",
+            "--set",
+            "model=qwen2.5-0.5b",
+            "--set",
+            "num_layers=1",
+            "--set",
+            "programs=[prefill]",
+            "--set",
+            "sampler_chips=1",
+            "--set",
+            "slots=2",
+            "--set",
+            "samples_per_prompt=2",
+            "--set",
+            "prompt_tokens=8",
+            "--set",
+            "completion_tokens=8",
+            "--json",
+        ]
+    )
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["programs"]["prefill"]["fits"] is True
+    assert (
+        summary["push_bytes"]
+        == 2 * MODEL_PRESETS["qwen2.5-0.5b"].replace(num_layers=1).num_params()
+    )
+    assert cli_main(["plan", "--set", "chip=v9"]) == 2
+
+
+def test_public_surface():
+    import rlaxkit.planning
+
+    assert all(hasattr(rlaxkit.planning, name) for name in rlaxkit.planning.__all__)
+    assert rlaxkit.plan is rlaxkit.planning.plan
