@@ -88,8 +88,14 @@ def run_steps(work: workloads.GRPOWork, steps: int) -> dict[str, object]:
     loop.start_compiling()
     loop.step(0)
     loop.step(1)
-    times = [s["step_s"] for s in timed_steps(loop, 2, steps)]
-    return {"params": params, "step_s": times, "flops": work.flops()}
+    timed = timed_steps(loop, 2, steps)
+    phases = {k: [s[k] for s in timed] for k in ("generate_s", "score_collate_s", "train_s")}
+    return {
+        "params": params,
+        "step_s": [s["step_s"] for s in timed],
+        "flops": work.flops(),
+        **phases,
+    }
 
 
 def run_first_step(work: workloads.GRPOWork) -> dict[str, object]:
@@ -106,9 +112,11 @@ def run_decode(work: workloads.DecodeWork, repeats: int) -> dict[str, object]:
     model, params = build_model(work.model)
     prompts = workloads.prompt_ids(work.batch, work.prompt_tokens, work.model.vocab, 0)
     config = SamplingConfig(temperature=1.0, max_new_tokens=work.new_tokens)
+    # Split once, as a sampler holding its weights does (the peer's splits at construction).
+    split = nnx.split(model)
 
     def call(seed: int):
-        result = generate(model, prompts, config, seed)
+        result = generate(split, prompts, config, seed)
         if not (result.lengths == work.new_tokens).all():
             raise RuntimeError(f"rows generated {result.lengths} tokens, not {work.new_tokens}")
         return result

@@ -94,7 +94,7 @@ class InferenceEngine:
         if not 0 < refill_fraction <= 1:
             raise ValueError(f"refill_fraction must be in (0, 1], got {refill_fraction}")
         self.graphdef, self.params = split_model(model)
-        self.model_config = self.graphdef.merge(self.params).config
+        self.model_config = self.graphdef.model_config(self.params)
         self.config = config
         self.num_slots = num_slots
         self.prompt_width = bucket_length(max_prompt_len)

@@ -103,7 +103,7 @@ def generate(
         A ``GenerationResult`` of ``[B, n, config.max_new_tokens]`` arrays.
     """
     graphdef, params = split_model(model)
-    model_config = graphdef.merge(params).config
+    model_config = graphdef.model_config(params)
     prompt_arrays = as_prompts(
         prompts,
         model_config.vocab_size,
@@ -164,7 +164,7 @@ def compile_generate(
     returned threads to wait; a compile error surfaces when ``generate`` is called.
     """
     graphdef, params = split_model(model)
-    model_config = graphdef.merge(params).config
+    model_config = graphdef.model_config(params)
     rows, padded_prompts = bucket_rows(num_prompts * config.n), bucket_rows(num_prompts)
     width = bucket_length(max_prompt_len)
     spec = jax.ShapeDtypeStruct

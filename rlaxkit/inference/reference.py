@@ -83,7 +83,7 @@ def generate_by_recompute(
 ) -> GenerationResult:
     """Like ``rlaxkit.inference.generate`` (same arguments, same result), without a cache."""
     graphdef, params = split_model(model)
-    prompt_arrays = as_prompts(prompts, graphdef.merge(params).config.vocab_size)
+    prompt_arrays = as_prompts(prompts, graphdef.model_config(params).vocab_size)
     num_prompts, n = len(prompt_arrays), config.n
     budget = budgets(max_new_tokens, num_prompts, config)
     keys = prompt_keys(rng, num_prompts)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rlaxkit.models import Transformer
+from rlaxkit.models import ModelConfig, Transformer
 
 # A model, or its graph definition and weights (``nnx.split(model)``).
 ModelLike = Transformer | tuple["nnx.GraphDef | StaticGraph", nnx.State]
@@ -28,11 +28,12 @@ class StaticGraph:
     of decode steps.
     """
 
-    __slots__ = ("graphdef", "_hash")
+    __slots__ = ("graphdef", "_hash", "_config")
 
     def __init__(self, graphdef: nnx.GraphDef):
         self.graphdef = graphdef
         self._hash = hash(graphdef)
+        self._config: ModelConfig | None = None
 
     def __hash__(self) -> int:
         return self._hash
@@ -50,11 +51,22 @@ class StaticGraph:
         """The model with ``params`` (inside jit: traced arrays)."""
         return nnx.merge(self.graphdef, params)
 
+    def model_config(self, params: nnx.State) -> ModelConfig:
+        """The model's ``ModelConfig``, a static part of the graph: merged once, then
+        remembered (a merge costs about a millisecond of Python per call)."""
+        if self._config is None:
+            self._config = self.merge(params).config
+        return self._config
+
 
 # Equal graph definitions share one ``StaticGraph``, so jit's cache lookups end at the
 # identity check instead of comparing two graphs (several engines of one model).
 _INTERNED: dict[int, list[StaticGraph]] = {}
 _INTERN_LIMIT = 256
+# The same ``GraphDef`` object passed again (a worker calling ``generate`` with the pair
+# it split once) finds its ``StaticGraph`` by identity, without hashing the graph again
+# (about 1.5 ms of Python for a 4-layer decoder). Holds the graph, so its id stays valid.
+_BY_ID: dict[int, tuple[nnx.GraphDef, StaticGraph]] = {}
 
 
 def _intern(graph: StaticGraph) -> StaticGraph:
@@ -77,7 +89,14 @@ def split_model(model: ModelLike) -> tuple[StaticGraph, nnx.State]:
     else:
         graph, params = model
     if not isinstance(graph, StaticGraph):
-        graph = _intern(StaticGraph(graph))
+        known = _BY_ID.get(id(graph))
+        if known is not None and known[0] is graph:
+            return known[1], params
+        if len(_BY_ID) >= _INTERN_LIMIT:
+            _BY_ID.clear()
+        static = _intern(StaticGraph(graph))
+        _BY_ID[id(graph)] = (graph, static)
+        graph = static
     return graph, params
 
 
@@ -112,13 +131,60 @@ def key_data(rng: KeyLike) -> np.ndarray:
     return data
 
 
+def _rotate_left(x: np.ndarray, bits: int) -> np.ndarray:
+    return (x << np.uint32(bits)) | (x >> np.uint32(32 - bits))
+
+
+def threefry_fold_in(key: np.ndarray, data: np.ndarray) -> np.ndarray:
+    """``key_data(fold_in(wrap_key_data(key), d))`` for every ``d`` in ``data``, on the host.
+
+    JAX's default key is threefry-2x32: ``fold_in(key, d)`` is the Threefry-2x32 hash
+    (Salmon et al. 2011, 20 rounds, rotations 13 15 26 6 / 17 29 16 24, key schedule
+    ``k0, k1, k0 ^ k1 ^ 0x1BD11BDA``) of the counter pair ``(0, d)`` under ``key``.
+    Computed in numpy it costs microseconds, where one eager ``fold_in`` per prompt is a
+    device dispatch each; ``tests/test_sampling.py`` checks it against ``jax.random``.
+
+    Args:
+        key: ``[2]`` uint32 key data.
+        data: ``[N]`` non-negative integers below ``2**32``.
+
+    Returns:
+        ``[N, 2]`` uint32 key data.
+    """
+    k0, k1 = np.uint32(key[0]), np.uint32(key[1])
+    schedule = (k0, k1, k0 ^ k1 ^ np.uint32(0x1BD11BDA))
+    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
+    with np.errstate(over="ignore"):
+        x0 = np.zeros(len(data), np.uint32) + schedule[0]
+        x1 = np.asarray(data, np.uint32) + schedule[1]
+        for i in range(5):
+            for r in rotations[i % 2]:
+                x0 = x0 + x1
+                x1 = _rotate_left(x1, r) ^ x0
+            x0 = x0 + schedule[(i + 1) % 3]
+            x1 = x1 + schedule[(i + 2) % 3] + np.uint32(i + 1)
+    return np.stack([x0, x1], axis=1)
+
+
+def _host_threefry() -> bool:
+    """Keys are threefry-2x32 in 32-bit mode, the layout ``threefry_fold_in`` computes."""
+    # jax.config's flags are attributes set at run time; mypy cannot see them.
+    return (
+        jax.config.jax_default_prng_impl == "threefry2x32"  # type: ignore[attr-defined]
+        and not jax.config.jax_enable_x64  # type: ignore[attr-defined]
+    )
+
+
 def prompt_keys(rng: KeyLike | Sequence[KeyLike], num_prompts: int) -> np.ndarray:
     """``[num_prompts, ...]`` key data: ``rng[i]`` per prompt, or ``fold_in(rng, i)``."""
     if isinstance(rng, Sequence):
         if len(rng) != num_prompts:
             raise ValueError(f"got {len(rng)} keys for {num_prompts} prompts")
         return np.stack([key_data(r) for r in rng])
-    base = jax.random.wrap_key_data(jnp.asarray(key_data(rng)))
+    data = key_data(rng)
+    if _host_threefry() and data.shape == (2,):
+        return threefry_fold_in(data, np.arange(num_prompts))
+    base = jax.random.wrap_key_data(jnp.asarray(data))
     return np.stack(
         [np.asarray(jax.random.key_data(jax.random.fold_in(base, i))) for i in range(num_prompts)]
     )
