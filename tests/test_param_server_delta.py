@@ -20,6 +20,9 @@ from rlaxkit.param_server.delta import (
     chunk_checksums,
     gather_chunks,
     num_chunks,
+    patch_chunks,
+    patch_nbytes,
+    word_patches,
 )
 from rlaxkit.param_server.delta_store import DeltaParameterServer, delta_keep
 
@@ -71,6 +74,29 @@ def test_applying_the_changed_chunks_rebuilds_the_new_buffers(old, chunk_bytes, 
     assert [a.tobytes() for a in full] == [a.tobytes() for a in new_arrays]
 
 
+@settings(max_examples=100, deadline=None)
+@given(old=buffers, chunk_bytes=st.integers(1, 17), data=st.data())
+def test_word_patches_rebuild_the_new_chunks_from_the_old(old, chunk_bytes, data):
+    old_arrays = [np.frombuffer(b, np.uint8).copy() for b in old]
+    new_arrays = [
+        np.frombuffer(data.draw(st.binary(min_size=a.size, max_size=a.size)), np.uint8).copy()
+        for a in old_arrays
+    ]
+    layout = ChunkLayout.of([a.size for a in old_arrays], chunk_bytes)
+    drawn = data.draw(st.sets(st.integers(0, max(0, layout.num_chunks - 1))))
+    ids = np.asarray(sorted(g for g in drawn if g < layout.num_chunks), np.int64)
+    patches = word_patches(old_arrays, new_arrays, layout, ids)
+    if np.any(layout.size[ids] % 2):
+        assert patches is None  # odd chunks are not patched
+        return
+    masks, values, counts = patches
+    assert masks.size + values.nbytes == patch_nbytes(layout, ids, counts)
+    patched = [a.copy() for a in old_arrays]
+    patch_chunks(patched, layout, ids, masks, values, counts)
+    expected = apply_chunks(old_arrays, layout, ids, gather_chunks(new_arrays, layout, ids))
+    assert [a.tobytes() for a in patched] == [a.tobytes() for a in expected]
+
+
 @given(nbytes=st.integers(0, 1000), chunk_bytes=st.integers(1, 100))
 def test_the_layout_covers_each_leaf_once(nbytes, chunk_bytes):
     layout = ChunkLayout.of([nbytes, 3], chunk_bytes)
@@ -115,21 +141,29 @@ def perturb(weights: dict, rng: np.random.Generator, how: str) -> dict:
     return out
 
 
-def differing_bytes(held: dict | None, new: dict, chunk_bytes: int) -> int:
-    """Bytes of the chunks in which ``new`` differs from ``held`` (all, if the trees
-    differ), by comparing the bytes themselves."""
+def differing_bytes(held: dict | None, new: dict, chunk_bytes: int) -> tuple[int, int]:
+    """``(bytes of the chunks in which new differs from held, bytes of their word
+    patches)`` (every chunk, and no patch, if the trees differ), by comparing the bytes
+    themselves: a patch is a bit per 16-bit word, rounded up to bytes, and 2 bytes per
+    changed word."""
     keys = list(new)
     layout = ChunkLayout.of([new[k].nbytes for k in keys], chunk_bytes)
     if held is None or [held[k].shape for k in keys] != [new[k].shape for k in keys]:
-        return int(layout.size.sum())
+        return int(layout.size.sum()), -1
     old_bytes = [byte_view(held[k]) for k in keys]
     new_bytes = [byte_view(new[k]) for k in keys]
-    total = 0
+    total = patch = 0
     for g in range(layout.num_chunks):
         span = slice(layout.start[g], layout.start[g] + layout.size[g])
-        if not np.array_equal(old_bytes[layout.leaf[g]][span], new_bytes[layout.leaf[g]][span]):
+        before, after = old_bytes[layout.leaf[g]][span], new_bytes[layout.leaf[g]][span]
+        if not np.array_equal(before, after):
             total += int(layout.size[g])
-    return total
+            if before.size % 2:
+                patch = -1  # odd chunks are never patched
+            elif patch >= 0:
+                changed = before.view(np.uint16) != after.view(np.uint16)
+                patch += -(-changed.size // 8) + 2 * int(changed.sum())
+    return total, patch
 
 
 def assert_bitwise_equal(got: dict, want: dict) -> None:
@@ -140,10 +174,17 @@ def assert_bitwise_equal(got: dict, want: dict) -> None:
         assert pulled.tobytes() == leaf.tobytes(), key
 
 
+push_ops = st.tuples(st.just("push"), st.sampled_from(["one", "none", "all", "shape"]))
+pull_ops = st.tuples(st.just("pull"), st.integers(0, 2))
+# Pushes and pulls three times as often as restarts, so that chains of deltas form.
 operations = st.lists(
     st.one_of(
-        st.tuples(st.just("push"), st.sampled_from(["none", "one", "one", "all", "shape"])),
-        st.tuples(st.just("pull"), st.integers(0, 2)),
+        push_ops,
+        push_ops,
+        push_ops,
+        pull_ops,
+        pull_ops,
+        pull_ops,
         st.tuples(st.just("restart_puller"), st.integers(0, 2)),
         st.tuples(st.just("restart_pusher"), st.just(0)),
     ),
@@ -162,6 +203,7 @@ class Scenario:
         self.pusher = DeltaParameterServer(self.inner, **self.options)
         self.pullers = [self.new_puller() for _ in range(3)]
         self.held: list[dict | None] = [None] * 3
+        self.held_version: list[int | None] = [None] * 3
         self.rng = np.random.default_rng(0)
         self.weights = weights_at(self.rng)
         self.version = 0
@@ -181,6 +223,7 @@ class Scenario:
                 self.pull(arg)
             elif op == "restart_puller":
                 self.pullers[arg], self.held[arg] = self.new_puller(), None
+                self.held_version[arg] = None
             elif op == "restart_pusher":  # The same store, a new client: a full snapshot next.
                 self.pusher = DeltaParameterServer(self.make_reader(self.inner), **self.options)
         if self.version:
@@ -193,17 +236,22 @@ class Scenario:
         assert version == self.version
         assert_bitwise_equal(params, self.weights)
         moved = puller.stats.last("pull").bytes
-        want = differing_bytes(self.held[i], self.weights, self.options["chunk_bytes"])
+        chunks, patches = differing_bytes(self.held[i], self.weights, self.options["chunk_bytes"])
+        record = self.inner.read(version)
+        patched = int(record["patch_base"]) >= 0  # the push stored word patches
         if self.held[i] is not None and self.held[i] is self.weights:
-            want = 0  # It holds this version already: no read at all.
-            assert moved == 0
+            assert moved == 0  # It holds this version already: no read at all.
+        elif patched and self.held_version[i] == int(record["patch_base"]):
+            # One version behind: the patches, with their per-chunk counts.
+            assert moved - puller.metadata_bytes - record["patch_counts"].nbytes == patches
+            assert patches < chunks
         else:
-            assert moved - puller.metadata_bytes == want
-        self.held[i] = self.weights
+            assert moved - puller.metadata_bytes == chunks
+        self.held[i], self.held_version[i] = self.weights, version
 
 
-@settings(max_examples=60, deadline=None)
-@given(ops=operations, snapshot_every=st.integers(1, 4), chunk_bytes=st.sampled_from([3, 8, 64]))
+@settings(max_examples=100, deadline=None)
+@given(ops=operations, snapshot_every=st.integers(1, 4), chunk_bytes=st.sampled_from([8, 64, 3]))
 def test_delta_pulls_are_bitwise_exact_in_process(ops, snapshot_every, chunk_bytes):
     # The store keeps only what the newest version needs, so held versions are evicted.
     Scenario(
@@ -301,7 +349,8 @@ def test_delta_pulls_through_the_ray_object_store(ray_cluster):
             assert got == version
             assert_bitwise_equal(params, weights)
             moved = reader.stats.last("pull").bytes - reader.metadata_bytes
-            assert moved == differing_bytes(held, weights, 8)
+            chunks, patches = differing_bytes(held, weights, 8)
+            assert moved in (chunks, patches + 8)  # chunks, or patches and their count
             held = weights
     ray.kill(actor)
 

@@ -75,6 +75,9 @@ from rlaxkit.param_server.delta import (
     check_chunk_bytes,
     chunk_checksums,
     gather_chunks,
+    patch_chunks,
+    patch_nbytes,
+    word_patches,
 )
 from rlaxkit.param_server.layout import aligned_empty
 from rlaxkit.validation import check_int
@@ -159,7 +162,9 @@ def delta_keep(keep: int, snapshot_every: int) -> int:
 class _Published:
     """What the pusher remembers of its previous push: enough to diff the next one."""
 
+    version: int
     leaves: list[dict[str, Any]]
+    buffers: list[np.ndarray]  # A copy of its bytes, for the next push's word patches.
     sums: np.ndarray
     owner: np.ndarray
     since_snapshot: int  # Pushes after the last full snapshot.
@@ -177,6 +182,9 @@ class _Held:
     skeleton: bytes
 
 
+_NO_PATCHES = (np.empty(0, np.uint8), np.empty(0, np.uint16), np.empty(0, np.int64))
+
+
 class _Evicted(Exception):
     """A record the pull needed is gone (a push evicted it meanwhile)."""
 
@@ -192,13 +200,16 @@ class DeltaParameterServer:
     >>> store.push(1, weights)
     >>> store.pull()[0], store.stats.last("pull").bytes - store.metadata_bytes
     (1, 4096)
-    >>> weights["w"][:16] = 1.0  # the first chunk changes
+    >>> weights["w"][:16] = 1.0  # the first chunk changes: the high word of 16 floats
     >>> store.push(2, weights)
     >>> version, params = store.pull()
     >>> version, store.stats.last("pull").bytes - store.metadata_bytes
-    (2, 64)
+    (2, 44)
     >>> bool(np.array_equal(params["w"], weights["w"]))
     True
+
+    One version behind, the pull read that chunk's word patch: a 4-byte mask of its 32
+    words, 16 new words (32 bytes) and their count (8 bytes), not its 64 bytes.
 
     Args:
         inner: the store that holds the records; it must keep at least
@@ -328,6 +339,7 @@ class DeltaParameterServer:
                 or previous.leaves != meta_leaves
                 or previous.since_snapshot + 1 >= self.snapshot_every
             )
+            patches = None
             if full or previous is None:
                 changed = np.arange(layout.num_chunks, dtype=np.int64)
                 owner = np.full(layout.num_chunks, version, np.int64)
@@ -335,6 +347,13 @@ class DeltaParameterServer:
                 changed = changed_chunks(previous.sums, sums)
                 owner = previous.owner.copy()
                 owner[changed] = version
+                patches = word_patches(previous.buffers, buffers, layout, changed)
+                if patches is not None and (
+                    patch_nbytes(layout, changed, patches[2]) >= layout.payload_bytes(changed)
+                ):
+                    patches = None  # No smaller than the chunks themselves.
+            masks, values, counts = patches or _NO_PATCHES
+            base = previous.version if patches is not None and previous is not None else -1
             record = {
                 "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8).copy(),
                 "sums": sums,
@@ -342,13 +361,26 @@ class DeltaParameterServer:
                 "changed": changed,
                 "payload": gather_chunks(buffers, layout, changed),
                 "skeleton": np.frombuffer(self._skeleton[0], np.uint8).copy(),
+                "patch_base": np.asarray(base, np.int64),
+                "patch_masks": masks,
+                "patch_values": values.view(np.uint8),
+                "patch_counts": counts,
             }
             if reset:
                 self.inner.push(version, record, reset=True)  # type: ignore[call-arg]
             else:
                 self.inner.push(version, record)
             since = 0 if full or previous is None else previous.since_snapshot + 1
-            self._published = _Published(meta_leaves, sums, owner, since)
+            # The next push's patches need these bytes as they are now: the pushed arrays
+            # may change after this call (a numpy array written in place, a jax buffer
+            # donated to the next train step), so keep a copy, in the previous one's memory.
+            same = previous is not None and previous.leaves == meta_leaves
+            kept = previous.buffers if same and previous is not None else None
+            if kept is None:
+                kept = [np.empty(b.size, np.uint8) for b in buffers]
+            for into, now in zip(kept, buffers, strict=True):
+                np.copyto(into, now)
+            self._published = _Published(version, meta_leaves, kept, sums, owner, since)
             self._pushed_tree = (paths, treedef)
             nbytes = sum(a.nbytes for a in record.values())
             duration_s = time.perf_counter() - start
@@ -442,6 +474,13 @@ class DeltaParameterServer:
         self.metadata_bytes = int(np.asarray(record["meta"]).nbytes + sums.nbytes + owner.nbytes)
         same_tree = held is not None and held.meta == meta
         need = changed_chunks(held.sums if held is not None and same_tree else None, sums)
+        if (
+            held is not None
+            and same_tree
+            and "patch_base" in record
+            and int(np.asarray(record["patch_base"])) == held.version
+        ):
+            return self._patch(held, version, record, meta, layout, sums, need)
         # Where each needed chunk is: the payload of its owner's record, at an offset.
         payloads: dict[int, np.ndarray] = {}
         source = np.empty(need.size, np.int64)
@@ -496,6 +535,42 @@ class DeltaParameterServer:
         skeleton = np.asarray(record["skeleton"]).tobytes() if "skeleton" in record else b""
         self._held = _Held(version, meta, layout, buffers, sums, skeleton)
         return self._held, self.metadata_bytes + layout.payload_bytes(need)
+
+    def _patch(
+        self,
+        held: _Held,
+        version: int,
+        record: dict[str, Any],
+        meta: dict[str, Any],
+        layout: ChunkLayout,
+        sums: np.ndarray,
+        need: np.ndarray,
+    ) -> tuple[_Held, int]:
+        """The held state at ``version`` from the word patches of its record, made
+        against the version this client holds (see ``delta``)."""
+        changed = np.asarray(record["changed"])
+        if not np.array_equal(changed, need):
+            raise ValueError(
+                f"version {version}: its record patches chunks other than those that differ "
+                f"from version {held.version}; the store is damaged or mixes two pushers"
+            )
+        counts = np.asarray(record["patch_counts"])
+        touched = set(np.unique(layout.leaf[need]).tolist())
+        buffers = []
+        for i, old in enumerate(held.buffers):
+            if i in touched:
+                new = aligned_empty(old.shape, np.dtype(np.uint8))
+                np.copyto(new, old)
+                old = new
+            buffers.append(old)
+        values = np.asarray(record["patch_values"]).view(np.uint16)
+        patch_chunks(buffers, layout, need, np.asarray(record["patch_masks"]), values, counts)
+        for buffer in buffers:
+            buffer.flags.writeable = False
+        skeleton = np.asarray(record["skeleton"]).tobytes()
+        self._held = _Held(version, meta, layout, buffers, sums, skeleton)
+        moved = self.metadata_bytes + counts.nbytes + patch_nbytes(layout, need, counts)
+        return self._held, moved
 
     def _to_tree(self, held: _Held) -> Any:
         leaves_meta = held.meta["leaves"]
