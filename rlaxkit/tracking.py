@@ -12,7 +12,8 @@ name                      writes under the run directory               pip extra
 ========================  ==========================================  ===================
 
 Each tracker gets every step's metrics (numbers only), the staleness histogram of the
-step's batch, the resolved config once and the run's summary when it closes. Drop
+step's batch, held-out evaluations (``eval/pass_at_<k>`` at the step they were taken),
+the resolved config once and the run's summary when it closes. Drop
 reasons are among the step metrics (``dropped/<reason>``, cumulative) and the summary
 (``buffer/dropped_by_reason/<reason>``).
 
@@ -359,6 +360,12 @@ class Trackers:
             tracker.log_metrics(step, scalars)
             for name, histogram in counts.items():
                 tracker.log_histogram(step, name, histogram)
+
+    def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        """A held-out evaluation at ``step``, for the external trackers only
+        (``metrics.jsonl`` holds train steps; the job's ``summary.json`` its evaluations)."""
+        for tracker in self.trackers.values():
+            tracker.log_metrics(step, numbers(metrics))
 
     def roll_back(self, step: int, rows: list[dict[str, Any]]) -> None:
         """The run went back to ``step``; ``rows`` are the steps it keeps.

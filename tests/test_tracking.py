@@ -166,6 +166,7 @@ def test_trackers_fan_out_and_a_roll_back_rewrites_metrics_jsonl(tmp_path):
         trackers.log({"step": step, "loss": step / 2, "note": "x"}, {"staleness": [0, 1, 1]})
     trackers.roll_back(1, [{"step": 1, "loss": 0.5, "note": "x"}])
     trackers.log({"step": 2, "loss": 7.0}, {"staleness": [2]})
+    trackers.log_eval(2, {"eval/pass_at_1": 0.25})
     trackers.log_summary({"steps": 2, "buffer": {"dropped": 1}})
     trackers.close()
     assert read_metrics(tmp_path / "metrics.jsonl") == [
@@ -180,6 +181,7 @@ def test_trackers_fan_out_and_a_roll_back_rewrites_metrics_jsonl(tmp_path):
         ("rewind", 1),
         ("metrics", 2, {"step": 2.0, "loss": 7.0}),
         ("histogram", 2, "staleness", {2: 1}),
+        ("metrics", 2, {"eval/pass_at_1": 0.25}),  # not in metrics.jsonl
         ("summary", {"steps": 2, "buffer": {"dropped": 1}}),
         ("close",),
     ]
@@ -204,7 +206,14 @@ def resumed_run(tmp_path_factory):
             assert exp.resumed_from == 2
             exp.run()
             lost_steps = exp.books.lost_steps
-    return {"run": run, "stopped": stopped, "ids": ids, "lost_steps": lost_steps}
+            pass_at_1 = exp.evaluate().rows[0]["pass@k"]
+    return {
+        "run": run,
+        "stopped": stopped,
+        "ids": ids,
+        "lost_steps": lost_steps,
+        "pass_at_1": pass_at_1,
+    }
 
 
 def test_resumed_run_continues_the_same_tracker_runs(resumed_run):
@@ -235,6 +244,7 @@ def test_tensorboard_holds_metrics_jsonl(resumed_run):
     staleness = events.Histograms("staleness")
     assert [h.step for h in staleness] == [1, 2, 3, 4, 5]
     assert all(h.histogram_value.num == 4 for h in staleness)  # staleness.batch_size groups
+    assert scalars["eval/pass_at_1"] == {5: np.float32(resumed_run["pass_at_1"])}
     assert scalars["summary/steps"] == {5: 5.0}
     assert scalars["summary/lost_steps"] == {5: float(resumed_run["lost_steps"])}
     configs = events.Tensors("config/text_summary")  # at step 0, once per session
@@ -259,6 +269,8 @@ def test_wandb_offline_run_holds_metrics_jsonl(resumed_run):
             if isinstance(value, int | float):
                 assert kept[row["step"]][key] == value, (key, row["step"])
     assert stopped[3]["time/train_s"] == resumed_run["stopped"][2]["time/train_s"]
+    (evaluation,) = [h for h in second if "eval/pass_at_1" in h]
+    assert evaluation["step"] == 5 and evaluation["eval/pass_at_1"] == resumed_run["pass_at_1"]
     histograms = [h for h in first + second if "staleness._type" in h]
     assert [h["step"] for h in histograms] == [1, 2, 3, 3, 4, 5]
     assert all(sum(h["staleness.values"]) == 4 for h in histograms)
@@ -289,6 +301,8 @@ def test_mlflow_store_holds_metrics_jsonl(resumed_run):
         points = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
         kept = {m.step: m.value for m in points}
         assert kept == {row["step"]: row[key] for row in rows}, key
+    (evaluation,) = client.get_metric_history(run_id, "eval/pass_at_1")
+    assert (evaluation.step, evaluation.value) == (5, resumed_run["pass_at_1"])
     data = client.get_run(run_id).data
     assert data.params["staleness.batch_size"] == "4"
     assert data.params["tracking"] == "['jsonl', 'tensorboard', 'wandb', 'mlflow']"

@@ -313,7 +313,8 @@ class Experiment(Loop):
     def evaluate(
         self, num_problems: int | None = None, samples: int | None = None, seed: int = 1234
     ) -> EvalReport:
-        """Held-out pass@1 (and pass@k) at the training temperature on the test split."""
+        """Held-out pass@1 (and pass@k) at the training temperature on the test split;
+        the external trackers get ``eval/pass_at_<k>`` at the current step."""
         cfg = self.config.eval
         n = samples or cfg.samples
         params = jax.tree.map(lambda x: x.copy(), self.params())
@@ -321,7 +322,7 @@ class Experiment(Loop):
             (self.parts.graphdef, params), self.tokenizer, self.config.sampling
         )
         problems = self.task.problems("test", num_problems or cfg.num_problems)
-        return evaluate_policy(
+        report = evaluate_policy(
             self.task,
             generate,
             problems=problems,
@@ -330,6 +331,10 @@ class Experiment(Loop):
             seed=seed,
             runner=self.parts.scorer,
         )
+        self.logger.log_eval(
+            self.version, {f"eval/pass_at_{r['k']}": r["pass@k"] for r in report.rows}
+        )
+        return report
 
     def close(self) -> None:
         """Records goodput, stops workers and actors, waits for checkpoint writes and
