@@ -20,6 +20,7 @@ from rlaxkit.algorithms.config import AdvantageConfig, LossConfig
 from rlaxkit.configio import apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
 from rlaxkit.inference import SamplingConfig
 from rlaxkit.models.config import ModelConfig
+from rlaxkit.models.lora import LoraConfig
 from rlaxkit.param_server import ParamServerConfig
 from rlaxkit.policies import (
     BatchPolicy,
@@ -121,11 +122,14 @@ class AlgorithmSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerSpec:
-    """How a batch is cut into updates (see ``rlaxkit.trainer.TrainConfig``)."""
+    """How a batch is cut into updates, and what is trained (see
+    ``rlaxkit.trainer.TrainConfig``): every weight, or LoRA adapters (``lora``, e.g.
+    ``--set trainer.lora.rank=8``)."""
 
     micro_batches: int = 1
     mini_batches: int = 1
     epochs: int = 1
+    lora: LoraConfig | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -150,8 +150,12 @@ def merge(defaults: Any, given: Any) -> Any:
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Applies ``key.sub=value`` overrides (values parsed as YAML) to a nested dict.
 
+    An optional section that is unset (``None``) becomes one when a key below it is set:
+
     >>> apply_overrides({"a": {"b": 1}}, ["a.b=2", "c=[1, 2]"])
     {'a': {'b': 2}, 'c': [1, 2]}
+    >>> apply_overrides({"lora": None}, ["lora.rank=8"])
+    {'lora': {'rank': 8}}
     """
     for item in overrides:
         if "=" not in item:
@@ -160,7 +164,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         node = data
         parts = key.strip().split(".")
         for part in parts[:-1]:
-            child = node.setdefault(part, {})
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
             if not isinstance(child, dict):
                 raise ValueError(f"override {key}: {part} is not a section")
             node = child

@@ -50,6 +50,7 @@ from rlaxkit.batch import TrainBatch
 from rlaxkit.jaxutil import TieredJit
 from rlaxkit.logprobs import logprobs_and_entropy
 from rlaxkit.models import REMAT_POLICIES, RematPolicy, is_stacked, positions_from_mask
+from rlaxkit.models.lora import LoraConfig, init_adapters, merge_adapters
 from rlaxkit.validation import check_int
 
 MESH_AXES = ("data", "fsdp", "model")
@@ -111,6 +112,11 @@ class TrainConfig:
             ``none`` keeps every activation, ``dots`` keeps the weight matmuls' outputs
             and recomputes the rest (attention scores included), ``full`` keeps only
             each block's input. Memory for time; the numbers do not change.
+        lora: train low-rank adapters on these projections instead of every weight
+            (``rlaxkit.models.lora``): the optimizer holds state for the adapters only,
+            the base weights stay frozen in ``TrainState.base_params``, and
+            ``TrainState.params`` is the merged policy the trainer samples, pushes and
+            evaluates. ``None`` trains every weight.
     """
 
     algorithm: AlgorithmConfig
@@ -122,8 +128,11 @@ class TrainConfig:
     temperature: float = 1.0
     compute_dtype: Literal["float32", "bfloat16"] | None = None
     remat: RematPolicy = "none"
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise ValueError(f"lora: must be a LoraConfig or None, got {self.lora!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat: must be one of {REMAT_POLICIES}, got {self.remat!r}")
         for name in ("micro_batches", "mini_batches", "epochs"):
@@ -149,6 +158,9 @@ class TrainState:
         rng: uint32 ``[2]`` PRNG key data (mini-batch shuffling).
         value_params: critic parameters, or ``None``.
         ref_params: frozen reference policy, or ``None``.
+        adapters: with ``TrainConfig.lora``, the trained LoRA adapters (``params`` is
+            then ``base_params`` merged with them); else ``None``.
+        base_params: with ``TrainConfig.lora``, the frozen base weights; else ``None``.
     """
 
     step: jax.Array
@@ -157,6 +169,8 @@ class TrainState:
     rng: jax.Array
     value_params: Any = None
     ref_params: Any = None
+    adapters: Any = None
+    base_params: Any = None
 
     def replace(self, **changes: Any) -> TrainState:
         """A copy with ``changes`` applied."""
@@ -214,7 +228,18 @@ def create_train_state(
         raise ValueError(f"algorithm {cfg.algorithm.name!r} trains a critic: pass value_params")
     if ref_params is not None:
         ref_params = jax.tree.map(jnp.copy, ref_params)
-    opt_state = make_optimizer(cfg.optimizer).init((params, value_params))
+    adapters = base_params = None
+    trained = params
+    if cfg.lora is not None:
+        # B starts at zero, so the merged policy is the base one, bit for bit; the base
+        # is copied, as the step donates and overwrites the policy's buffers.
+        lora = cfg.lora
+        key = jax.random.fold_in(jax.random.key(seed), 1)
+        # One compiled program instead of an eager dispatch per kernel shape.
+        adapters = jax.jit(lambda p, k: init_adapters(p, lora, k))(params, key)
+        base_params = jax.tree.map(jnp.copy, params)
+        trained = adapters
+    opt_state = make_optimizer(cfg.optimizer).init((trained, value_params))
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -222,6 +247,8 @@ def create_train_state(
         rng=jax.random.PRNGKey(seed),
         value_params=value_params,
         ref_params=ref_params,
+        adapters=adapters,
+        base_params=base_params,
     )
 
 
@@ -355,10 +382,12 @@ class PreparedBatch:
 
 
 _Prepare: TypeAlias = Callable[[TrainState, TrainBatch], tuple[PreparedBatch, dict[str, jax.Array]]]
-# What ``_build`` returns: ``prepare``, ``minibatch_gradients``, ``update`` and the optax
-# transformation (``minibatch_gradients`` and ``update`` close over traced pytrees and
-# are left untyped).
-_StepParts: TypeAlias = tuple[_Prepare, Callable[..., Any], Callable[..., Any], Any]
+# What ``_build`` returns: ``prepare``, ``minibatch_gradients``, ``update``, the optax
+# transformation and ``policy_of`` (the policy from the trained tree and the base);
+# ``minibatch_gradients`` and ``update`` close over traced pytrees and are left untyped.
+_StepParts: TypeAlias = tuple[
+    _Prepare, Callable[..., Any], Callable[..., Any], Any, Callable[[Any, Any], Any]
+]
 
 
 def _build(
@@ -479,8 +508,14 @@ def _build(
         )
         return prepared, stats
 
-    def micro_loss(trainable, micro, version):
-        params, value_params = trainable
+    def policy_of(trained, base):
+        """The policy's parameters: the trained ones, or the base merged with the
+        trained adapters (``cfg.lora``)."""
+        return trained if cfg.lora is None else merge_adapters(base, trained, cfg.lora)
+
+    def micro_loss(trainable, micro, version, base):
+        trained, value_params = trainable
+        params = policy_of(trained, base)
         logp, entropy = policy_forward(params, micro.tokens, micro.positions, micro.attention_mask)
         values = None
         if value_params is not None:
@@ -507,7 +542,7 @@ def _build(
         )
         return rl_loss(inputs, loss_cfg)
 
-    def minibatch_gradients(trainable, minibatch, version):
+    def minibatch_gradients(trainable, minibatch, version, base=None):
         """Summed gradients over the micro-batches (leaves ``[micro, rows, ...]``)."""
         mask = minibatch.loss_mask
         flat = mask.reshape((-1,) + mask.shape[2:])
@@ -520,7 +555,7 @@ def _build(
         def body(grads, micro):
             micro = constrain_rows(micro)
             (_, metrics), micro_grads = jax.value_and_grad(micro_loss, has_aux=True)(
-                trainable, micro, version
+                trainable, micro, version, base
             )
             return jax.tree.map(jnp.add, grads, micro_grads), metrics
 
@@ -528,15 +563,15 @@ def _build(
         grads, metrics = jax.lax.scan(body, zeros, minibatch)
         return grads, _reduce_metrics(metrics, "sum")
 
-    def update(carry, minibatch, version):
+    def update(carry, minibatch, version, base=None):
         trainable, opt_state = carry
-        grads, metrics = minibatch_gradients(trainable, minibatch, version)
+        grads, metrics = minibatch_gradients(trainable, minibatch, version, base)
         metrics["grad_norm"] = optax.global_norm(grads)
         metrics["learning_rate"] = opt_state[1].hyperparams["learning_rate"]
         updates, opt_state = tx.update(grads, opt_state, trainable)
         return (optax.apply_updates(trainable, updates), opt_state), metrics
 
-    return prepare, minibatch_gradients, update, tx
+    return prepare, minibatch_gradients, update, tx, policy_of
 
 
 def _batch_shards(mesh: Mesh) -> int:
@@ -581,7 +616,7 @@ def make_train_step(
     """
     if cfg.algorithm.needs_value_model and value_graphdef is None:
         raise ValueError(f"algorithm {cfg.algorithm.name!r} trains a critic: pass value_graphdef")
-    prepare, _, update, _ = _build(cfg, graphdef, value_graphdef, mesh)
+    prepare, _, update, _, policy_of = _build(cfg, graphdef, value_graphdef, mesh)
 
     def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
         prepared, stats = prepare(state, batch)
@@ -595,11 +630,15 @@ def make_train_step(
             minibatches = jax.tree.map(
                 lambda x: _split_rows(x, cfg.mini_batches, cfg.micro_batches), rows
             )
-            return jax.lax.scan(lambda c, mb: update(c, mb, state.step), carry, minibatches)
+            return jax.lax.scan(
+                lambda c, mb: update(c, mb, state.step, state.base_params), carry, minibatches
+            )
 
-        carry = ((state.params, state.value_params), state.opt_state)
+        trained = state.params if cfg.lora is None else state.adapters
+        carry = ((trained, state.value_params), state.opt_state)
         keys = jax.random.split(shuffle_rng, cfg.epochs)
-        ((params, value_params), opt_state), metrics = jax.lax.scan(epoch, carry, keys)
+        ((trained, value_params), opt_state), metrics = jax.lax.scan(epoch, carry, keys)
+        params = policy_of(trained, state.base_params)
         metrics = _reduce_metrics(jax.tree.map(lambda x: x.reshape(-1), metrics), "mean")
         new_state = state.replace(
             step=state.step + 1,
@@ -607,6 +646,7 @@ def make_train_step(
             value_params=value_params,
             opt_state=opt_state,
             rng=rng,
+            adapters=None if cfg.lora is None else trained,
         )
         if mesh is not None:
             new_state = jax.lax.with_sharding_constraint(
@@ -660,13 +700,14 @@ def make_gradient_fn(
     one mini-batch, accumulated over ``cfg.micro_batches`` exactly as ``train_step`` does
     (for checks and debugging; ``grads`` is ``(policy_grads, value_grads)``)."""
     cfg = dataclasses.replace(cfg, mini_batches=1, epochs=1)
-    prepare, minibatch_gradients, _, _ = _build(cfg, graphdef, value_graphdef, mesh)
+    prepare, minibatch_gradients, _, _, _ = _build(cfg, graphdef, value_graphdef, mesh)
 
     def gradients(state: TrainState, batch: TrainBatch) -> tuple[Any, dict[str, jax.Array]]:
         prepared, stats = prepare(state, batch)
         minibatch = jax.tree.map(lambda x: _split_rows(x, cfg.micro_batches), prepared)
+        trained = state.params if cfg.lora is None else state.adapters
         grads, metrics = minibatch_gradients(
-            (state.params, state.value_params), minibatch, state.step
+            (trained, state.value_params), minibatch, state.step, state.base_params
         )
         return grads, {**metrics, **stats}
 
@@ -683,5 +724,5 @@ def make_prepare_fn(
     """Jitted ``(state, batch) -> (prepared, stats)``: what ``train_step`` computes before
     its updates (reference, proximal and critic forward passes, advantages) and the
     batch statistics it reports (for checks and debugging)."""
-    prepare, _, _, _ = _build(cfg, graphdef, value_graphdef, mesh)
+    prepare, _, _, _, _ = _build(cfg, graphdef, value_graphdef, mesh)
     return jax.jit(prepare)

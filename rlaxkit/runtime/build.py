@@ -147,5 +147,6 @@ def train_config_for(config: RunConfig) -> TrainConfig:
         micro_batches=config.trainer.micro_batches,
         mini_batches=config.trainer.mini_batches,
         epochs=config.trainer.epochs,
+        lora=config.trainer.lora,
         temperature=config.sampling.temperature or 1.0,
     )
