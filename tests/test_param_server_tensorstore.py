@@ -258,6 +258,15 @@ def test_a_push_overwrites_the_files_of_the_version_it_evicted(tmp_path):
     np.testing.assert_array_equal(params["b"], np.zeros(3, np.float32))
 
 
+def test_a_recycled_version_takes_a_tree_with_an_empty_leaf(tmp_path):
+    store = TensorStoreParameterServer(tmp_path, keep=1)
+    for version in range(1, 5):  # From version 3 on, pushes write over a spare.
+        store.push(version, {"w": np.full(4, version, np.float32), "e": np.zeros(0, np.int64)})
+    _, params = TensorStoreParameterServer(tmp_path).pull()
+    np.testing.assert_array_equal(params["w"], np.full(4, 4, np.float32))
+    assert params["e"].shape == (0,)
+
+
 def mapped_files() -> set[str]:
     with open("/proc/self/maps") as f:
         return {line.split(maxsplit=5)[5].strip() for line in f if len(line.split()) == 6}

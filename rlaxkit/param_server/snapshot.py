@@ -153,9 +153,11 @@ def _write_leaves(
             # so TensorStore may write from them instead of copying them first.
             writes.append(created[i].result().write(a, can_reference_source_data_indefinitely=True))
         else:
-            writes.append(created[i])  # Nothing to write beyond zarr.json.
+            # Nothing to write beyond zarr.json (nothing at all over a recycled version).
+            writes.append(created[i])
     for i, write in enumerate(writes):
-        write.result()
+        if write is not None:
+            write.result()
         if on_leaf is not None:
             on_leaf(i)
     return raw
