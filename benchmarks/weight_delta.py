@@ -10,18 +10,20 @@ consecutive published versions, ``A`` and ``B``. Reported:
   weights are often published);
 - ``chunk_changed_fraction``: the fraction of the bytes a delta push stores (chunks whose
   bytes changed) at 4 KiB, 64 KiB and 1 MiB chunks, float32 and bfloat16;
-- ``sparse_bytes_fraction``: what an element-level encoding (a bitmask of the changed
-  elements and their new values) would move, as a fraction of the bytes: computed from
-  the element counts, **not** an encoding rlaxkit implements;
+- ``word_changed_fraction``: 16-bit words whose bits differ (what the word patches of a
+  reader one version behind carry, plus a bit per word);
 - a timed sync through the TensorStore store (snapshots in a directory that another
-  process reads): the trainer pushes ``A, B, A, B, ...`` as consecutive versions (each
-  pair one real step apart) and a reader one version behind pulls each, through
+  process reads), of the float32 weights and of their bfloat16 rounding: the trainer
+  pushes ``A, B, A, B, ...`` as consecutive versions (each pair one real step apart)
+  and a reader one version behind pulls each, through
   :class:`rlaxkit.param_server.delta_store.DeltaParameterServer` (1 MiB chunks, a full
   snapshot every 4 pushes) and through the plain store. A pull ends when the reader
   holds the newest version as arrays *and has touched every 4 KiB page of them*.
   ``delta_pull_speedup`` = full pull s / delta pull s (medians, same run);
-  ``delta_bytes_ratio`` = bytes the delta pull read / the model's bytes;
+  ``delta_bytes_ratio`` = median bytes a delta pull read / the model's bytes (the mean
+  over pulls, snapshots included, is under ``delta_sync``);
   ``delta_push_slowdown`` = delta push s / full push s (the pusher hashes every byte).
+  The plain keys are float32's; ``_bfloat16`` ones the rounded weights'.
 
 ``delta_changed_fraction`` (the headline) is the float32 chunk fraction at 1 MiB, the
 configuration timed. Run alone with ``python benchmarks/weight_delta.py [--quick]``;
@@ -126,7 +128,7 @@ def changed_fractions(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dic
     out: dict[str, Any] = {
         "element_changed_fraction": {},
         "chunk_changed_fraction": {},
-        "sparse_bytes_fraction": {},
+        "word_changed_fraction": {},
     }
     for dtype in ("float32", "bfloat16"):
         cast = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
@@ -139,7 +141,11 @@ def changed_fractions(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dic
         )
         elements = sum(x.size for x in old) // item
         out["element_changed_fraction"][dtype] = differ / elements
-        out["sparse_bytes_fraction"][dtype] = (differ * item + elements / 8) / (elements * item)
+        words = sum(
+            int(np.sum(x.view(np.uint16) != y.view(np.uint16)))
+            for x, y in zip(old, new, strict=True)
+        )
+        out["word_changed_fraction"][dtype] = words / (sum(x.size for x in old) // 2)
         for chunk_bytes in CHUNK_SIZES:
             layout = ChunkLayout.of([x.size for x in old], chunk_bytes)
             sums_old = np.concatenate([chunk_checksums(x, chunk_bytes) for x in old])
@@ -161,7 +167,7 @@ def time_sync(
 ) -> dict[str, float]:
     """Median push and pull seconds and pull bytes of ``A, B, A, ...`` pushes, each
     pulled by a reader one version behind, through the TensorStore store."""
-    directory = root / ("delta" if delta else "full")
+    directory = root
     keep = delta_keep(2, SNAPSHOT_EVERY) if delta else 2
     writer: Any = TensorStoreParameterServer(directory, keep=keep)
     reader: Any = TensorStoreParameterServer(directory)
@@ -190,12 +196,13 @@ def time_sync(
             pulled_bytes.append(reader.stats.last("pull").bytes)
             was_snapshot.append(delta and (version - 1) % SNAPSHOT_EVERY == 0)
         del pulled
-    # Pulls after a snapshot push read the same chunks as after a delta push (the reader
-    # diffs checksums), so every timed pull counts.
+    # After a snapshot push a reader one behind reads the changed chunks (a snapshot
+    # holds no word patches); after a delta push, their word patches.
     return {
         "push_s": statistics.median(pushes),
         "pull_s": statistics.median(pulls),
         "pull_bytes": statistics.median(pulled_bytes),
+        "mean_pull_bytes": statistics.fmean(pulled_bytes),
         "snapshot_pushes": sum(was_snapshot),
     }
 
@@ -207,15 +214,19 @@ def measure(quick: bool, root: Path, repeats: int | None = None) -> dict[str, An
     report: dict[str, Any] = {"model_bytes": model_bytes, "train_two_steps_s": train_s}
     report.update(changed_fractions(a, b))
     repeats = repeats or (6 if quick else 12)
-    full = time_sync(a, b, root, repeats, delta=False)
-    delta = time_sync(a, b, root, repeats, delta=True)
-    report["full_sync"], report["delta_sync"] = full, delta
+    for suffix, cast in (("", np.float32), ("_bfloat16", ml_dtypes.bfloat16)):
+        a_cast = {k: x.astype(cast) for k, x in a.items()}
+        b_cast = {k: x.astype(cast) for k, x in b.items()}
+        nbytes = sum(x.nbytes for x in a_cast.values())
+        full = time_sync(a_cast, b_cast, root / f"full{suffix}", repeats, delta=False)
+        delta = time_sync(a_cast, b_cast, root / f"delta{suffix}", repeats, delta=True)
+        report[f"full_sync{suffix}"], report[f"delta_sync{suffix}"] = full, delta
+        report[f"delta_bytes_ratio{suffix}"] = delta["pull_bytes"] / nbytes
+        report[f"delta_pull_speedup{suffix}"] = full["pull_s"] / delta["pull_s"]
+        report[f"delta_push_slowdown{suffix}"] = delta["push_s"] / full["push_s"]
     report["delta_changed_fraction"] = report["chunk_changed_fraction"][
         f"float32_{TIMED_CHUNK_BYTES}"
     ]
-    report["delta_bytes_ratio"] = delta["pull_bytes"] / model_bytes
-    report["delta_pull_speedup"] = full["pull_s"] / delta["pull_s"]
-    report["delta_push_slowdown"] = delta["push_s"] / full["push_s"]
     return report
 
 
@@ -228,18 +239,20 @@ def print_summary(report: dict[str, Any]) -> None:
     )
     for name, fraction in chunks.items():
         print(f"  bytes in changed chunks, {name:<18} {fraction:.3f}")
-    sparse = report["sparse_bytes_fraction"]
+    words = report["word_changed_fraction"]
     print(
-        f"  a bitmask + changed values (not implemented) would move {sparse['float32']:.3f} "
-        f"(float32), {sparse['bfloat16']:.3f} (bfloat16)"
+        f"  16-bit words changed: {words['float32']:.3f} (float32), "
+        f"{words['bfloat16']:.3f} (bfloat16)"
     )
-    full, delta = report["full_sync"], report["delta_sync"]
-    print(
-        f"TensorStore sync, one version behind: full pull {full['pull_s']:.4f} s, delta pull "
-        f"{delta['pull_s']:.4f} s (speedup {report['delta_pull_speedup']:.2f}), delta reads "
-        f"{report['delta_bytes_ratio']:.3f} of the bytes; push {full['push_s']:.4f} s vs "
-        f"{delta['push_s']:.4f} s"
-    )
+    for dtype, suffix in (("float32", ""), ("bfloat16", "_bfloat16")):
+        full, delta = report[f"full_sync{suffix}"], report[f"delta_sync{suffix}"]
+        print(
+            f"TensorStore sync of {dtype}, one version behind: full pull {full['pull_s']:.4f}"
+            f" s, delta pull {delta['pull_s']:.4f} s (speedup "
+            f"{report['delta_pull_speedup' + suffix]:.2f}), delta reads "
+            f"{report['delta_bytes_ratio' + suffix]:.3f} of the bytes; push "
+            f"{full['push_s']:.4f} s vs {delta['push_s']:.4f} s"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,8 +57,9 @@ To add a store, add a factory to ``STORES``.
 **Delta publication** (``benchmarks/weight_delta.py``, run here too unless
 ``--no-delta``): the fraction of bytes that change after a real train step
 (``delta_changed_fraction``), and the time and bytes of a delta pull against a full
-pull through the TensorStore store (``delta_pull_speedup``, ``delta_bytes_ratio``);
-the numbers of that module are under ``"delta"``.
+pull through the TensorStore store (``delta_pull_speedup``, ``delta_bytes_ratio``, and
+``_bfloat16`` for the weights rounded to bfloat16); the numbers of that module are
+under ``"delta"``.
 
 Usage::
 
@@ -430,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                 "delta_pull_speedup",
                 "delta_bytes_ratio",
                 "delta_push_slowdown",
+                "delta_pull_speedup_bfloat16",
+                "delta_bytes_ratio_bfloat16",
             ):
                 report[key] = delta[key]
     finally:
