@@ -10,6 +10,10 @@ a flat dict of five arrays:
 - ``sums``: the checksum of every chunk of the version (``delta.chunk_checksums``);
 - ``owner``: for every chunk, the version whose record holds its bytes;
 - ``changed``, ``payload``: the chunks this record holds and their bytes;
+- ``patch_base``, ``patch_masks``, ``patch_values``, ``patch_counts``: the word patches
+  (``delta.word_patches``) that turn the changed chunks of version ``patch_base`` (the
+  previous push) into this version's, when they are smaller than the chunks (else
+  ``patch_base`` is -1 and they are empty);
 - ``skeleton``: the pickled tree of ``jax.ShapeDtypeStruct`` leaves, which a reader
   with no template of its own rebuilds its pulls in (an ``nnx.State`` comes back an
   ``nnx.State`` through any store, as it does through Ray's unwrapped).
@@ -25,23 +29,26 @@ checksums of the version the client holds (its previous pull, or nothing), and r
 each differing chunk from the record of its owner: every chunk once, from where it was
 last written. So a client that holds nothing, or whose version was evicted long ago,
 catches up in one pass over the model's bytes (the snapshot's chunks plus the later
-deltas' chunks, never a chunk twice), and a client one version behind reads what
-changed in one step. The result is exact bit for bit up to a SHA-256 collision between
-two versions of a chunk (``delta`` module docstring). Leaves with no changed chunk are
-the held arrays themselves; changed ones are new buffers (the held ones are never
-written, since pulled arrays may alias them).
+deltas' chunks, never a chunk twice), and a client one version behind (holding
+``patch_base``) reads only the word patches. The result is exact bit for bit up to a
+SHA-256 collision between two versions of a chunk (``delta`` module docstring). Leaves
+with no changed chunk are the held arrays themselves; changed ones are new buffers (the
+held ones are never written, since pulled arrays may alias them).
 
 **Retention.** A version's owners must still be stored when it is read, so the wrapped
 store must keep at least ``snapshot_every`` versions (it keeps ``keep`` and a reader
 needs the newest; ``keep + snapshot_every - 1`` lets the newest ``keep`` all be read).
 If a push evicts an owner while a pull reads, the pull starts over on the newest.
 
-**When it pays.** Delta publication saves bytes in proportion to the chunks that do not
-change. After an optimizer step on float32 weights with Adam nearly every element
-changes by a few bits, so nearly every chunk changes (``benchmarks/weight_sync.py``
-measures it after a real step); what it saves there is only what no step touches
-(frozen leaves). It costs the pusher a SHA-256 pass over the weights (about 1.4 GB/s a
-core) and the puller a copy of each changed leaf.
+**When it pays.** After an optimizer step on float32 weights with Adam nearly every
+element changes by a few bits, so every chunk of 64 KiB or more changes; the word
+patches still halve what a reader one version behind reads (the high word of most
+floats stays), and for weights rounded to bfloat16, where 2.4% of the elements change,
+they cut it to about 9% (``benchmarks/weight_delta.py``, after a real GRPO step).
+Leaves no step touches (frozen weights, the base of a merged LoRA) cost nothing. It
+costs the pusher a SHA-256 pass (about 1.4 GB/s a core) and a copy of the weights, and
+the puller a copy of each changed leaf and the patching: it pays where the bytes cross
+a slower link than memory.
 """
 
 from __future__ import annotations
@@ -102,10 +109,9 @@ class ParamServerConfig:
 
     Attributes:
         delta: publish through :class:`DeltaParameterServer`: pushes store and pulls read
-            only the chunks that changed. Off by default: after a float32 optimizer step
-            nearly every chunk changes, and then it costs the pusher a hash of every
-            byte for no saving (``benchmarks/weight_delta.py``). It pays when few chunks
-            change, e.g. frozen leaves.
+            only what changed. Off by default: it costs the pusher a hash and a copy of
+            every byte, and on one host (the page cache) a full pull is faster; it pays
+            where bytes cross a slow link (``benchmarks/weight_delta.py``).
         snapshot_every: with ``delta``, every this many pushes store every chunk; the
             store must keep at least this many versions (``runtime.keep_versions``).
         chunk_bytes: with ``delta``, the chunk size in bytes (>= 4096).
