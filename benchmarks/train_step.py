@@ -33,6 +33,11 @@ Usage::
 
     python benchmarks/train_step.py --quick   # < 60 s on 2 cores
     python benchmarks/train_step.py           # hidden 1024, 16 x 512 tokens
+    python benchmarks/train_step.py --quick --scan --remat full   # what they cost
+
+``--scan`` stacks the layers under ``lax.scan`` and ``--remat`` recomputes activations
+in the backward pass (``TrainConfig.remat``); the FLOPs counted stay the model's, so
+the MFU falls by what the recomputation costs.
 
 The last line printed is one JSON object with every number.
 """
@@ -151,10 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="hidden 512, < 60 s")
     parser.add_argument("--smoke", action="store_true", help="tiny model (tests only)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scan", action="store_true", help="scan over stacked layers")
+    parser.add_argument("--remat", choices=("none", "dots", "full"), default="none")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     setting = SMOKE if args.smoke else QUICK if args.quick else FULL
-    config, rows, length = setting.model, setting.rows, setting.length
+    config, rows, length = (
+        setting.model.replace(scan_layers=args.scan),
+        setting.rows,
+        setting.length,
+    )
     print(f"devices: {jax.devices()}")
     print(f"model: {config}")
     model = Transformer(config, rngs=nnx.Rngs(args.seed))
@@ -162,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     train_config = TrainConfig(
         algorithm=algorithm("grpo", loss={"kl_coef": 0.0}),
         optimizer=OptimizerConfig(learning_rate=1e-5),
+        remat=args.remat,
     )
     state = create_train_state(train_config, params, seed=args.seed)
     train_step = make_train_step(train_config, graphdef)
@@ -192,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "quick": args.quick,
         "smoke": args.smoke,
+        "scan": args.scan,
+        "remat": args.remat,
         "rows": rows,
         "length": length,
         "params": config.num_params(),

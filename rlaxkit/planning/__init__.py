@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -64,7 +65,7 @@ def plan(config: PlanConfig | None = None, *, timeout_s: float = 1800.0, **field
     flags = _DEVICE_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={config.devices}".strip()
     env["JAX_PLATFORMS"] = "cpu"
-    start = time.perf_counter()
+    start, children = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(
         [sys.executable, "-m", "rlaxkit.planning.compile"],
         input=json.dumps(to_dict(config)),
@@ -74,6 +75,8 @@ def plan(config: PlanConfig | None = None, *, timeout_s: float = 1800.0, **field
         timeout=timeout_s,
     )
     wall_s = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime + after.ru_stime) - (children.ru_utime + children.ru_stime)
     if done.returncode != 0:
         raise RuntimeError(f"compiling the plan failed:\n{done.stderr[-4000:]}")
     costs = json.loads(done.stdout.strip().splitlines()[-1])
@@ -82,6 +85,7 @@ def plan(config: PlanConfig | None = None, *, timeout_s: float = 1800.0, **field
         model=config.model_config(),
         programs=tuple(from_dict(ProgramCost, c) for c in costs),
         wall_s=wall_s,
+        cpu_s=cpu_s,
     )
 
 

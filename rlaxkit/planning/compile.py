@@ -63,10 +63,11 @@ def _with_shardings(tree: Any, shardings: Any) -> Any:
 
 
 def _measure(name: str, lowered_fn: Any, devices: int) -> ProgramCost:
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     lowered = lowered_fn()
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
+    compile_cpu_s = time.process_time() - start_cpu
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older JAX: one dict per computation
@@ -81,6 +82,7 @@ def _measure(name: str, lowered_fn: Any, devices: int) -> ProgramCost:
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         compile_s=compile_s,
+        compile_cpu_s=compile_cpu_s,
     )
 
 
