@@ -40,7 +40,7 @@ def test_both_sides_build_the_same_qwen3_shapes(drivers):
 def test_rlaxkit_half_runs_and_summarises_on_tiny_shapes(drivers):
     side, run = drivers
     workloads = importlib.import_module("workloads")
-    step = side.run_steps(workloads.TINY_GRPO, steps=1)
+    step = side.run_steps(workloads.TINY_GRPO, steps=1, tiered=False)
     decode = side.run_decode(workloads.TINY_DECODE, repeats=1)
     assert step["params"] == decode["params"] == workloads.TINY_MODEL.num_params()
     assert len(step["step_s"]) == 1 and decode["tokens"] == 2 * 4

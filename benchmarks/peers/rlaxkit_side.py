@@ -58,7 +58,7 @@ def build_model(shape: workloads.ModelShape, seed: int = 0) -> tuple[Transformer
     return model, params
 
 
-def make_loop(work: workloads.GRPOWork, model: Transformer) -> GRPOLoop:
+def make_loop(work: workloads.GRPOWork, model: Transformer, tiered: bool = True) -> GRPOLoop:
     setting = Setting(
         name=work.name,
         model=model.config,
@@ -79,12 +79,14 @@ def make_loop(work: workloads.GRPOWork, model: Transformer) -> GRPOLoop:
         pad_id=workloads.PAD_ID,
         eos_id=workloads.EOS_ID,
         model=model,
+        tiered=tiered,
     )
 
 
-def run_steps(work: workloads.GRPOWork, steps: int) -> dict[str, object]:
+def run_steps(work: workloads.GRPOWork, steps: int, tiered: bool = True) -> dict[str, object]:
+    """``tiered=False`` (tests): one optimised train-step compile instead of two tiers."""
     model, params = build_model(work.model)
-    loop = make_loop(work, model)
+    loop = make_loop(work, model, tiered)
     loop.start_compiling()
     loop.step(0)
     loop.step(1)

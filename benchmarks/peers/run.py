@@ -100,6 +100,10 @@ def summarise(results: dict[tuple[str, str, str], list[dict]], peak_flops: float
             seconds = statistics.median(s for run in runs for s in run["step_s"])
             report[f"{side}_step_{setting}_s"] = seconds
             report[f"{side}_step_{setting}_peak_fraction"] = runs[0]["flops"] / seconds / peak_flops
+            for phase in ("generate_s", "train_s"):  # rlaxkit's driver times its phases
+                if phase in runs[0]:
+                    values = [s for run in runs for s in run[phase]]
+                    report[f"{side}_step_{setting}_{phase}"] = statistics.median(values)
         elif work == "first_step":
             report[f"{side}_first_step_{setting}_s"] = statistics.median(
                 run["first_step_s"] for run in runs
