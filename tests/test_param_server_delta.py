@@ -352,6 +352,10 @@ def test_delta_pulls_through_the_ray_object_store(ray_cluster):
             chunks, patches = differing_bytes(held, weights, 8)
             assert moved in (chunks, patches + 8)  # chunks, or patches and their count
             held = weights
+    # Each part of a record is an object of its own, fetched when a pull uses it.
+    record = reader.inner.read(6)
+    assert not isinstance(record, dict) and "payload" in record and len(record) == 10
+    assert int(record["patch_base"]) == 5
     ray.kill(actor)
 
 

@@ -52,8 +52,8 @@ a slower link than memory. A delta record holds the changed chunks *and* their p
 (the chunks serve readers further behind), so when most chunks change a push writes
 more than a full one (about 1.5 times for float32 after a real step). Pull bytes count
 what a pull reads: the TensorStore store maps a record and touches only those pages,
-but Ray moves an object whole, so a reader on another host receives the whole newest
-record (and each owner's it reads from).
+and the Ray store, which moves objects whole, puts each part of a record as an object
+of its own (``split_records``) for a reader to fetch the parts it uses.
 """
 
 from __future__ import annotations
@@ -256,6 +256,8 @@ class DeltaParameterServer:
             raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
         if hasattr(inner, "retain_pushes"):  # Ray: republish() must restore the owners.
             inner.retain_pushes = max(inner.retain_pushes, snapshot_every)
+        if hasattr(inner, "split_records"):  # Ray: fetch only the parts a pull uses.
+            inner.split_records = True
         self.inner = inner
         self.template = template
         self.poll_interval_s = poll_interval_s

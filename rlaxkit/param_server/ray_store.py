@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeAlias
 
 import jax
@@ -182,6 +183,9 @@ class RayObjectStoreParameterServer:
         retain_pushes: how many of its newest pushes the trainer's client keeps
             references to, for :meth:`republish` (a delta-published version needs the
             versions its chunks were last written in; see ``delta_store``).
+        split_records: put each entry of a pushed ``dict`` as an object of its own, so
+            that :meth:`read` fetches an entry when it is first used (a delta reader
+            takes only the parts of a record it needs; Ray moves objects whole).
     """
 
     def __init__(
@@ -193,6 +197,7 @@ class RayObjectStoreParameterServer:
         default_timeout_s: float | None = None,
         on_event: EventHook | None = None,
         retain_pushes: int = 1,
+        split_records: bool = False,
     ) -> None:
         check_int("retain_pushes", retain_pushes, minimum=1)
         if poll_interval_s <= 0:
@@ -204,6 +209,7 @@ class RayObjectStoreParameterServer:
         self.on_event = on_event
         self.stats = TransferStats()
         self.retain_pushes = retain_pushes
+        self.split_records = split_records
         # (version, ref, nbytes) of the newest pushes, kept for republish(); older freed.
         self._retained: collections.deque[tuple[int, ray.ObjectRef, int]] = collections.deque(
             maxlen=retain_pushes
@@ -216,6 +222,7 @@ class RayObjectStoreParameterServer:
             "poll_interval_s": self.poll_interval_s,
             "default_timeout_s": self.default_timeout_s,
             "retain_pushes": self.retain_pushes,
+            "split_records": self.split_records,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -232,6 +239,9 @@ class RayObjectStoreParameterServer:
         start = time.perf_counter()
         host = jax.device_get(params)
         nbytes = tree_nbytes(host)
+        if self.split_records and isinstance(host, dict):
+            # The outer object holds the entries' references, which keep them alive.
+            host = {key: ray.put(value) for key, value in host.items()}
         ref = ray.put(host)
         ray.get(self.actor.register.remote(int(version), [ref], nbytes, reset))
         if reset:
@@ -275,7 +285,10 @@ class RayObjectStoreParameterServer:
         found = ray.get(self.actor.ref.remote(int(version)))
         if found is None:
             return None
-        return _get_weights(found[0], int(version))
+        value = _get_weights(found[0], int(version))
+        if isinstance(value, dict) and any(isinstance(v, ray.ObjectRef) for v in value.values()):
+            return _SplitRecord(value, int(version))  # pushed with split_records
+        return value
 
     def pull(self, min_version: int | None = None, timeout: float | None = None) -> tuple[int, Any]:
         """``(version, params)`` of the newest version, waiting for one ``>= min_version``.
@@ -323,3 +336,29 @@ def _get_weights(ref: ray.ObjectRef, version: int) -> Any:
             f"weights version {version} are lost ({type(error).__name__}): the trainer "
             "that put them died; keep the current weights until it publishes again"
         ) from error
+
+
+class _SplitRecord(Mapping[Any, Any]):
+    """A record pushed with ``split_records``: each entry is fetched (``ray.get``) when it
+    is first used, then kept."""
+
+    def __init__(self, refs: dict[Any, Any], version: int) -> None:
+        self._refs, self._version = refs, version
+        self._got: dict[Any, Any] = {}
+
+    def __getitem__(self, key: Any) -> Any:
+        if key not in self._got:
+            value = self._refs[key]
+            if isinstance(value, ray.ObjectRef):
+                value = _get_weights(value, self._version)
+            self._got[key] = value
+        return self._got[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._refs  # Without fetching it.
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)
