@@ -327,6 +327,7 @@ def test_an_nnx_state_comes_back_in_its_structure(tiny_model, tmp_path):
             assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
 
+@pytest.mark.ray
 def test_delta_pulls_through_the_ray_object_store(ray_cluster):
     import ray
 
