@@ -98,6 +98,19 @@ __all__ = ["FORMAT", "DeltaParameterServer", "ParamServerConfig", "ReadableStore
 
 FORMAT = "rlaxkit.param_server.delta/1"
 _HASH_THREADS = max(1, min(4, os.cpu_count() or 1))  # hashlib releases the GIL.
+_HASHER: concurrent.futures.ThreadPoolExecutor | None = None
+_HASHER_LOCK = threading.Lock()
+
+
+def _hasher() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads every pusher of this process hashes on (started on first use)."""
+    global _HASHER
+    with _HASHER_LOCK:
+        if _HASHER is None:
+            _HASHER = concurrent.futures.ThreadPoolExecutor(
+                max_workers=_HASH_THREADS, thread_name_prefix="param-server-hash"
+            )
+        return _HASHER
 
 
 class ReadableStore(ParameterServer, Protocol):
@@ -272,9 +285,6 @@ class DeltaParameterServer:
         self._pushed_tree: tuple[list[treepaths.KeyPath], Any] | None = None
         self._layouts: dict[str, ChunkLayout] = {}
         self._skeleton: tuple[bytes, Any] = (b"", None)  # (pickled, unpickled), last used
-        self._hasher = concurrent.futures.ThreadPoolExecutor(
-            max_workers=_HASH_THREADS, thread_name_prefix="param-server-hash"
-        )
 
     def __getstate__(self) -> dict[str, Any]:
         # A client travels without what it pushed or holds: its first push is a full
@@ -402,7 +412,7 @@ class DeltaParameterServer:
 
     def _checksums(self, buffers: list[np.ndarray]) -> np.ndarray:
         """Every chunk's checksum, leaves hashed on several threads."""
-        parts = list(self._hasher.map(lambda b: chunk_checksums(b, self.chunk_bytes), buffers))
+        parts = list(_hasher().map(lambda b: chunk_checksums(b, self.chunk_bytes), buffers))
         return np.concatenate([np.empty((0, 16), np.uint8), *parts])
 
     def _layout(self, meta: dict[str, Any]) -> ChunkLayout:
@@ -609,7 +619,3 @@ class DeltaParameterServer:
                 self._skeleton = (held.skeleton, pickle.loads(held.skeleton))
             return treepaths.unflatten_like(self._skeleton[1], paths, placed)
         return treepaths.nested_dict(paths, placed)
-
-    def close(self) -> None:
-        """Stops the hashing threads."""
-        self._hasher.shutdown(wait=False)
