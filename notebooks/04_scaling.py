@@ -131,11 +131,66 @@ scaling_figure(
 )
 
 # %% [markdown]
+# ## From compiled programs instead of assumed rates
+#
+# The preset's trainer FLOPs per token, decode cost and push size are assumptions
+# (marked so in `sim.rlax_like`'s docstring). `rlaxkit.plan` compiles the real train step
+# and decode program for the trainer's `(1, 64, 4)` v5p mesh and an 8-chip worker, with
+# Qwen3-32B's dimensions (the preset closest to QwQ-32B), and reads XLA's counts;
+# `sim.presets.planned` puts them into the scenario. Compiling takes minutes on two
+# cores, so the small run reads the plan stored by
+# `rlaxkit plan configs/plan/qwen3_32b_v5p.yaml --json`. Both are estimates from XLA's
+# CPU compiler (`docs/running_at_scale.md`, "Before you rent").
+
+# %%
+import json
+from pathlib import Path
+
+import rlaxkit
+from rlaxkit.planning import Plan, load_plan_config
+from sim.presets import planned
+
+PLAN = Path("../configs/plan/qwen3_32b_v5p.yaml")
+if SMALL:
+    plan = Plan.from_summary(json.loads(PLAN.with_suffix(".plan.json").read_text()))
+else:
+    plan = rlaxkit.plan(load_plan_config(PLAN))
+print(plan.table())
+compiled = plan.sim_overrides()
+compiled_base = planned(base, compiled)
+assumed = sim.scenario_to_dict(base)
+rows_compiled = [
+    {"field": key, "assumed": assumed[key.split(".")[0]][key.split(".")[1]], "compiled": value}
+    for key, value in compiled.items()
+]
+print(sim.format_table(rows_compiled, ["field", "assumed", "compiled"]))
+compiled_points = sim.sweep(
+    compiled_base,
+    {"fleet.num_workers": grid["fleet.num_workers"], "staleness.max_staleness": [max(ETAS)]},
+    seeds=SEEDS,
+)
+
+
+def compiled_mean(chips: int) -> float:
+    workers = chips // base.fleet.chips_per_worker
+    runs = [p for p in compiled_points if p.overrides["fleet.num_workers"] == workers]
+    return float(np.mean([p.row()["samples_per_s"] for p in runs]))
+
+
+throughput[f"η = {max(ETAS)}, compiled costs"] = [compiled_mean(chips) for chips in CHIPS]
+compiled_bound = workload.samples_per_step / compiled_base.trainer.step_s(tokens_per_step)
+print(
+    f"trainer bound with compiled costs: {compiled_bound:.2f} samples/s "
+    f"(assumed: {trainer_bound:.2f})"
+)
+
+# %% [markdown]
 # ## The RLAX-style figure
 #
 # Trained samples/s against inference chips on log-log axes; dotted lines are linear
 # scaling from 64 chips; the dashed line is the trainer's bound (samples per step over
-# the step time when it never waits for data).
+# the step time when it never waits for data) under the assumed rates. The "compiled
+# costs" curve takes the trainer, decode and push costs from the compiled plan.
 
 # %%
 scaling_figure(CHIPS, throughput, ceiling=trainer_bound)

@@ -4,10 +4,11 @@ simulator's inputs). Plain Python: reading a plan needs no JAX."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from rlaxkit.configio import to_dict
+from rlaxkit.configio import from_dict, to_dict
 from rlaxkit.models.config import ModelConfig
 from rlaxkit.planning.specs import CHIPS, GIB, ChipSpec, PlanConfig
 
@@ -67,6 +68,23 @@ class Plan:
     wall_s: float = 0.0
     cpu_s: float = 0.0
 
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any]) -> Plan:
+        """The plan back from its ``summary()`` (e.g. stored by ``rlaxkit plan --json``)."""
+        config = from_dict(PlanConfig, summary["config"])
+        fields = {f.name for f in dataclasses.fields(ProgramCost)}
+        programs = tuple(
+            from_dict(ProgramCost, {k: v for k, v in p.items() if k in fields})
+            for p in summary["programs"].values()
+        )
+        return cls(
+            config=config,
+            model=config.model_config(),
+            programs=programs,
+            wall_s=summary.get("wall_s", 0.0),
+            cpu_s=summary.get("cpu_s", 0.0),
+        )
+
     @property
     def chip(self) -> ChipSpec:
         """The chip the plan is read against."""
@@ -118,11 +136,25 @@ class Plan:
     def _compute_bytes(self) -> int:
         return _DTYPE_BYTES[self.config.compute_dtype]
 
+    def decode_s_per_token(self) -> tuple[float, float]:
+        """``(fixed, per running sequence)`` seconds of one decode step, memory-bound.
+
+        Each step reads a worker chip's share of the weights once and, per running
+        sequence, its share of that sequence's KV cache at the cache's full length (the
+        sampler attends over every slot, masked), at ``decode_efficiency`` of the chip's
+        HBM bandwidth. From shapes, not from XLA's byte count of the decode program,
+        which the sampling step inflates far beyond what the step reads (see
+        ``docs/running_at_scale.md``).
+        """
+        c = self.config
+        rate = self.chip.hbm_bytes_per_s * c.decode_efficiency * c.sampler_chips
+        per_seq = c.length * kv_bytes_per_token(self.model, c.compute_dtype)
+        return self.push_bytes / rate, per_seq / rate
+
     def decode_step_s(self) -> float:
-        """One decode step of ``slots`` rows, memory-bound: the decode program's bytes
-        per device over the chip's HBM bandwidth, divided by ``decode_efficiency``."""
-        bytes_per_device = self.program("decode").bytes_accessed
-        return bytes_per_device / self.chip.hbm_bytes_per_s / self.config.decode_efficiency
+        """One decode step with every slot running."""
+        fixed, per_seq = self.decode_s_per_token()
+        return fixed + self.config.slots * per_seq
 
     def advice(self, name: str) -> list[str]:
         """What to change so that ``name`` fits (empty when it fits)."""
@@ -154,9 +186,10 @@ class Plan:
         return tips
 
     def sim_overrides(self) -> dict[str, Any]:
-        """The simulator's inputs from the compiled programs, as dotted scenario paths
-        (``sim.with_overrides``; ``sim.presets.planned`` applies them): the trainer's
-        chips, FLOPs per token and MFU, the worker's shape and decode cost, the push."""
+        """The simulator's inputs, as dotted scenario paths (``sim.with_overrides``;
+        ``sim.presets.planned`` applies them): the trainer's chips, FLOPs per token (from
+        the compiled step) and MFU; when the sampler was planned, the worker's shape and
+        decode cost (``decode_s_per_token``); the push bytes."""
         out: dict[str, Any] = {"param_server.weight_bytes": float(self.push_bytes)}
         names = {p.name for p in self.programs}
         if "train" in names:
@@ -171,20 +204,14 @@ class Plan:
                     / (self.tokens_per_step * params),
                 }
             )
-        if "decode" in names:
-            weights_s = (
-                self.push_bytes
-                / self.config.sampler_chips
-                / self.chip.hbm_bytes_per_s
-                / self.config.decode_efficiency
-            )
-            per_seq_s = max(self.decode_step_s() - weights_s, 0.0) / self.config.slots
+        if {"prefill", "decode"} & names:
+            fixed, per_seq = self.decode_s_per_token()
             out.update(
                 {
                     "fleet.chips_per_worker": self.config.sampler_chips,
                     "fleet.slots_per_worker": self.config.slots,
-                    "fleet.decode_s_per_token": weights_s,
-                    "fleet.decode_s_per_token_per_seq": per_seq_s,
+                    "fleet.decode_s_per_token": fixed,
+                    "fleet.decode_s_per_token_per_seq": per_seq,
                 }
             )
         return out
@@ -214,7 +241,7 @@ class Plan:
                 "step_s": self.step_s,
                 "trainer_tokens_per_s": self.trainer_tokens_per_s,
             }
-        if "decode" in names:
+        if {"prefill", "decode"} & names:
             out["decode_step_s"] = self.decode_step_s()
         return out
 
@@ -253,14 +280,15 @@ class Plan:
             f"{c.length} tokens); weight push: {self.push_bytes / GIB:.2f} GiB "
             f"({c.compute_dtype})"
         )
-        if "decode" in names:
+        if {"prefill", "decode"} & names:
             lines.append(
-                f"decode step ({c.slots} rows, memory-bound at "
+                f"decode step ({c.slots} rows at full length, weights and KV cache read at "
                 f"{c.decode_efficiency:.0%} of HBM bandwidth): {self.decode_step_s() * 1e3:.1f} ms"
             )
         lines.append(
             "estimate: XLA's CPU compiler, not the TPU's (other fusion and layouts); "
-            f"compiled in {self.wall_s:.0f} s ({self.cpu_s:.0f} CPU s)"
+            f"compiled in {self.wall_s:.0f} s"
+            + (f" ({self.cpu_s:.0f} CPU s)" if self.cpu_s else "")
         )
         return "\n".join(lines)
 
