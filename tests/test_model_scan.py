@@ -27,6 +27,7 @@ from rlaxkit.models import (
     is_stacked,
     load_hf_checkpoint,
     relayout,
+    relayout_tree,
     save_hf_checkpoint,
     stack_layers,
     unstack_layers,
@@ -169,6 +170,13 @@ def test_checkpoints_and_hf_round_trips_work_in_either_layout(tmp_path):
         like = create_train_state(cfg, nnx.state(Transformer(SCAN, rngs=nnx.Rngs(5))))
         restored = restore_train_state(manager, like, step=0)
     jax.tree.map(np.testing.assert_array_equal, restored, state)
+    # Across layouts: restore as saved, then convert (parameters and AdamW moments).
+    per_layer_state = relayout_tree(restored, scan_layers=False)
+    want = create_train_state(cfg, nnx.state(Transformer(CONFIG, rngs=nnx.Rngs(0))))
+    assert jax.tree.structure(per_layer_state) == jax.tree.structure(want)
+    jax.tree.map(np.testing.assert_array_equal, per_layer_state, want)
+    back = relayout_tree(per_layer_state, scan_layers=True)
+    jax.tree.map(np.testing.assert_array_equal, back, state)
 
 
 def test_bad_scan_and_remat_options_name_the_field():

@@ -7,7 +7,13 @@ from rlaxkit.models.hf import (
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
-from rlaxkit.models.layout import is_stacked, relayout, stack_layers, unstack_layers
+from rlaxkit.models.layout import (
+    is_stacked,
+    relayout,
+    relayout_tree,
+    stack_layers,
+    unstack_layers,
+)
 from rlaxkit.models.tokenizer import (
     CharTokenizer,
     HFTokenizer,
@@ -39,6 +45,7 @@ __all__ = [
     "load_hf_checkpoint",
     "positions_from_mask",
     "relayout",
+    "relayout_tree",
     "save_hf_checkpoint",
     "save_tokenizer",
     "stack_layers",

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -99,6 +100,30 @@ def _layer_index(path: Sequence[Any]) -> int | None:
         if name == LAYERS and isinstance(path[i + 1], int):
             return i + 1
     return None
+
+
+def relayout_tree(tree: Any, *, scan_layers: bool) -> Any:
+    """Every ``nnx.State`` inside ``tree`` (a ``TrainState``: parameters, AdamW moments,
+    reference weights) converted to the layout ``scan_layers`` asks for; a state already
+    in it, and every other leaf, is kept.
+
+    A checkpoint restores in the layout it was saved in (the restore target must match
+    it); ``relayout_tree`` then moves it to the other one.
+    """
+
+    def convert(node: Any) -> Any:
+        if not isinstance(node, nnx.State):
+            return node
+        paths = [path for path, _ in nnx.to_flat_state(node)]
+        stacked = any(is_stacked(p) for p in paths)
+        per_layer = any(_layer_index(p) is not None for p in paths)
+        if scan_layers and per_layer:
+            return stack_layers(node)
+        if not scan_layers and stacked:
+            return unstack_layers(node)
+        return node
+
+    return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, nnx.State))
 
 
 def relayout(model: Transformer, *, scan_layers: bool) -> Transformer:
