@@ -222,7 +222,7 @@ def test_compiled_bytes_are_the_real_arrays_bytes_on_a_forced_mesh(tmp_path):
         sampler_chips=2,
         slots=4,
         samples_per_prompt=2,
-        programs=("train", "decode"),
+        programs=("train",),
     )
     assert os.environ.get("XLA_FLAGS") == flags and jax.device_count() == 1
     train = result.program("train")
@@ -242,15 +242,8 @@ def test_compiled_bytes_are_the_real_arrays_bytes_on_a_forced_mesh(tmp_path):
     # 8-byte pointer per output array.
     outputs = len(jax.tree.leaves(state)) + len(jax.tree.leaves(metrics))
     assert train.output_bytes == state_bytes + metric_bytes + 8 * outputs
-    # The sampler's weights and caches (float32, kv heads split over 2 chips).
-    decode = result.program("decode")
-    weights = _shard_bytes(
-        nnx.state(nnx.eval_shape(lambda: Transformer(TINY, rngs=nnx.Rngs(0)))),
-        {"data": 1, "fsdp": 1, "model": 2},
-    )
-    cache = 2 * TINY.num_layers * 4 * (TINY.num_kv_heads // 2) * 16 * TINY.head_dim * 4
-    assert decode.argument_bytes > weights + cache
-    assert result.kv_cache_bytes == 2 * cache
+    # 4 slots x 16 tokens x 3 layers x (K, V) x 2 heads x 8 dims x 4 bytes (float32).
+    assert result.kv_cache_bytes == 4 * 16 * 3 * 2 * 2 * 8 * 4
 
 
 def test_cli_plan_prints_one_json_line(capsys):
