@@ -3,7 +3,8 @@
 ``python tests/multihost_driver.py CONFIG RUN_DIR CACHE_DIR --pause-after 2 --pause-after 4``
 runs ``Experiment(config, run_dir)`` (the config places it: ``runtime.backend=ray``,
 ``ray.address``) step by step. After each ``--pause-after`` step it writes
-``RUN_DIR/paused-<step>.json`` (the prompts each worker holds) and waits for the test
+``RUN_DIR/paused-<step>.json`` (the prompts each worker holds, and the address of
+its host) and waits for the test
 to create ``RUN_DIR/go-<step>`` (having, say, killed a host meanwhile). At
 ``config.steps`` it checks the accounting and writes ``RUN_DIR/result.json``: the
 summary, the history and each worker's prompts held at the pauses.
@@ -20,6 +21,16 @@ from rlaxkit.config import RunConfig
 from rlaxkit.runtime import Experiment
 
 GO_WAIT_S = 600.0  # how long a pause waits for the test
+ADDRESS_WAIT_S = 10.0  # how long to ask an actor where it runs
+
+
+def node_address(handle) -> str | None:
+    """The address of the Ray node an actor runs on (``None``: not placed yet)."""
+    import ray
+
+    where = handle.__ray_call__.remote(lambda _: ray.util.get_node_ip_address())
+    done, _ = ray.wait([where], timeout=ADDRESS_WAIT_S)
+    return ray.get(done[0]) if done else None
 
 
 def main() -> None:
@@ -35,7 +46,11 @@ def main() -> None:
             exp.step()
             exp.check_accounting()
             if exp.version in args.pause_after:
-                paused = {"step": exp.version, "in_flight": exp.fleet.in_flight()}
+                paused = {
+                    "step": exp.version,
+                    "in_flight": exp.fleet.in_flight(),
+                    "addresses": {w.worker_id: node_address(w.handle) for w in exp.workers},
+                }
                 (args.run_dir / f"paused-{exp.version}.json").write_text(json.dumps(paused))
                 go = args.run_dir / f"go-{exp.version}"
                 deadline = time.monotonic() + GO_WAIT_S

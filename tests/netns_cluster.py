@@ -33,6 +33,7 @@ Run alone, it starts a three-host cluster, prints its nodes and tears it down::
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import secrets
@@ -49,10 +50,33 @@ from pathlib import Path
 IP = shutil.which("ip") or "/usr/sbin/ip"
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-RAY = str(Path(PYTHON).with_name("ray"))
 HEAD_PORT = 6379  # in the head's namespace: no other cluster can hold it there
 NETNS_ETC = Path("/etc/netns")
-START_ATTEMPTS = 3  # ``ray start`` of one node
+RUN_NETNS = Path("/run/netns")  # where ``ip netns add`` mounts each namespace
+START_ATTEMPTS = 2  # ``ray start`` of one node
+NODE_REGISTER_S = 180  # how long a new node's raylet may take to register with the GCS
+# ``ray start`` gives a new node's raylet 30 s to register with the GCS (a constant in
+# ``ray._private.node``), which a loaded 2-core machine misses: its Python agents take
+# that long to start. This runs ``ray start`` with the GCS lookup it polls retried for
+# up to ``NODE_REGISTER_S`` instead.
+PATIENT_RAY_START = f"""
+import sys, time
+from ray._private import services
+lookup = services.get_node
+def get_node(*args, **kwargs):
+    deadline = time.monotonic() + {NODE_REGISTER_S}
+    while True:
+        try:
+            return lookup(*args, **kwargs)
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+services.get_node = get_node
+from ray.scripts.scripts import main
+sys.argv[0] = "ray"
+sys.exit(main())
+"""
 # Node loss is found by the GCS's health checks: every 0.5 s, dead after 4 misses.
 SYSTEM_CONFIG = {
     "health_check_period_ms": 500,
@@ -68,8 +92,8 @@ def unavailable_reason() -> str | None:
         return "network namespaces need root"
     if not os.path.exists(IP):
         return "no `ip` command (iproute2)"
-    if not os.path.exists(RAY):
-        return f"no Ray command next to {PYTHON}"
+    if importlib.util.find_spec("ray") is None:
+        return "Ray is not installed"
     probe = f"rlxprobe{os.getpid()}"
     made = subprocess.run([IP, "netns", "add", probe], capture_output=True, text=True)
     if made.returncode:
@@ -185,10 +209,19 @@ class NetnsCluster:
         )
         if done.returncode:
             raise RuntimeError(
-                f"{' '.join(argv[:3])} in {host} exited {done.returncode}:\n"
-                f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+                f"{' '.join(argv[:3])[:200]} in {host} exited {done.returncode}:\n"
+                f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{self.log_tails()}"
             )
         return done.stdout
+
+    def log_tails(self, lines: int = 15) -> str:
+        """The last lines of the newest Ray node logs (raylets, GCS), for an error."""
+        logs = sorted(self.temp_dir.glob("session_*/logs/*.out"), key=lambda p: p.stat().st_mtime)
+        tails = []
+        for path in [p for p in logs if p.name.startswith(("raylet", "gcs_server"))][-4:]:
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+            tails.append(f"== {path.name}\n" + "\n".join(text))
+        return "\n".join(tails)
 
     def popen(self, host: str, argv: list[str], log: Path, **kwargs) -> subprocess.Popen:
         """Starts ``argv`` in ``host`` (a driver); its output goes to ``log``."""
@@ -209,7 +242,9 @@ class NetnsCluster:
         """Starts ``name``'s Ray node (the head's first): its address, its resources."""
         host = self.nodes[name]
         argv = [
-            RAY,
+            PYTHON,
+            "-c",
+            PATIENT_RAY_START,
             "start",
             f"--node-ip-address={host.address}",
             f"--num-cpus={host.num_cpus}",
@@ -229,11 +264,10 @@ class NetnsCluster:
             argv.append(f"--address={self.address}")
         for attempt in range(START_ATTEMPTS):
             try:
-                self.run(name, argv, timeout_s=180.0)
+                self.run(name, argv, timeout_s=NODE_REGISTER_S + 120.0)
                 break
             except (RuntimeError, subprocess.TimeoutExpired):
-                # ``ray start`` gives a raylet 30 s to register, which a loaded machine
-                # can miss: clear the half-started node and try again.
+                # Clear the half-started node and try again.
                 self.kill_host(name)
                 if attempt + 1 == START_ATTEMPTS:
                     raise
@@ -292,12 +326,19 @@ class NetnsCluster:
         return json.loads(lines[-1])
 
     def pids(self, name: str) -> list[int]:
-        """Every process in ``name``'s namespace."""
-        host = self.nodes[name]
-        listed = subprocess.run(
-            [IP, "netns", "pids", host.namespace], capture_output=True, text=True
-        )
-        return [int(p) for p in listed.stdout.split()]
+        """Every process in ``name``'s namespace (as ``ip netns pids``, without
+        starting a process: a test that must kill within milliseconds calls it)."""
+        try:
+            namespace = os.stat(RUN_NETNS / self.nodes[name].namespace).st_ino
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.stat(f"/proc/{entry.name}/ns/net").st_ino == namespace:
+                        found.append(int(entry.name))
+        return found
 
     def processes(self, name: str, title: str) -> list[int]:
         """Processes in ``name``'s namespace whose command line starts with ``title``
