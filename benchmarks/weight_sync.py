@@ -67,7 +67,9 @@ Usage::
     python benchmarks/weight_sync.py             # 10, 100, 1000 MB
 
 The delta measurement adds its two train steps (compiled in 10-20 s on two busy cores);
-``--no-delta`` leaves it out, ``--delta-only`` runs only it.
+``--no-delta`` leaves it out, ``--delta-only`` runs only it. ``--cross-host`` adds the
+row between hosts (``benchmarks/cross_host_sync.py``: two Ray nodes in network
+namespaces; needs root; its ``cross_host_*`` keys join the JSON).
 
 The last line printed is one JSON object with every number, and ``fraction_of_memcpy``
 of the worst store at the largest size.
@@ -80,6 +82,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -392,6 +395,24 @@ def run(sizes_mb: tuple[int, ...], stores: list[str], repeats: int, root: Path) 
     }
 
 
+def cross_host(quick: bool) -> dict[str, Any]:
+    """The cross-host row: ``benchmarks/cross_host_sync.py`` run as a script of its own
+    (it starts and removes its own namespaces and Ray nodes); its figures at the largest
+    size, prefixed ``cross_host_`` / ``same_host_`` as it prints them."""
+    script = Path(__file__).with_name("cross_host_sync.py")
+    command = [sys.executable, str(script), *(["--quick"] if quick else [])]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
+        raise RuntimeError(f"{script.name} failed ({done.returncode}): " + " | ".join(tail))
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    print(
+        f"cross-host (network namespaces): pull {row['cross_host_pull_bytes_per_s'] / 1e9:.2f} "
+        f"GB/s, {row['cross_over_same_host']:.2f} of the same-host pull"
+    )
+    return {k: v for k, v in row.items() if k != "rows"} | {"cross_host_rows": row.get("rows")}
+
+
 def main(argv: list[str] | None = None) -> int:
     global RAY_DEFAULT_CONFIG
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -410,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--delta-only", action="store_true", help="only the delta-publication measurement"
+    )
+    parser.add_argument(
+        "--cross-host",
+        action="store_true",
+        help="add the cross-host row (benchmarks/cross_host_sync.py: a Ray cluster of "
+        "network namespaces; needs root and ip)",
     )
     args = parser.parse_args(argv)
     RAY_DEFAULT_CONFIG = args.ray_default_config
@@ -435,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                 "delta_bytes_ratio_bfloat16",
             ):
                 report[key] = delta[key]
+        if args.cross_host:
+            report |= cross_host(args.quick)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report["quick"] = args.quick
