@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_trainer import CONFIG
 
-from rlaxkit.models import ModelConfig, Transformer
+from rlaxkit.models import Transformer
 from rlaxkit.models.layout import relayout
 from rlaxkit.models.lora import (
     LoraConfig,
@@ -20,15 +21,7 @@ from rlaxkit.models.lora import (
     save_peft_adapters,
 )
 
-CFG = ModelConfig(
-    family="qwen3",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-)
+CFG = CONFIG.replace(num_layers=2)  # the trainer tests' model, two layers to stack
 
 
 def _model(scan_layers=False):

@@ -3,10 +3,6 @@ number: stacked = per-layer and remat = no remat, for the forward pass, the KV-c
 decode, a train step (also sharded), checkpoints and HF round trips."""
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -16,6 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from test_trainer import CONFIG, OPTIMIZER, batch_of, relative_error
+from test_trainer_sharding import run_on_forced_devices
 
 from rlaxkit.algorithms import algorithm
 from rlaxkit.checkpoint import CheckpointManager, restore_train_state, save_train_state
@@ -225,22 +222,6 @@ SHARDED = textwrap.dedent(
 
 
 def test_sharded_scan_with_remat_equals_one_device():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    here = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", SHARDED],
-        cwd=os.path.dirname(here),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_on_forced_devices(SHARDED)
     assert result["rel"] <= 1e-6, result
     assert result["spec"] == str(P(None, "fsdp", "model")), result

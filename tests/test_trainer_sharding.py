@@ -59,26 +59,31 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-def test_sharded_train_steps_equal_one_device():
+def run_on_forced_devices(script: str, devices: int = 4) -> dict:
+    """Runs ``script`` in a fresh Python whose JAX sees ``devices`` CPU devices (XLA
+    fixes the count when JAX starts); returns the JSON object of its last line."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
-    root = os.path.dirname(here)
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        cwd=root,
+        [sys.executable, "-c", script],
+        cwd=os.path.dirname(here),
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_sharded_train_steps_equal_one_device():
+    results = run_on_forced_devices(SCRIPT)
     for shape, result in results.items():
         # Two steps of AdamW: parameters within 1e-5 (relative), losses equal.
         assert result["rel"] <= 1e-5, (shape, result)
