@@ -18,6 +18,7 @@ from rlaxkit.models.lora import (
     init_adapters,
     load_peft_adapters,
     merge_adapters,
+    save_merged_checkpoint,
     save_peft_adapters,
 )
 
@@ -174,3 +175,16 @@ def test_peft_features_rlaxkit_cannot_express_are_refused(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({**raw, "use_dora": True}))
     with pytest.raises(ValueError, match="use_dora"):
         load_peft_adapters(tmp_path, CFG)
+
+
+def test_merged_export_is_a_plain_checkpoint_of_the_adapted_model(tmp_path):
+    from rlaxkit.models import load_hf_checkpoint
+
+    model = _model()
+    graphdef, params = nnx.split(model)
+    lora = LoraConfig(rank=2, alpha=4.0)
+    adapters = _randomised(init_adapters(params, lora, jax.random.key(1)))
+    save_merged_checkpoint(model, adapters, lora, tmp_path)
+    loaded, _ = load_hf_checkpoint(tmp_path, with_tokenizer=False)
+    want = _logits(graphdef, merge_adapters(params, adapters, lora))
+    np.testing.assert_allclose(_logits(*nnx.split(loaded)), want, rtol=1e-6, atol=1e-6)

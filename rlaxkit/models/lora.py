@@ -60,6 +60,7 @@ __all__ = [
     "init_adapters",
     "load_peft_adapters",
     "merge_adapters",
+    "save_merged_checkpoint",
     "save_peft_adapters",
 ]
 
@@ -289,6 +290,19 @@ def load_peft_adapters(path: str | Path, model_config: ModelConfig) -> tuple[nnx
             f"{weights_file}: tensors for modules this model lacks: {sorted(per_layer)[:3]}"
         )
     return nnx.from_flat_state(leaves), config
+
+
+def save_merged_checkpoint(
+    model: Any, adapters: nnx.State, config: LoraConfig, path: str | Path, **save_options: Any
+) -> Path:
+    """Writes ``model`` (a ``Transformer``) with ``adapters`` merged into its weights as a
+    plain Hugging Face checkpoint (``rlaxkit.models.save_hf_checkpoint``, which takes
+    ``save_options`` such as ``tokenizer``): no PEFT needed to serve it."""
+    from rlaxkit.models.hf import save_hf_checkpoint
+
+    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
+    merged = nnx.merge(graphdef, merge_adapters(params, adapters, config), *rest)
+    return save_hf_checkpoint(merged, path, **save_options)
 
 
 def _template(model_config: ModelConfig) -> nnx.State:
