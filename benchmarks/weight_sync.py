@@ -93,9 +93,12 @@ from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# Its sibling weight_delta.py, also when this file is imported from elsewhere (a test).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import weight_delta  # noqa: E402  (benchmarks/ is the script's directory)
+import weight_delta  # noqa: E402
 
 from rlaxkit.param_server import (  # noqa: E402
     InProcessParameterServer,
