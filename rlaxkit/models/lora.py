@@ -50,13 +50,14 @@ import numpy as np
 from flax import nnx
 
 from rlaxkit.models.config import ModelConfig
-from rlaxkit.models.layout import LAYERS, is_stacked
+from rlaxkit.models.layout import stack_layers, unstack_layers
 from rlaxkit.validation import check_int
 
 __all__ = [
     "LORA_TARGETS",
     "LoraConfig",
     "adapter_nbytes",
+    "adapter_shapes",
     "init_adapters",
     "load_peft_adapters",
     "merge_adapters",
@@ -127,21 +128,33 @@ def _targeted(params: nnx.State, config: LoraConfig) -> list[tuple[tuple[Any, ..
     return out
 
 
+def adapter_shapes(
+    params: nnx.State, config: LoraConfig
+) -> list[tuple[tuple[Any, ...], tuple[int, ...]]]:
+    """``(path, shape)`` of every adapter of ``params`` (``A`` then ``B`` per targeted
+    kernel; stacked kernels get stacked adapters). Works on abstract states too."""
+    out = []
+    for path, leaf in _targeted(params, config):
+        *lead, fan_in, fan_out = leaf.shape  # a Variable, concrete or abstract
+        out.append(((*path[:-1], "lora_a"), (*lead, fan_in, config.rank)))
+        out.append(((*path[:-1], "lora_b"), (*lead, config.rank, fan_out)))
+    return out
+
+
 def init_adapters(params: nnx.State, config: LoraConfig, rng: jax.Array) -> nnx.State:
     """Adapters for every targeted kernel of ``params``: ``A`` uniform in
     ``±1/sqrt(in)`` (PEFT's default, Kaiming-uniform with ``a = sqrt(5)``), ``B`` zero,
-    both float32. Stacked kernels (``[L, in, out]``) get stacked adapters."""
+    both float32."""
+    shapes = adapter_shapes(params, config)
+    pairs = list(zip(shapes[::2], shapes[1::2], strict=True))
     leaves = []
-    targeted = _targeted(params, config)
-    keys = jax.random.split(rng, len(targeted))
-    for key, (path, leaf) in zip(keys, targeted, strict=True):
-        shape = leaf[...].shape
-        *lead, fan_in, fan_out = shape
-        bound = 1.0 / math.sqrt(fan_in)
-        a = jax.random.uniform(key, (*lead, fan_in, config.rank), jnp.float32, -bound, bound)
-        b = jnp.zeros((*lead, config.rank, fan_out), jnp.float32)
-        leaves.append(((*path[:-1], "lora_a"), nnx.LoRAParam(a)))
-        leaves.append(((*path[:-1], "lora_b"), nnx.LoRAParam(b)))
+    for key, ((a_path, a_shape), (b_path, b_shape)) in zip(
+        jax.random.split(rng, len(pairs)), pairs, strict=True
+    ):
+        bound = 1.0 / math.sqrt(a_shape[-2])
+        a = jax.random.uniform(key, a_shape, jnp.float32, -bound, bound)
+        leaves.append((a_path, nnx.LoRAParam(a)))
+        leaves.append((b_path, nnx.LoRAParam(jnp.zeros(b_shape, jnp.float32))))
     return nnx.from_flat_state(leaves)
 
 
@@ -174,16 +187,6 @@ def adapter_nbytes(adapters: nnx.State) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(adapters)))
 
 
-def _per_layer(
-    names: tuple[Any, ...], value: np.ndarray
-) -> list[tuple[tuple[Any, ...], np.ndarray]]:
-    """A stacked leaf's per-layer slices with their per-layer paths (unchanged otherwise)."""
-    if not is_stacked(names):
-        return [(names, value)]
-    at = list(names).index(LAYERS) + 1
-    return [((*names[:at], i, *names[at:]), value[i]) for i in range(value.shape[0])]
-
-
 def save_peft_adapters(
     path: str | Path,
     adapters: nnx.State,
@@ -198,12 +201,11 @@ def save_peft_adapters(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
-    for leaf_path, leaf in nnx.to_flat_state(adapters):
-        for names, value in _per_layer(_names(leaf_path), np.asarray(leaf[...])):
-            *module, which = (str(n) for n in names)
-            peft = {"lora_a": "lora_A", "lora_b": "lora_B"}[which]
-            name = f"{_PEFT_PREFIX}model.{'.'.join(module)}.{peft}.weight"
-            tensors[name] = np.ascontiguousarray(value.T)  # PEFT stores [r, in] and [out, r]
+    for leaf_path, leaf in nnx.to_flat_state(unstack_layers(adapters)):  # HF names per layer
+        *module, which = (str(n) for n in _names(leaf_path))
+        peft = {"lora_a": "lora_A", "lora_b": "lora_B"}[which]
+        name = f"{_PEFT_PREFIX}model.{'.'.join(module)}.{peft}.weight"
+        tensors[name] = np.ascontiguousarray(np.asarray(leaf[...]).T)  # PEFT: [r, in], [out, r]
     save_file(tensors, str(path / _WEIGHTS_FILE), metadata={"format": "pt"})
     peft_config = {
         "peft_type": "LORA",
@@ -258,9 +260,11 @@ def load_peft_adapters(path: str | Path, model_config: ModelConfig) -> tuple[nnx
         rank=int(raw["r"]), alpha=float(raw.get("lora_alpha", raw["r"])), targets=tuple(targets)
     )
     tensors = load_file(str(weights_file))
-    template = nnx.eval_shape(lambda: _template(model_config))
-    expected = init_adapters_shapes(template, config)
-    per_layer: dict[tuple[Any, ...], np.ndarray | None] = {}
+    # Read per layer, as PEFT names them; stacked afterwards when the model scans.
+    per_layer_config = model_config.replace(scan_layers=False)
+    template = nnx.eval_shape(lambda: _template(per_layer_config))
+    expected = adapter_shapes(template, config)
+    per_layer: dict[tuple[Any, ...], np.ndarray] = {}
     for name, tensor in tensors.items():
         if not name.startswith(_PEFT_PREFIX + "model."):
             raise ValueError(f"{weights_file}: tensor {name!r} is not a decoder adapter")
@@ -271,14 +275,7 @@ def load_peft_adapters(path: str | Path, model_config: ModelConfig) -> tuple[nnx
         per_layer[(*names, "lora_a" if peft == "lora_A" else "lora_b")] = tensor.T
     leaves = []
     for names, shape in expected:
-        value: np.ndarray | None
-        if is_stacked(names):
-            at = list(names).index(LAYERS) + 1
-            parts = [per_layer.pop((*names[:at], i, *names[at:]), None) for i in range(shape[0])]
-            present = [p for p in parts if p is not None]
-            value = np.stack(present) if len(present) == len(parts) else None
-        else:
-            value = per_layer.pop(names, None)
+        value = per_layer.pop(names, None)
         where = "/".join(map(str, names))
         if value is None:
             raise ValueError(f"{weights_file}: no tensor for {where}")
@@ -289,7 +286,8 @@ def load_peft_adapters(path: str | Path, model_config: ModelConfig) -> tuple[nnx
         raise ValueError(
             f"{weights_file}: tensors for modules this model lacks: {sorted(per_layer)[:3]}"
         )
-    return nnx.from_flat_state(leaves), config
+    adapters = nnx.from_flat_state(leaves)
+    return (stack_layers(adapters) if model_config.scan_layers else adapters), config
 
 
 def save_merged_checkpoint(
@@ -309,15 +307,3 @@ def _template(model_config: ModelConfig) -> nnx.State:
     from rlaxkit.models.transformer import Transformer
 
     return nnx.state(Transformer(model_config, rngs=nnx.Rngs(0)), nnx.Param)
-
-
-def init_adapters_shapes(
-    params: nnx.State, config: LoraConfig
-) -> list[tuple[tuple[Any, ...], tuple[int, ...]]]:
-    """``(path, shape)`` of every adapter :func:`init_adapters` would make, in order."""
-    out = []
-    for path, leaf in _targeted(params, config):
-        *lead, fan_in, fan_out = leaf.shape if hasattr(leaf, "shape") else leaf[...].shape
-        out.append(((*path[:-1], "lora_a"), (*lead, fan_in, config.rank)))
-        out.append(((*path[:-1], "lora_b"), (*lead, config.rank, fan_out)))
-    return out
