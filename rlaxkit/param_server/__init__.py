@@ -9,6 +9,8 @@
   zero-copy on the same host. Imported on first use, so Ray stays optional.
 - :class:`DeltaParameterServer` (``delta_store``): over any of them, pushes store and
   pulls read only the chunks that changed; :class:`ParamServerConfig` turns it on.
+- :class:`AdapterParameterServer` (``adapters``): for LoRA runs, publishes the base
+  weights once and then adapter versions, which pulls merge into the base.
 - :func:`tree_nbytes`: bytes of a pytree's arrays; :class:`TransferStats`: what moved.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rlaxkit.param_server.adapters import AdapterParameterServer
 from rlaxkit.param_server.base import (
     EventHook,
     ParameterServer,
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer
 
 __all__ = [
+    "AdapterParameterServer",
     "DeltaParameterServer",
     "EventHook",
     "InProcessParameterServer",

@@ -72,6 +72,7 @@ class InProcessParameterServer:
         self.on_event = on_event
         self.stats = TransferStats()
         self._versions: collections.OrderedDict[int, tuple[Any, int]] = collections.OrderedDict()
+        self._pinned: int | None = None  # Kept beyond ``keep`` (see ``push``).
         self._cond = threading.Condition()
 
     def latest_version(self) -> int | None:
@@ -94,8 +95,12 @@ class InProcessParameterServer:
             entry = self._versions.get(int(version))
         return None if entry is None else entry[0]
 
-    def push(self, version: int, params: Any) -> None:
+    def push(self, version: int, params: Any, *, pin: bool = False) -> None:
         """Publishes ``params`` as ``version`` and evicts versions beyond ``keep``.
+
+        Args:
+            pin: keep this version, beyond the ``keep`` newest, until the next pinned
+                push (a LoRA run's base record, ``adapters``).
 
         Raises:
             ValueError: ``version`` is not newer than the latest published version.
@@ -110,8 +115,11 @@ class InProcessParameterServer:
             # Checked again under the lock: another thread may have pushed meanwhile.
             check_new_version(version, next(reversed(self._versions), None))
             self._versions[int(version)] = (params, nbytes)
-            while len(self._versions) > self.keep:
-                self._versions.popitem(last=False)
+            if pin:
+                self._pinned = int(version)
+            unpinned = [v for v in self._versions if v != self._pinned]
+            for old in unpinned[: max(0, len(unpinned) - self.keep)]:
+                del self._versions[old]
             self._cond.notify_all()
         duration_s = time.perf_counter() - start
         record_transfer(

@@ -108,19 +108,31 @@ class ParameterServerActor:
         self._versions: collections.OrderedDict[int, tuple[ray.ObjectRef, int]] = (
             collections.OrderedDict()
         )
+        self._pinned: int | None = None
         self.registrations = 0
 
     def register(
-        self, version: int, ref: list[ray.ObjectRef], nbytes: int, reset: bool = False
+        self,
+        version: int,
+        ref: list[ray.ObjectRef],
+        nbytes: int,
+        reset: bool = False,
+        pin: bool = False,
     ) -> None:
         """Publishes ``ref[0]`` as ``version``; ``reset`` first forgets every version
-        (their owner died), so ``version`` need only be new to an empty store."""
+        (their owner died), so ``version`` need only be new to an empty store; ``pin``
+        keeps it beyond the ``keep`` newest until the next pinned one (a LoRA run's
+        base record, ``adapters``)."""
         if reset:
             self._versions.clear()
+            self._pinned = None
         check_new_version(version, self.latest_version())
         self._versions[int(version)] = (ref[0], int(nbytes))
-        while len(self._versions) > self.keep:
-            self._versions.popitem(last=False)  # Dropping the reference frees the object.
+        if pin:
+            self._pinned = int(version)
+        unpinned = [v for v in self._versions if v != self._pinned]
+        for old in unpinned[: max(0, len(unpinned) - self.keep)]:
+            del self._versions[old]  # Dropping the reference frees the object.
         self.registrations += 1
 
     def latest(self, min_version: int | None = None) -> tuple[int, list[ray.ObjectRef], int] | None:
@@ -214,6 +226,7 @@ class RayObjectStoreParameterServer:
         self._retained: collections.deque[tuple[int, ray.ObjectRef, int]] = collections.deque(
             maxlen=retain_pushes
         )
+        self._pinned: tuple[int, ray.ObjectRef, int] | None = None  # The newest pinned push.
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -229,9 +242,11 @@ class RayObjectStoreParameterServer:
         RayObjectStoreParameterServer.__init__(self, state.pop("actor"), **state)
 
     # -- the trainer's side ------------------------------------------------------------
-    def push(self, version: int, params: Any, *, reset: bool = False) -> None:
+    def push(self, version: int, params: Any, *, reset: bool = False, pin: bool = False) -> None:
         """Copies ``params`` to host memory, puts them in the object store once, and
-        registers the reference as ``version`` (``reset``: forget older versions first).
+        registers the reference as ``version`` (``reset``: forget older versions first;
+        ``pin``: the actor keeps it beyond ``keep`` until the next pinned push, and
+        :meth:`republish` registers it again).
 
         Raises:
             ValueError: ``version`` is not newer than the latest registered version.
@@ -243,9 +258,12 @@ class RayObjectStoreParameterServer:
             # The outer object holds the entries' references, which keep them alive.
             host = {key: ray.put(value) for key, value in host.items()}
         ref = ray.put(host)
-        ray.get(self.actor.register.remote(int(version), [ref], nbytes, reset))
+        ray.get(self.actor.register.remote(int(version), [ref], nbytes, reset, pin))
         if reset:
             self._retained.clear()
+            self._pinned = None
+        if pin:
+            self._pinned = (int(version), ref, nbytes)
         self._retained.append((int(version), ref, nbytes))
         record = TransferRecord(
             kind="push", version=int(version), duration_s=time.perf_counter() - start, bytes=nbytes
@@ -253,15 +271,24 @@ class RayObjectStoreParameterServer:
         record_transfer(self.stats, self.on_event, record)
 
     def republish(self) -> int | None:
-        """Registers the retained pushes (the newest ``retain_pushes``) the actor lacks
-        again, oldest first (after it restarted empty); returns the newest version, or
-        ``None`` if this client has not pushed."""
+        """Registers the retained pushes (the newest ``retain_pushes``, and the pinned
+        one) the actor lacks again, oldest first (after it restarted empty); returns the
+        newest version, or ``None`` if this client has not pushed."""
         if not self._retained:
             return None
         latest = self.latest_version()
-        for version, ref, nbytes in self._retained:
+        pushes = {version: (ref, nbytes) for version, ref, nbytes in self._retained}
+        pinned = None
+        if self._pinned is not None:
+            pinned, ref, nbytes = self._pinned
+            pushes[pinned] = (ref, nbytes)
+        for version in sorted(pushes):
             if latest is None or latest < version:
-                ray.get(self.actor.register.remote(version, [ref], nbytes))
+                ref, nbytes = pushes[version]
+                ray.get(
+                    self.actor.register.remote(version, [ref], nbytes, False, version == pinned)
+                )
+                latest = version
         return self._retained[-1][0]
 
     # -- the workers' side -------------------------------------------------------------

@@ -145,6 +145,7 @@ class TensorStoreParameterServer:
         self.on_event = on_event
         self.stats = TransferStats()
         self.deferred_evictions = 0
+        self._pinned: int | None = None  # Kept beyond ``keep`` (see ``push``).
         self._context = ts.Context({"file_io_sync": durable})
         self._push_lock = threading.Lock()
         self._pushed = threading.Condition()
@@ -288,8 +289,13 @@ class TensorStoreParameterServer:
         return treepaths.nested_dict(paths, placed)
 
     # ----------------------------------------------------------------- writing
-    def push(self, version: int, params: Any) -> None:
+    def push(self, version: int, params: Any, *, pin: bool = False) -> None:
         """Writes ``params`` as ``version``, publishes it atomically, evicts beyond ``keep``.
+
+        Args:
+            pin: this writer keeps this version, beyond the ``keep`` newest, until its
+                next pinned push (a LoRA run's base record, ``adapters``). A new writer
+                (a restarted trainer) does not know it and evicts it as any other.
 
         Raises:
             ValueError: ``version`` is not newer than the latest published version, or a
@@ -334,6 +340,8 @@ class TensorStoreParameterServer:
             pointer = {"version": version, "dirname": final.name}
             layout.write_json_atomically(self.directory / layout.POINTER, pointer, self.durable)
             self._pushed_tree = (paths, treedef)
+            if pin:
+                self._pinned = version
             with self._pushed:
                 self._pushed.notify_all()
             self._evict(version)
@@ -391,7 +399,8 @@ class TensorStoreParameterServer:
         background thread (slow: the kernel frees their pages), so the trainer does not
         wait for it.
         """
-        old = [v for v in self.versions()[: -self.keep] if v != latest]
+        unpinned = [v for v in self.versions() if v != self._pinned]
+        old = [v for v in unpinned[: -self.keep] if v != latest]
         for version in old:
             vdir = self.directory / layout.version_dirname(version)
             try:

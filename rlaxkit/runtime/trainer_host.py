@@ -13,6 +13,7 @@ from rlaxkit.api import PublishReply, SaveReply, TrainResult
 from rlaxkit.batch import TrainBatch
 from rlaxkit.checkpoint import CheckpointManager, restore_train_state, save_train_state
 from rlaxkit.config import RunConfig
+from rlaxkit.param_server.adapters import AdapterParameterServer
 from rlaxkit.runtime.build import build_policy, build_task, train_config_for, warm_start
 from rlaxkit.runtime.hosts import TrainerRestartedError, WeightStore, configure_jax, drain
 from rlaxkit.trace import MemoryTrace, TraceEvent
@@ -86,24 +87,36 @@ class TrainerHost:
         state = create_train_state(train_config, params, seed=config.seed, ref_params=ref)
         self.state = self._place_state(state)
         self._version = 0
+        self._merged = False  # _to_publish holds a LoRA run's merged weights
         # In this process the step keeps its parameters (it donates every other buffer),
         # so the in-process store holds each pushed version without a copy.
         self.train_step = make_train_step(
             train_config, graphdef, mesh=self.mesh, keep_params=self.in_process
         )
         self.store_kind = store.kind
-        self.param_server = (
-            store.connect(on_event=self._on_transfer, publication=config.param_server)
-            if self.pushes
-            else None
-        )
+        # A LoRA run publishes the frozen base once and then the adapters alone.
+        self.lora = train_config.lora
+        # Every process of a trainer group gathers the base (a collective).
+        base = None if self.lora is None else self._host(self.state.base_params)
+        self.param_server = None
+        self._rollback = False  # the store starts new lineages (a fault plan's, in process)
+        if self.pushes:
+            server = store.connect(on_event=self._on_transfer, publication=config.param_server)
+            self._rollback = hasattr(server, "rollback")
+            if self.lora is not None:
+                server = AdapterParameterServer(server, lora=self.lora)
+                server.publish_base(base)
+            self.param_server = server
         self.checkpoints = None
         if checkpoint_dir is not None:
             self.checkpoints = CheckpointManager(
                 checkpoint_dir, max_to_keep=config.checkpoint.keep, async_save=self.in_process
             )
         # (version, host params) to publish when the store lacks the newest version.
-        self._to_publish: tuple[int, Any] | None = (0, self._publishable(self.state.params))
+        self._to_publish: tuple[int, Any] | None = (
+            0,
+            self._publishable(self._published(self.state)),
+        )
 
     # -- where arrays live (overridden by a multi-process trainer) -------------------
     def _warm_start(self, config, task, model, tokenizer, cache_dir):
@@ -127,8 +140,12 @@ class TrainerHost:
 
     def _publishable(self, params: Any) -> Any:
         """What :meth:`publish` may push later: a host copy, or in this process the
-        kept parameters themselves."""
-        return params if self.in_process else self._host(params)
+        kept parameters themselves (adapters are copied: the step donates them)."""
+        return params if self.in_process and self.lora is None else self._host(params)
+
+    def _published(self, state: Any) -> Any:
+        """What a push publishes of ``state``: the params, or a LoRA run's adapters."""
+        return state.params if self.lora is None else state.adapters
 
     def _on_transfer(self, kind: str, version: int, **fields: Any) -> None:
         if kind == "push":
@@ -198,8 +215,9 @@ class TrainerHost:
             )
         if published is not None and published[0] != self.version:
             self._to_publish = published if self.pushes else None
+            self._merged = self.lora is not None  # full weights, not adapters
         else:
-            self._to_publish = (self.version, self._publishable(self.state.params))
+            self._to_publish = (self.version, self._publishable(self._published(self.state)))
         return self.version
 
     # -- training --------------------------------------------------------------------
@@ -225,12 +243,12 @@ class TrainerHost:
         duration_s = self.clock() - start
         if self.config.weight_sync.should_push(self.version):
             if push:
-                params = self._for_push(self.state.params)
+                params = self._for_push(self._published(self.state))
                 if self.param_server is not None:  # process 0 of a trainer group pushes
                     self.param_server.push(self.version, params)
                 self._to_publish = None
             else:
-                self._to_publish = (self.version, self._publishable(self.state.params))
+                self._to_publish = (self.version, self._publishable(self._published(self.state)))
         return TrainResult(metrics, duration_s, self._drain())
 
     def publish(self, step: int, reset: bool = False) -> PublishReply:
@@ -251,13 +269,17 @@ class TrainerHost:
             reset or latest is None or latest < self._to_publish[0]
         ):
             version, params = self._to_publish
-            if self.store_kind == "object_store":
+            if self._merged:  # a LoRA run resumed at a version older than its state
+                store.push_merged(
+                    version, params, reset=reset and self.store_kind == "object_store"
+                )
+            elif self.store_kind == "object_store":
                 store.push(version, params, reset=reset)
-            elif self.store_kind == "inprocess" and reset and hasattr(store, "rollback"):
+            elif self.store_kind == "inprocess" and reset and self._rollback:
                 store.rollback(version, params)  # a fault plan's store: a new lineage
             elif latest is None or latest < version:
                 store.push(version, params)
-            self._to_publish = None
+            self._to_publish, self._merged = None, False
         elif self.store_kind == "object_store" and (latest is None or reset):
             store.republish()
         return PublishReply(store.latest_version(), self._drain())

@@ -10,6 +10,7 @@ import jax
 from rlaxkit.api import ChunkReply, SyncReply, Work
 from rlaxkit.config import RunConfig
 from rlaxkit.param_server import ParameterServer
+from rlaxkit.param_server.adapters import AdapterParameterServer
 from rlaxkit.runtime.build import build_task
 from rlaxkit.runtime.hosts import WeightStore, configure_jax, drain
 from rlaxkit.tasks import RewardRunner
@@ -97,6 +98,9 @@ class WorkerHost:
         )
         if hasattr(server, "view"):  # a fault plan's store: failing pulls per worker
             server = server.view(worker_id)
+        if config.trainer.lora is not None:  # the base once, then adapters merged into it
+            timeout_s = _WORKER_PULL_TIMEOUT_S if store.kind == "object_store" else None
+            server = AdapterParameterServer(server, default_timeout_s=timeout_s)
         self.store = _Observed(server)
         self._decoding, self._complete = False, list[Any]()
         self.worker = InferenceWorker(
