@@ -8,6 +8,11 @@ token equals its slot) and keeps the last prompt token, later the last sampled t
 ``pending``: the token the next decode step feeds. A decode step therefore always
 produces the logits of the next token, and the first completion token is drawn by the
 first decode step, exactly like all later ones.
+
+Multi-turn rows keep this layout: a row that stopped (its last sampled token pending)
+is extended by an observation as if its prompt had been ``prompt + completion +
+observation`` all along (``extend_rows``), so the next turn's decode steps, and a cache
+rebuilt under new weights, treat it like any other row.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ class DecodeState:
     """Everything the decode loop carries, ``R`` rows.
 
     Attributes:
-        cache: the KV cache, ``slots = prompt_width + max_new_tokens`` per row.
-        prompt: ``[R, prompt_width]`` int32 prompt tokens, right-padded with 0.
+        cache: the KV cache, ``slots`` per row (``prompt_width + max_new_tokens`` unless
+            set).
+        prompt: ``[R, P]`` int32 prompt tokens, right-padded with 0 (``P`` is the
+            prompt width, or ``slots`` where prompts grow by turns).
         prompt_len: ``[R]`` int32.
         pending: ``[R]`` int32, the token the next decode step feeds (its position is
             ``cache.end``).
@@ -48,15 +55,28 @@ class DecodeState:
     rows: Rows
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "config", "rows", "prompt_width"))
+@functools.partial(
+    jax.jit, static_argnames=("model_config", "config", "rows", "prompt_width", "slots")
+)
 def init_state(
-    model_config: ModelConfig, config: SamplingConfig, rows: int, prompt_width: int
+    model_config: ModelConfig,
+    config: SamplingConfig,
+    rows: int,
+    prompt_width: int,
+    slots: int | None = None,
 ) -> DecodeState:
-    """An empty decode state: ``rows`` inactive rows, prompts up to ``prompt_width``."""
-    slots = prompt_width + config.max_new_tokens
+    """An empty decode state: ``rows`` inactive rows, prompts up to ``prompt_width``.
+
+    ``slots`` (default ``prompt_width + config.max_new_tokens``) sets the cache length
+    per row; when it is given the prompt buffers are ``slots`` wide too, so a row's
+    prompt can grow by whole turns (``extend_rows``).
+    """
+    width = prompt_width if slots is None else slots
+    if slots is None:
+        slots = prompt_width + config.max_new_tokens
     return DecodeState(
         cache=KVCache.zeros(model_config, rows, slots),
-        prompt=jnp.zeros((rows, prompt_width), jnp.int32),
+        prompt=jnp.zeros((rows, width), jnp.int32),
         prompt_len=jnp.ones((rows,), jnp.int32),
         pending=jnp.zeros((rows,), jnp.int32),
         rows=Rows.empty(rows, config),
@@ -116,6 +136,95 @@ def start_rows(
         prompt=state.prompt.at[dest].set(stored[source], mode="drop"),
         prompt_len=state.prompt_len.at[dest].set(prompt_len[source], mode="drop"),
         pending=state.pending.at[dest].set(last[source], mode="drop"),
+        rows=state.rows.start(dest, request_keys, sample_index, budget),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
+def extend_rows(
+    graphdef: StaticGraph,
+    params: nnx.State,
+    state: DecodeState,
+    observations: jax.Array,
+    observation_len: jax.Array,
+    dest: jax.Array,
+    request_key_data: jax.Array,
+    sample_index: jax.Array,
+    budget: jax.Array,
+) -> DecodeState:
+    """Appends an observation to each of ``A`` stopped rows and starts their next
+    completions, prefilling only the new tokens at the rows' offsets.
+
+    Row ``dest[a]`` (prompt ``p``, completion ``c`` of ``C`` tokens, ``c[-1]``
+    pending) gets the prompt ``p + c + o`` with ``o = observations[a, :L]``: the cache
+    receives ``c[-1], o[0], ..., o[L-2]`` at slots ``end .. end + L - 1`` and ``o[-1]``
+    becomes pending, exactly the cache ``start_rows`` would build from ``p + c + o``.
+    The row's completion buffers restart as in ``start_rows``. The caller keeps
+    ``end + L + budget - 1 <= slots``; ``dest`` entries ``>= R`` are padding.
+
+    Args:
+        observations: ``[A, W]`` int32, right-padded.
+        observation_len: ``[A]`` int32, each ``>= 1``.
+        dest, sample_index, budget: ``[A]`` int32.
+        request_key_data: ``[A, ...]`` uint32 key data of the next turns' PRNG keys.
+    """
+    model = graphdef.merge(params)
+    num_rows, slots = state.cache.valid.shape
+    width = observations.shape[1]
+    row = jnp.minimum(dest, num_rows - 1)  # padding reads a real row; its writes drop
+    feed = jnp.concatenate([state.pending[row][:, None], observations[:, :-1]], axis=1)
+    feed_mask = jnp.arange(width)[None] < observation_len[:, None]
+    start = state.cache.end[row]
+    positions = start[:, None] + jnp.arange(width)[None]
+
+    # ``decode`` writes ``width`` slots from each row's end and a dynamic update slice
+    # clamps its start to stay in bounds, which would shift the write back; ``width``
+    # spare slots keep every write where it belongs (real tokens fit by the caller).
+    def gather(full):  # [rows, kv_heads, slots, head_dim]
+        return jnp.pad(full[row], ((0, 0), (0, 0), (0, width), (0, 0)))
+
+    part = KVCache(
+        k=[gather(k) for k in state.cache.k],
+        v=[gather(v) for v in state.cache.v],
+        valid=jnp.pad(state.cache.valid[row], ((0, 0), (0, width))),
+        end=start,
+    )
+    _, part = model.decode(feed, positions, part, feed_mask)
+
+    def put(full, new):
+        return full.at[dest].set(new[:, :, :slots], mode="drop")
+
+    cache = KVCache(
+        k=[put(f, p) for f, p in zip(state.cache.k, part.k, strict=True)],
+        v=[put(f, p) for f, p in zip(state.cache.v, part.v, strict=True)],
+        valid=state.cache.valid.at[dest].set(part.valid[:, :slots], mode="drop"),
+        end=state.cache.end.at[dest].set(start + observation_len, mode="drop"),
+    )
+    prompt_len, generated = state.prompt_len[row][:, None], state.rows.num_generated[row][:, None]
+    index = jnp.arange(state.prompt.shape[1])[None]
+    max_new = state.rows.tokens.shape[1]
+    from_completion = jnp.take_along_axis(
+        state.rows.tokens[row], jnp.clip(index - prompt_len, 0, max_new - 1), axis=1
+    )
+    observed_at = jnp.clip(index - prompt_len - generated, 0, width - 1)
+    from_observation = jnp.take_along_axis(observations, observed_at, axis=1)
+    new_len = prompt_len + generated + observation_len[:, None]
+    prompt = jnp.where(
+        index < prompt_len,
+        state.prompt[row],
+        jnp.where(
+            index < prompt_len + generated,
+            from_completion,
+            jnp.where(index < new_len, from_observation, 0),
+        ),
+    )
+    last = jnp.take_along_axis(observations, (observation_len - 1)[:, None], axis=1)[:, 0]
+    request_keys = jax.random.wrap_key_data(request_key_data)
+    return DecodeState(
+        cache=cache,
+        prompt=state.prompt.at[dest].set(prompt, mode="drop"),
+        prompt_len=state.prompt_len.at[dest].set(new_len[:, 0], mode="drop"),
+        pending=state.pending.at[dest].set(last, mode="drop"),
         rows=state.rows.start(dest, request_keys, sample_index, budget),
     )
 
@@ -202,13 +311,18 @@ def _decode_steps(
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
-def recompute_cache(graphdef: StaticGraph, params: nnx.State, state: DecodeState) -> DecodeState:
-    """Rebuilds every row's cache from its prompt and completion so far under ``params``.
+def recompute_cache(
+    graphdef: StaticGraph, params: nnx.State, state: DecodeState, keep: jax.Array | None = None
+) -> DecodeState:
+    """Rebuilds the cache of every active row, and of the rows ``keep`` marks, from its
+    prompt and completion so far under ``params``.
 
     The context of row ``b`` is ``prompt + completion[:-1]`` (the last token stays
     pending), prefilled in one pass of width ``slots``; the completion buffers are kept.
     This is AReaL's interruptible generation: after a weight update the remaining tokens
-    are produced by the new weights on a cache computed by them too.
+    are produced by the new weights on a cache computed by them too. ``keep`` (``[R]``
+    bool) adds rows that are stopped but will go on (waiting for an observation); a
+    row left out loses its cache.
     """
     model = graphdef.merge(params)
     rows, slots = state.cache.valid.shape
@@ -222,11 +336,12 @@ def recompute_cache(graphdef: StaticGraph, params: nnx.State, state: DecodeState
     from_completion = jnp.take_along_axis(state.rows.tokens, generated_at, axis=1)
     context = jnp.where(index < prompt_len, from_prompt, from_completion)
     length = state.prompt_len + state.rows.num_generated - 1
-    mask = (index < length[:, None]) & state.rows.active[:, None]
+    rebuilt = state.rows.active if keep is None else state.rows.active | keep
+    mask = (index < length[:, None]) & rebuilt[:, None]
     fresh = KVCache.zeros(model.config, rows, slots, state.cache.k[0].dtype)
     positions = jnp.broadcast_to(index, context.shape)
     _, cache = model.decode(context, positions, fresh, mask)
-    end = jnp.where(state.rows.active, length, state.cache.end)
+    end = jnp.where(rebuilt, length, state.cache.end)
     return dataclasses.replace(state, cache=dataclasses.replace(cache, end=end))
 
 
