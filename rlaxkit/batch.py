@@ -39,10 +39,11 @@ class TrainBatch:
     Attributes:
         tokens: ``[B, T]`` int32, prompt then completion, right-padded.
         attention_mask: ``[B, T]`` bool, 1 for real (prompt or completion) tokens.
-        loss_mask: ``[B, T]`` float32, 1 for completion tokens (the ones trained on).
-        behaviour_logprobs: ``[B, T]`` float32 log π_behaviour of each completion token,
+        loss_mask: ``[B, T]`` float32, 1 for completion tokens the policy sampled (the
+            ones trained on); 0 for the prompt, environment tokens and padding.
+        behaviour_logprobs: ``[B, T]`` float32 log π_behaviour of each policy token,
             as recorded by the sampler; 0 elsewhere.
-        versions: ``[B, T]`` int32 weight version that sampled each completion token;
+        versions: ``[B, T]`` int32 weight version that sampled each policy token;
             -1 elsewhere.
         rewards: ``[B]`` float32 sequence reward.
         group_ids: ``[B]`` int32 prompt group, dense in ``[0, B)``.
@@ -79,7 +80,11 @@ class TrainBatch:
 
 class SampleLike(Protocol):
     """What ``collate`` reads from one sample (``Sample`` or a ``Rollout``): read-only,
-    so a frozen dataclass with NumPy arrays for the sequences satisfies it."""
+    so a frozen dataclass with NumPy arrays for the sequences satisfies it.
+
+    A sample may also have a ``policy_mask`` (one bool per completion token, False where
+    the environment wrote the token); one without it, or with ``None``, is all policy.
+    """
 
     @property
     def prompt_tokens(self) -> Sequence[int] | np.ndarray: ...
@@ -106,6 +111,8 @@ class Sample:
         versions: weight version of each completion token, or one version for all.
         reward: the sequence's reward.
         group_id: any hashable shared by the samples of one prompt.
+        policy_mask: per completion token, whether the policy sampled it (False: the
+            environment wrote it, and it is not trained on); ``None``: all policy.
     """
 
     prompt_tokens: Sequence[int]
@@ -114,6 +121,7 @@ class Sample:
     versions: Sequence[int] | int
     reward: float
     group_id: Hashable
+    policy_mask: Sequence[bool] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +176,14 @@ def collate(
     >>> batch.shape, batch.loss_mask[0].tolist()
     ((1, 4), [0.0, 0.0, 1.0, 0.0])
 
+    A tool's output (token 9, written by the environment) is context, not trained on:
+
+    >>> batch = collate([Sample(prompt_tokens=[1], completion_tokens=[3, 9, 4],
+    ...                         behaviour_logprobs=[-0.5, 0.0, -0.1], versions=0,
+    ...                         reward=1.0, group_id="q1", policy_mask=[1, 0, 1])])
+    >>> batch.loss_mask[0].tolist(), batch.versions[0].tolist()
+    ([0.0, 1.0, 0.0, 1.0], [-1, 0, -1, 0])
+
     Args:
         samples: at least one sample.
         bucket: allowed shapes (default ``BucketSpec()``: powers of two).
@@ -197,9 +213,19 @@ def collate(
         tokens[row, :p] = sample.prompt_tokens
         tokens[row, p : p + n] = sample.completion_tokens
         attention_mask[row, : p + n] = True
-        loss_mask[row, p : p + n] = 1.0
         behaviour[row, p : p + n] = sample.behaviour_logprobs
         versions[row, p : p + n] = sample.versions
+        # An optional attribute: samples of single-turn callers need not carry a mask.
+        policy_mask = getattr(sample, "policy_mask", None)
+        policy = None if policy_mask is None else np.asarray(policy_mask, bool)
+        if policy is None or policy.all():
+            loss_mask[row, p : p + n] = 1.0
+        else:
+            loss_mask[row, p : p + n] = policy
+            # Environment tokens were not sampled: no behaviour log-prob, no version.
+            span = slice(p, p + n)
+            behaviour[row, span] = np.where(policy, behaviour[row, span], 0.0)
+            versions[row, span] = np.where(policy, versions[row, span], -1)
         rewards[row] = sample.reward
         group_ids[row] = dense_ids.setdefault(sample.group_id, len(dense_ids))
         sequence_mask[row] = True
@@ -233,6 +259,11 @@ def _check_sample(index: int, sample: SampleLike) -> int:
     if np.ndim(sample.versions) != 0 and np.size(sample.versions) != n:
         raise ValueError(
             f"{where}: versions has {np.size(sample.versions)} entries for {n} completion tokens"
+        )
+    policy_mask = getattr(sample, "policy_mask", None)
+    if policy_mask is not None and np.size(policy_mask) != n:
+        raise ValueError(
+            f"{where}: policy_mask has {np.size(policy_mask)} entries for {n} completion tokens"
         )
     if not math.isfinite(float(sample.reward)):
         raise ValueError(f"{where}: reward must be finite, got {sample.reward!r}")

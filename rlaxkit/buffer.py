@@ -208,6 +208,9 @@ def _group_to_dict(group: RolloutGroup) -> dict[str, Any]:
                 "worker_id": r.worker_id,
                 "reward_info": r.reward_info,
                 "timings": r.timings,
+                # Only multi-turn rollouts have environment tokens; a missing mask
+                # (single-turn, and checkpoints written before masks) reads as all policy.
+                **({} if r.policy_mask.all() else {"policy_mask": r.policy_mask.tolist()}),
             }
             for r in group.rollouts
         ],
@@ -229,6 +232,7 @@ def _group_from_dict(data: dict[str, Any]) -> RolloutGroup:
             worker_id=r["worker_id"],
             reward_info=r["reward_info"],
             timings=r["timings"],
+            policy_mask=np.asarray(r.get("policy_mask", [True] * len(r["versions"])), bool),
         )
         for r in data["rollouts"]
     )

@@ -3,6 +3,11 @@
 A rollout is one sampled completion of one issued prompt. The ``n`` completions of the
 same issued prompt share a ``group_id`` (GRPO's group); a ``RolloutGroup`` is the unit
 the buffer admits, filters and hands to the trainer.
+
+A multi-turn episode (``rlaxkit.episodes``) is one rollout too: its completion holds the
+policy's tokens and the environment's (tool output) in the order they were written, and
+``policy_mask`` says which is which. Environment tokens are context, never trained on:
+their behaviour log-prob is 0 and their version ``ENVIRONMENT_VERSION``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+ENVIRONMENT_VERSION = -1  # the ``versions`` entry of a token the environment wrote
+# The default ``policy_mask`` (compared by identity): every token is the policy's.
+_ALL_POLICY = np.ones(0, bool)
 
 
 @dataclass(frozen=True)
@@ -25,16 +34,21 @@ class Rollout:
         prompt_tokens: ``[P]`` int32.
         completion_tokens: ``[C]`` int32, up to and including a stop token.
         behaviour_logprobs: ``[C]`` float32, log-prob of each completion token under the
-            distribution the sampler actually drew it from.
-        versions: ``[C]`` int32, the weight version that produced each token.
+            distribution the sampler actually drew it from; 0 for environment tokens.
+        versions: ``[C]`` int32, the weight version that produced each token;
+            ``ENVIRONMENT_VERSION`` (-1) for environment tokens.
         reward: the verifiable reward.
-        finish_reason: ``stop``, ``length`` or ``interrupted``.
+        finish_reason: ``stop``, ``length`` or ``interrupted``; an episode's ``stop``,
+            ``max_turns`` or ``length``.
         worker_id: the worker that generated it.
         reward_info: parsed answer and failure reason from the reward.
         timings: seconds since run start (``issued_s``, ``started_s``, ``finished_s``).
-        first_version: the oldest weight version among the tokens, from which staleness
-            counts (``-1`` without tokens); derived from ``versions``.
-        last_version: the newest weight version among the tokens (``-1`` without tokens).
+        policy_mask: ``[C]`` bool, True where the policy sampled the token, False where
+            the environment wrote it. By default every token is the policy's (all True).
+        first_version: the oldest weight version among the policy's tokens, from which
+            staleness counts (``-1`` without policy tokens); derived from ``versions``.
+        last_version: the newest weight version among the policy's tokens (``-1``
+            without policy tokens).
     """
 
     group_id: int
@@ -49,6 +63,7 @@ class Rollout:
     worker_id: str = ""
     reward_info: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    policy_mask: np.ndarray = field(default_factory=lambda: _ALL_POLICY)
     first_version: int = field(init=False, repr=False, compare=False)
     last_version: int = field(init=False, repr=False, compare=False)
 
@@ -60,10 +75,29 @@ class Rollout:
                 f"({len(self.behaviour_logprobs)}) and versions ({len(self.versions)}) "
                 "must have one entry per completion token"
             )
+        if self.policy_mask is _ALL_POLICY:
+            object.__setattr__(self, "policy_mask", np.ones(n, bool))
+            versions = self.versions
+        else:
+            mask = np.asarray(self.policy_mask, bool)
+            object.__setattr__(self, "policy_mask", mask)
+            if mask.shape != (n,):
+                raise ValueError(
+                    f"rollout {self.sample_id}: policy_mask has shape {mask.shape}, expected "
+                    f"({n},): one entry per completion token"
+                )
+            environment = ~mask
+            if np.any(self.behaviour_logprobs[environment] != 0) or np.any(
+                self.versions[environment] != ENVIRONMENT_VERSION
+            ):
+                raise ValueError(
+                    f"rollout {self.sample_id}: environment tokens must have behaviour "
+                    f"log-prob 0 and version {ENVIRONMENT_VERSION}"
+                )
+            versions = self.versions[mask]
         # The buffer, the trace and the metrics ask for these several times per rollout.
         # Computed once here: Python 3.11's cached_property takes a lock on every first
         # access, which cost more than the reduction.
-        versions = self.versions
         empty = not len(versions)
         object.__setattr__(self, "first_version", -1 if empty else int(versions.min()))
         object.__setattr__(self, "last_version", -1 if empty else int(versions.max()))
@@ -76,6 +110,11 @@ class Rollout:
     @property
     def num_tokens(self) -> int:
         return len(self.completion_tokens)
+
+    @property
+    def num_policy_tokens(self) -> int:
+        """Completion tokens the policy sampled (the ones trained on)."""
+        return int(self.policy_mask.sum())
 
 
 @dataclass(frozen=True)
