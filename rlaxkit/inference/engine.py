@@ -13,11 +13,19 @@ interrupts generation for new weights). Either the KV cache is kept (earlier tok
 keys and values stay those of the old weights) or, as in AReaL, it is recomputed from
 prompt + completion-so-far under the new weights. Every token records the version of
 the weights whose forward pass produced its logits.
+
+Multi-turn requests (an agent calling a tool) are submitted with ``hold=True``: a row
+whose completion ends with one of ``config.stop_sequences`` (the tool call) is parked,
+keeping its cache and offset, instead of being freed. ``resume`` prefills the tool's
+answer into that row at its offset and the next turn decodes from there, without
+prefilling the history again; ``release`` frees a parked row whose tool is slow (its
+episode goes on later as a new request whose prompt is the whole history).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -38,7 +46,7 @@ from rlaxkit.inference.results import (
     key_data,
     split_model,
 )
-from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED
+from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED, STOP
 
 # Returns ``None`` (no new weights) or ``(weights, version)``; polled between chunks.
 WeightSource = Callable[[], "tuple[ModelLike | nnx.State, int] | None"]
@@ -46,13 +54,27 @@ WeightSource = Callable[[], "tuple[ModelLike | nnx.State, int] | None"]
 
 @dataclass(frozen=True)
 class _Sample:
-    """One sample of one request, queued or in a row."""
+    """One sample of one request, queued or in a row.
+
+    ``prompt`` is the context before the current turn: the prompt, then for a resumed
+    request every earlier turn's completion and observation.
+    """
 
     request_id: int
     sample_index: int
     prompt: np.ndarray
     key_data: np.ndarray
     budget: int
+    hold: bool = False
+
+
+@dataclass(frozen=True)
+class _Resume:
+    """A parked row's observation, prefilled at the next launch."""
+
+    key: tuple[int, int]  # (request, sample)
+    row: int
+    observation: np.ndarray
 
 
 class InferenceEngine:
@@ -68,6 +90,10 @@ class InferenceEngine:
         config: the sampling configuration shared by all requests.
         num_slots: decode rows (the batch of every decode step).
         max_prompt_len: the longest prompt accepted; rounded up to a power of two.
+        max_context_len: the KV-cache length of a row: the most tokens a multi-turn
+            request's prompt, completions and observations may hold (less one: the
+            last sampled token is never cached). Default: ``max_prompt_len`` (rounded)
+            plus ``config.max_new_tokens``, room for one turn.
         version: the version of ``model``'s weights.
         chunk_steps: decode steps between two points where weights may change.
         refill_fraction: while requests are queued, a chunk also ends as soon as this
@@ -81,6 +107,7 @@ class InferenceEngine:
         *,
         num_slots: int,
         max_prompt_len: int,
+        max_context_len: int | None = None,
         version: int = 0,
         chunk_steps: int = 32,
         refill_fraction: float = 0.25,
@@ -98,30 +125,57 @@ class InferenceEngine:
         self.config = config
         self.num_slots = num_slots
         self.prompt_width = bucket_length(max_prompt_len)
+        self.max_context_len = self.prompt_width + config.max_new_tokens
+        if max_context_len is not None:
+            if max_context_len < self.max_context_len:
+                raise ValueError(
+                    f"max_context_len must be >= max_prompt_len (rounded: {self.prompt_width})"
+                    f" + max_new_tokens ({config.max_new_tokens}), got {max_context_len}"
+                )
+            self.max_context_len = max_context_len
         self.version = version
         self.chunk_steps = chunk_steps
         self.refill_rows = max(1, math.ceil(refill_fraction * num_slots))
-        self.state = programs.init_state(self.model_config, config, num_slots, self.prompt_width)
+        self.state = programs.init_state(
+            self.model_config, config, num_slots, self.prompt_width, self.max_context_len
+        )
         self._queue: collections.deque[_Sample] = collections.deque()
         self._slots: list[_Sample | None] = [None] * num_slots
+        self._parked: dict[tuple[int, int], int] = {}  # (request, sample) -> row
+        self._resumes: list[_Resume] = []
         self._ids = itertools.count()
         self._unfinished: collections.Counter[int] = collections.Counter()  # id -> samples
         self._launched = False  # a chunk was dispatched and not yet finished
 
     @property
     def num_queued(self) -> int:
-        """Samples waiting for a row."""
-        return len(self._queue)
+        """Samples waiting for a row, and resumed rows waiting for their observation's
+        prefill (at the next launch)."""
+        return len(self._queue) + len(self._resumes)
 
     @property
     def num_running(self) -> int:
-        """Rows generating."""
-        return sum(s is not None for s in self._slots)
+        """Rows generating. Parked rows are not counted: they hold a row but run no
+        decode step (``num_parked``)."""
+        return sum(s is not None for s in self._slots) - len(self._parked) - len(self._resumes)
+
+    @property
+    def num_parked(self) -> int:
+        """Rows held for an observation (``resume``) or a ``release``; no request
+        takes them."""
+        return len(self._parked)
+
+    @property
+    def parked(self) -> list[tuple[int, int]]:
+        """``(request_id, sample_index)`` of every parked row, sorted."""
+        return sorted(self._parked)
 
     @property
     def idle(self) -> bool:
-        """Nothing queued and nothing running."""
-        return not self._queue and self.num_running == 0
+        """Nothing queued and nothing running: stepping would do nothing. Parked rows
+        do not count, for only the caller's ``resume`` or ``release`` moves them on (so
+        ``run`` returns once every other row is done)."""
+        return not self._queue and not self._resumes and self.num_running == 0
 
     def submit(
         self,
@@ -130,11 +184,18 @@ class InferenceEngine:
         *,
         max_new_tokens: int | None = None,
         request_id: int | None = None,
+        hold: bool = False,
     ) -> int:
         """Queues ``config.n`` samples of ``prompt``; returns the request id.
 
         ``request_id`` (default: the next unused integer) must not belong to a request
-        still queued or running.
+        still queued, running or parked.
+
+        With ``hold``, a sample whose completion ends with one of
+        ``config.stop_sequences`` (and not with a stop token) parks its row: the
+        completion is returned with ``parked=True`` and the row keeps its cache until
+        ``resume`` or ``release``. A row without room for one more observation token
+        and one new token is freed instead (``parked=False``).
 
         Sample ``j`` uses key ``fold_in(rng, j)`` and token ``t`` of it
         ``fold_in(fold_in(rng, j), t)``, so its tokens do not depend on which row or
@@ -151,15 +212,107 @@ class InferenceEngine:
                 f"prompt of {len(array)} tokens exceeds max_prompt_len ({self.prompt_width})"
             )
         (budget,) = budgets(max_new_tokens, 1, self.config)
+        if hold and not self.config.stop_sequences:
+            raise ValueError("hold=True needs config.stop_sequences (the tool-call ends)")
         if request_id is None:
             request_id = next(i for i in self._ids if i not in self._unfinished)
         elif request_id in self._unfinished:
-            raise ValueError(f"request {request_id} is already queued or running")
+            raise ValueError(f"request {request_id} is already queued, running or parked")
         self._unfinished[request_id] = self.config.n
         data = key_data(rng)
         for j in range(self.config.n):
-            self._queue.append(_Sample(request_id, j, array, data, int(budget)))
+            self._queue.append(_Sample(request_id, j, array, data, int(budget), hold))
         return request_id
+
+    def resume(
+        self,
+        request_id: int,
+        observation: Sequence[int],
+        rng: KeyLike,
+        *,
+        sample_index: int = 0,
+        max_new_tokens: int | None = None,
+        hold: bool | None = None,
+    ) -> None:
+        """Continues a parked sample after ``observation`` (e.g. a tool's answer).
+
+        At the next launch the observation's tokens are prefilled into the parked row
+        at its offset (the history's cache is kept, whatever weights computed it) and
+        the next turn decodes from there. Its completion comes back like any other,
+        with ``prompt_tokens`` the whole context before it (prompt, earlier turns and
+        observations) and the log-probs and versions of its new tokens only. Token
+        ``t`` uses key ``fold_in(fold_in(rng, sample_index), t)``: the tokens that
+        ``submit(prompt_tokens, rng)`` would give sample ``sample_index``.
+
+        Args:
+            request_id, sample_index: the parked sample.
+            observation: token ids, at least one.
+            rng: seed or key of the next turn.
+            max_new_tokens: the next turn's budget (default ``config.max_new_tokens``).
+            hold: whether the next turn parks too (default: as submitted).
+
+        Raises:
+            ValueError: the sample is not parked, or its context, the observation and
+                the budget do not fit the row's ``max_context_len`` cache slots.
+        """
+        key = (request_id, sample_index)
+        row = self._parked.get(key)
+        if row is None:
+            state = (
+                "unknown or finished (parked rows come from submit(..., hold=True))"
+                if request_id not in self._unfinished
+                else "already resumed"
+                if any(r.key == key for r in self._resumes)
+                else "queued or generating"
+            )
+            raise ValueError(
+                f"request {request_id} sample {sample_index} is not parked: it is {state}"
+            )
+        array = np.asarray(observation, np.int32).reshape(-1)
+        if array.size == 0:
+            raise ValueError("observation is empty; it needs at least one token")
+        if array.min() < 0 or array.max() >= self.model_config.vocab_size:
+            raise ValueError(
+                f"observation has token ids outside [0, {self.model_config.vocab_size})"
+            )
+        (budget,) = budgets(max_new_tokens, 1, self.config)
+        sample = self._slots[row]
+        assert sample is not None, f"parked row {row} holds no sample"
+        needed = len(sample.prompt) + len(array) + int(budget) - 1
+        if needed > self.max_context_len:
+            raise ValueError(
+                f"request {request_id} sample {sample_index}: {len(sample.prompt)} tokens so "
+                f"far + {len(array)} observation tokens + {int(budget)} new tokens need "
+                f"{needed} cache slots, more than max_context_len ({self.max_context_len}). "
+                "Pass a smaller max_new_tokens, or release the request and submit its "
+                "history to an engine with a larger max_context_len"
+            )
+        data = key_data(rng)
+        del self._parked[key]
+        self._slots[row] = dataclasses.replace(
+            sample,
+            prompt=np.concatenate([sample.prompt, array]),
+            key_data=data,
+            budget=int(budget),
+            hold=sample.hold if hold is None else hold,
+        )
+        self._resumes.append(_Resume(key, row, array))
+
+    def release(self, request_id: int, sample_index: int | None = None) -> None:
+        """Frees parked rows of ``request_id`` (one sample, or all when ``sample_index``
+        is None) for other requests; their caches are dropped. To go on later, submit
+        the history (the last completion's ``prompt_tokens + tokens``, then the
+        observation) as a new prompt."""
+        keys = [k for k in self._parked if k[0] == request_id and sample_index in (None, k[1])]
+        if not keys:
+            raise ValueError(
+                f"request {request_id}"
+                + ("" if sample_index is None else f" sample {sample_index}")
+                + " has no parked row"
+            )
+        for k in keys:
+            self._slots[self._parked.pop(k)] = None
+            self._release(request_id)
 
     def update_weights(
         self, weights: ModelLike | nnx.State, version: int, *, recompute_cache: bool = False
@@ -171,8 +324,8 @@ class InferenceEngine:
                 (any pytree with the structure, shapes and dtypes of the current ones,
                 e.g. an ``nnx.State`` pulled from a parameter server).
             version: their version, recorded for every token they produce.
-            recompute_cache: rebuild the KV cache of every running row under the new
-                weights (AReaL); otherwise the cached keys and values are kept.
+            recompute_cache: rebuild the KV cache of every running or parked row under
+                the new weights (AReaL); otherwise the cached keys and values are kept.
         """
         if isinstance(weights, nnx.Module) or (
             isinstance(weights, tuple) and isinstance(weights[0], nnx.GraphDef | StaticGraph)
@@ -194,8 +347,11 @@ class InferenceEngine:
                     f"expected {old.dtype}{list(old.shape)}"
                 )
         self.params, self.version = params, version
-        if recompute_cache and self.num_running:
-            self.state = programs.recompute_cache(self.graphdef, self.params, self.state)
+        if recompute_cache and any(s is not None for s in self._slots):
+            # Parked rows go on later: their caches are rebuilt with the running ones'.
+            waiting = np.zeros((self.num_slots,), bool)
+            waiting[self._waiting_rows()] = True
+            self.state = programs.recompute_cache(self.graphdef, self.params, self.state, waiting)
 
     def step(self) -> list[Completion]:
         """Refills free rows, runs one chunk of decode steps, returns what finished."""
@@ -203,10 +359,11 @@ class InferenceEngine:
         return self.finish()
 
     def launch(self) -> bool:
-        """The first half of ``step``: refills free rows and dispatches one chunk of
-        decode steps without waiting for it (JAX runs it asynchronously). Returns whether
-        a chunk runs; ``finish`` waits for it. Another engine's chunk, or host work, can
-        run in between."""
+        """The first half of ``step``: prefills resumed rows' observations, refills free
+        rows and dispatches one chunk of decode steps without waiting for it (JAX runs it
+        asynchronously). Returns whether a chunk runs; ``finish`` waits for it. Another
+        engine's chunk, or host work, can run in between."""
+        self._extend()
         self._refill()
         self._launched = bool(self.num_running)
         if self._launched:
@@ -228,7 +385,12 @@ class InferenceEngine:
             return []
         self._launched = False
         active = np.asarray(self.state.rows.active)
-        done = [r for r, s in enumerate(self._slots) if s is not None and not active[r]]
+        waiting = set(self._waiting_rows())
+        done = [
+            r
+            for r, s in enumerate(self._slots)
+            if s is not None and not active[r] and r not in waiting
+        ]
         return self._collect(done)
 
     def run(
@@ -252,10 +414,17 @@ class InferenceEngine:
 
     def abort(self) -> list[Completion]:
         """Stops everything: running rows are returned as ``"interrupted"`` with what they
-        have generated; queued samples are dropped."""
+        have generated; queued samples, parked rows and pending resumes are dropped."""
         for sample in self._queue:
             self._release(sample.request_id)
         self._queue.clear()
+        for row in self._waiting_rows():
+            waiting = self._slots[row]
+            assert waiting is not None, f"parked row {row} holds no sample"
+            self._slots[row] = None
+            self._release(waiting.request_id)
+        self._parked.clear()
+        self._resumes.clear()
         running = [r for r, s in enumerate(self._slots) if s is not None]
         out = self._collect(running, interrupted=True)
         if running:
@@ -269,6 +438,48 @@ class InferenceEngine:
         self._unfinished[request_id] -= 1
         if not self._unfinished[request_id]:
             del self._unfinished[request_id]
+
+    def _waiting_rows(self) -> list[int]:
+        """Rows parked, or resumed and waiting for their observation's prefill."""
+        return [*self._parked.values(), *(r.row for r in self._resumes)]
+
+    def _extend(self) -> None:
+        """Prefills the pending resumes' observations into their rows, in one program."""
+        if not self._resumes:
+            return
+        resumes, self._resumes = self._resumes, []
+        num_rows = bucket_rows(len(resumes))
+        width = bucket_length(max(len(r.observation) for r in resumes), cap=self.max_context_len)
+        observations = np.zeros((num_rows, width), np.int32)
+        lengths = np.ones((num_rows,), np.int32)
+        dest = np.full((num_rows,), self.num_slots, np.int32)  # padding: out of range
+        sample_index = np.zeros((num_rows,), np.int32)
+        budget = np.ones((num_rows,), np.int32)
+        samples = []
+        for resume in resumes:
+            sample = self._slots[resume.row]
+            assert sample is not None, f"resumed row {resume.row} holds no sample"
+            samples.append(sample)
+        keys = np.zeros((num_rows, *samples[0].key_data.shape), np.uint32)
+        for a, (resume, sample) in enumerate(zip(resumes, samples, strict=True)):
+            observations[a, : len(resume.observation)] = resume.observation
+            lengths[a], dest[a] = len(resume.observation), resume.row
+            sample_index[a], budget[a], keys[a] = (
+                sample.sample_index,
+                sample.budget,
+                sample.key_data,
+            )
+        self.state = programs.extend_rows(
+            self.graphdef,
+            self.params,
+            self.state,
+            observations,
+            lengths,
+            dest,
+            keys,
+            sample_index,
+            budget,
+        )
 
     def _refill(self) -> None:
         """Starts queued samples on free rows, one shared prefill per distinct request."""
@@ -328,19 +539,38 @@ class InferenceEngine:
         for i, row in enumerate(rows):
             sample, length = self._slots[row], int(generated[i])
             assert sample is not None, f"row {row} holds no sample"  # callers pass busy rows
-            self._slots[row] = None
-            self._release(sample.request_id)
             code = INTERRUPTED if interrupted and finish[i] == 0 else int(finish[i])
+            completion = tokens[i, :length]
+            parked = not interrupted and self._parks(sample, code, completion)
+            if parked:
+                history = np.concatenate([sample.prompt, completion])
+                self._slots[row] = dataclasses.replace(sample, prompt=history)
+                self._parked[sample.request_id, sample.sample_index] = row
+            else:
+                self._slots[row] = None
+                self._release(sample.request_id)
             out.append(
                 Completion(
                     request_id=sample.request_id,
                     sample_index=sample.sample_index,
                     prompt_tokens=sample.prompt,
-                    tokens=tokens[i, :length],
+                    tokens=completion,
                     logprobs=logprobs[i, :length],
                     plain_logprobs=plain[i, :length],
                     versions=versions[i, :length],
                     finish_reason=FINISH_REASONS[code],
+                    parked=parked,
                 )
             )
         return out
+
+    def _parks(self, sample: _Sample, code: int, completion: np.ndarray) -> bool:
+        """Whether a finished row waits for an observation: held, stopped by a stop
+        sequence (a stop token ends the episode), and with room for one observation
+        token and one new token."""
+        if not sample.hold or code != STOP or completion[-1] in self.config.stop_tokens:
+            return False
+        tail = completion.tolist()
+        if not any(tail[-len(seq) :] == list(seq) for seq in self.config.stop_sequences):
+            return False
+        return len(sample.prompt) + len(completion) + 1 <= self.max_context_len

@@ -206,6 +206,8 @@ class Completion:
             top-p or min-p is set).
         versions: ``[C]`` int32 weight version that produced each token.
         finish_reason: ``"stop"``, ``"length"`` or ``"interrupted"``.
+        parked: the engine holds the row, cache and all, for ``InferenceEngine.resume``
+            (a ``hold`` request stopped by a stop sequence).
     """
 
     request_id: int
@@ -216,6 +218,7 @@ class Completion:
     plain_logprobs: np.ndarray
     versions: np.ndarray
     finish_reason: str
+    parked: bool = False
 
     @property
     def num_tokens(self) -> int:
