@@ -36,6 +36,15 @@ from rlaxkit.tasks.base import (
     split_of,
     stable_id,
 )
+from rlaxkit.tasks.calculator import (
+    CalcError,
+    CalculatorConfig,
+    CalculatorEnvironment,
+    CalculatorTask,
+    calculate,
+    called_tool_correctly,
+    tool_use_metrics,
+)
 from rlaxkit.tasks.code import CodeConfig, CodeTask, extract_code, outputs_match
 from rlaxkit.tasks.countdown import CountdownConfig, CountdownTask, check_solution
 from rlaxkit.tasks.curation import (
@@ -103,6 +112,10 @@ __all__ = [
     "WRONG_ANSWER",
     "ArithmeticConfig",
     "ArithmeticTask",
+    "CalcError",
+    "CalculatorConfig",
+    "CalculatorEnvironment",
+    "CalculatorTask",
     "ChatTemplate",
     "CodeConfig",
     "CodeTask",
@@ -130,6 +143,8 @@ __all__ = [
     "Task",
     "TextPolicy",
     "answers_match",
+    "calculate",
+    "called_tool_correctly",
     "check_solution",
     "curate",
     "dedup",
@@ -156,6 +171,7 @@ __all__ = [
     "stable_id",
     "task_config_class",
     "task_names",
+    "tool_use_metrics",
     "validate_reward",
     "write_curated",
     "write_problems",

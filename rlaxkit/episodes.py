@@ -1,0 +1,399 @@
+"""Multi-turn episodes with tools, token in and token out.
+
+The model generates until a tool-call stop sequence or its end token, the environment
+answers (a calculator's result, a test's failure), the answer is appended **as token
+ids** and the model goes on. The trained sequence is exactly the sampled ids followed by
+the observation ids; nothing is decoded and re-encoded (re-tokenising a history changes
+the tokens). Each token records who wrote it, its behaviour log-prob and weight version
+(policy tokens only); ``Episode.to_rollout`` gives a ``Rollout`` whose environment
+tokens carry no loss.
+
+``run_episodes`` drives episodes on an ``InferenceEngine``: each turn is one request
+whose prompt is everything so far (the history is prefilled again). ``_submit_turn`` is
+the one place that starts a turn, so a resume that keeps the KV cache replaces it alone.
+Environment steps run in threads under ``EpisodeConfig.step_timeout_s``; a step that
+raises or runs past its time becomes an error observation, counted, never a crash.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import jax
+import numpy as np
+
+from rlaxkit.inference import InferenceEngine, SamplingConfig
+from rlaxkit.inference.engine import WeightSource
+from rlaxkit.inference.results import Completion
+from rlaxkit.models.tokenizer import Tokenizer
+from rlaxkit.rollout import ENVIRONMENT_VERSION, Rollout
+from rlaxkit.validation import check_int
+
+if TYPE_CHECKING:  # rlaxkit.tasks imports this module (the calculator's environment)
+    from rlaxkit.tasks import Problem
+
+__all__ = [
+    "Action",
+    "Environment",
+    "Episode",
+    "EpisodeConfig",
+    "Observation",
+    "StepRecord",
+    "StepResult",
+    "episode_sampling",
+    "run_episodes",
+]
+
+# An observation as text (encoded with the run's tokenizer) or as token ids (used as is).
+Observation = str | Sequence[int]
+# What became of one environment step: it answered, it raised, or it ran past its time.
+StepOutcome = Literal["ok", "error", "timeout"]
+# ``stop``: the environment ended the episode; ``max_turns``: the policy used its turns;
+# ``length``: the episode's token budget ran out.
+EpisodeFinish = Literal["stop", "max_turns", "length"]
+
+
+@dataclass(frozen=True)
+class Action:
+    """One policy turn: its ids, their text (special tokens dropped) and why it ended:
+    ``"stop"`` (end token or tool stop, part of the turn) or ``"length"`` (budget)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """An environment's answer to one action: the ``observation`` to append (unused when
+    ``done``), a ``reward`` added to the episode's, and ``info`` kept with the step."""
+
+    observation: Observation = ()
+    reward: float = 0.0
+    done: bool = False
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    """One episode's environment; ``run_episodes`` builds one per episode.
+
+    ``tool_stops`` are the texts that end a tool call (``"</calc>"``; see
+    ``episode_sampling``). ``step`` runs in a thread under a timeout; a step that timed
+    out runs on while the episode goes on, so with state, tolerate a later ``step``
+    starting before it returns.
+    """
+
+    tool_stops: tuple[str, ...]
+
+    def reset(self, problem: Problem) -> Observation:
+        """Starts an episode on ``problem``; returns the prompt."""
+        ...
+
+    def step(self, action: Action) -> StepResult:
+        """Answers one policy turn."""
+        ...
+
+    def error_observation(self, outcome: StepOutcome, detail: str) -> Observation:
+        """What the policy sees when a step raised (``"error"``, ``detail`` the exception)
+        or ran past its time (``"timeout"``), in the environment's own format."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpisodeConfig:
+    """How episodes are run.
+
+    Attributes:
+        samples_per_problem: episodes per problem (GRPO's group).
+        max_turns: policy turns per episode, at least 1.
+        max_episode_tokens: the most completion tokens an episode may hold, policy and
+            environment tokens together; prompt plus this must fit the engine's prompt
+            width, for every turn is prefilled from the start.
+        step_timeout_s: seconds an environment step may take (``None``: no limit).
+        tool_workers: threads that run environment steps.
+    """
+
+    samples_per_problem: int = 1
+    max_turns: int = 4
+    max_episode_tokens: int = 256
+    step_timeout_s: float | None = 5.0
+    tool_workers: int = 4
+
+    def __post_init__(self) -> None:
+        check_int("samples_per_problem", self.samples_per_problem, minimum=1)
+        check_int("max_turns", self.max_turns, minimum=1)
+        check_int("max_episode_tokens", self.max_episode_tokens, minimum=1)
+        check_int("tool_workers", self.tool_workers, minimum=1)
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s: must be > 0 or None, got {self.step_timeout_s!r}")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One turn of an episode: the action and the environment's answer to it as ids
+    (``outcome`` says whether the step failed; then ``info["error"]`` says how)."""
+
+    action: Action
+    outcome: StepOutcome
+    reward: float
+    done: bool
+    observation_ids: tuple[int, ...]
+    info: Mapping[str, Any]
+
+
+@dataclass
+class Episode:
+    """The token record of one episode, filled in turn by turn.
+
+    Attributes:
+        problem: the problem it answers.
+        sample_index: which of the problem's episodes it is.
+        prompt_tokens: the encoded ``reset`` observation.
+        tokens: everything written after the prompt, policy and environment tokens.
+        policy_mask: per token, True where the policy sampled it.
+        behaviour_logprobs: per token, the sampler's log-prob (0 for environment tokens).
+        versions: per token, the weight version (``ENVIRONMENT_VERSION`` for environment
+            tokens).
+        steps: one record per policy turn.
+        reward: the sum of the steps' rewards.
+        finish_reason: why it ended; ``None`` while it runs.
+    """
+
+    problem: Problem
+    sample_index: int
+    prompt_tokens: np.ndarray
+    tokens: list[int] = field(default_factory=list)
+    policy_mask: list[bool] = field(default_factory=list)
+    behaviour_logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    reward: float = 0.0
+    finish_reason: EpisodeFinish | None = None
+
+    @property
+    def turns(self) -> int:
+        """Policy turns taken."""
+        return len(self.steps)
+
+    def failures(self, outcome: StepOutcome) -> int:
+        """Steps that raised (``"error"``) or ran past their time (``"timeout"``)."""
+        return sum(s.outcome == outcome for s in self.steps)
+
+    def add_policy_tokens(self, completion: Completion) -> None:
+        """Appends a turn's sampled tokens with their log-probs and versions."""
+        self.tokens.extend(int(t) for t in completion.tokens)
+        self.policy_mask.extend([True] * completion.num_tokens)
+        self.behaviour_logprobs.extend(float(x) for x in completion.logprobs)
+        self.versions.extend(int(v) for v in completion.versions)
+
+    def add_observation(self, token_ids: Sequence[int]) -> None:
+        """Appends environment tokens: no log-prob, no version, no loss."""
+        self.tokens.extend(int(t) for t in token_ids)
+        self.policy_mask.extend([False] * len(token_ids))
+        self.behaviour_logprobs.extend([0.0] * len(token_ids))
+        self.versions.extend([ENVIRONMENT_VERSION] * len(token_ids))
+
+    def to_rollout(
+        self, group_id: int, *, worker_id: str = "", timings: dict[str, float] | None = None
+    ) -> Rollout:
+        """The episode as one ``Rollout`` (``reward_info`` counts turns and tool failures)."""
+        if self.finish_reason is None:
+            raise ValueError(f"episode {group_id}:{self.sample_index} has not finished")
+        last = self.steps[-1].info if self.steps else {}
+        return Rollout(
+            group_id=group_id,
+            sample_index=self.sample_index,
+            problem_id=self.problem.id,
+            prompt_tokens=np.asarray(self.prompt_tokens, np.int32),
+            completion_tokens=np.asarray(self.tokens, np.int32),
+            behaviour_logprobs=np.asarray(self.behaviour_logprobs, np.float32),
+            versions=np.asarray(self.versions, np.int32),
+            reward=float(self.reward),
+            finish_reason=self.finish_reason,
+            worker_id=worker_id,
+            reward_info={
+                "correct": bool(last.get("correct", False)),
+                "turns": self.turns,
+                "tool_errors": self.failures("error"),
+                "tool_timeouts": self.failures("timeout"),
+            },
+            timings=dict(timings or {}),
+            policy_mask=np.asarray(self.policy_mask, bool),
+        )
+
+
+def episode_sampling(
+    sampling: SamplingConfig, tokenizer: Tokenizer, tool_stops: Sequence[str]
+) -> SamplingConfig:
+    """``sampling`` for an episode engine: one sample per request, stopping at the end
+    token and after each tool stop (encoded on its own: a tokenizer that merges it with
+    the text before it never emits these ids, so prefer stops that encode alone)."""
+    stops = tuple(tuple(tokenizer.encode(text)) for text in tool_stops)
+    return dataclasses.replace(
+        sampling,
+        n=1,
+        stop_tokens=tuple(dict.fromkeys((*sampling.stop_tokens, tokenizer.eos_id))),
+        stop_sequences=tuple(dict.fromkeys((*sampling.stop_sequences, *stops))),
+    )
+
+
+@dataclass
+class _Pending:
+    """An environment step in flight for episode ``index``."""
+
+    index: int
+    action: Action
+    future: concurrent.futures.Future[StepResult]
+    deadline_s: float
+
+
+def run_episodes(
+    engine: InferenceEngine,
+    make_environment: Callable[[], Environment],
+    problems: Sequence[Problem],
+    tokenizer: Tokenizer,
+    config: EpisodeConfig,
+    *,
+    seed: int = 0,
+    weight_source: WeightSource | None = None,
+) -> list[Episode]:
+    """Runs ``config.samples_per_problem`` episodes of every problem to their end.
+
+    Turn ``k`` of episode ``(i, j)`` (problem ``i``, sample ``j``) samples with key
+    ``fold_in(fold_in(fold_in(key(seed), i), j), k)``; the engine's tokens depend only
+    on that key, so one seed gives one set of episodes. The steps of turns that finish
+    in a chunk run while the engine decodes the next one, then are collected.
+
+    Args:
+        engine: an idle engine that samples with ``n == 1`` and stops at the end token
+            and the tool stops (``episode_sampling``); its ``max_new_tokens`` caps a turn.
+        make_environment: builds one episode's environment.
+        problems: the problems.
+        tokenizer: encodes text observations and decodes actions.
+        config: turns, budgets, timeouts.
+        seed: the sampling seed.
+        weight_source: polled before every decode chunk, as in ``InferenceEngine.run``.
+
+    Returns:
+        The episodes, ordered by problem and sample.
+    """
+    if engine.config.n != 1:
+        raise ValueError(
+            f"engine samples {engine.config.n} completions per request; episodes need n=1 "
+            "(build its sampling config with episode_sampling)"
+        )
+    if tokenizer.eos_id not in engine.config.stop_tokens:
+        raise ValueError("the engine does not stop at the end token: use episode_sampling")
+    if not engine.idle:  # episode i's turns are request i
+        raise ValueError("the engine must be idle: episodes use request ids from 0")
+    n = config.samples_per_problem
+    environments = [make_environment() for _ in range(len(problems) * n)]
+    episodes: list[Episode] = []
+    for index, environment in enumerate(environments):
+        problem = problems[index // n]
+        prompt = _encode(environment.reset(problem), tokenizer)
+        if not len(prompt) or len(prompt) + config.max_episode_tokens > engine.prompt_width:
+            raise ValueError(
+                f"problem {problem.id}: a prompt of {len(prompt)} tokens plus "
+                f"max_episode_tokens ({config.max_episode_tokens}) must fit the engine's "
+                f"prompt width ({engine.prompt_width}) and be non-empty"
+            )
+        episodes.append(Episode(problem, index % n, prompt))
+    fold_in, base = jax.random.fold_in, jax.random.key(seed)
+    keys = [fold_in(fold_in(base, i // n), i % n) for i in range(len(episodes))]
+    for index, episode in enumerate(episodes):
+        _submit_turn(engine, index, episode, keys[index], config)
+    pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers, "environment-step")
+    try:
+        waiting: list[_Pending] = []
+        while waiting or not engine.idle:
+            if weight_source is not None and (new := weight_source()) is not None:
+                engine.update_weights(*new)
+            finished = engine.step()
+            for pending in waiting:
+                index = pending.index
+                record = _resolve(pending, environments[index], tokenizer, episodes[index])
+                if _continue(episodes[index], record, config):
+                    _submit_turn(engine, index, episodes[index], keys[index], config)
+            waiting = []
+            for completion in sorted(finished, key=lambda c: c.request_id):
+                episode = episodes[completion.request_id]
+                episode.add_policy_tokens(completion)
+                ids = completion.tokens.tolist()
+                action = Action(tokenizer.decode(ids), tuple(ids), completion.finish_reason)
+                step = environments[completion.request_id].step
+                deadline = time.monotonic() + (config.step_timeout_s or float("inf"))
+                future = pool.submit(step, action)
+                waiting.append(_Pending(completion.request_id, action, future, deadline))
+    finally:
+        # A step that ran past its time may still run; do not wait for it.
+        pool.shutdown(wait=False, cancel_futures=True)
+        engine.abort()  # after an error, leave no turn running (a no-op when idle)
+    return episodes
+
+
+def _submit_turn(
+    engine: InferenceEngine, index: int, episode: Episode, key: jax.Array, config: EpisodeConfig
+) -> None:
+    """Starts the episode's next turn: its whole context prefilled as one request."""
+    budget = min(engine.config.max_new_tokens, config.max_episode_tokens - len(episode.tokens))
+    turn_key = jax.random.fold_in(key, episode.turns)
+    context = episode.prompt_tokens.tolist() + episode.tokens
+    engine.submit(context, turn_key, max_new_tokens=budget, request_id=index)
+
+
+def _resolve(
+    pending: _Pending, environment: Environment, tokenizer: Tokenizer, episode: Episode
+) -> StepRecord:
+    """Waits for a step (up to its deadline) and records its result on the episode; a
+    step that raised or timed out becomes the environment's error observation."""
+    outcome: StepOutcome = "ok"
+    detail, result = "", StepResult()
+    try:
+        timeout_s = max(0.0, pending.deadline_s - time.monotonic())
+        result = pending.future.result(timeout=None if timeout_s == float("inf") else timeout_s)
+    except concurrent.futures.TimeoutError:
+        outcome, detail = "timeout", "the step ran past its time"
+    except Exception as error:  # an environment's failure is an observation, not a crash
+        outcome, detail = "error", f"{type(error).__name__}: {error}"
+    if outcome != "ok":
+        pending.future.cancel()
+        observation = environment.error_observation(outcome, detail)
+        result = StepResult(observation=observation, info={"error": detail})
+    record = StepRecord(
+        action=pending.action,
+        outcome=outcome,
+        reward=float(result.reward),
+        done=bool(result.done),
+        observation_ids=tuple(_encode(result.observation, tokenizer).tolist()),
+        info=dict(result.info),
+    )
+    episode.steps.append(record)
+    episode.reward += record.reward
+    return record
+
+
+def _continue(episode: Episode, record: StepRecord, config: EpisodeConfig) -> bool:
+    """Ends the episode or appends the observation; whether another turn follows."""
+    room = config.max_episode_tokens - len(episode.tokens) - len(record.observation_ids)
+    if record.done:
+        episode.finish_reason = "stop"
+    elif episode.turns >= config.max_turns:
+        episode.finish_reason = "max_turns"
+    elif room < 1:  # the observation and at least one more sampled token must fit
+        episode.finish_reason = "length"
+    else:
+        episode.add_observation(record.observation_ids)
+        return True
+    return False
+
+
+def _encode(observation: Observation, tokenizer: Tokenizer) -> np.ndarray:
+    if isinstance(observation, str):
+        return np.asarray(tokenizer.encode(observation), np.int32)
+    return np.asarray(observation, np.int32).reshape(-1)
