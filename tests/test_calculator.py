@@ -93,6 +93,14 @@ def test_calculate_refuses_values_past_the_bound(a, b, c):
             calculate(text)
 
 
+@given(st.integers(0, 10**6), st.integers(0, 10**6), expressions(depth=1))
+def test_calculate_refuses_every_power(base, exponent, rest):
+    with pytest.raises(CalcError, match="only numbers"):
+        calculate(f"{base}**{exponent}")
+    with pytest.raises(CalcError, match="only numbers"):
+        calculate(f"({rest})**{exponent}")
+
+
 @given(st.text(alphabet="abcdefghijklmnopqrstuvwxyz_.()'", min_size=1, max_size=20))
 def test_calculate_refuses_any_name(text):
     with pytest.raises(CalcError):
