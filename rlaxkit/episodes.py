@@ -8,10 +8,10 @@ the tokens). Each token records who wrote it, its behaviour log-prob and weight 
 (policy tokens only); ``Episode.to_rollout`` gives a ``Rollout`` whose environment
 tokens carry no loss.
 
-``run_episodes`` drives episodes on an ``InferenceEngine``: each turn is one request
-whose prompt is everything so far (the history is prefilled again). ``_submit_turn`` is
-the one place that starts a turn, so a resume that keeps the KV cache replaces it alone.
-Environment steps run in threads under ``EpisodeConfig.step_timeout_s``; a step that
+``run_episodes`` drives episodes on an ``InferenceEngine``. A turn after a tool call
+either resumes the row that waited with its KV cache (``keep_cache``: only the
+observation is prefilled) or is a new request whose prompt is everything so far; both
+give the same tokens. Environment steps run in threads under a timeout; a step that
 raises or runs past its time becomes an error observation, counted, never a crash.
 """
 
@@ -49,12 +49,9 @@ __all__ = [
     "run_episodes",
 ]
 
-# An observation as text (encoded with the run's tokenizer) or as token ids (used as is).
-Observation = str | Sequence[int]
-# What became of one environment step: it answered, it raised, or it ran past its time.
-StepOutcome = Literal["ok", "error", "timeout"]
-# ``stop``: the environment ended the episode; ``max_turns``: the policy used its turns;
-# ``length``: the episode's token budget ran out.
+Observation = str | Sequence[int]  # text (encoded with the run's tokenizer) or token ids
+StepOutcome = Literal["ok", "error", "timeout"]  # the step answered, raised, ran too long
+# ``stop``: the environment ended it; ``max_turns``; ``length``: its token budget ran out.
 EpisodeFinish = Literal["stop", "max_turns", "length"]
 
 
@@ -82,10 +79,9 @@ class StepResult:
 class Environment(Protocol):
     """One episode's environment; ``run_episodes`` builds one per episode.
 
-    ``tool_stops`` are the texts that end a tool call (``"</calc>"``; see
-    ``episode_sampling``). ``step`` runs in a thread under a timeout; a step that timed
-    out runs on while the episode goes on, so with state, tolerate a later ``step``
-    starting before it returns.
+    ``tool_stops`` end a tool call (``"</calc>"``; see ``episode_sampling``). ``step``
+    runs in a thread under a timeout; one that timed out runs on while the episode goes
+    on, so with state, tolerate a later ``step`` starting before it returns.
     """
 
     tool_stops: tuple[str, ...]
@@ -111,11 +107,13 @@ class EpisodeConfig:
     Attributes:
         samples_per_problem: episodes per problem (GRPO's group).
         max_turns: policy turns per episode, at least 1.
-        max_episode_tokens: the most completion tokens an episode may hold, policy and
-            environment tokens together; prompt plus this must fit the engine's prompt
-            width, for every turn is prefilled from the start.
+        max_episode_tokens: the most tokens after the prompt (policy and environment's);
+            the prompt plus these must fit the engine's ``max_prompt_len``.
         step_timeout_s: seconds an environment step may take (``None``: no limit).
         tool_workers: threads that run environment steps.
+        keep_cache: a turn ending in a tool call keeps its engine row and KV cache until
+            the tool answers (``InferenceEngine.resume`` prefills only the observation);
+            otherwise each turn prefills its whole context.
     """
 
     samples_per_problem: int = 1
@@ -123,6 +121,7 @@ class EpisodeConfig:
     max_episode_tokens: int = 256
     step_timeout_s: float | None = 5.0
     tool_workers: int = 4
+    keep_cache: bool = False
 
     def __post_init__(self) -> None:
         check_int("samples_per_problem", self.samples_per_problem, minimum=1)
@@ -148,21 +147,12 @@ class StepRecord:
 
 @dataclass
 class Episode:
-    """The token record of one episode, filled in turn by turn.
-
-    Attributes:
-        problem: the problem it answers.
-        sample_index: which of the problem's episodes it is.
-        prompt_tokens: the encoded ``reset`` observation.
-        tokens: everything written after the prompt, policy and environment tokens.
-        policy_mask: per token, True where the policy sampled it.
-        behaviour_logprobs: per token, the sampler's log-prob (0 for environment tokens).
-        versions: per token, the weight version (``ENVIRONMENT_VERSION`` for environment
-            tokens).
-        steps: one record per policy turn.
-        reward: the sum of the steps' rewards.
-        finish_reason: why it ended; ``None`` while it runs.
-    """
+    """The token record of one episode (sample ``sample_index`` of ``problem``), filled
+    in turn by turn: after the encoded prompt, every token written (``tokens``), with
+    per token ``policy_mask`` (True: the policy sampled it), ``behaviour_logprobs`` and
+    ``versions`` (0 and ``ENVIRONMENT_VERSION`` for environment tokens); one
+    ``StepRecord`` per policy turn; the steps' summed ``reward``; ``finish_reason``
+    (``None`` while it runs)."""
 
     problem: Problem
     sample_index: int
@@ -248,6 +238,7 @@ class _Pending:
 
     index: int
     action: Action
+    parked: bool  # the engine holds the episode's row for ``resume``
     future: concurrent.futures.Future[StepResult]
     deadline_s: float
 
@@ -262,18 +253,17 @@ def run_episodes(
     seed: int = 0,
     weight_source: WeightSource | None = None,
 ) -> list[Episode]:
-    """Runs ``config.samples_per_problem`` episodes of every problem to their end.
+    """Runs ``config.samples_per_problem`` episodes of every problem to their ends.
 
     Turn ``k`` of episode ``(i, j)`` (problem ``i``, sample ``j``) samples with key
-    ``fold_in(fold_in(fold_in(key(seed), i), j), k)``; the engine's tokens depend only
-    on that key, so one seed gives one set of episodes. The steps of turns that finish
-    in a chunk run while the engine decodes the next one, then are collected.
+    ``fold_in(fold_in(fold_in(key(seed), i), j), k)``; the engine's tokens depend only on
+    that key: one seed, one set of episodes. The steps of turns that finish in a chunk
+    run while the engine decodes the next one, then are collected.
 
     Args:
         engine: an idle engine that samples with ``n == 1`` and stops at the end token
             and the tool stops (``episode_sampling``); its ``max_new_tokens`` caps a turn.
         make_environment: builds one episode's environment.
-        problems: the problems.
         tokenizer: encodes text observations and decodes actions.
         config: turns, budgets, timeouts.
         seed: the sampling seed.
@@ -306,8 +296,24 @@ def run_episodes(
         episodes.append(Episode(problem, index % n, prompt))
     fold_in, base = jax.random.fold_in, jax.random.key(seed)
     keys = [fold_in(fold_in(base, i // n), i % n) for i in range(len(episodes))]
-    for index, episode in enumerate(episodes):
-        _submit_turn(engine, index, episode, keys[index], config)
+
+    def start_turn(index: int, parked: bool) -> None:
+        """The one place a turn starts: in its parked row after the observation, or as a
+        request of the whole context; under the same weights, the same tokens either way."""
+        episode = episodes[index]
+        budget = min(engine.config.max_new_tokens, config.max_episode_tokens - len(episode.tokens))
+        key = jax.random.fold_in(keys[index], episode.turns)
+        observation = episode.steps[-1].observation_ids if episode.steps else ()
+        if parked and observation:
+            engine.resume(index, observation, key, max_new_tokens=budget)
+            return
+        if parked:  # nothing to prefill into the row: start over from the context
+            engine.release(index)
+        context = episode.prompt_tokens.tolist() + episode.tokens
+        engine.submit(context, key, max_new_tokens=budget, request_id=index, hold=config.keep_cache)
+
+    for index in range(len(episodes)):
+        start_turn(index, parked=False)
     pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers, "environment-step")
     try:
         waiting: list[_Pending] = []
@@ -319,7 +325,9 @@ def run_episodes(
                 index = pending.index
                 record = _resolve(pending, environments[index], tokenizer, episodes[index])
                 if _continue(episodes[index], record, config):
-                    _submit_turn(engine, index, episodes[index], keys[index], config)
+                    start_turn(index, pending.parked)
+                elif pending.parked:
+                    engine.release(index)
             waiting = []
             for completion in sorted(finished, key=lambda c: c.request_id):
                 episode = episodes[completion.request_id]
@@ -329,22 +337,14 @@ def run_episodes(
                 step = environments[completion.request_id].step
                 deadline = time.monotonic() + (config.step_timeout_s or float("inf"))
                 future = pool.submit(step, action)
-                waiting.append(_Pending(completion.request_id, action, future, deadline))
-    finally:
-        # A step that ran past its time may still run; do not wait for it.
+                index, parked = completion.request_id, completion.parked
+                waiting.append(_Pending(index, action, parked, future, deadline))
+    except BaseException:
+        engine.abort()  # leave no turn running or parked
+        raise
+    finally:  # a step that ran past its time may still run: do not wait for it
         pool.shutdown(wait=False, cancel_futures=True)
-        engine.abort()  # after an error, leave no turn running (a no-op when idle)
     return episodes
-
-
-def _submit_turn(
-    engine: InferenceEngine, index: int, episode: Episode, key: jax.Array, config: EpisodeConfig
-) -> None:
-    """Starts the episode's next turn: its whole context prefilled as one request."""
-    budget = min(engine.config.max_new_tokens, config.max_episode_tokens - len(episode.tokens))
-    turn_key = jax.random.fold_in(key, episode.turns)
-    context = episode.prompt_tokens.tolist() + episode.tokens
-    engine.submit(context, turn_key, max_new_tokens=budget, request_id=index)
 
 
 def _resolve(

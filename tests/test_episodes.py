@@ -36,15 +36,20 @@ PROBLEMS = TASK.problems("train", 3)
 
 
 class RecordingEngine(InferenceEngine):
-    """Keeps every request's prompt and every completion it returns, per request id."""
+    """Keeps every request's prompt and every completion it returns, per request id, and
+    counts the turns resumed in a parked row."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.prompts, self.completions = {}, {}
+        self.reset_records()
 
-    def submit(self, prompt, rng, *, max_new_tokens=None, request_id=None):
+    def resume(self, request_id, observation, rng, **kwargs):
+        self.resumed += 1
+        return super().resume(request_id, observation, rng, **kwargs)
+
+    def submit(self, prompt, rng, *, request_id=None, **kwargs):
         self.prompts.setdefault(request_id, []).append(list(prompt))
-        return super().submit(prompt, rng, max_new_tokens=max_new_tokens, request_id=request_id)
+        return super().submit(prompt, rng, request_id=request_id, **kwargs)
 
     def step(self):
         finished = super().step()
@@ -53,12 +58,14 @@ class RecordingEngine(InferenceEngine):
         return finished
 
     def reset_records(self):
-        self.prompts, self.completions = {}, {}
+        self.prompts, self.completions, self.resumed = {}, {}, 0
 
 
 @pytest.fixture(scope="module")
 def engine():
-    """One tiny random model's engine for the module: turns of at most 8 tokens."""
+    """One tiny random model's engine for the module: turns of at most 8 tokens, ending
+    at the end token, at ``</calc>`` or at ``5`` (a one-token tool stop, so that many
+    of a random model's turns end in a tool call)."""
     config = ModelConfig(
         family="qwen3",
         vocab_size=TOKENIZER.vocab_size,
@@ -69,7 +76,7 @@ def engine():
         num_kv_heads=2,
     )
     model = Transformer(config, rngs=nnx.Rngs(0))
-    sampling = episode_sampling(SamplingConfig(max_new_tokens=8), TOKENIZER, ("</calc>",))
+    sampling = episode_sampling(SamplingConfig(max_new_tokens=8), TOKENIZER, ("</calc>", "5"))
     return RecordingEngine(model, sampling, num_slots=4, max_prompt_len=64, chunk_steps=8)
 
 
@@ -155,12 +162,25 @@ def test_trained_tokens_are_the_sampled_tokens_plus_the_observations(engine):
 
 def test_the_engine_stops_after_a_tool_call_and_at_the_end_token(engine):
     assert engine.config.n == 1
-    assert engine.config.stop_sequences == (tuple(TOKENIZER.encode("</calc>")),)
+    stops = tuple(tuple(TOKENIZER.encode(text)) for text in ("</calc>", "5"))
+    assert engine.config.stop_sequences == stops
     assert TOKENIZER.eos_id in engine.config.stop_tokens
     model, sampling = (engine.graphdef, engine.params), SamplingConfig(n=2, stop_tokens=(1,))
     several = RecordingEngine(model, sampling, num_slots=2, max_prompt_len=16)
     with pytest.raises(ValueError, match="episodes need n=1"):
         run(several, EpisodeConfig(max_episode_tokens=8))
+
+
+def test_keeping_the_kv_cache_gives_the_episodes_of_prefilling_every_turn(engine):
+    config = EpisodeConfig(samples_per_problem=2, max_turns=3, max_episode_tokens=48)
+    prefilled, _ = run(engine, config, seed=3)
+    kept, _ = run(engine, dataclasses.replace(config, keep_cache=True), seed=3)
+    assert engine.resumed > 0  # some turns went on in their parked rows
+    assert engine.idle and engine.num_parked == 0  # rows of ended episodes released
+    for a, b in zip(prefilled, kept, strict=True):
+        assert (a.tokens, a.policy_mask, a.versions) == (b.tokens, b.policy_mask, b.versions)
+        assert (a.turns, a.finish_reason) == (b.turns, b.finish_reason)
+        np.testing.assert_allclose(a.behaviour_logprobs, b.behaviour_logprobs, atol=1e-5)
 
 
 def test_same_seed_same_episodes_and_another_seed_others(engine):
