@@ -24,17 +24,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import jax
 import numpy as np
 
-from rlaxkit.inference import InferenceEngine, SamplingConfig
-from rlaxkit.inference.engine import WeightSource
-from rlaxkit.inference.results import Completion
-from rlaxkit.models.tokenizer import Tokenizer
 from rlaxkit.rollout import ENVIRONMENT_VERSION, Rollout
 from rlaxkit.validation import check_int
 
-if TYPE_CHECKING:  # rlaxkit.tasks imports this module (the calculator's environment)
+# Tasks import the environment contract from here: the engine, tokenizer and tasks are
+# types only, and JAX waits for ``run_episodes``, so ``import rlaxkit.tasks`` stays light.
+if TYPE_CHECKING:
+    from rlaxkit.inference import Completion, InferenceEngine, SamplingConfig
+    from rlaxkit.inference.engine import WeightSource
+    from rlaxkit.models.tokenizer import Tokenizer
     from rlaxkit.tasks import Problem
 
 __all__ = [
@@ -272,13 +272,13 @@ def run_episodes(
     Returns:
         The episodes, ordered by problem and sample.
     """
-    if engine.config.n != 1:
+    import jax  # see the imports above
+
+    if engine.config.n != 1 or tokenizer.eos_id not in engine.config.stop_tokens:
         raise ValueError(
-            f"engine samples {engine.config.n} completions per request; episodes need n=1 "
-            "(build its sampling config with episode_sampling)"
+            f"episodes need an engine with n=1 (got {engine.config.n}) that stops at the end "
+            "token: build its sampling config with episode_sampling"
         )
-    if tokenizer.eos_id not in engine.config.stop_tokens:
-        raise ValueError("the engine does not stop at the end token: use episode_sampling")
     if not engine.idle:  # episode i's turns are request i
         raise ValueError("the engine must be idle: episodes use request ids from 0")
     n = config.samples_per_problem
@@ -299,7 +299,7 @@ def run_episodes(
 
     def start_turn(index: int, parked: bool) -> None:
         """The one place a turn starts: in its parked row after the observation, or as a
-        request of the whole context; under the same weights, the same tokens either way."""
+        request of the whole context (under the same weights, the same tokens)."""
         episode = episodes[index]
         budget = min(engine.config.max_new_tokens, config.max_episode_tokens - len(episode.tokens))
         key = jax.random.fold_in(keys[index], episode.turns)

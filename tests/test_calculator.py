@@ -1,6 +1,9 @@
 """The calculator task: the safe evaluator agrees with Python and refuses everything else,
 the environment answers tool calls and scores final answers, tool-use metrics."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -181,3 +184,13 @@ def test_tool_use_metrics():
         "pass_rate": 0.25,
         "calls_per_episode": 0.75,
     }
+
+
+def test_tasks_and_the_environment_contract_import_without_jax():
+    # Reward pools and light tools import rlaxkit.tasks; the episode driver's JAX waits.
+    code = (
+        "import sys, rlaxkit.tasks, rlaxkit.episodes;"
+        "bad = [m for m in ('jax', 'flax') if m in sys.modules];"
+        "sys.exit(repr(bad) if bad else 0)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -167,7 +167,7 @@ def test_the_engine_stops_after_a_tool_call_and_at_the_end_token(engine):
     assert TOKENIZER.eos_id in engine.config.stop_tokens
     model, sampling = (engine.graphdef, engine.params), SamplingConfig(n=2, stop_tokens=(1,))
     several = RecordingEngine(model, sampling, num_slots=2, max_prompt_len=16)
-    with pytest.raises(ValueError, match="episodes need n=1"):
+    with pytest.raises(ValueError, match=r"episodes need an engine with n=1 \(got 2\)"):
         run(several, EpisodeConfig(max_episode_tokens=8))
 
 
