@@ -194,3 +194,17 @@ def test_tasks_and_the_environment_contract_import_without_jax():
         "sys.exit(repr(bad) if bad else 0)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"first_digits": 0}, "first_digits"),
+        ({"second_digits": "two"}, "second_digits"),
+        ({"call_close": ""}, "call_open and call_close"),
+        ({"test_fraction": 2.0}, "test_fraction"),
+    ],
+)
+def test_config_errors_name_the_field(options, message):
+    with pytest.raises(ValueError, match=rf"task 'calculator' options: {message}"):
+        make_task("calculator", **options)
