@@ -10,9 +10,9 @@ tokens carry no loss.
 
 ``run_episodes`` drives episodes on an ``InferenceEngine``. A turn after a tool call
 either resumes the row that waited with its KV cache (``keep_cache``: only the
-observation is prefilled) or is a new request whose prompt is everything so far; both
-give the same tokens. Environment steps run in threads under a timeout; a step that
-raises or runs past its time becomes an error observation, counted, never a crash.
+observation is prefilled) or is a new request whose prompt is everything so far (under
+the same weights, the same tokens). Environment steps run in threads under a timeout;
+one that raises or runs past its time becomes an error observation, counted.
 """
 
 from __future__ import annotations
