@@ -61,6 +61,14 @@ pull through the TensorStore store (``delta_pull_speedup``, ``delta_bytes_ratio`
 ``_bfloat16`` for the weights rounded to bfloat16); the numbers of that module are
 under ``"delta"``.
 
+**LoRA publication** (``benchmarks/weight_lora.py``, run here too unless ``--no-lora``):
+``lora_push_bytes_fraction`` (an adapter version's push bytes ÷ a full push's, rank 8
+on the bench model; goal <= 0.02), ``lora_push_bytes_fraction_qwen2_5_0_5b`` (the same
+from the shapes of Qwen2.5-0.5B), ``lora_sync_speedup`` (full ÷ adapter push + pull
+seconds through TensorStore) and ``lora_decode_unmerged_vs_merged`` (decode tokens/s
+with the adapters as an extra low-rank matmul ÷ merged into the weights); the numbers of
+that module are under ``"lora"``.
+
 Usage::
 
     python benchmarks/weight_sync.py --quick     # 10, 64, 256 MB; under a minute
@@ -99,6 +107,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import weight_delta  # noqa: E402
+import weight_lora  # noqa: E402
 
 from rlaxkit.param_server import (  # noqa: E402
     InProcessParameterServer,
@@ -152,17 +161,21 @@ def touch_pages(params: Any) -> int:
 
 
 class _PullActor:
-    """A Ray actor reading the store as an inference worker would."""
+    """A Ray actor reading the store as an inference worker would (one for every size:
+    its start, imports included, takes seconds on a busy machine and is not timed)."""
 
-    def __init__(self, actor_name: str):
+    def __init__(self) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        from rlaxkit.param_server import ray_store  # noqa: F401  (imported before timing)
+
+        self.store: Any = None
+
+    def connect(self, actor_name: str) -> bool:
         import ray
 
         from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer
 
         self.store = RayObjectStoreParameterServer(ray.get_actor(actor_name), to_device=True)
-
-    def ready(self) -> bool:
         return True
 
     def pull(self, min_version: int, timeout: float, check: bool):
@@ -190,10 +203,10 @@ class _RemoteReader:
         return ray.get(self.handle.pull.remote(min_version, timeout, check))
 
     def close(self) -> None:
-        """Stops both actors, freeing the versions held in the object store."""
+        """Stops the parameter-server actor, freeing the versions held in the object
+        store (the reader actor holds none between pulls; the next size reuses it)."""
         import ray
 
-        ray.kill(self.handle)
         ray.kill(self.server)
 
 
@@ -215,11 +228,16 @@ def _ray_object_store(_: Path) -> tuple[ParameterServer, ParameterServer]:
             _temp_dir=tempfile.mkdtemp(prefix="ray-"),
             _system_config=None if RAY_DEFAULT_CONFIG else RAY_SYSTEM_CONFIG,
         )
+    global _PULL_ACTOR
     name = f"weight-sync-{os.getpid()}-{time.monotonic_ns()}"
     server = parameter_server_actor(keep=KEEP, name=name)
-    reader = ray.remote(_PullActor).options(num_cpus=0).remote(name)
-    ray.get(reader.ready.remote())  # Start-up (imports) is not part of the timing.
-    return RayObjectStoreParameterServer(server), _RemoteReader(reader, server)
+    if _PULL_ACTOR is None:
+        _PULL_ACTOR = ray.remote(_PullActor).options(num_cpus=0).remote()
+    ray.get(_PULL_ACTOR.connect.remote(name))  # Start-up is not part of the timing.
+    return RayObjectStoreParameterServer(server), _RemoteReader(_PULL_ACTOR, server)
+
+
+_PULL_ACTOR: Any = None  # The reader actor, started once for every size.
 
 
 def _ray_available() -> bool:
@@ -436,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         "--delta-only", action="store_true", help="only the delta-publication measurement"
     )
     parser.add_argument(
+        "--no-lora", action="store_true", help="skip the LoRA-publication measurement"
+    )
+    parser.add_argument(
         "--cross-host",
         action="store_true",
         help="add the cross-host row (benchmarks/cross_host_sync.py: a Ray cluster of "
@@ -451,8 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="weight_sync-", dir=args.dir))
     load_before = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     start = time.perf_counter()
+    phase_s: dict[str, float] = {}  # where the time goes (the machine may be shared)
     try:
         report = {} if args.delta_only else run(sizes, args.stores, repeats, root)
+        phase_s["stores"] = time.perf_counter() - start
         if not args.no_delta:
             delta = weight_delta.measure(args.quick, root / "delta")
             report["delta"] = delta
@@ -465,15 +488,25 @@ def main(argv: list[str] | None = None) -> int:
                 "delta_bytes_ratio_bfloat16",
             ):
                 report[key] = delta[key]
+        phase_s["delta"] = time.perf_counter() - start - sum(phase_s.values())
+        if not (args.no_lora or args.delta_only):
+            lora = weight_lora.measure(args.quick, root / "lora", args.repeats)
+            report["lora"] = lora
+            for key in weight_lora.HEADLINE:
+                report[key] = lora[key]
+            phase_s["lora"] = time.perf_counter() - start - sum(phase_s.values())
         if args.cross_host:
             report |= cross_host(args.quick)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report["quick"] = args.quick
     report["wall_s"] = time.perf_counter() - start
+    report["phase_s"] = phase_s
     report["load_average_1m"] = [load_before, os.getloadavg()[0]]
     if "delta" in report:
         weight_delta.print_summary(report["delta"])
+    if "lora" in report:
+        weight_lora.print_summary(report["lora"])
     if args.delta_only:
         print(json.dumps(report))
         return 0

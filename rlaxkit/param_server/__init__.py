@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlaxkit.param_server.adapters import AdapterParameterServer
 from rlaxkit.param_server.base import (
     EventHook,
     ParameterServer,
@@ -31,6 +30,7 @@ from rlaxkit.param_server.local import InProcessParameterServer
 from rlaxkit.param_server.tensorstore_store import TensorStoreParameterServer
 
 if TYPE_CHECKING:
+    from rlaxkit.param_server.adapters import AdapterParameterServer
     from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer
 
 __all__ = [
@@ -48,10 +48,15 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> type[RayObjectStoreParameterServer]:
-    # Ray is an optional extra and slow to import: load its store only when asked for.
+def __getattr__(name: str) -> type[AdapterParameterServer | RayObjectStoreParameterServer]:
+    # Ray is an optional extra and slow to import, and the adapter store imports the
+    # models (about a second): load each only when asked for.
     if name == "RayObjectStoreParameterServer":
         from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer
 
         return RayObjectStoreParameterServer
+    if name == "AdapterParameterServer":
+        from rlaxkit.param_server.adapters import AdapterParameterServer
+
+        return AdapterParameterServer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

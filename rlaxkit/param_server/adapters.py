@@ -7,7 +7,9 @@ names the version whose record holds the base:
 
 - ``meta``: JSON (as ``uint8``): format, ``base_version``, and the LoRA ``rank``,
   ``alpha`` and ``targets`` (a reader needs no config of its own);
-- ``adapters``: the adapters' leaves, in ``jax.tree.leaves`` order;
+- ``adapters``: the bytes of the adapters' leaves, in ``jax.tree.leaves`` order, in one
+  ``uint8`` array (one file or object per version, not one per adapter: a store's cost
+  per leaf, tens of adapters per layer, would outweigh their bytes);
 - ``base`` and ``skeleton`` (a *base record* only): the base's leaves, and the pickled
   trees of ``jax.ShapeDtypeStruct`` leaves of base and adapters that a reader rebuilds
   them in (an ``nnx.State`` comes back an ``nnx.State`` through any store).
@@ -69,6 +71,7 @@ from rlaxkit.param_server.base import (
     record_transfer,
     tree_nbytes,
 )
+from rlaxkit.param_server.delta import byte_view
 
 __all__ = ["FORMAT", "AdapterParameterServer"]
 
@@ -83,6 +86,19 @@ def _merge(lora: LoraConfig) -> Any:
 
 def _skeleton(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _unpack(packed: np.ndarray, skeleton: Any) -> list[np.ndarray]:
+    """The leaves of ``skeleton`` (shapes and dtypes) cut from their packed bytes."""
+    leaves, at = [], 0
+    for spec in jax.tree.leaves(skeleton):
+        dtype = np.dtype(spec.dtype)
+        size = int(np.prod(spec.shape, dtype=np.int64)) * dtype.itemsize
+        leaves.append(packed[at : at + size].view(dtype).reshape(spec.shape))
+        at += size
+    if at != packed.size:
+        raise ValueError(f"adapter record: {packed.size} bytes for adapters of {at}")
+    return leaves
 
 
 def _leaves(stored: Any) -> list[Any]:
@@ -131,7 +147,7 @@ class AdapterParameterServer:
         # the record that holds them in the store (None: the next push writes one).
         self._base: tuple[list[np.ndarray], bytes] | None = None
         self._base_version: int | None = None
-        # The reader's side: (base version, device base, adapter treedef, lora config).
+        # The reader's side: (base version, device base, adapter skeleton, lora config).
         self._held: tuple[int, Any, Any, LoraConfig] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -188,10 +204,11 @@ class AdapterParameterServer:
             "alpha": self.lora.alpha,
             "targets": list(self.lora.targets),
         }
-        leaves = [np.array(x) for x in jax.device_get(jax.tree.leaves(adapters))]
+        leaves = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(adapters))]
+        packed = np.concatenate([np.empty(0, np.uint8), *(byte_view(x) for x in leaves)])
         record: dict[str, Any] = {
             "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8).copy(),
-            "adapters": leaves,
+            "adapters": packed,
         }
         nbytes = tree_nbytes(record)
         if with_base or not self.pins:
@@ -246,7 +263,6 @@ class AdapterParameterServer:
             leaves = [np.array(x) for x in jax.device_get(jax.tree.leaves(params))]
             record = {
                 "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8).copy(),
-                "adapters": [],
                 "base": leaves,
                 "skeleton": np.frombuffer(pickle.dumps((_skeleton(params), None)), np.uint8),
             }
@@ -312,16 +328,18 @@ class AdapterParameterServer:
             params = jax.tree.unflatten(jax.tree.structure(skeleton), jax.device_put(full))
             nbytes = sum(int(np.asarray(x).nbytes) for x in full)
             return self._pulled(version, params, nbytes, start, ready_at)
-        leaves = _leaves(record["adapters"])
-        nbytes = int(np.asarray(record["meta"]).nbytes) + sum(int(x.nbytes) for x in leaves)
+        packed = np.asarray(record["adapters"])
+        nbytes = int(np.asarray(record["meta"]).nbytes) + int(packed.nbytes)
         base_version = int(meta["base_version"])
         held = self._held
         if held is None or held[0] != base_version:
             nbytes += self._take_base(version, base_version, record, meta)
             held = self._held
             assert held is not None
-        _, base, adapter_treedef, lora = held
-        adapters = jax.tree.unflatten(adapter_treedef, jax.device_put(leaves))
+        _, base, adapter_skeleton, lora = held
+        adapters = jax.tree.unflatten(
+            jax.tree.structure(adapter_skeleton), jax.device_put(_unpack(packed, adapter_skeleton))
+        )
         return self._pulled(version, _merge(lora)(base, adapters), nbytes, start, ready_at)
 
     def _pulled(
@@ -356,6 +374,6 @@ class AdapterParameterServer:
         lora = LoraConfig(
             rank=int(meta["rank"]), alpha=float(meta["alpha"]), targets=tuple(meta["targets"])
         )
-        self._held = (base_version, base, jax.tree.structure(adapter_skeleton), lora)
+        self._held = (base_version, base, adapter_skeleton, lora)
         self.base_pulls += 1
         return int(skeleton.nbytes) + sum(int(np.asarray(x).nbytes) for x in leaves)
