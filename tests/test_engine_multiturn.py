@@ -94,6 +94,30 @@ def test_a_resumed_turn_equals_recomputing_the_whole_episode(models, temperature
     assert_same(turn2, again)
 
 
+def test_samples_of_a_request_park_and_resume_separately_in_one_batch(models):
+    model, prompt = models[0], [5, 17, 2, 40, 33]
+    engine = engine_for(model, tool_call(model, prompt), dataclasses.replace(GREEDY, n=2))
+    request = engine.submit(prompt, 0, hold=True)
+    turn1 = engine.run()
+    assert [c.parked for c in turn1] == [True, True] and engine.parked == [(0, 0), (0, 1)]
+    observations = {0: OBSERVATION, 1: [4, 5, 6, 7, 8, 9, 10]}  # one prefill, two widths
+    for j, observation in observations.items():
+        engine.resume(request, observation, j + 1, sample_index=j, hold=False)
+    assert engine.num_queued == 2
+    turn2 = engine.run()
+    assert engine.idle and engine.parked == [] and [c.sample_index for c in turn2] == [0, 1]
+    for c in turn2:
+        context = np.concatenate(
+            [prompt, turn1[c.sample_index].tokens, observations[c.sample_index]]
+        )
+        assert c.prompt_tokens.tolist() == context.tolist()
+        expected = trainer_logprobs(model, context, c.tokens)
+        np.testing.assert_allclose(c.logprobs, expected, atol=1e-5, rtol=0)
+        again = generate(model, [context], engine.config, [0]).completion(0)
+        assert c.tokens.tolist() == again.tokens.tolist()
+    assert engine.submit(prompt, 0, request_id=request) == request  # done: its id is free
+
+
 def test_other_rows_decode_while_a_row_is_parked_and_a_released_row_is_refilled(models):
     model, parked_prompt = models[0], [5, 17, 2, 40, 33]
     other, late = [9, 9, 31, 4], [12, 60]
