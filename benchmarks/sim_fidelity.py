@@ -55,7 +55,7 @@ import sim  # noqa: E402
 from rlaxkit.faults import Fault, FaultPlan  # noqa: E402
 from rlaxkit.trace import TraceEvent  # noqa: E402
 from sim.calibrate import compiled_in_window, window_start  # noqa: E402
-from sim.calibrate_host import fault_figures  # noqa: E402
+from sim.calibrate_host import fault_figures, restart_costs  # noqa: E402
 
 CHECKPOINT_EVERY = 10  # steps between checkpoints (a restore goes back up to 9 steps)
 BASE = (
@@ -129,6 +129,100 @@ def local_recorder(cache: str, clock: str, warmup_steps: int, attempts: int = 3)
         return events
 
     return record
+
+
+def ray_recorder(cache: str, warmup_steps: int, attempts: int = 3) -> Recorder:
+    """Records a run of the deterministic loop on the Ray placement (a local Ray
+    cluster of 2 CPUs, started by the caller) on the wall clock: the workers are actor
+    processes, so a preemption kills one and a new one starts after the downtime."""
+    from rlaxkit.config import small_run_config
+    from rlaxkit.ray_config import small_cluster_config
+    from rlaxkit.runtime.driver import Experiment
+
+    config = small_run_config(*BASE, "runtime.backend=ray")
+
+    def record(plan: FaultPlan, steps: int) -> list[TraceEvent]:
+        for _ in range(attempts):
+            with (
+                tempfile.TemporaryDirectory() as run_dir,
+                Experiment(
+                    config,
+                    run_dir=run_dir,
+                    cache_dir=Path(cache),
+                    faults=plan,
+                    ray_config=small_cluster_config(),
+                ) as exp,
+            ):
+                exp.run(steps)
+                events = list(exp.trace.memory.events)
+            if steps <= warmup_steps or not compiled_in_window(events, warmup_steps):
+                break
+        return events
+
+    return record
+
+
+def ray_fidelity(cache: str, *, steps: int, warmup_steps: int, repeats: int) -> dict[str, Any]:
+    """The Ray row: a fault-free run calibrates the simulator (``concurrent_chunks``:
+    the workers' chunks run at once), which predicts a run of the ``workers`` plan, in
+    which every preemption kills a worker actor for real.
+
+    The round in which a replacement actor first pulls waits for it to be up, and its
+    first pull and chunks load its programs (``HostSpec.worker_start_s``,
+    ``sim.calibrate_host.restart_costs``). The fault-free run's trace times only the
+    fleet's first actors, which start beside the trainer's and compete with it for the
+    CPUs, so a short probe run with one preemption (also the warm-up) times a
+    replacement on its own; the prediction is made with both (``predicted``: the
+    probe's; ``predicted_initial``: the first actors')."""
+    import ray
+
+    from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=tempfile.mkdtemp(prefix="ray-"),  # socket paths must be short
+        _system_config=RAY_SYSTEM_CONFIG,
+    )
+    try:
+        record = ray_recorder(cache, warmup_steps)
+        probe_plan = FaultPlan(
+            (Fault(kind="preempt_worker", target="worker-0", at_s=4.0, restart_after_s=1.0),)
+        )
+        probe = record(probe_plan, 8)  # also the warm-up: compilations, warm start
+        probe_s = max(restart_costs(probe))
+        base = record(FaultPlan(), steps)
+        plan = PLANS["workers"]
+        measured = _measure(record(plan, steps), warmup_steps)
+    finally:
+        ray.shutdown()
+    initial = sim.calibrate(base, warmup_steps=warmup_steps, faults=plan, repeats=repeats)
+    probed = sim.calibrate(
+        base,
+        warmup_steps=warmup_steps,
+        faults=plan,
+        repeats=repeats,
+        overrides={"host.worker_start_s": probe_s},
+    )
+    predicted = probed.predicted_figures
+    errors = {
+        figure: (
+            predicted[figure] - measured[figure]
+            if figure not in RELATIVE
+            else (predicted[figure] / measured[figure] - 1.0 if measured[figure] else None)
+        )
+        for figure in FIGURES
+    }
+    return {
+        "measured": {k: round(v, 4) for k, v in measured.items()},
+        "predicted": {k: round(v, 4) for k, v in predicted.items()},
+        "predicted_initial": {k: round(v, 4) for k, v in initial.predicted_figures.items()},
+        "errors": {k: None if v is None else round(v, 4) for k, v in errors.items()},
+        "worker_start_probe_s": round(probe_s, 3),
+        "worker_start_initial_s": round(initial.scenario.host.worker_start_s, 3),
+    }
 
 
 def _measure(events: list[TraceEvent], warmup_steps: int) -> dict[str, float]:
@@ -210,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="simulations per plan")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    parser.add_argument(
+        "--ray",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add the Ray row (default: on, off with --quick)",
+    )
+    parser.add_argument("--ray-steps", type=int, default=60)
     args = parser.parse_args(argv)
     steps, runs = (30, 2) if args.quick else (args.steps, args.runs)
     load_before = os.getloadavg()
@@ -225,12 +326,23 @@ def main(argv: list[str] | None = None) -> int:
     report = fidelity(
         record, steps=steps, warmup_steps=args.warmup_steps, repeats=args.repeats, runs=runs
     )
-    print(f"{'plan':>8} {'figure':>15} {'measured':>10} {'predicted':>10} {'error':>8}")
+    with_ray = (not args.quick) if args.ray is None else args.ray
+    if with_ray:
+        on_ray = ray_fidelity(
+            cache, steps=args.ray_steps, warmup_steps=args.warmup_steps, repeats=args.repeats
+        )
+        report["plans"]["ray_workers"] = on_ray
+        report |= {
+            f"ray_{figure}_err": on_ray["errors"][figure]
+            for figure in FIGURES
+            if on_ray["errors"][figure] is not None
+        }
+    print(f"{'plan':>11} {'figure':>15} {'measured':>10} {'predicted':>10} {'error':>8}")
     for name, row in report["plans"].items():
         for figure in FIGURES:
             m, p, e = row["measured"][figure], row["predicted"][figure], row["errors"][figure]
             error = "-" if e is None else f"{e:+.3f}"
-            print(f"{name:>8} {figure:>15} {m:>10.4g} {p:>10.4g} {error:>8}")
+            print(f"{name:>11} {figure:>15} {m:>10.4g} {p:>10.4g} {error:>8}")
     report |= {
         "clock": args.clock,
         "steps": steps,

@@ -37,6 +37,9 @@ Per kind, the keys this module's helpers read (others are free):
 - ``push`` / ``pull``: ``duration_s``, optional ``bytes``.
 - ``checkpoint_save`` / ``checkpoint_restore``: ``step``, ``duration_s``.
 - ``preemption`` / ``restart``: optional ``lost_steps`` (trainer).
+- ``worker_start``: ``duration_s``, the wall seconds a worker actor took from its start
+  to being up (process, imports, constructor); written by the Ray placement at the
+  worker's first ``sync``, for the fleet's first actors and their replacements alike.
 - ``drop``: ``reason`` (``stale``, ``future_version``, ``preempted``,
   ``reward_timeout``, ...), optional ``rollout``.
 - ``fault``: ``fault`` (the FaultPlan kind injected, when it is not a preemption);
@@ -89,6 +92,7 @@ REQUIRED_FIELDS: Mapping[str, tuple[str, ...]] = {
     "checkpoint_restore": ("step",),
     "preemption": (),
     "restart": (),
+    "worker_start": ("duration_s",),
     "drop": ("reason",),
     "fault": ("fault",),
     "run_end": ("goodput",),

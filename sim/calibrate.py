@@ -115,12 +115,17 @@ def _shape(config: Mapping[str, Any]) -> dict[str, Any]:
             local and runtime.get("mode", "deterministic") == "deterministic",
         ),
         "weight_bytes": config.get("weight_bytes"),
-        # The deterministic local runtime is one serial thread (sim.host).
+        # The deterministic loop runs in rounds (sim.host): in one thread on the local
+        # placement, with the workers' chunks at once on Ray.
         "executor": config.get(
             "host_executor",
             "serial"
-            if local and runtime.get("mode", "deterministic") == "deterministic"
+            if runtime.get("backend") in ("local", "ray")
+            and runtime.get("mode", "deterministic") == "deterministic"
             else "parallel",
+        ),
+        "concurrent_chunks": bool(
+            config.get("host_concurrent_chunks", runtime.get("backend") == "ray")
         ),
         "chunk_steps": config.get("chunk_steps", runtime.get("chunk_steps", 1)),
     }
@@ -234,7 +239,12 @@ def fit_scenario(
     plan = _faults(events) if faults is None else faults
     fault_clock: dict[str, Any] = {}
     if executor == "serial":
-        host, host_fitted = fit_host(events, chunk_steps=int(shape["chunk_steps"]), start_s=start_s)
+        host, host_fitted = fit_host(
+            events,
+            chunk_steps=int(shape["chunk_steps"]),
+            start_s=start_s,
+            concurrent=bool(shape["concurrent_chunks"]),
+        )
         plan, fault_clock = serial_fault_settings(events, config, faults)
     decode = fit_decode(events, pauses_fleet=bool(shape["pauses_fleet"]), start_s=start_s)
     trainer = fit_trainer(events, start_s)

@@ -45,7 +45,14 @@ from rlaxkit.trace import TraceEvent
 from .calibrate_fits import compiled, nonnegative_lstsq
 from .specs import HOST_COSTS, HostSpec
 
-__all__ = ["FAULT_DROPS", "fault_figures", "fit_host", "host_gaps", "serial_fault_settings"]
+__all__ = [
+    "FAULT_DROPS",
+    "fault_figures",
+    "fit_host",
+    "host_gaps",
+    "restart_costs",
+    "serial_fault_settings",
+]
 
 # Drop reasons of groups lost to a fault (rlaxkit.ledger).
 FAULT_DROPS = ("preempted", "rolled_back", "trainer_preempted")
@@ -54,37 +61,86 @@ _TIMED = ("reward", "pull", "push", "train_step", "checkpoint_save")
 
 
 class _Gap:
-    """Host time between two chunks and what happened in it."""
+    """Host time between two chunks (or rounds) and what happened in it."""
 
-    __slots__ = ("begin_s", "timed_s", "after_chunk", "scored", "issued", "steps")
+    __slots__ = ("begin_s", "timed_s", "spans", "after_chunk", "scored", "issued", "steps")
 
     def __init__(self, begin_s: float, after_chunk: bool) -> None:
         self.begin_s = begin_s
         self.timed_s = 0.0
+        self.spans: list[tuple[float, float]] = []  # timed events that may overlap
         self.after_chunk = after_chunk
         self.scored = self.issued = self.steps = 0
 
     def row(self, end_s: float) -> tuple[float, list[float]]:
         """``(untimed seconds, [after_chunk, scored, issued, steps])``."""
         features = [self.after_chunk, self.scored, self.issued, self.steps]
-        return end_s - self.begin_s - self.timed_s, [float(x) for x in features]
+        timed = self.timed_s + _covered(self.spans, self.begin_s, end_s)
+        return end_s - self.begin_s - timed, [float(x) for x in features]
+
+
+def _covered(spans: list[tuple[float, float]], begin_s: float, end_s: float) -> float:
+    """Seconds of ``[begin_s, end_s]`` that the ``spans`` cover (overlaps once)."""
+    covered, reach = 0.0, begin_s
+    for lo, hi in sorted(spans):
+        lo, hi = max(lo, reach), min(hi, end_s)
+        if hi > lo:
+            covered, reach = covered + hi - lo, hi
+    return covered
+
+
+def _rounds(chunks: list[TraceEvent]) -> list[list[TraceEvent]]:
+    """Chunks grouped into the rounds of a fleet whose workers decode at once: chunks
+    whose spans ``[t - duration_s, t]`` overlap belong to one round."""
+    rounds: list[list[TraceEvent]] = []
+    reach = float("-inf")
+    for chunk in sorted(chunks, key=lambda e: e.t - float(e["duration_s"])):
+        if rounds and chunk.t - float(chunk["duration_s"]) < reach:
+            rounds[-1].append(chunk)
+            reach = max(reach, chunk.t)
+        else:
+            rounds.append([chunk])
+            reach = chunk.t
+    return rounds
 
 
 def host_gaps(
-    events: Iterable[TraceEvent], start_s: float, end_s: float, *, opens_after_step: bool
+    events: Iterable[TraceEvent],
+    start_s: float,
+    end_s: float,
+    *,
+    opens_after_step: bool,
+    concurrent: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, list[bool]]:
     """The gaps of the window ``(start_s, end_s]`` (see the module docstring);
-    ``opens_after_step``: the window starts at the end of a train step.
+    ``opens_after_step``: the window starts at the end of a train step. With
+    ``concurrent`` (workers that decode at once, :attr:`HostSpec.concurrent_chunks`)
+    the timeline is cut at every round instead of every chunk, and timed events that
+    overlap (concurrent pulls) count once.
 
     Returns:
         ``(untimed_s, features, after_step)``: per gap its untimed seconds and its
-        features ``[after_chunk, scored, issued, train_steps]``; and per chunk,
-        whether it is the first after a train step.
+        features ``[after_chunk, scored, issued, train_steps]``; and per chunk, in
+        time order, whether it is (in) the first chunk (round) after a train step.
     """
+    events = sorted(events, key=lambda e: e.t)
+    chunk_round: dict[int, int] = {}
+    chunks = [e for e in events if e.kind == "decode" and start_s < e.t <= end_s]
+    if concurrent:  # one pseudo-chunk per round, spanning its chunks
+        merged = []
+        for index, members in enumerate(_rounds(chunks)):
+            begin = min(e.t - float(e["duration_s"]) for e in members)
+            last = max(e.t for e in members)
+            fields = {"duration_s": last - begin}
+            for name in ("rows", "started", "finished"):
+                fields[name] = sum(int(e[name]) for e in members)
+            merged.append(TraceEvent(last, "decode", "fleet", None, fields))
+            chunk_round |= {id(e): index for e in members}
+        events = sorted([e for e in events if e.kind != "decode"] + merged, key=lambda e: e.t)
     untimed, rows, after_step = [], [], []
     gap = _Gap(start_s, after_chunk=False)
     trained = opens_after_step
-    for event in sorted(events, key=lambda e: e.t):
+    for event in events:
         if not start_s < event.t <= end_s:
             continue
         kind = event.kind
@@ -96,7 +152,10 @@ def host_gaps(
             trained = False
             gap = _Gap(event.t, after_chunk=True)
             continue
-        if kind in _TIMED:
+        if kind in _TIMED and concurrent:
+            duration = float(event.get("duration_s", 0.0))
+            gap.spans.append((event.t - duration, event.t))
+        elif kind in _TIMED:
             gap.timed_s += float(event.get("duration_s", 0.0))
         if kind == "train_step":
             gap.steps += 1
@@ -108,13 +167,23 @@ def host_gaps(
     seconds, features = gap.row(end_s)
     untimed.append(seconds)
     rows.append(features)
+    if concurrent:  # per chunk: whether its round was the first after a train step
+        after_step = [after_step[chunk_round[id(e)]] for e in chunks]
     return np.array(untimed), np.array(rows), after_step
 
 
 def fit_host(
-    events: list[TraceEvent], *, chunk_steps: int, start_s: float = float("-inf")
+    events: list[TraceEvent],
+    *,
+    chunk_steps: int,
+    start_s: float = float("-inf"),
+    concurrent: bool = False,
 ) -> tuple[HostSpec, dict[str, float]]:
-    """A serial :class:`HostSpec` fitted to the events after ``start_s``.
+    """A serial :class:`HostSpec` fitted to the events after ``start_s``;
+    ``concurrent``: the workers decode at once (the Ray placement's rounds,
+    :attr:`HostSpec.concurrent_chunks`). ``worker_start_s`` is the median of the
+    trace's :func:`restart_costs`, or without a restart of its ``worker_start`` events
+    (0 without any: the local placement's workers start in no time).
 
     Raises:
         ValueError: the trace has no ``decode`` events (only the deterministic local
@@ -131,7 +200,9 @@ def fit_host(
     windowed = bool(np.isfinite(start_s))  # a window opens at the end of a train step
     begin = start_s if windowed else min(e.t for e in events)
     end = max(steps)
-    untimed, features, after_step = host_gaps(events, begin, end, opens_after_step=windowed)
+    untimed, features, after_step = host_gaps(
+        events, begin, end, opens_after_step=windowed, concurrent=concurrent
+    )
     inside = [e for e in chunks if e.t <= end]
     duration = np.array([float(e["duration_s"]) for e in inside])
     design = np.array(
@@ -163,6 +234,11 @@ def fit_host(
 
     # Host terms: the intercept column (a chunk before the gap) is the first.
     host = nonnegative_lstsq(features, np.maximum(untimed, 0.0), drop_constant=True)
+    # A replacement's start when the trace has one; else the first actors' (which
+    # start beside the trainer's and compete with it for the CPUs).
+    starts = restart_costs(events) or [
+        float(e["duration_s"]) for e in events if e.kind == "worker_start"
+    ]
     spec = HostSpec(
         executor="serial",
         chunk_steps=chunk_steps,
@@ -177,13 +253,46 @@ def fit_host(
         sample_s=float(host[1]),
         issue_s_per_seq=float(host[2]),
         step_s=float(host[3]),
+        concurrent_chunks=concurrent,
+        worker_start_s=float(np.median(starts)) if starts else 0.0,
     )
     fitted = {f"host_{name}": float(getattr(spec, name)) for name in HOST_COSTS}
+    fitted["host_worker_start_s"] = spec.worker_start_s
     fitted["host_mean_chunk_s"] = float(duration[costed].mean())
     fitted["host_compiling_chunks"] = float(np.count_nonzero(compiling))
     fitted["host_compiling_s"] = float(duration[compiling].sum())
     fitted["host_untimed_s"] = float(untimed.sum())
     return spec, fitted
+
+
+def restart_costs(events: Iterable[TraceEvent]) -> list[float]:
+    """Seconds each restarted worker held up the run, per ``restart`` followed by the
+    worker's ``worker_start`` (the Ray placement's replacement actors): its start, plus
+    what its first pull and its first chunks took over the run's median pull and chunk
+    (a new process loads its programs: here a first chunk of about 0.45 s against
+    4 ms, and a first pull of 0.25 s against 6 ms)."""
+    events = sorted(events, key=lambda e: e.t)
+    pulls = [float(e["duration_s"]) for e in events if e.kind == "pull"]
+    chunks = [float(e["duration_s"]) for e in events if e.kind == "decode"]
+    if not pulls or not chunks:
+        return []
+    pull_s, chunk_s = float(np.median(pulls)), float(np.median(chunks))
+    costs = []
+    for restart in (e for e in events if e.kind == "restart"):
+        own = [e for e in events if e.actor == restart.actor and e.t > restart.t]
+        start = next((e for e in own if e.kind == "worker_start"), None)
+        if start is None:
+            continue
+        cost = float(start["duration_s"])
+        first_pull = next((e for e in own if e.kind == "pull"), None)
+        if first_pull is not None:
+            cost += max(0.0, float(first_pull["duration_s"]) - pull_s)
+        for chunk in (e for e in own if e.kind == "decode"):
+            if float(chunk["duration_s"]) <= 2 * chunk_s:
+                break  # its programs are loaded
+            cost += float(chunk["duration_s"]) - chunk_s
+        costs.append(cost)
+    return costs
 
 
 def serial_fault_settings(

@@ -172,6 +172,7 @@ def run_config(scenario: Scenario) -> dict[str, Any]:
         "trainer_chips": scenario.trainer.chips,
         "trainer_pauses_fleet": scenario.trainer.pauses_fleet,
         "host_executor": scenario.host.executor,
+        "host_concurrent_chunks": scenario.host.concurrent_chunks,
         "chunk_steps": scenario.host.chunk_steps,
         "target_steps": scenario.target_steps,
     }

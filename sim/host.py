@@ -42,7 +42,7 @@ push or save (:mod:`sim.trainer`).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING, TypeAlias
 
 from simpy.events import ProcessGenerator
@@ -74,6 +74,7 @@ class ChunkWorker:
         self.groups: list[Group] = []
         self.left: dict[SimSample, int] = {}  # decode steps each running row still needs
         self.unstarted = 0  # sequences issued, prefilled by the next chunk
+        self.up_at = 0.0  # simulated time at which a restarted worker is up
 
     @property
     def free(self) -> int:
@@ -160,8 +161,14 @@ class SerialHost:
         if faults is not None:
             self._before_round(faults, now_s)
             live = [w for w in self.workers if w.name not in faults.worker_down]
-        for worker in live:
-            yield from self._sync(worker)
+        starting = max((w.up_at for w in live), default=0.0) - self.env.now
+        if starting > 0:  # a restarted worker's first pull waits for it to be up
+            yield self.env.timeout(starting)
+        if self.spec.concurrent_chunks:  # every worker pulls in its own process
+            yield self.env.all_of([self.env.process(self._sync(w)) for w in live])
+        else:
+            for worker in live:
+                yield from self._sync(worker)
         issued = self._issue(live)
         if issued and self.spec.issue_s_per_seq:
             yield self.env.timeout(self.spec.issue_s_per_seq * issued)
@@ -178,9 +185,19 @@ class SerialHost:
                 f"{self.policy.batch_size}); check staleness.batch_size against "
                 "fleet.num_workers * slots_per_worker / workload.group_size"
             )
+        # The first chunk after a train step starts with cold caches: each worker's
+        # when they decode at once, the first one's when they take turns.
+        first = self._after_step
+        plans = [
+            self._plan_chunk(worker, first and (i == 0 or self.spec.concurrent_chunks))
+            for i, worker in enumerate(busy)
+        ]
+        self._after_step = False
+        if self.spec.concurrent_chunks:
+            yield from self._concurrent_chunks(busy, plans)
+            return
         # As the runtime does, each chunk is dispatched when the previous worker's
         # results are fetched, and decodes while the host scores them.
-        plans = [self._plan_chunk(worker) for worker in busy]
         done = self.env.now + plans[0][0]
         for i, (worker, plan) in enumerate(zip(busy, plans, strict=True)):
             waited_from = self.env.now
@@ -191,6 +208,22 @@ class SerialHost:
                 done = self.env.now + plans[i + 1][0]
             yield from self._finish_chunk(worker, plan)
 
+    def _concurrent_chunks(
+        self, busy: list[ChunkWorker], plans: list[_ChunkPlan]
+    ) -> ProcessGenerator:
+        """Every busy worker decodes and scores its chunk at once (the Ray placement);
+        the round waits for the slowest, then the driver takes the results in turn."""
+        spec = self.spec
+        lasts = []
+        for plan in plans:
+            done = Counter(sample.group for sample in plan[3])
+            scored = sum(len(group.samples) for group, n in done.items() if group.unfinished == n)
+            lasts.append(plan[0] + (spec.score_time_s(scored) if scored else 0.0))
+        yield self.env.timeout(max(lasts))
+        for i, (worker, plan) in enumerate(zip(busy, plans, strict=True)):
+            self._record_chunk(worker, plan, plan[0], pipelined=False)
+            yield from self._finish_chunk(worker, plan, scoring=False, per_chunk=i == 0)
+
     # --- faults ----------------------------------------------------------------------
 
     def _before_round(self, faults: FaultState, now_s: float) -> None:
@@ -200,6 +233,8 @@ class SerialHost:
         for name, until in sorted(faults.worker_down.items()):
             if now_s >= until:
                 del faults.worker_down[name]
+                worker = next(w for w in self.workers if w.name == name)
+                worker.up_at = self.env.now + self.spec.worker_start_s
                 self.sim.record(name, "restart", None)
 
     def apply(self, fault: Fault) -> None:
@@ -310,7 +345,7 @@ class SerialHost:
                     self.sim.record_start(worker.name, version, sample, len(worker.left))
         return issued
 
-    def _plan_chunk(self, worker: ChunkWorker) -> _ChunkPlan:
+    def _plan_chunk(self, worker: ChunkWorker, after_step: bool) -> _ChunkPlan:
         """Advances ``worker``'s rows by one chunk; returns ``(duration, rows, started,
         finished, steps)`` of the chunk."""
         spec = self.spec
@@ -323,8 +358,7 @@ class SerialHost:
         for sample in finished:
             del left[sample]
         worker.unstarted = 0
-        duration = spec.chunk_time_s(steps, started, len(finished), after_step=self._after_step)
-        self._after_step = False
+        duration = spec.chunk_time_s(steps, started, len(finished), after_step=after_step)
         return duration, rows, started, finished, steps
 
     def _record_chunk(
@@ -347,10 +381,14 @@ class SerialHost:
             **({"pipelined": True} if pipelined else {}),
         )
 
-    def _finish_chunk(self, worker: ChunkWorker, plan: _ChunkPlan) -> ProcessGenerator:
+    def _finish_chunk(
+        self, worker: ChunkWorker, plan: _ChunkPlan, *, scoring: bool = True, per_chunk: bool = True
+    ) -> ProcessGenerator:
         """Process body: delivers what the chunk finished, scoring and buffering the
-        groups it completed."""
+        groups it completed. ``scoring``: the host waits for the scoring here (else the
+        worker scored in its own time); ``per_chunk``: the host pays ``chunk_host_s``."""
         env, spec, sim = self.env, self.spec, self.sim
+        chunk_host_s = spec.chunk_host_s if per_chunk else 0.0
         counters = sim.counters
         finished = plan[3]
         for sample in finished:
@@ -361,13 +399,13 @@ class SerialHost:
             counters.tokens_generated += sample.tokens
         complete = [group for group in worker.groups if group.unfinished == 0]
         if not complete:
-            if spec.chunk_host_s:
-                yield env.timeout(spec.chunk_host_s)
+            if chunk_host_s:
+                yield env.timeout(chunk_host_s)
             return
         worker.groups = [group for group in worker.groups if group.unfinished > 0]
         scored = sum(len(group.samples) for group in complete)
         score_s = spec.score_time_s(scored)
-        if score_s:
+        if score_s and scoring:
             yield env.timeout(score_s)
         sim.record(
             "verifier",
@@ -381,7 +419,7 @@ class SerialHost:
             first_version, last_version = group.versions
             for sample in group.samples:
                 sim.record_end(worker.name, last_version, sample, first_version)
-        host_s = spec.chunk_host_s + spec.sample_s * scored
+        host_s = chunk_host_s + spec.sample_s * scored
         if host_s:
             yield env.timeout(host_s)
         for group in complete:

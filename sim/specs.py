@@ -239,6 +239,14 @@ class HostSpec:
         round_s: Logical seconds one round counts for on the serial host's fault
             clock (the runtime's ``runtime.round_s``): a fault plan's ``at_s`` and
             every downtime are read on ``rounds · round_s``, as the runtime reads them.
+        concurrent_chunks: The rounds of the deterministic loop on the Ray placement:
+            every busy worker decodes its chunk and scores it in its own process at
+            the same time, and the workers pull at the same time, so a round lasts
+            as long as its slowest worker; ``chunk_host_s`` is then paid once per
+            round (the driver's calls and books) instead of once per chunk.
+        worker_start_s: Seconds a new worker takes to be up (on Ray: a new actor's
+            process, imports and constructor). A worker back from a preemption holds
+            up the round in which it first pulls until then.
     """
 
     executor: Executor = "parallel"
@@ -255,6 +263,8 @@ class HostSpec:
     sample_s: float = 0.0
     step_s: float = 0.0
     round_s: float = 1.0  # logical seconds per round (RunConfig's runtime.round_s)
+    concurrent_chunks: bool = False
+    worker_start_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.executor not in get_args(Executor):
@@ -265,6 +275,9 @@ class HostSpec:
         for name in HOST_COSTS:
             _check(name, getattr(self, name), strict=False)
         _check("round_s", self.round_s)
+        _check("worker_start_s", self.worker_start_s, strict=False)
+        if not isinstance(self.concurrent_chunks, bool):
+            raise ValueError(f"concurrent_chunks: must be a bool, got {self.concurrent_chunks!r}")
 
     @property
     def serial(self) -> bool:
@@ -323,6 +336,11 @@ class ParamServerSpec:
             ``benchmarks/weight_delta.py`` measured 0.50 for float32 weights and 0.087
             rounded to bfloat16 after a real GRPO step).
         snapshot_every: With deltas, every this many pushes is a full snapshot.
+        adapter_fraction: ``None``, or a LoRA run's adapter bytes as a fraction ``a`` of
+            ``weight_bytes``: the base is published once and every push moves the
+            adapters (``rlaxkit.param_server.AdapterParameterServer``; see
+            ``SimParameterServer``; ``benchmarks/weight_lora.py``: 0.029 at rank 8 on its
+            128-wide bench model, 0.0089 for Qwen2.5-0.5B). Not with deltas.
     """
 
     weight_bytes: float
@@ -333,6 +351,7 @@ class ParamServerSpec:
     restart_s: float = 30.0
     delta_changed_fraction: float | None = None
     snapshot_every: int = 4
+    adapter_fraction: float | None = None
 
     def __post_init__(self) -> None:
         _check("weight_bytes", self.weight_bytes, strict=False)
@@ -350,6 +369,14 @@ class ParamServerSpec:
                     f"deltas), got {self.delta_changed_fraction!r}"
                 )
         _check("snapshot_every", self.snapshot_every, low=1, strict=False, integer=True)
+        if self.adapter_fraction is not None:
+            _check("adapter_fraction", self.adapter_fraction, strict=False)
+            if self.adapter_fraction > 1 or self.delta_changed_fraction is not None:
+                raise ValueError(
+                    "adapter_fraction: must be a fraction in [0, 1] and leaves "
+                    f"delta_changed_fraction unset, got {self.adapter_fraction!r} with "
+                    f"delta_changed_fraction={self.delta_changed_fraction!r}"
+                )
 
     def push_s(self, nbytes: float | None = None) -> float:
         """Seconds for the trainer to push ``nbytes`` (default: one whole version)."""

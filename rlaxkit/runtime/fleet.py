@@ -42,6 +42,11 @@ class Transport(Protocol):
 
     def stop(self, handle: Any) -> None: ...
 
+    def start_seconds(self, handle: Any) -> float | None:
+        """Seconds the host behind ``handle`` took to start, once known (``None``: not
+        known yet, told already, or started in no time worth a trace event)."""
+        ...
+
 
 class InProcess:
     """Hosts in this process: calls are method calls, and no host dies on its own."""
@@ -75,6 +80,9 @@ class InProcess:
 
     def stop(self, handle: Any) -> None:
         handle.close()
+
+    def start_seconds(self, handle: Any) -> float | None:
+        return None  # built in this process before its first round
 
 
 @dataclass
@@ -189,6 +197,11 @@ class Fleet:
         replies = self._call("sync", {}, live)
         for slot in self.workers:
             reply = replies.get(slot.worker_id)
+            started_s = self.transport.start_seconds(slot.handle)
+            if started_s is not None:  # the simulator's host.worker_start_s
+                self.trace.record(
+                    self.clock(), "worker_start", slot.worker_id, None, duration_s=started_s
+                )
             if reply is not None:
                 self.trace.extend(reply.events)
                 slot.version, slot.failed_pulls = reply.version, reply.failed_pulls

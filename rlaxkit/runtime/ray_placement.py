@@ -64,12 +64,29 @@ class RayTransport:
         # Per new worker actor, by handle id: the handle, its ``__ray_ready__`` and the
         # monotonic time until which a ``sync`` waits for it.
         self._starting: dict[int, tuple[Any, Any, float]] = {}
+        # Per new worker actor, by handle id: seconds from its start to its constructor's
+        # end, written by Ray's thread when the actor is up (``start_seconds``).
+        self._start_s: dict[int, float] = {}
 
     def started(self, handle: Any) -> Any:
         """Notes a new worker actor; returns its handle."""
-        deadline = time.monotonic() + self.start_wait_s
-        self._starting[id(handle)] = (handle, handle.__ray_ready__.remote(), deadline)
+        begin = time.monotonic()
+        deadline = begin + self.start_wait_s
+        ready = handle.__ray_ready__.remote()
+        self._starting[id(handle)] = (handle, ready, deadline)
+        key = id(handle)
+
+        def note(future: Any) -> None:
+            if future.exception() is None:
+                self._start_s[key] = time.monotonic() - begin
+
+        ready.future().add_done_callback(note)
         return handle
+
+    def start_seconds(self, handle: Any) -> float | None:
+        """Seconds the actor behind ``handle`` took from its start to being up (process,
+        imports, constructor), once, when it is known; else ``None``."""
+        return self._start_s.pop(id(handle), None)
 
     def up(self, handle: Any) -> bool:
         """Whether the actor behind ``handle`` is up (or has failed to start: its next
