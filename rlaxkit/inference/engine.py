@@ -42,8 +42,8 @@ from rlaxkit.inference.results import (
     Completion,
     KeyLike,
     ModelLike,
-    StaticGraph,
     key_data,
+    matching_params,
     split_model,
 )
 from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED, STOP
@@ -327,25 +327,7 @@ class InferenceEngine:
             recompute_cache: rebuild the KV cache of every running or parked row under
                 the new weights (AReaL); otherwise the cached keys and values are kept.
         """
-        if isinstance(weights, nnx.Module) or (
-            isinstance(weights, tuple) and isinstance(weights[0], nnx.GraphDef | StaticGraph)
-        ):
-            graphdef, params = split_model(weights)
-            if graphdef != self.graphdef:
-                raise ValueError("new weights have a different model architecture")
-        else:
-            params = weights
-        # jaxlib's PyTreeDef is a compiled class whose comparisons mypy cannot see.
-        if jax.tree.structure(params) != jax.tree.structure(self.params):  # type: ignore[operator]
-            raise ValueError("new weights do not have the structure of the current ones")
-        for (path, new), old in zip(
-            jax.tree.leaves_with_path(params), jax.tree.leaves(self.params), strict=True
-        ):
-            if new.shape != old.shape or new.dtype != old.dtype:
-                raise ValueError(
-                    f"new weight {jax.tree_util.keystr(path)} is {new.dtype}{list(new.shape)}, "
-                    f"expected {old.dtype}{list(old.shape)}"
-                )
+        params = matching_params(weights, self.graphdef, self.params)
         self.params, self.version = params, version
         if recompute_cache and any(s is not None for s in self._slots):
             # Parked rows go on later: their caches are rebuilt with the running ones'.

@@ -100,6 +100,38 @@ def split_model(model: ModelLike) -> tuple[StaticGraph, nnx.State]:
     return graph, params
 
 
+def matching_params(
+    weights: ModelLike | nnx.State, graph: StaticGraph, params: nnx.State
+) -> nnx.State:
+    """The parameters of ``weights`` (a ``Transformer``, ``(graphdef, params)`` or the
+    parameters alone), checked to fit a model of graph ``graph`` whose current
+    parameters are ``params``: same architecture, tree structure, shapes and dtypes.
+
+    Raises:
+        ValueError: naming the first mismatch.
+    """
+    if isinstance(weights, nnx.Module) or (
+        isinstance(weights, tuple) and isinstance(weights[0], nnx.GraphDef | StaticGraph)
+    ):
+        new_graph, new_params = split_model(weights)
+        if new_graph != graph:
+            raise ValueError("new weights have a different model architecture")
+    else:
+        new_params = weights
+    # jaxlib's PyTreeDef is a compiled class whose comparisons mypy cannot see.
+    if jax.tree.structure(new_params) != jax.tree.structure(params):  # type: ignore[operator]
+        raise ValueError("new weights do not have the structure of the current ones")
+    for (path, new), old in zip(
+        jax.tree.leaves_with_path(new_params), jax.tree.leaves(params), strict=True
+    ):
+        if new.shape != old.shape or new.dtype != old.dtype:
+            raise ValueError(
+                f"new weight {jax.tree_util.keystr(path)} is {new.dtype}{list(new.shape)}, "
+                f"expected {old.dtype}{list(old.shape)}"
+            )
+    return new_params
+
+
 def _seed_key_data(seed: int) -> np.ndarray | None:
     """``key_data(jax.random.key(seed))`` computed on the host, where its layout is
     known (default threefry keys, 32-bit mode, ``0 <= seed < 2**31``: ``[0, seed]``);
