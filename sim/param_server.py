@@ -15,6 +15,14 @@ that differ from what the worker holds, wherever they were last written, so snap
 cost pushes only: a worker ``s`` versions behind moves ``(1 - (1 - f)^s) ·
 weight_bytes`` (each version changes an independent ``f`` of the chunks); a worker that
 holds nothing, or weights of a rolled-back lineage, moves every byte.
+
+**Adapter publication** (``ParamServerSpec.adapter_fraction = a``, a LoRA run), as
+``rlaxkit.param_server.AdapterParameterServer`` does it: the initial weights are the
+base record (base and adapters), every push moves the adapters, ``a · weight_bytes``,
+except the first after a rollback (the restored trainer writes a new base record:
+``(1 + a) · weight_bytes``). A worker holding a version of this lineage moves the
+newest adapters, however far behind it is; one holding nothing, or weights of a
+rolled-back lineage, reads the base record: ``(1 + a) · weight_bytes``.
 """
 
 from __future__ import annotations
@@ -123,7 +131,7 @@ class SimParameterServer:
             yield self.env.timeout(self.spec.push_s(nbytes))
             if kills == self._kills:
                 break
-        if self.spec.delta_changed_fraction is not None:
+        if self.spec.delta_changed_fraction is not None or self.spec.adapter_fraction is not None:
             since = self._pushes_since_snapshot
             self._pushes_since_snapshot = 0 if snapshot or since is None else since + 1
         self.sim.counters.pushes += 1
@@ -134,6 +142,9 @@ class SimParameterServer:
         """``(bytes, full snapshot)`` of the next push (see the module docstring)."""
         f, every = self.spec.delta_changed_fraction, self.spec.snapshot_every
         since = self._pushes_since_snapshot
+        a = self.spec.adapter_fraction
+        if a is not None:  # a base record after a rollback, else the adapters
+            return ((1.0 + a) if since is None else a) * self.spec.weight_bytes, since is None
         if f is None or since is None or since + 1 >= every:
             return float(self.spec.weight_bytes), True
         return f * self.spec.weight_bytes, False
@@ -141,9 +152,16 @@ class SimParameterServer:
     def pull_bytes(self, held: tuple[int | None, int] | None) -> float:
         """Bytes a pull of the newest version moves to a worker holding ``held``
         (``(version, lineage)``; see the module docstring)."""
-        f = self.spec.delta_changed_fraction
-        if f is None or held is None or held[0] is None or held[1] != self.lineage:
+        f, a = self.spec.delta_changed_fraction, self.spec.adapter_fraction
+        stranger = held is None or held[0] is None or held[1] != self.lineage
+        if a is not None:  # the base record, or the newest adapters
+            if stranger:
+                return (1.0 + a) * self.spec.weight_bytes
+            assert held is not None and held[0] is not None
+            return a * self.spec.weight_bytes if self.latest > held[0] else 0.0
+        if f is None or stranger:
             return float(self.spec.weight_bytes)
+        assert held is not None and held[0] is not None
         behind = self.latest - held[0]
         return (1.0 - (1.0 - f) ** behind) * self.spec.weight_bytes if behind > 0 else 0.0
 

@@ -1,6 +1,8 @@
 """Adapter publication for LoRA runs: the base once, then adapter versions that readers
 merge into it, bit for bit the trainer's merged ``params``, on every store kind."""
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -221,7 +223,10 @@ def test_through_the_ray_object_store_across_its_restart(ray_cluster, trained):
         pusher.push(version, versions[version][0])
         assert_bitwise_equal(reader.pull(min_version=version, timeout=10)[1], versions[version][1])
     ray.kill(actor, no_restart=False)  # Ray restarts it empty
-    assert pusher.latest_version() is None
+    deadline = time.monotonic() + 60
+    while pusher.latest_version() is not None:  # the kill lands asynchronously
+        assert time.monotonic() < deadline, "the parameter-server actor did not restart"
+        time.sleep(0.05)
     assert pusher.republish() == 2
     assert pusher.versions() == [0, 2]  # the pinned base record and the newest push
     for version in range(3, STEPS + 1):
@@ -233,3 +238,38 @@ def test_through_the_ray_object_store_across_its_restart(ray_cluster, trained):
         assert pulled == STEPS and client.base_pulls == 1
         assert_bitwise_equal(params, versions[-1][1])
     ray.kill(actor)
+
+
+def test_the_simulated_parameter_server_moves_adapters_after_the_base():
+    """The toy preset (tests/test_sim_delta.py): 100-byte weights, pushes at 100 B/s,
+    pulls at 200 B/s, here with adapters of 2% of them. The worker's first pull reads
+    the base record (102 B, 0.51 s); each push moves 2 B (0.02 s) and each later pull
+    2 B (0.01 s). Step 1 ends at 3.76 s (3.75 without adapters, the first pull 0.01 s
+    longer); each later step costs pull + 3.25 s + push."""
+    from rlaxkit.trace import MemoryTrace
+    from sim import presets, simulate
+    from sim.specs import ParamServerSpec
+
+    trace = MemoryTrace()
+    simulate(presets.toy(target_steps=3, **{"param_server.adapter_fraction": 0.02}), trace=trace)
+    moved = [
+        (round(e.t, 9), e.kind, e.version, e["bytes"])
+        for e in trace.events
+        if e.kind in ("push", "pull")
+    ]
+    assert moved == [
+        (0.51, "pull", 0, 102.0),
+        (3.78, "push", 1, 2.0),
+        (3.79, "pull", 1, 2.0),
+        (7.06, "push", 2, 2.0),
+        (7.07, "pull", 2, 2.0),
+        (10.34, "push", 3, 2.0),
+    ]
+    with pytest.raises(ValueError, match="adapter_fraction"):
+        ParamServerSpec(
+            weight_bytes=1,
+            push_bytes_per_s=1,
+            pull_bytes_per_s=1,
+            adapter_fraction=0.1,
+            delta_changed_fraction=0.5,
+        )
