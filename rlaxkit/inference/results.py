@@ -229,7 +229,8 @@ class Completion:
     Attributes:
         request_id: the request (prompt) it answers.
         sample_index: which of the request's ``n`` samples it is.
-        prompt_tokens: ``[P]`` int32.
+        prompt_tokens: ``[P]`` int32, the context the completion follows: the prompt,
+            and for a resumed turn every earlier turn and observation after it.
         tokens: ``[C]`` int32, up to and including a stop token or stop sequence.
         logprobs: ``[C]`` float32 behaviour log-probs, under the (truncated) distribution
             each token was drawn from.
