@@ -213,15 +213,19 @@ class SerialHost:
     ) -> ProcessGenerator:
         """Every busy worker decodes and scores its chunk at once (the Ray placement);
         the round waits for the slowest, then the driver takes the results in turn."""
-        spec = self.spec
-        lasts = []
-        for plan in plans:
-            done = Counter(sample.group for sample in plan[3])
-            scored = sum(len(group.samples) for group, n in done.items() if group.unfinished == n)
-            lasts.append(plan[0] + (spec.score_time_s(scored) if scored else 0.0))
-        yield self.env.timeout(max(lasts))
-        for i, (worker, plan) in enumerate(zip(busy, plans, strict=True)):
+
+        def work(worker: ChunkWorker, plan: _ChunkPlan) -> ProcessGenerator:
+            yield self.env.timeout(plan[0])
             self._record_chunk(worker, plan, plan[0], pipelined=False)
+            done = Counter(sample.group for sample in plan[3])
+            scored = sum(len(g.samples) for g, n in done.items() if g.unfinished == n)
+            if scored and self.spec.score_time_s(scored):
+                yield self.env.timeout(self.spec.score_time_s(scored))
+
+        yield self.env.all_of(
+            [self.env.process(work(w, p)) for w, p in zip(busy, plans, strict=True)]
+        )
+        for i, (worker, plan) in enumerate(zip(busy, plans, strict=True)):
             yield from self._finish_chunk(worker, plan, scoring=False, per_chunk=i == 0)
 
     # --- faults ----------------------------------------------------------------------
