@@ -162,6 +162,11 @@ def test_killed_worker_is_detected_its_prompts_reissued_and_the_fleet_is_elastic
         assert [w.worker_id for w in exp.workers] == survivors
         (preemption,) = events(exp, "preemption", newcomer.worker_id)
         assert preemption["reason"] == "scaled_down"
+        # Every actor's start is timed, the newcomer's too (the simulator's
+        # host.worker_start_s): from its start to its constructor's end.
+        started = {e.actor: e["duration_s"] for e in events(exp, "worker_start")}
+        assert {*survivors, victim.worker_id, newcomer.worker_id} <= set(started)
+        assert all(0 < s < 600 for s in started.values())
         exp.check_accounting()
         counts = exp.buffer.counts()
         assert counts["trained"] == exp.version * config.staleness.batch_size
