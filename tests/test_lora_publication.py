@@ -273,3 +273,41 @@ def test_the_simulated_parameter_server_moves_adapters_after_the_base():
             adapter_fraction=0.1,
             delta_changed_fraction=0.5,
         )
+
+
+def test_a_local_lora_run_survives_worker_trainer_and_parameter_server_faults(tmp_path):
+    """Through the fault plan's store (every record carries the base by reference): a
+    preempted worker comes back with a new client that reads the base again, the
+    trainer's rollback starts a new lineage with a base record, the store's outage holds
+    a push; the workers end on the trainer's merged weights, bit for bit."""
+    from rlaxkit.config import small_run_config
+    from rlaxkit.faults import Fault, FaultPlan
+    from rlaxkit.runtime import Experiment
+
+    plan = FaultPlan(
+        (
+            Fault(kind="preempt_worker", target="worker-0", at_s=2.0, restart_after_s=1.0),
+            Fault(kind="kill_param_server", at_s=4.0, restart_after_s=1.0),
+            Fault(kind="preempt_trainer", at_step=3, restart_after_s=1.0),
+        )
+    )
+    config = small_run_config(
+        "runtime.chunk_steps=2",
+        "runtime.restart_s=1",
+        "trainer.lora.rank=4",
+        "steps=4",
+        "checkpoint.every_steps=2",
+    )
+    with Experiment(config, run_dir=tmp_path / "run", cache_dir=tmp_path, faults=plan) as exp:
+        exp.run()
+        exp.check_accounting()
+        assert exp.summary()["lost_steps"] == 1
+        kinds = {e.kind for e in exp.trace.memory.events}
+        assert {"preemption", "restart"} <= kinds
+        host = exp.parts.trainer.group.leader
+        for slot in exp.fleet.workers:
+            client = slot.handle.store.server
+            assert client.base_pulls >= 1
+            pulled, params = client.pull(timeout=10)
+            assert pulled == host.version == 4
+            assert_bitwise_equal(params, host.state.params)
