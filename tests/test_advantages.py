@@ -5,6 +5,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlaxkit.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -105,6 +107,67 @@ def test_gae_by_hand():
     # γ = 0.9, λ = 1 is the discounted return minus V: A1 = 0.9^2 - 0.5 = 0.31.
     adv, _ = gae_advantages(rewards, values, mask, gamma=0.9, lam=1.0)
     np.testing.assert_allclose(adv, [[0, 0.31, 0.3, 0.2]], rtol=1e-5)
+
+
+def test_gae_steps_over_an_observation_by_hand():
+    # The row of test_gae_by_hand with two tool tokens (values 7, 7: ignored) after the
+    # first policy token: mask 0,1,0,0,1,1. The first token bootstraps from V = 0.6 at the
+    # next policy token, so every advantage is the contiguous row's.
+    mask = jnp.array([[0, 1, 0, 0, 1, 1]], jnp.float32)
+    values = jnp.array([[9.0, 0.5, 7.0, 7.0, 0.6, 0.8]])
+    rewards = terminal_rewards(jnp.array([1.0]), mask)
+    adv, ret = gae_advantages(rewards, values, mask, gamma=1.0, lam=0.5)
+    np.testing.assert_allclose(adv, [[0, 0.25, 0, 0, 0.3, 0.2]], rtol=1e-6)
+    np.testing.assert_allclose(ret, [[0, 0.75, 0, 0, 0.9, 1.0]], rtol=1e-6)
+
+
+@st.composite
+def rows_with_observations(draw):
+    """A row (prompt, policy tokens, padding) and the same row with observations (runs
+    of environment tokens) inserted between or after its policy tokens."""
+    prompt = draw(st.integers(0, 3))
+    policy = draw(st.integers(1, 8))
+    padding = draw(st.integers(0, 3))
+    # After policy token i (0-based), runs[i] environment tokens; none before the first.
+    runs = draw(st.lists(st.integers(0, 3), min_size=policy, max_size=policy))
+    floats = st.floats(-2.0, 2.0, allow_nan=False, width=32)
+    length = prompt + policy + sum(runs) + padding
+    values = draw(st.lists(floats, min_size=length, max_size=length))
+    reward = draw(floats)
+    gamma = draw(st.sampled_from([1.0, 0.9]))
+    lam = draw(st.sampled_from([1.0, 0.95, 0.5, 0.0]))
+    return prompt, policy, padding, runs, values, reward, gamma, lam
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows_with_observations())
+def test_gae_at_policy_tokens_does_not_see_the_observations(case):
+    prompt, policy, padding, runs, values, reward, gamma, lam = case
+    # The row with observations: 1 marks a policy token, 0 a prompt, tool or padding one.
+    mask = [0] * prompt
+    for run in runs:
+        mask += [1] + [0] * run
+    mask += [0] * padding
+    mask_with = np.asarray(mask, np.float32)
+    keep = np.concatenate([np.arange(prompt), np.flatnonzero(mask_with)])
+    # The row without them: the prompt and policy tokens with their own values.
+    mask_without = mask_with[keep]
+    values_with = np.asarray(values, np.float32)
+    values_without = values_with[keep]
+
+    def gae(m, v):
+        m, v = jnp.asarray(m[None]), jnp.asarray(v[None])
+        rewards = terminal_rewards(jnp.array([reward], jnp.float32), m)
+        adv, ret = gae_advantages(rewards, v, m, gamma=gamma, lam=lam)
+        return np.asarray(adv[0]), np.asarray(ret[0])
+
+    adv_with, ret_with = gae(mask_with, values_with)
+    adv_without, ret_without = gae(mask_without, values_without)
+    policy_at = np.flatnonzero(mask_with)
+    np.testing.assert_allclose(adv_with[policy_at], adv_without[prompt:], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ret_with[policy_at], ret_without[prompt:], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(adv_with[mask_with == 0], 0.0)
+    np.testing.assert_array_equal(ret_with[mask_with == 0], 0.0)
 
 
 def _inputs(rewards, with_values=True):

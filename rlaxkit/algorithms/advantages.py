@@ -173,24 +173,40 @@ def gae_advantages(
 ) -> tuple[jax.Array, jax.Array]:
     """Generalised advantage estimation over completion tokens (Schulman et al. 2016).
 
-    ``δ_t = r_t + γ V_{t+1} - V_t`` (``V_{t+1} = 0`` after the last completion token) and
-    ``A_t = δ_t + γ λ A_{t+1}``, computed right to left with ``lax.scan``. The return
-    target of the critic is ``A_t + V_t``. Completion tokens must be contiguous in a row.
+    ``δ_t = r_t + γ V_{n(t)} - V_t`` and ``A_t = δ_t + γ λ A_{n(t)}``, where ``n(t)`` is the
+    next position after ``t`` inside ``loss_mask`` (``V`` and ``A`` are 0 past the last),
+    computed right to left with ``lax.scan``. The return target of the critic is
+    ``A_t + V_t``.
+
+    Positions outside the mask are not actions: they get no advantage and the recursion
+    steps over them. In a multi-turn episode a tool's observation sits between two policy
+    turns with ``loss_mask`` 0, so the last policy token before it bootstraps from the
+    value at the first policy token after it, and each policy token's advantage is the
+    one it would have with the observation removed from the row (the observation is part
+    of the state the next value sees, not a step of the policy). For a row whose
+    completion is contiguous this is the textbook recursion, ``n(t) = t + 1``.
 
     Returns:
         ``(advantages, returns)``, each ``[B, T]``, zero outside ``loss_mask``.
     """
     mask = loss_mask.astype(jnp.float32)
-    next_values = jnp.pad(values[:, 1:] * mask[:, 1:], ((0, 0), (0, 1)))
-    deltas = (token_rewards + gamma * next_values - values) * mask
 
     def step(following, column):
-        delta, m = column
-        advantage = (delta + gamma * lam * following) * m
-        return advantage, advantage
+        # ``following``: (V, A) at the next policy position to the right, or zeros.
+        next_value, next_advantage = following
+        reward, value, m = column
+        delta = reward + gamma * next_value - value
+        advantage = (delta + gamma * lam * next_advantage) * m
+        policy = m > 0
+        carried = (
+            jnp.where(policy, value, next_value),
+            jnp.where(policy, advantage, next_advantage),
+        )
+        return carried, advantage
 
+    zeros = jnp.zeros(values.shape[0], values.dtype)
     _, advantages = jax.lax.scan(
-        step, jnp.zeros(values.shape[0], values.dtype), (deltas.T, mask.T), reverse=True
+        step, (zeros, zeros), (token_rewards.T, values.T, mask.T), reverse=True
     )
     advantages = advantages.T
     return advantages, (advantages + values) * mask
