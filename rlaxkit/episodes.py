@@ -12,7 +12,10 @@ tokens carry no loss.
 either resumes the row that waited with its KV cache (``keep_cache``: only the
 observation is prefilled) or is a new request whose prompt is everything so far (under
 the same weights, the same tokens). Environment steps run in threads under a timeout;
-one that raises or runs past its time becomes an error observation, counted.
+one that raises or runs past its time becomes an error observation, counted. Each step
+is timed (``StepRecord.duration_s``) and, given a trace sink, written as a ``tool_call``
+event (``rlaxkit.trace``), from which ``sim.calibrate`` fits the simulator's tool latency
+and turns per episode.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from rlaxkit.inference.engine import WeightSource
     from rlaxkit.models.tokenizer import Tokenizer
     from rlaxkit.tasks import Problem
+    from rlaxkit.trace import TraceSink
 
 __all__ = [
     "Action",
@@ -135,7 +139,9 @@ class EpisodeConfig:
 @dataclass(frozen=True)
 class StepRecord:
     """One turn of an episode: the action and the environment's answer to it as ids
-    (``outcome`` says whether the step failed; then ``info["error"]`` says how)."""
+    (``outcome`` says whether the step failed; then ``info["error"]`` says how), and
+    ``duration_s``, the seconds the step ran (for one that timed out: until it was given
+    up)."""
 
     action: Action
     outcome: StepOutcome
@@ -143,6 +149,7 @@ class StepRecord:
     done: bool
     observation_ids: tuple[int, ...]
     info: Mapping[str, Any]
+    duration_s: float = 0.0
 
 
 @dataclass
@@ -241,6 +248,22 @@ class _Pending:
     parked: bool  # the engine holds the episode's row for ``resume``
     future: concurrent.futures.Future[StepResult]
     deadline_s: float
+    submitted_s: float  # on the run's clock
+    ran: list[float] = field(default_factory=list)  # [start_s, end_s] once the step ran
+
+
+def _timed(
+    step: Callable[[Action], StepResult],
+    action: Action,
+    clock: Callable[[], float],
+    ran: list[float],
+) -> StepResult:
+    """Runs ``step`` in a pool thread, noting when it started and ended on ``clock``."""
+    ran.append(clock())
+    try:
+        return step(action)
+    finally:
+        ran.append(clock())
 
 
 def run_episodes(
@@ -252,6 +275,9 @@ def run_episodes(
     *,
     seed: int = 0,
     weight_source: WeightSource | None = None,
+    trace: TraceSink | None = None,
+    clock: Callable[[], float] | None = None,
+    trace_actor: str = "environment",
 ) -> list[Episode]:
     """Runs ``config.samples_per_problem`` episodes of every problem to their ends.
 
@@ -268,6 +294,13 @@ def run_episodes(
         config: turns, budgets, timeouts.
         seed: the sampling seed.
         weight_source: polled before every decode chunk, as in ``InferenceEngine.run``.
+        trace: where to write one ``tool_call`` event per environment step (sample
+            ``"{problem position}/{sample}"``, the turn, the step's ``duration_s``, its
+            outcome, ``observation_tokens`` and ``action_tokens``), at the step's end.
+        clock: seconds since the run's start, for step durations and event times
+            (default: ``time.monotonic`` from this call). Step timeouts always run on
+            ``time.monotonic``.
+        trace_actor: the ``actor`` of the trace events.
 
     Returns:
         The episodes, ordered by problem and sample.
@@ -281,6 +314,9 @@ def run_episodes(
         )
     if not engine.idle:  # episode i's turns are request i
         raise ValueError("the engine must be idle: episodes use request ids from 0")
+    if clock is None:
+        began = time.monotonic()
+        clock = lambda: time.monotonic() - began  # noqa: E731
     n = config.samples_per_problem
     environments = [make_environment() for _ in range(len(problems) * n)]
     episodes: list[Episode] = []
@@ -323,7 +359,9 @@ def run_episodes(
             finished = engine.step()
             for pending in waiting:
                 index = pending.index
-                record = _resolve(pending, environments[index], tokenizer, episodes[index])
+                record = _resolve(pending, environments[index], tokenizer, episodes[index], clock())
+                if trace is not None:
+                    _record_tool_call(trace, trace_actor, pending, record, episodes[index], n)
                 if _continue(episodes[index], record, config):
                     start_turn(index, pending.parked)
                 elif pending.parked:
@@ -336,9 +374,11 @@ def run_episodes(
                 action = Action(tokenizer.decode(ids), tuple(ids), completion.finish_reason)
                 step = environments[completion.request_id].step
                 deadline = time.monotonic() + (config.step_timeout_s or float("inf"))
-                future = pool.submit(step, action)
+                ran: list[float] = []
+                submitted = clock()
+                future = pool.submit(_timed, step, action, clock, ran)
                 index, parked = completion.request_id, completion.parked
-                waiting.append(_Pending(index, action, parked, future, deadline))
+                waiting.append(_Pending(index, action, parked, future, deadline, submitted, ran))
     except BaseException:
         engine.abort()  # leave no turn running or parked
         raise
@@ -348,10 +388,16 @@ def run_episodes(
 
 
 def _resolve(
-    pending: _Pending, environment: Environment, tokenizer: Tokenizer, episode: Episode
+    pending: _Pending,
+    environment: Environment,
+    tokenizer: Tokenizer,
+    episode: Episode,
+    now_s: float,
 ) -> StepRecord:
     """Waits for a step (up to its deadline) and records its result on the episode; a
-    step that raised or timed out becomes the environment's error observation."""
+    step that raised or timed out becomes the environment's error observation. A step
+    that ran lasted from its start to its end in its thread; one that timed out, from
+    its submission to the moment it was given up (``now_s`` or later)."""
     outcome: StepOutcome = "ok"
     detail, result = "", StepResult()
     try:
@@ -365,6 +411,11 @@ def _resolve(
         pending.future.cancel()
         observation = environment.error_observation(outcome, detail)
         result = StepResult(observation=observation, info={"error": detail})
+    ran = list(pending.ran)  # the thread may still append to it (a timed-out step)
+    if outcome != "timeout" and len(ran) == 2:
+        duration_s = ran[1] - ran[0]
+    else:
+        duration_s = max(0.0, now_s - pending.submitted_s)
     record = StepRecord(
         action=pending.action,
         outcome=outcome,
@@ -372,10 +423,37 @@ def _resolve(
         done=bool(result.done),
         observation_ids=tuple(_encode(result.observation, tokenizer).tolist()),
         info=dict(result.info),
+        duration_s=duration_s,
     )
     episode.steps.append(record)
     episode.reward += record.reward
     return record
+
+
+def _record_tool_call(
+    trace: TraceSink,
+    actor: str,
+    pending: _Pending,
+    record: StepRecord,
+    episode: Episode,
+    samples_per_problem: int,
+) -> None:
+    """The ``tool_call`` event of one resolved step, timed at the step's end."""
+    policy = [v for v, mine in zip(episode.versions, episode.policy_mask, strict=True) if mine]
+    ran = pending.ran
+    ended = len(ran) >= 2 and record.outcome != "timeout"
+    trace.record(
+        max(0.0, ran[1] if ended else pending.submitted_s + record.duration_s),
+        "tool_call",
+        actor,
+        policy[-1] if policy else None,
+        sample=f"{pending.index // samples_per_problem}/{pending.index % samples_per_problem}",
+        turn=episode.turns - 1,
+        duration_s=record.duration_s,
+        outcome=record.outcome,
+        observation_tokens=len(record.observation_ids),
+        action_tokens=len(record.action.token_ids),
+    )
 
 
 def _continue(episode: Episode, record: StepRecord, config: EpisodeConfig) -> bool:

@@ -17,7 +17,9 @@ Per kind, the keys this module's helpers read (others are free):
   optional ``rollout`` (id of its prompt group), ``prompt_tokens``, ``occupancy``
   (sequences decoding on that worker when it started); at the end ``tokens``
   (completion tokens), ``first_version`` (oldest version of its tokens; defaults to
-  ``version``), ``finish`` (``stop`` | ``length``).
+  ``version``), ``finish`` (``stop`` | ``length``); for a multi-turn episode
+  ``tokens`` counts the environment's tokens too, and optional ``turn_tokens`` (list)
+  gives the policy tokens of each turn.
 - ``reward``: ``sample``, ``duration_s`` (verifier latency).
 - ``decode``: one chunk of decode steps on a worker (written by the runtime's workers,
   which decode in chunks, and by the simulator's serial host; its per-sequence
@@ -40,6 +42,12 @@ Per kind, the keys this module's helpers read (others are free):
 - ``worker_start``: ``duration_s``, the wall seconds a worker actor took from its start
   to being up (process, imports, constructor); written by the Ray placement at the
   worker's first ``sync``, for the fleet's first actors and their replacements alike.
+- ``tool_call``: one environment step of a multi-turn episode (a tool call), written
+  when it ends: ``sample`` (the episode), ``turn`` (index of the policy turn that made
+  the call, from 0), ``duration_s`` (the step's own time), ``outcome`` (``ok`` |
+  ``error`` | ``timeout``), optional ``observation_tokens`` (tokens appended),
+  ``action_tokens`` (the policy tokens of the turn) and, in the simulator,
+  ``released`` (the slot was given up while the tool ran).
 - ``drop``: ``reason`` (``stale``, ``future_version``, ``preempted``,
   ``reward_timeout``, ...), optional ``rollout``.
 - ``fault``: ``fault`` (the FaultPlan kind injected, when it is not a preemption);
@@ -93,6 +101,7 @@ REQUIRED_FIELDS: Mapping[str, tuple[str, ...]] = {
     "preemption": (),
     "restart": (),
     "worker_start": ("duration_s",),
+    "tool_call": ("sample", "turn", "duration_s", "outcome"),
     "drop": ("reason",),
     "fault": ("fault",),
     "run_end": ("goodput",),

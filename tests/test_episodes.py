@@ -6,6 +6,7 @@ multi-turn rollout survives a checkpoint."""
 import dataclasses
 import json
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ from rlaxkit.models import CharTokenizer, ModelConfig, Transformer
 from rlaxkit.policies import StalenessPolicy
 from rlaxkit.rollout import Rollout
 from rlaxkit.tasks import CalculatorEnvironment, CalculatorTask, tool_use_metrics
+from rlaxkit.trace import MemoryTrace
 
 TASK = CalculatorTask()
 TOKENIZER = CharTokenizer(TASK.alphabet())
@@ -232,6 +234,70 @@ def test_a_tool_that_raises_or_hangs_becomes_a_counted_error_observation(engine)
         assert rollout.reward_info["tool_timeouts"] == 1
         env_tokens = rollout.completion_tokens[~rollout.policy_mask].tolist()
         assert env_tokens == [7, 6, 6]
+
+
+class SlowEnvironment(ScriptedEnvironment):
+    """A scripted environment whose steps take the seconds of ``delays_s`` in turn."""
+
+    def __init__(self, delays_s):
+        super().__init__()
+        self.delays_s = delays_s
+
+    def step(self, action):
+        time.sleep(self.delays_s[self.turn % len(self.delays_s)])
+        return super().step(action)
+
+
+def test_every_environment_step_is_timed_and_written_as_a_tool_call_event(engine):
+    trace = MemoryTrace()
+    config = EpisodeConfig(samples_per_problem=2, max_turns=3, max_episode_tokens=48)
+    episodes, _ = run(engine, config, make_env=lambda: SlowEnvironment([0.0, 0.05]), trace=trace)
+    events = [e for e in trace.events if e.kind == "tool_call"]
+    assert len(events) == sum(e.turns for e in episodes) == 18  # 6 episodes, 3 turns
+    for index, episode in enumerate(episodes):
+        mine = [e for e in events if e["sample"] == f"{index // 2}/{index % 2}"]
+        assert [e["turn"] for e in mine] == [0, 1, 2]
+        assert [e["outcome"] for e in mine] == ["ok"] * 3
+        assert [e["duration_s"] for e in mine] == [s.duration_s for s in episode.steps]
+        assert [e["observation_tokens"] for e in mine] == [
+            len(s.observation_ids) for s in episode.steps
+        ]
+        assert [e["action_tokens"] for e in mine] == [
+            len(s.action.token_ids) for s in episode.steps
+        ]
+        # The second step sleeps 50 ms, the others do not.
+        assert episode.steps[1].duration_s >= 0.05
+        assert episode.steps[1].duration_s > max(
+            episode.steps[0].duration_s, episode.steps[2].duration_s
+        )
+        assert mine[1].t >= mine[0].t + 0.05  # each event is timed at its step's end
+        mask = episode.policy_mask
+        policy_versions = [v for v, p in zip(episode.versions, mask, strict=True) if p]
+        assert mine[-1].version == policy_versions[-1] == 0
+
+
+def test_a_timed_out_step_lasts_until_it_is_given_up_on_the_given_clock(engine):
+    ScriptedEnvironment.release.clear()
+    ticks = iter(range(1_000_000))
+    trace = MemoryTrace()
+    config = EpisodeConfig(max_turns=2, max_episode_tokens=48, step_timeout_s=0.2)
+    try:
+        episodes, _ = run(
+            engine,
+            config,
+            make_env=lambda: ScriptedEnvironment(fail={1: "hang"}),
+            trace=trace,
+            clock=lambda: float(next(ticks)),  # one second a reading
+            trace_actor="worker-3",
+        )
+    finally:
+        ScriptedEnvironment.release.set()
+    for episode in episodes:
+        assert [s.outcome for s in episode.steps] == ["timeout", "ok"]
+        assert all(s.duration_s >= 1.0 and s.duration_s == int(s.duration_s) for s in episode.steps)
+    events = [e for e in trace.events if e.kind == "tool_call"]
+    assert {e.actor for e in events} == {"worker-3"}
+    assert sorted(e["outcome"] for e in events) == ["ok"] * 3 + ["timeout"] * 3
 
 
 def test_calculator_episodes_run_and_are_scored(engine):
