@@ -46,6 +46,12 @@ from rlaxkit.tasks.calculator import (
     tool_use_metrics,
 )
 from rlaxkit.tasks.code import CodeConfig, CodeTask, extract_code, outputs_match
+from rlaxkit.tasks.code_tools import (
+    CodeToolsConfig,
+    CodeToolsEnvironment,
+    CodeToolsTask,
+    code_tool_metrics,
+)
 from rlaxkit.tasks.countdown import CountdownConfig, CountdownTask, check_solution
 from rlaxkit.tasks.curation import (
     CurationConfig,
@@ -119,6 +125,9 @@ __all__ = [
     "ChatTemplate",
     "CodeConfig",
     "CodeTask",
+    "CodeToolsConfig",
+    "CodeToolsEnvironment",
+    "CodeToolsTask",
     "CountdownConfig",
     "CountdownTask",
     "CurationConfig",
@@ -146,6 +155,7 @@ __all__ = [
     "calculate",
     "called_tool_correctly",
     "check_solution",
+    "code_tool_metrics",
     "curate",
     "dedup",
     "demonstrations",
