@@ -200,6 +200,8 @@ def test_a_local_lora_run_publishes_adapters_and_its_workers_merge_them(tmp_path
         pulled, params = AdapterParameterServer(exp.parts.store).pull(timeout=10)
         assert pulled == host.version == 3
         assert_bitwise_equal(params, host.state.params)
+        # What a checkpoint saves for the published version: full weights, not a record.
+        assert_bitwise_equal(exp.parts.published_weights(3), host.state.params)
 
 
 @pytest.mark.ray

@@ -143,3 +143,14 @@ class WeightStore:
         return publication.wrap(
             server, template=self.template, default_timeout_s=timeout_s, on_event=on_event
         )
+
+
+def read_published(store: Any, lora: Any) -> tuple[int, Any]:
+    """``(version, full weights)`` of the newest version in ``store``. A LoRA run's
+    store holds a base record and adapter records (``trainer.lora``, ``lora`` here), so
+    it is read through ``AdapterParameterServer``, which merges them as a worker does."""
+    if lora is not None:
+        from rlaxkit.param_server.adapters import AdapterParameterServer
+
+        store = AdapterParameterServer(store)
+    return store.pull()

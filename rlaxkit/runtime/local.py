@@ -22,7 +22,7 @@ from rlaxkit.runtime.concurrent import ConcurrentCollector
 from rlaxkit.runtime.faults import FaultInjector, NoFaults
 from rlaxkit.runtime.faulty_store import UnreliableParameterServer
 from rlaxkit.runtime.fleet import Fleet, InProcess
-from rlaxkit.runtime.hosts import WeightStore
+from rlaxkit.runtime.hosts import WeightStore, read_published
 from rlaxkit.runtime.placement import Parts
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
 from rlaxkit.runtime.trainer_client import InProcessTrainer, TrainerClient
@@ -89,7 +89,7 @@ def start_local(
 
     def published_weights(version: int) -> Any:
         inner = store.store if isinstance(store, UnreliableParameterServer) else store
-        pulled, params = inner.pull()
+        pulled, params = read_published(inner, config.trainer.lora)
         assert pulled == version, (pulled, version)
         return params
 

@@ -39,7 +39,7 @@ from rlaxkit.runtime.books import RunBooks
 from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.fleet import Fleet
-from rlaxkit.runtime.hosts import WallClock, WeightStore, driver_jax_options
+from rlaxkit.runtime.hosts import WallClock, WeightStore, driver_jax_options, read_published
 from rlaxkit.runtime.placement import Parts
 from rlaxkit.runtime.ray_trainer_group import TrainerGroup, remote, stop_actor
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
@@ -272,7 +272,7 @@ def _place(
     parts.schedule = lambda step: scheduled_workers(rc, step)
 
     def published_weights(version: int) -> Any:
-        pulled, params = parts.store.pull()
+        pulled, params = read_published(parts.store, config.trainer.lora)
         if pulled != version:
             raise RuntimeError(
                 f"the parameter server holds version {pulled}, the driver published "
