@@ -32,22 +32,74 @@ __all__ = ["Group", "SimBuffer", "SimSample"]
 
 
 class SimSample:
-    """One generated sequence of a group."""
+    """One generated sequence of a group: a single-turn completion, or a multi-turn
+    episode whose policy turns are ``turn_tokens``, separated by tool calls that take
+    ``tool_s`` seconds and append ``observations`` tokens. ``tokens`` is every token
+    after the prompt (the environment's included: the trainer trains on the whole
+    sequence); ``turn`` is the next turn to decode (0 until the first one is done)."""
 
-    __slots__ = ("group", "index", "prompt_tokens", "tokens", "truncated")
+    __slots__ = (
+        "group",
+        "index",
+        "prompt_tokens",
+        "tokens",
+        "truncated",
+        "turn_tokens",
+        "tool_s",
+        "observations",
+        "turn",
+        "first_version",
+    )
 
     def __init__(
-        self, group: Group, index: int, prompt_tokens: int, tokens: int, truncated: bool
+        self,
+        group: Group,
+        index: int,
+        prompt_tokens: int,
+        tokens: int,
+        truncated: bool,
+        *,
+        turn_tokens: tuple[int, ...] | None = None,
+        tool_s: tuple[float, ...] = (),
+        observations: tuple[int, ...] = (),
     ) -> None:
         self.group = group
         self.index = index
         self.prompt_tokens = prompt_tokens
         self.tokens = tokens
         self.truncated = truncated
+        self.turn_tokens = (tokens,) if turn_tokens is None else turn_tokens
+        self.tool_s = tool_s
+        self.observations = observations
+        self.turn = 0
+        self.first_version: int | None = None
 
     @property
     def sample_id(self) -> str:
         return f"{self.group.group_id}/{self.index}"
+
+    @property
+    def policy_tokens(self) -> int:
+        """Tokens the policy sampled (every turn's)."""
+        return sum(self.turn_tokens)
+
+    def context_tokens(self, turn: int) -> int:
+        """Tokens before policy turn ``turn``: the prompt, the turns before it and their
+        observations (what a turn that starts over in a new slot prefills)."""
+        return self.prompt_tokens + sum(self.turn_tokens[:turn]) + sum(self.observations[:turn])
+
+    def again(self, group: Group) -> SimSample:
+        """The same sample of ``group`` generated again from scratch."""
+        return SimSample(
+            group,
+            self.index,
+            self.prompt_tokens,
+            self.tokens,
+            self.truncated,
+            turn_tokens=self.turn_tokens,
+            tool_s=self.tool_s,
+            observations=self.observations,
+        )
 
 
 class Group:
@@ -93,9 +145,7 @@ class Group:
     def regenerate(self) -> Group:
         """The same prompt generated again from scratch: same id, same lengths."""
         group = Group(self.group_id)
-        group.samples = [
-            SimSample(group, s.index, s.prompt_tokens, s.tokens, s.truncated) for s in self.samples
-        ]
+        group.samples = [sample.again(group) for sample in self.samples]
         group.unfinished = group.unscored = len(group.samples)
         return group
 

@@ -59,6 +59,14 @@ class Simulation:
         self._response_lengths = Stream(
             workload.response_tokens, seed=scenario.seed, name="responses"
         )
+        # Multi-turn draws have streams of their own, so single-turn runs keep every
+        # other draw (and their exact event logs) unchanged.
+        self._multi_turn = workload.multi_turn
+        self._turns = Stream(workload.turns, seed=scenario.seed, name="turns")
+        self._tool_s = Stream(workload.tool_latency_s, seed=scenario.seed, name="tool_latency")
+        self._observations = Stream(
+            workload.observation_tokens, seed=scenario.seed, name="observations"
+        )
         self._next_group = 0
         self.record("trainer", "run_start", 0, config=run_config(scenario))
         self.ps = SimParameterServer(self)
@@ -102,6 +110,7 @@ class Simulation:
         """The ``generation_end`` event of ``sample`` (no-op without a trace)."""
         if self.trace is None:
             return
+        extra = {"turn_tokens": list(sample.turn_tokens)} if self._multi_turn else {}
         self.record(
             actor,
             "generation_end",
@@ -111,6 +120,28 @@ class Simulation:
             tokens=sample.tokens,
             first_version=first_version,
             finish="length" if sample.truncated else "stop",
+            **extra,
+        )
+
+    def record_tool_call(
+        self, actor: str, version: int | None, sample: SimSample, turn: int, *, released: bool
+    ) -> None:
+        """The ``tool_call`` event of ``sample``'s call after policy turn ``turn``, at
+        its end (no-op without a trace)."""
+        if self.trace is None:
+            return
+        self.record(
+            actor,
+            "tool_call",
+            version,
+            sample=sample.sample_id,
+            rollout=str(sample.group.group_id),
+            turn=turn,
+            duration_s=sample.tool_s[turn],
+            outcome="ok",
+            observation_tokens=sample.observations[turn],
+            action_tokens=sample.turn_tokens[turn],
+            released=released,
         )
 
     def new_group(self) -> Group:
@@ -122,6 +153,9 @@ class Simulation:
         cap = workload.max_response_tokens
         draw = self._response_lengths.next
         for index in range(workload.group_size):
+            if self._multi_turn:
+                group.samples.append(self._episode(group, index, prompt_tokens))
+                continue
             tokens = max(1, round(draw()))
             truncated = False
             if cap is not None and tokens > cap:
@@ -129,6 +163,28 @@ class Simulation:
             group.samples.append(SimSample(group, index, prompt_tokens, tokens, truncated))
         group.unfinished = group.unscored = workload.group_size
         return group
+
+    def _episode(self, group: Group, index: int, prompt_tokens: int) -> SimSample:
+        """A multi-turn episode: its tool calls, then per policy turn a length (capped
+        per turn), and per call a latency and an observation length."""
+        cap = self.scenario.workload.max_response_tokens
+        calls = max(0, round(self._turns.next()))
+        turns = [max(1, round(self._response_lengths.next())) for _ in range(calls + 1)]
+        truncated = cap is not None and turns[-1] > cap
+        if cap is not None:
+            turns = [min(tokens, cap) for tokens in turns]
+        tool_s = tuple(max(0.0, self._tool_s.next()) for _ in range(calls))
+        observations = tuple(max(0, round(self._observations.next())) for _ in range(calls))
+        return SimSample(
+            group,
+            index,
+            prompt_tokens,
+            sum(turns) + sum(observations),
+            truncated,
+            turn_tokens=tuple(turns),
+            tool_s=tool_s,
+            observations=observations,
+        )
 
     def run(self) -> SimResult:
         """Run until the target step or the horizon, and summarise."""

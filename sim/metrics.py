@@ -39,6 +39,9 @@ class Counters:
         self.reissued = 0  # lost prompt groups handed out again
         self.tokens_wasted = 0
         self.slot_busy_s = 0.0
+        self.tool_calls = 0  # multi-turn episodes' tool calls started
+        self.tool_hold_s = 0.0  # slot-seconds held by episodes waiting for a tool
+        self.slots_released = 0  # tool calls that gave their slot up
         self.pulls = 0
         self.pull_s = 0.0
         self.pushes = 0

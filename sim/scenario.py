@@ -78,7 +78,13 @@ _SECTIONS: dict[str, type] = {
 }
 _DISTRIBUTION_FIELDS = {
     "verifier": {"latency_s"},
-    "workload": {"prompt_tokens", "response_tokens"},
+    "workload": {
+        "prompt_tokens",
+        "response_tokens",
+        "turns",
+        "tool_latency_s",
+        "observation_tokens",
+    },
 }
 
 
@@ -149,6 +155,14 @@ class Scenario:
                 "on its logical clock of rounds, not random preemptions in simulated "
                 "seconds; give them as explicit faults in fault_plan, or use executor "
                 "'parallel'"
+            )
+        if self.host.serial and self.workload.multi_turn:
+            # The deterministic loop runs single-turn requests only (run_episodes is
+            # not part of it), so there is no runtime behaviour to replay.
+            raise ValueError(
+                "workload.turns: host.executor 'serial' (the deterministic local runtime) "
+                "simulates single-turn requests only; multi-turn episodes with tools run "
+                "on executor 'parallel' (or set workload.turns to 0)"
             )
         if self.host.serial:
             # The runtime's deterministic mode fires faults on its logical clock of

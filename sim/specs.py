@@ -149,6 +149,11 @@ class FleetSpec:
             slows with the whole fleet's load.
         restart_s: Downtime after a preemption, before the worker pulls weights again.
         pull_retry_s: Wait before retrying a failed weight pull.
+        release_after_s: Multi-turn episodes (``WorkloadSpec.turns``): a slot whose
+            episode waits for a tool holds its row and KV cache (the engine's
+            ``submit(hold=True)``) for at most this many seconds; a tool that takes
+            longer has the slot released to other work at that point, and the episode
+            re-prefills its whole context when it comes back (``None``: always held).
     """
 
     num_workers: int
@@ -161,6 +166,7 @@ class FleetSpec:
     occupancy_scope: OccupancyScope = "worker"
     restart_s: float = 120.0
     pull_retry_s: float = 5.0
+    release_after_s: float | None = None
 
     def __post_init__(self) -> None:
         _check("num_workers", self.num_workers, integer=True)
@@ -177,6 +183,8 @@ class FleetSpec:
             )
         _check("restart_s", self.restart_s, strict=False)
         _check("pull_retry_s", self.pull_retry_s, strict=False)
+        if self.release_after_s is not None:
+            _check("release_after_s", self.release_after_s, strict=False)
 
     @property
     def chips(self) -> int:
@@ -440,6 +448,16 @@ class WorkloadSpec:
             because all their rewards are equal (no learning signal; DAPO, AReaL). The
             runtime's buffer does this; a calibrated scenario takes the share it
             measured. Each group is dropped independently with this probability.
+        turns: Distribution of the tool calls of one episode (rounded, at least 0);
+            the default 0 is a single-turn workload. An episode with ``k`` calls has
+            ``k + 1`` policy turns, each as long as a draw of ``response_tokens``
+            (capped by ``max_response_tokens``, as the engine caps a turn): it decodes
+            a turn, waits for its tool, appends the observation and goes on
+            (:mod:`sim.worker`).
+        tool_latency_s: Distribution of the seconds one tool call takes (e.g. a
+            ``Lognormal`` for a long tail, or an ``Empirical`` fitted from a trace's
+            ``tool_call`` events).
+        observation_tokens: Distribution of the tokens a tool's answer appends.
     """
 
     prompts_per_step: int
@@ -448,9 +466,19 @@ class WorkloadSpec:
     response_tokens: Distribution = field(default_factory=lambda: Constant(value=1.0))
     max_response_tokens: int | None = None
     filtered_fraction: float = 0.0
+    turns: Distribution = field(default_factory=lambda: Constant(value=0.0))
+    tool_latency_s: Distribution = field(default_factory=lambda: Constant(value=0.0))
+    observation_tokens: Distribution = field(default_factory=lambda: Constant(value=0.0))
 
     def __post_init__(self) -> None:
         _check("prompts_per_step", self.prompts_per_step, integer=True)
+        for name in ("turns", "tool_latency_s", "observation_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, get_args(Distribution)):
+                raise ValueError(
+                    f"{name}: must be a distribution (Constant, Uniform, Lognormal, "
+                    f"Empirical, LongTail), got {value!r}"
+                )
         _check("group_size", self.group_size, integer=True)
         value = self.filtered_fraction
         if not is_number(value) or not 0 <= value < 1:
@@ -460,6 +488,11 @@ class WorkloadSpec:
             )
         if self.max_response_tokens is not None:
             _check("max_response_tokens", self.max_response_tokens, integer=True)
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether episodes call tools (``turns`` has a mean above 0)."""
+        return self.turns.mean() > 0
 
     @property
     def samples_per_step(self) -> int:

@@ -16,6 +16,17 @@ Weights follow the shared policies:
   cache (a prefill over prompt + decoded tokens) and goes on (AReaL interruptible
   rollout), so a group may span versions.
 
+**Multi-turn episodes** (``WorkloadSpec.turns``): a slot decodes a policy turn, then
+waits for the episode's tool while holding its row and KV cache (the engine's
+``submit(hold=True)``; the held row counts in the occupancy, as a parked row of the
+engine's static batch does), prefills the observation and decodes the next turn. A tool
+slower than ``FleetSpec.release_after_s`` has the slot released to other work at that
+point; when it answers, the episode waits ahead of new samples for a free slot and
+prefills its whole context again. So does a held episode whose worker pulled new
+weights meanwhile. Every turn notes the version it decodes with, so staleness counts
+from the oldest policy token. A released episode is not waited for by a
+``between_requests`` pull: its later turns may use newer weights.
+
 A preemption interrupts every slot: the groups not fully decoded are lost (re-issued
 with the same ids, or dropped as ``preempted``, per the ``RecoveryPolicy``), finished
 samples awaiting their reward are kept, and the worker pulls weights again after its
@@ -26,7 +37,7 @@ the same way (reason ``rolled_back``), without the downtime.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import simpy
 from simpy.events import ProcessGenerator
@@ -62,6 +73,7 @@ class SimWorker:
         self.active = 0
         self.epoch = 0
         self.queue: deque[SimSample] = deque()
+        self.returned: deque[SimSample] = deque()  # back from a tool that took their slot
         self.groups: set[Group] = set()
         self._decoding: dict[simpy.Process, float] = {}
         self._requesting = False
@@ -73,6 +85,8 @@ class SimWorker:
         self._host_scope = self.spec.occupancy_scope == "host"
         self._interrupting = sim.scenario.weight_sync.interrupts_generation
         self._pull_proc: simpy.Process | None = None
+        self._releases = sim.scenario.workload.multi_turn and self.spec.release_after_s is not None
+        self._wake_request: simpy.Event | None = None
         self.slots = [self.env.process(self._slot()) for _ in range(self.spec.slots_per_worker)]
 
     # --- slot processes --------------------------------------------------------------
@@ -101,11 +115,16 @@ class SimWorker:
             if self._pull_due() and (
                 self._interrupting
                 or self.version is None
-                or not (self.queue and self.queue[0].group.started)
+                or not (self.returned or (self.queue and self.queue[0].group.started))
             ):
                 self._maybe_pull()
                 yield self._idle_wait()
                 continue
+            if self.returned:  # episodes back from a slow tool go first
+                sample = self.returned.popleft()
+                if self._idle and (self.returned or self.queue or not self._requesting):
+                    self._idle.popleft().succeed()
+                return sample
             if self.queue:
                 sample = self.queue.popleft()
                 if self._idle and (self.queue or not self._requesting):
@@ -119,13 +138,25 @@ class SimWorker:
             if group is None:
                 self._requesting = True
                 request = buffer.wait_start(self.name)
+                # With released slots an episode may come back from its tool while this
+                # slot waits for admission: it must not wait behind it (admission may
+                # wait for that very episode's group).
+                wake = self._wake_request = self.env.event() if self._releases else None
                 try:
-                    group = yield request
+                    if wake is None:
+                        group = yield request
+                    else:
+                        yield request | wake
+                        if not request.triggered:
+                            buffer.cancel(request)
+                            continue
+                        group = cast(Group, request.value)
                 except simpy.Interrupt:
                     buffer.cancel(request)
                     raise
                 finally:
                     self._requesting = False
+                    self._wake_request = None
             self.groups.add(group)
             self.queue.extend(group.samples)
 
@@ -135,24 +166,60 @@ class SimWorker:
         return event
 
     def _generate(self, sample: SimSample) -> ProcessGenerator:
-        """Decode ``sample``; pause and resume around in-flight weight updates."""
+        """Decode ``sample`` turn by turn: between turns its tool runs while the slot
+        holds the row and KV cache (or, past ``release_after_s``, gives the slot up);
+        pause and resume around in-flight weight updates."""
         env = self.env
-        spec = self.spec
-        counters = self.sim.counters
         proc = env.active_process
         if proc is None:
             raise RuntimeError(f"{self.name}: decoding outside a SimPy process")
         epoch = self.epoch
         group = sample.group
-        group.started = True
-        first_version = self._held_version()
-        group.note_version(first_version, self.lineage)
+        if sample.turn == 0:
+            group.started = True
+            sample.first_version = self._held_version()
+            prefill_tokens = sample.prompt_tokens
+        else:  # back from a tool in a new slot: prefill everything so far
+            prefill_tokens = sample.context_tokens(sample.turn)
+        group.note_version(self._held_version(), self.lineage)
         self._add_active(1)
-        if self.sim.trace is not None:
+        if sample.turn == 0 and self.sim.trace is not None:
             occupancy = self.sim.host_active if self._host_scope else self.active
             self.sim.record_start(self.name, self.version, sample, occupancy)
-        remaining = sample.tokens
-        prefill_tokens = sample.prompt_tokens
+        last = len(sample.turn_tokens) - 1
+        release_after_s = self.spec.release_after_s
+        while True:
+            turn = sample.turn
+            yield from self._decode_turn(sample, turn, prefill_tokens, proc, epoch)
+            if turn == last:
+                break
+            tool_s = sample.tool_s[turn]
+            version = self.version
+            sample.turn = turn + 1
+            self.sim.counters.tool_calls += 1
+            if release_after_s is not None and tool_s > release_after_s:
+                yield from self._sleep(release_after_s, epoch)
+                self._release(sample, turn, tool_s - release_after_s, epoch)
+                return
+            yield from self._sleep(tool_s, epoch)
+            self.sim.counters.tool_hold_s += tool_s
+            self.sim.record_tool_call(self.name, self.version, sample, turn, released=False)
+            yield from self._wait_resumed(epoch)
+            group.note_version(self._held_version(), self.lineage)
+            if self.version == version:
+                prefill_tokens = sample.observations[turn]  # the row kept its cache
+            else:  # new weights meanwhile: recompute the cache of the whole context
+                prefill_tokens = sample.context_tokens(turn + 1)
+        self._finish(sample)
+
+    def _decode_turn(
+        self, sample: SimSample, turn: int, prefill_tokens: int, proc: simpy.Process, epoch: int
+    ) -> ProcessGenerator:
+        """Prefill ``prefill_tokens`` and decode policy turn ``turn`` of ``sample`` in one
+        timeout, re-timed after each in-flight weight update or host pause."""
+        env, spec, counters = self.env, self.spec, self.sim.counters
+        group = sample.group
+        remaining = sample.turn_tokens[turn]
         while True:
             per_token = self._per_token_s()
             prefill_s = prefill_tokens / spec.prefill_tokens_per_s
@@ -162,7 +229,7 @@ class SimWorker:
                 yield env.timeout(prefill_s + remaining * per_token)
                 del self._decoding[proc]
                 counters.slot_busy_s += env.now - start
-                break
+                return
             except simpy.Interrupt as interrupt:
                 cause = interrupt.cause
                 if cause not in _PAUSES or epoch != self.epoch:
@@ -172,35 +239,74 @@ class SimWorker:
                 decoded = (env.now - start - prefill_s) / per_token
                 remaining -= min(remaining, max(0, int(decoded + 1e-9)))
             version = self.version
-            while self.pulling or self.paused:
-                try:
-                    yield self._resumed
-                except simpy.Interrupt as again:
-                    # A pull and a host pause can both interrupt a decode in the same
-                    # instant; the second finds this slot already paused.
-                    if again.cause not in _PAUSES or epoch != self.epoch:
-                        raise
+            yield from self._wait_resumed(epoch)
             group.note_version(self._held_version(), self.lineage)
             if remaining == 0:
-                break
+                return
             if decoded < 0 or self.version != version or cause == WEIGHT_UPDATE:
                 # New weights (or a prefill cut short): recompute the KV cache of the
-                # prompt and of the tokens decoded so far.
-                prefill_tokens = sample.prompt_tokens + sample.tokens - remaining
+                # context and of the tokens decoded so far.
+                done = sample.turn_tokens[turn] - remaining
+                prefill_tokens = sample.context_tokens(turn) + done
             else:
                 prefill_tokens = 0  # a host pause keeps the KV cache
-        self._finish(sample, first_version)
 
-    def _finish(self, sample: SimSample, first_version: int) -> None:
+    def _wait_resumed(self, epoch: int) -> ProcessGenerator:
+        """Wait while the worker pulls or the host is paused."""
+        while self.pulling or self.paused:
+            try:
+                yield self._resumed
+            except simpy.Interrupt as again:
+                # A pull and a host pause can both interrupt a decode in the same
+                # instant; the second finds this slot already paused.
+                if again.cause not in _PAUSES or epoch != self.epoch:
+                    raise
+
+    def _sleep(self, seconds: float, epoch: int) -> ProcessGenerator:
+        """Wait ``seconds`` (a tool call) through pause interrupts; a preemption ends it."""
+        end = self.env.now + seconds
+        while True:
+            try:
+                yield self.env.timeout(max(0.0, end - self.env.now))
+                return
+            except simpy.Interrupt as interrupt:
+                if interrupt.cause not in _PAUSES or epoch != self.epoch:
+                    raise
+
+    def _release(self, sample: SimSample, turn: int, rest_s: float, epoch: int) -> None:
+        """The slot gives up ``sample``, whose tool runs ``rest_s`` more seconds; then the
+        episode waits in ``returned``, ahead of new samples, for the next free slot."""
+        self.sim.counters.slots_released += 1
+        self.sim.counters.tool_hold_s += self.spec.release_after_s or 0.0
+        self._add_active(-1)
+        timer = self.env.timeout(rest_s)
+        timer.callbacks.append(lambda _event: self._tool_returned(sample, turn, epoch))
+        if self.active == 0:
+            self._maybe_pull()
+
+    def _tool_returned(self, sample: SimSample, turn: int, epoch: int) -> None:
+        if epoch != self.epoch or sample.group.void:
+            return  # the worker lost the episode meanwhile
+        self.sim.record_tool_call(self.name, self.version, sample, turn, released=True)
+        self.returned.append(sample)
+        if self._idle:
+            self._idle.popleft().succeed()
+        elif self._wake_request is not None and not self._wake_request.triggered:
+            self._wake_request.succeed()  # a slot waiting for admission takes it instead
+
+    def _finish(self, sample: SimSample) -> None:
         self._add_active(-1)
         counters = self.sim.counters
         counters.samples_generated += 1
-        counters.tokens_generated += sample.tokens
+        counters.tokens_generated += sample.policy_tokens
         group = sample.group
         group.tokens += sample.prompt_tokens + sample.tokens
         group.unfinished -= 1
         if group.unfinished == 0:
             self.groups.discard(group)
+        first_version = sample.first_version
+        if first_version is None:
+            raise RuntimeError(f"{self.name}: sample {sample.sample_id} finished unstarted")
         self.sim.record_end(self.name, self.version, sample, first_version)
         self.sim.verifier.submit(sample)
         if self.active == 0:
@@ -326,6 +432,7 @@ class SimWorker:
         counters.samples_aborted += sum(len(group.samples) for group in lost)
         self.groups.clear()
         self.queue.clear()
+        self.returned.clear()
         self._decoding.clear()
         self._add_active(-self.active)
         self.version = None

@@ -1,0 +1,171 @@
+"""Multi-turn episodes with tools in the simulator: exact timelines, versions across
+turns, validation, and calibration from a trace's ``tool_call`` events.
+
+The toy preset (sim.presets.toy) with one tool call per episode: a group is 2 episodes
+on 1 worker with 2 slots; each episode is a 5-token prompt, a 10-token turn, a tool call
+of 2 s that appends 3 tokens, and a second 10-token turn. Prefill 10 tokens/s, decode
+0.1 s per token, reward 0.25 s, train 20 tokens/s, push 1 s, pull 0.5 s.
+"""
+
+import pytest
+
+import sim
+from rlaxkit.trace import MemoryTrace
+from sim import Constant, Empirical, Lognormal, presets, simulate, with_overrides
+
+MULTI_TURN = {
+    "workload.turns": Constant(value=1),
+    "workload.tool_latency_s": Constant(value=2.0),
+    "workload.observation_tokens": Constant(value=3),
+}
+
+
+def _log(trace, kinds=None):
+    return [
+        (round(e.t, 9), e.kind, e.actor, e.version)
+        for e in trace.events
+        if kinds is None or e.kind in kinds
+    ]
+
+
+def test_a_held_slot_prefills_only_the_observation_exact_event_log():
+    trace = MemoryTrace()
+    result = simulate(presets.toy(target_steps=1, **MULTI_TURN), trace=trace)
+    assert _log(trace) == [
+        (0.0, "run_start", "trainer", 0),
+        (0.5, "pull", "worker-0", 0),
+        (0.5, "generation_start", "worker-0", 0),
+        (0.5, "generation_start", "worker-0", 0),
+        # 4.0 = 0.5 + 0.5 prefill (5 tokens) + 1.0 decode (10 tokens) + 2.0 tool
+        (4.0, "tool_call", "worker-0", 0),
+        (4.0, "tool_call", "worker-0", 0),
+        # 5.3 = 4.0 + 0.3 prefill of the 3 observation tokens only + 1.0 decode
+        (5.3, "generation_end", "worker-0", 0),
+        (5.3, "generation_end", "worker-0", 0),
+        (5.55, "reward", "verifier", 0),
+        (5.55, "reward", "verifier", 0),
+        # 2 x (5 + 10 + 3 + 10) = 56 tokens at 20 tokens/s: 2.8 s
+        (8.35, "train_step", "trainer", 1),
+        (9.35, "push", "trainer", 1),
+    ]
+    calls = [e for e in trace.events if e.kind == "tool_call"]
+    assert [(e["sample"], e["turn"], e["duration_s"], e["outcome"]) for e in calls] == [
+        ("0/0", 0, 2.0, "ok"),
+        ("0/1", 0, 2.0, "ok"),
+    ]
+    assert {(e["observation_tokens"], e["action_tokens"], e["released"]) for e in calls} == {
+        (3, 10, False)
+    }
+    ends = [e for e in trace.events if e.kind == "generation_end"]
+    assert {(e["tokens"], tuple(e["turn_tokens"])) for e in ends} == {(23, (10, 10))}
+    assert result.samples_trained == 2 and result.time_to_step(1) == pytest.approx(8.35)
+
+
+def test_a_released_slot_re_prefills_the_whole_context_exact_event_log():
+    # Held 0.5 s past the end of the first turn (2.0 → 2.5), then released; the tool
+    # answers at 4.0 and both episodes start again in free slots, prefilling
+    # 5 + 10 + 3 = 18 tokens (1.8 s) before their second turn (1.0 s): 6.8.
+    trace = MemoryTrace()
+    scenario = presets.toy(target_steps=1, **MULTI_TURN, **{"fleet.release_after_s": 0.5})
+    engine = sim.Simulation(scenario, trace=trace)
+    result = engine.run()
+    assert _log(trace, {"tool_call", "generation_end", "train_step"}) == [
+        (4.0, "tool_call", "worker-0", 0),
+        (4.0, "tool_call", "worker-0", 0),
+        (6.8, "generation_end", "worker-0", 0),
+        (6.8, "generation_end", "worker-0", 0),
+        (9.85, "train_step", "trainer", 1),  # 6.8 + 0.25 reward + 2.8 train
+    ]
+    assert {e["released"] for e in trace.events if e.kind == "tool_call"} == {True}
+    assert engine.counters.slots_released == 2 and engine.counters.tool_calls == 2
+    assert engine.counters.tool_hold_s == pytest.approx(2 * 0.5)
+    assert result.samples_trained == 2
+    # A tool faster than release_after_s keeps its slot: the held timeline.
+    held = simulate(with_overrides(scenario, {"fleet.release_after_s": 2.0}))
+    assert held.time_to_step(1) == pytest.approx(8.35)
+
+
+def test_a_released_slot_serves_another_group_while_the_tool_runs():
+    # η = 1 admits a second group: the first group's slots go to it while its tools
+    # run (2.5 → 4.0), so two groups finish by the time one would with held slots.
+    def run(release_after_s):
+        overrides = {
+            **MULTI_TURN,
+            "workload.tool_latency_s": Constant(value=6.0),
+            "fleet.release_after_s": release_after_s,
+            "staleness.max_staleness": 1,
+            "trainer.chip_flops": 2000.0,  # a fast trainer: generation is the bottleneck
+            "target_steps": 8,
+        }
+        return simulate(presets.toy(**overrides))
+
+    held, released = run(None), run(0.0)
+    assert released.samples_per_s > 1.3 * held.samples_per_s
+    assert released.steps == held.steps == 8
+
+
+def test_versions_across_turns_staleness_counts_from_the_oldest_policy_token():
+    # In-flight pulls with η = 1: a new version arrives while an episode waits for its
+    # tool; the episode's next turn recomputes its cache under the new weights, so the
+    # group spans two versions and trains with the staleness of its first turn.
+    trace = MemoryTrace()
+    scenario = presets.toy(
+        **{
+            **MULTI_TURN,
+            "workload.tool_latency_s": Constant(value=5.0),
+            "staleness.max_staleness": 1,
+            "weight_sync.pull_mode": "in_flight",
+            "target_steps": 4,
+        },
+    )
+    result = simulate(scenario, trace=trace)
+    ends = [e for e in trace.events if e.kind == "generation_end"]
+    spanning = [e for e in ends if e["first_version"] < e.version]
+    assert spanning, "some episode's turns ran under two versions"
+    steps = [e for e in trace.events if e.kind == "train_step"]
+    assert max(max(e["staleness"]) for e in steps) <= 1
+    assert result.max_staleness >= 1 and result.steps == 4
+
+
+def test_single_turn_workloads_are_unchanged_by_the_new_fields():
+    base = presets.areal_like(max_staleness=2, target_steps=6)
+    zero = with_overrides(
+        base,
+        {
+            "workload.turns": Empirical(values=(0, 0)),
+            "workload.tool_latency_s": Lognormal(median=3.0, sigma=1.0),
+            "fleet.release_after_s": 1.0,
+        },
+    )
+    assert not zero.workload.multi_turn
+    assert simulate(base).step_end_s == simulate(zero).step_end_s
+
+
+def test_validation_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"^release_after_s: must be a number >= 0"):
+        presets.toy(**{"fleet.release_after_s": -1.0})
+    with pytest.raises(ValueError, match=r"^turns: must be a distribution"):
+        presets.toy(**{"workload.turns": 2})
+    data = sim.scenario_to_dict(presets.toy())
+    data["workload"]["tool_latency_s"] = {"type": "zipf"}
+    with pytest.raises(ValueError, match=r"^workload\.tool_latency_s\.type: must be one of"):
+        sim.scenario_from_dict(data)
+    data = sim.scenario_to_dict(presets.toy())
+    data["fleet"]["release_after_s"] = "soon"
+    with pytest.raises(ValueError, match=r"^fleet\.release_after_s: must be a number"):
+        sim.scenario_from_dict(data)
+    serial = presets.local_runtime(max_staleness=0, target_steps=2)
+    with pytest.raises(ValueError, match=r"^workload\.turns: host\.executor 'serial'"):
+        with_overrides(serial, {"host.executor": "serial", "workload.turns": Constant(value=1)})
+
+
+def test_a_multi_turn_scenario_round_trips_through_its_dict():
+    scenario = presets.toy(
+        **{
+            "workload.turns": Empirical(values=(0, 1, 3)),
+            "workload.tool_latency_s": Lognormal(median=2.0, sigma=1.2),
+            "workload.observation_tokens": Constant(value=7),
+            "fleet.release_after_s": 4.0,
+        }
+    )
+    assert sim.scenario_from_dict(sim.scenario_to_dict(scenario)) == scenario
