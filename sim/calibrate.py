@@ -15,6 +15,10 @@ simulator trace calibrate the same way:
 - ``reward``: verifier latencies (empirical); ``push``/``pull``: transfer times;
   ``checkpoint_save``/``checkpoint_restore``: their durations; ``drop`` with reason
   ``filtered``: the share of finished groups dynamic filtering drops;
+- ``tool_call`` (multi-turn episodes): tool calls per episode, tool latencies and
+  observation lengths as empirical distributions, completion lengths per policy turn,
+  and the tool time taken out of each episode's latency before the decode fit
+  (:mod:`sim.calibrate_turns`);
 - ``preemption``/``restart``: replayed as a FaultPlan at the same times (parallel
   fleet). A serial host replays the plan the run was given (``faults=``) on the
   runtime's logical clock, as the runtime fired it (:func:`sim.calibrate_host.
@@ -66,6 +70,7 @@ from rlaxkit.validation import check_int
 
 from .calibrate_fits import compiled, fit_decode, fit_trainer
 from .calibrate_host import fault_figures, fit_host, serial_fault_settings
+from .calibrate_turns import fit_turns
 from .distributions import Constant, Empirical
 from .engine import simulate
 from .metrics import SimResult
@@ -128,6 +133,7 @@ def _shape(config: Mapping[str, Any]) -> dict[str, Any]:
             config.get("host_concurrent_chunks", runtime.get("backend") == "ray")
         ),
         "chunk_steps": config.get("chunk_steps", runtime.get("chunk_steps", 1)),
+        "release_after_s": config.get("release_after_s"),
     }
     for key in ("staleness", "num_workers", "slots_per_worker"):
         if (config.get(key) if key == "staleness" else shape[key]) is None:
@@ -246,10 +252,13 @@ def fit_scenario(
             concurrent=bool(shape["concurrent_chunks"]),
         )
         plan, fault_clock = serial_fault_settings(events, config, faults)
-    decode = fit_decode(events, pauses_fleet=bool(shape["pauses_fleet"]), start_s=start_s)
+    turns = fit_turns(events)
+    decode = fit_decode(
+        events, pauses_fleet=bool(shape["pauses_fleet"]), start_s=start_s, adjust=turns.adjust
+    )
     trainer = fit_trainer(events, start_s)
     records = generation_records(events)
-    lengths = Empirical(values=tuple(r.tokens for r in records))
+    lengths = turns.response_tokens or Empirical(values=tuple(r.tokens for r in records))
     prompts = [r.prompt_tokens for r in records if r.prompt_tokens is not None]
     # Transfer and reward times from the window too (a first push or pull may
     # compile); checkpoints are rare, so all of them count.
@@ -283,6 +292,8 @@ def fit_scenario(
         "push_s": _mean(pushes, 0.0),
         "pull_s": _mean(pulls, 0.0),
         "filtered_fraction": filtered_fraction,
+        "mean_tool_calls": turns.turns.mean(),
+        "mean_tool_s": turns.tool_latency_s.mean(),
         **host_fitted,
     }
     scenario = Scenario(
@@ -299,6 +310,7 @@ def fit_scenario(
             decode_s_per_token_per_seq=decode["decode_s_per_token_per_seq"],
             prefill_tokens_per_s=decode["prefill_tokens_per_s"],
             occupancy_scope=shape["occupancy_scope"],
+            release_after_s=shape["release_after_s"],
         ),
         param_server=ParamServerSpec(
             weight_bytes=weight_bytes,
@@ -316,6 +328,9 @@ def fit_scenario(
             response_tokens=lengths,
             max_response_tokens=shape["max_response_tokens"],
             filtered_fraction=filtered_fraction,
+            turns=turns.turns,
+            tool_latency_s=turns.tool_latency_s,
+            observation_tokens=turns.observation_tokens,
         ),
         staleness=staleness,
         weight_sync=policy_from_dict("weight_sync", config.get("weight_sync", {})),

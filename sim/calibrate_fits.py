@@ -3,7 +3,7 @@ trainer's step time (see :mod:`sim.calibrate` for what each reads from a trace).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -67,8 +67,18 @@ def nonnegative_lstsq(
 
 
 def fit_decode(
-    events: list[TraceEvent], *, pauses_fleet: bool, start_s: float = float("-inf")
+    events: list[TraceEvent],
+    *,
+    pauses_fleet: bool,
+    start_s: float = float("-inf"),
+    adjust: Mapping[tuple[str, str], tuple[float, int, int]] | None = None,
 ) -> dict[str, float]:
+    """The decode model ``latency = prompt / prefill_rate + tokens · (a + b ·
+    (occupancy - 1))`` by least squares over uninterrupted generations. ``adjust``
+    (multi-turn episodes, :func:`sim.calibrate_turns.fit_turns`): per ``(actor,
+    sample)``, the tool seconds taken out of its latency, its policy tokens (the
+    decoded ones) and observation tokens (prefilled, added to the prompt)."""
+    adjust = adjust or {}
     records = [r for r in generation_records(events) if not r.interrupted and r.start_s >= start_s]
     if not records:
         raise ValueError("trace: no completed generation_start/generation_end pairs to fit")
@@ -80,10 +90,19 @@ def fit_decode(
         if np.count_nonzero(overlap == 0) >= 20:
             records = [r for r, o in zip(records, overlap, strict=True) if o == 0]
             overlap = np.zeros(len(records))
-    tokens = np.array([r.tokens for r in records], dtype=float)
-    prompt = np.array([r.prompt_tokens or 0 for r in records], dtype=float)
+    none = (0.0, 0, 0)
+    fixes = [adjust.get((r.actor, r.sample), none) for r in records]
+    tokens = np.array(
+        [fix[1] if fix[1] else r.tokens for r, fix in zip(records, fixes, strict=True)],
+        dtype=float,
+    )
+    prompt = np.array(
+        [(r.prompt_tokens or 0) + fix[2] for r, fix in zip(records, fixes, strict=True)],
+        dtype=float,
+    )
     occupancy = np.array([max(1, r.occupancy or 1) - 1 for r in records], dtype=float)
     latency = np.array([r.latency_s for r in records], dtype=float) - overlap
+    latency -= np.array([fix[0] for fix in fixes], dtype=float)
     columns = [tokens, tokens * occupancy]
     if prompt.any():
         columns.append(prompt)

@@ -224,6 +224,7 @@ def run_config(scenario: Scenario) -> dict[str, Any]:
         "prompts_per_step": scenario.workload.prompts_per_step,
         "max_response_tokens": scenario.workload.max_response_tokens,
         "occupancy_scope": fleet.occupancy_scope,
+        "release_after_s": fleet.release_after_s,
         "weight_bytes": scenario.param_server.weight_bytes,
         "trainer_chips": scenario.trainer.chips,
         "trainer_pauses_fleet": scenario.trainer.pauses_fleet,

@@ -10,8 +10,9 @@ of 2 s that appends 3 tokens, and a second 10-token turn. Prefill 10 tokens/s, d
 import pytest
 
 import sim
-from rlaxkit.trace import MemoryTrace
+from rlaxkit.trace import MemoryTrace, TraceEvent
 from sim import Constant, Empirical, Lognormal, presets, simulate, with_overrides
+from sim.calibrate_turns import fit_turns
 
 MULTI_TURN = {
     "workload.turns": Constant(value=1),
@@ -169,3 +170,62 @@ def test_a_multi_turn_scenario_round_trips_through_its_dict():
         }
     )
     assert sim.scenario_from_dict(sim.scenario_to_dict(scenario)) == scenario
+
+
+def test_calibration_fits_turns_and_tool_latency_and_predicts_its_own_run():
+    scenario = presets.toy(
+        **{
+            "workload.turns": Empirical(values=(0, 1, 2, 3)),
+            "workload.tool_latency_s": Lognormal(median=1.0, sigma=1.0),
+            "workload.observation_tokens": Constant(value=3),
+            "workload.prompts_per_step": 2,
+            "fleet.slots_per_worker": 8,
+            "staleness.max_staleness": 1,
+            "target_steps": 200,
+        }
+    )
+    trace = MemoryTrace()
+    simulate(scenario, trace=trace)
+    calls = [e for e in trace.events if e.kind == "tool_call"]
+    ends = [e for e in trace.events if e.kind == "generation_end"]
+    fitted, figures = sim.fit_scenario(trace.events)
+    # Held slots: the tool time taken out, each episode's latency is its turns' decode
+    # plus the prefill of its prompt and observations, which the fit recovers exactly.
+    assert figures["decode_s_per_token"] == pytest.approx(0.1)
+    assert figures["prefill_tokens_per_s"] == pytest.approx(10.0)
+    assert fitted.fleet.release_after_s is None
+    workload = fitted.workload
+    assert isinstance(workload.tool_latency_s, Empirical)
+    assert sorted(workload.tool_latency_s.values) == sorted(e["duration_s"] for e in calls)
+    per_episode = {e["sample"]: 0 for e in ends}
+    for e in calls:
+        if e["sample"] in per_episode:  # the run ends with some episodes unfinished
+            per_episode[e["sample"]] += 1
+    assert sorted(workload.turns.values) == sorted(per_episode.values())
+    assert set(workload.observation_tokens.values) == {3.0}
+    assert set(workload.response_tokens.values) == {10.0}  # per turn, not per episode
+    calibration = sim.calibrate(trace.events, warmup_steps=3)
+    # Two seeds of this run gave -2.2% and -2.3% (the trace's draws are the fitted
+    # empirical laws; the prediction simulates them again).
+    assert abs(calibration.errors()["samples_per_s"]) < 0.05
+    assert abs(calibration.errors()["mean_staleness_abs"]) < 0.05
+    released = with_overrides(scenario, {"fleet.release_after_s": 1.0, "target_steps": 5})
+    trace = MemoryTrace()
+    simulate(released, trace=trace)
+    assert sim.fit_scenario(trace.events)[0].fleet.release_after_s == 1.0
+
+
+def test_tool_calls_without_generation_events_count_turns_by_sample():
+    # What run_episodes writes on its own: tool_call events, no generation events.
+    def call(t, sample, turn, duration_s, tokens):
+        fields = {"sample": sample, "turn": turn, "duration_s": duration_s, "outcome": "ok"}
+        return TraceEvent(t, "tool_call", "environment", 0, fields | {"observation_tokens": tokens})
+
+    fit = fit_turns(
+        [call(1.0, "0/0", 0, 0.5, 4), call(2.0, "0/0", 1, 3.0, 2), call(2.5, "1/0", 0, 0.1, 4)]
+    )
+    assert sorted(fit.turns.values) == [1.0, 2.0]
+    assert fit.tool_latency_s.values == (0.5, 3.0, 0.1)
+    assert fit.observation_tokens.values == (4.0, 2.0, 4.0)
+    assert fit.response_tokens is None and fit.adjust == {}
+    assert not fit_turns([]).multi_turn
