@@ -7,6 +7,10 @@ of 2 s that appends 3 tokens, and a second 10-token turn. Prefill 10 tokens/s, d
 0.1 s per token, reward 0.25 s, train 20 tokens/s, push 1 s, pull 0.5 s.
 """
 
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 
 import sim
@@ -229,3 +233,15 @@ def test_tool_calls_without_generation_events_count_turns_by_sample():
     assert fit.observation_tokens.values == (4.0, 2.0, 4.0)
     assert fit.response_tokens is None and fit.adjust == {}
     assert not fit_turns([]).multi_turn
+
+
+def test_the_multiturn_benchmark_reports_eta_and_released_figures(capsys):
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "multiturn.py"
+    spec = importlib.util.spec_from_file_location("bench_multiturn", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--smoke"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("samples_per_s", "samples_per_s_no_tail", "samples_per_s_released"):
+        assert set(report[key]) == {"0", "2"} and all(v > 0 for v in report[key].values())
+    assert report["eta2_over_eta0"] == report["samples_per_s"]["2"] / report["samples_per_s"]["0"]
