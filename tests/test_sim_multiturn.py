@@ -7,6 +7,7 @@ of 2 s that appends 3 tokens, and a second 10-token turn. Prefill 10 tokens/s, d
 0.1 s per token, reward 0.25 s, train 20 tokens/s, push 1 s, pull 0.5 s.
 """
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import sim
+from rlaxkit.faults import Fault, FaultPlan
 from rlaxkit.trace import MemoryTrace, TraceEvent
 from sim import Constant, Empirical, Lognormal, presets, simulate, with_overrides
 from sim.calibrate_turns import fit_turns
@@ -107,6 +109,33 @@ def test_a_released_slot_serves_another_group_while_the_tool_runs():
     held, released = run(None), run(0.0)
     assert released.samples_per_s > 1.3 * held.samples_per_s
     assert released.steps == held.steps == 8
+
+
+@pytest.mark.parametrize("release_after_s", [None, 0.5])
+def test_a_preemption_during_a_tool_call_loses_the_episode_and_it_starts_over(release_after_s):
+    # worker-0 is preempted at 3.0 while both episodes wait for their tools (held, or
+    # released at 2.5); it restarts at 6.0 (restart_s 3), pulls by 6.5 and generates
+    # the group again from scratch: the timeline of the first test shifted by 6.0 s
+    # (held: 10.0 tools, 11.3 ends, 14.35 step; released: 12.8 ends, 15.85 step). The
+    # lost episodes' tools answer into nothing: no tool_call event at 4.0.
+    scenario = presets.toy(
+        target_steps=1, **MULTI_TURN, **{"fleet.release_after_s": release_after_s}
+    )
+    fault = Fault(kind="preempt_worker", at_s=3.0, target="worker-0")
+    scenario = dataclasses.replace(scenario, fault_plan=FaultPlan((fault,)))
+    trace = MemoryTrace()
+    result = simulate(scenario, trace=trace)
+    shift = 0.0 if release_after_s is None else 1.5
+    assert _log(trace, {"preemption", "restart", "tool_call", "generation_end", "train_step"}) == [
+        (3.0, "preemption", "worker-0", 0),
+        (6.0, "restart", "worker-0", None),
+        (10.0, "tool_call", "worker-0", 0),
+        (10.0, "tool_call", "worker-0", 0),
+        (11.3 + shift, "generation_end", "worker-0", 0),
+        (11.3 + shift, "generation_end", "worker-0", 0),
+        (14.35 + shift, "train_step", "trainer", 1),
+    ]
+    assert result.samples_trained == 2
 
 
 def test_versions_across_turns_staleness_counts_from_the_oldest_policy_token():
