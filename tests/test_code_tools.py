@@ -19,7 +19,9 @@ from rlaxkit.tasks import (
     Problem,
     PromptConfig,
     SandboxLimits,
+    SandboxSetupError,
     code_tool_metrics,
+    code_tools,
     make_task,
     task_names,
 )
@@ -101,6 +103,15 @@ def test_sandbox_failures_are_counted_observations():
     assert env.error_observation("error", "x") == "The tests could not run. Try again.\n"
 
 
+def test_a_sandbox_that_cannot_start_raises_for_run_episodes_to_count(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise SandboxSetupError("namespaces unavailable")
+
+    monkeypatch.setattr(code_tools, "run_python", refuse)
+    with pytest.raises(SandboxSetupError):  # run_episodes: an "error" step, counted
+        act(environment(), RIGHT)
+
+
 def test_long_outputs_are_cut_and_carry_no_code_fence():
     env = environment(max_field_chars=12)
     result = act(env, "```python\nprint(chr(96) * 3 + 'x' * 500)\n```")
@@ -143,7 +154,7 @@ def test_metrics():
     }
 
 
-def test_episodes_on_a_tiny_random_model():
+def test_episodes_on_a_tiny_random_model(monkeypatch):
     """The environment plugs into ``run_episodes``: a random model's programs fail, the
     failures are appended as token ids, and the trained ids are the sampled ids plus
     those observations."""
@@ -189,3 +200,20 @@ def test_episodes_on_a_tiny_random_model():
         assert rollout.policy_mask.tolist() == mask
         np.testing.assert_array_equal(rollout.versions[~rollout.policy_mask], -1)
     assert code_tool_metrics(episodes)["attempts_per_episode"] == 2.0
+
+    # A sandbox that cannot start: every step raises, and each is a counted error
+    # observation in the environment's words.
+    def refuse(*args, **kwargs):
+        raise SandboxSetupError("namespaces unavailable")
+
+    monkeypatch.setattr(code_tools, "run_python", refuse)
+    broken = run_episodes(
+        engine, lambda: CodeToolsEnvironment(task), problems, tokenizer, episode_config, seed=0
+    )
+    for episode in broken:
+        assert episode.finish_reason == "max_turns" and episode.failures("error") == 2
+        assert tokenizer.decode(episode.steps[0].observation_ids) == (
+            "The tests could not run. Try again.\n"
+        )
+        assert "SandboxSetupError" in episode.steps[0].info["error"]
+    assert code_tool_metrics(broken)["step_failure_rate"] == 1.0

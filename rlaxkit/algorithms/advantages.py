@@ -6,7 +6,8 @@ Conventions shared by every function here:
   ``[B]``; token-level inputs are ``[B, T]`` and aligned like ``token_logprobs``: entry
   ``t`` describes the action ``tokens[t]`` taken after ``tokens[:t]``.
 * ``sequence_mask [B]`` marks real rows (padding rows added by bucketing are 0) and
-  ``loss_mask [B, T]`` marks completion tokens. Results are zero where masked.
+  ``loss_mask [B, T]`` marks the completion tokens the policy sampled (a tool's
+  observation inside a multi-turn completion is 0). Results are zero where masked.
 * ``group_ids [B]`` are dense integers in ``[0, B)``: rows with the same id answer the
   same prompt (``rlaxkit.batch.collate`` builds them).
 
@@ -42,7 +43,7 @@ class AdvantageInputs:
         rewards: ``[B]`` scalar reward per sequence.
         group_ids: ``[B]`` int32 prompt group of each row, dense in ``[0, B)``.
         sequence_mask: ``[B]`` 1 for real rows.
-        loss_mask: ``[B, T]`` 1 for completion tokens.
+        loss_mask: ``[B, T]`` 1 for completion tokens the policy sampled.
         values: ``[B, T]`` critic values ``V(tokens[:t])`` (GAE only).
         token_kl: ``[B, T]`` per-token ``log π_old - log π_ref`` for a KL penalty folded
             into the reward (REINFORCE++, PPO); ``None`` when there is no reference.

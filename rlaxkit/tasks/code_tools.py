@@ -77,7 +77,9 @@ class CodeToolsConfig:
 
     Attributes:
       code: the code task's settings: problems, sandbox limits, ``max_total_s`` per
-        attempt, ``partial_credit``, prompt.
+        attempt, ``partial_credit``, prompt. An attempt takes up to about
+        ``max_total_s + limits.wall_time_s``: keep ``EpisodeConfig.step_timeout_s``
+        above that, or slow attempts become timeout observations.
       max_attempts: programs the model may write per episode (turns), at least 1; set
         ``EpisodeConfig.max_turns`` to at least this, since an episode cut before its
         last attempt earns nothing.
