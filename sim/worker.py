@@ -166,10 +166,10 @@ class SimWorker:
         return event
 
     def _generate(self, sample: SimSample) -> ProcessGenerator:
-        """Decode ``sample`` turn by turn: between turns its tool runs while the slot
-        holds the row and KV cache (or, past ``release_after_s``, gives the slot up);
-        pause and resume around in-flight weight updates."""
-        env = self.env
+        """Decode ``sample`` turn by turn, each turn in one timeout re-timed after each
+        in-flight weight update or host pause; between turns its tool runs
+        (:meth:`_call_tool`)."""
+        env, spec, counters = self.env, self.spec, self.sim.counters
         proc = env.active_process
         if proc is None:
             raise RuntimeError(f"{self.name}: decoding outside a SimPy process")
@@ -187,69 +187,69 @@ class SimWorker:
             occupancy = self.sim.host_active if self._host_scope else self.active
             self.sim.record_start(self.name, self.version, sample, occupancy)
         last = len(sample.turn_tokens) - 1
-        release_after_s = self.spec.release_after_s
         while True:
             turn = sample.turn
-            yield from self._decode_turn(sample, turn, prefill_tokens, proc, epoch)
+            remaining = sample.turn_tokens[turn]
+            while True:
+                per_token = self._per_token_s()
+                prefill_s = prefill_tokens / spec.prefill_tokens_per_s
+                start = env.now
+                self._decoding[proc] = start
+                try:
+                    yield env.timeout(prefill_s + remaining * per_token)
+                    del self._decoding[proc]
+                    counters.slot_busy_s += env.now - start
+                    break
+                except simpy.Interrupt as interrupt:
+                    cause = interrupt.cause
+                    if cause not in _PAUSES or epoch != self.epoch:
+                        raise
+                    del self._decoding[proc]
+                    counters.slot_busy_s += env.now - start
+                    decoded = (env.now - start - prefill_s) / per_token
+                    remaining -= min(remaining, max(0, int(decoded + 1e-9)))
+                version = self.version
+                if self.pulling or self.paused:
+                    yield from self._wait_resumed(epoch)
+                group.note_version(self._held_version(), self.lineage)
+                if remaining == 0:
+                    break
+                if decoded < 0 or self.version != version or cause == WEIGHT_UPDATE:
+                    # New weights (or a prefill cut short): recompute the KV cache of
+                    # the context and of the tokens decoded so far.
+                    done = sample.turn_tokens[turn] - remaining
+                    prefill_tokens = sample.context_tokens(turn) + done
+                else:
+                    prefill_tokens = 0  # a host pause keeps the KV cache
             if turn == last:
                 break
-            tool_s = sample.tool_s[turn]
-            version = self.version
-            sample.turn = turn + 1
-            self.sim.counters.tool_calls += 1
-            if release_after_s is not None and tool_s > release_after_s:
-                yield from self._sleep(release_after_s, epoch)
-                self._release(sample, turn, tool_s - release_after_s, epoch)
-                return
-            yield from self._sleep(tool_s, epoch)
-            self.sim.counters.tool_hold_s += tool_s
-            self.sim.record_tool_call(self.name, self.version, sample, turn, released=False)
-            yield from self._wait_resumed(epoch)
-            group.note_version(self._held_version(), self.lineage)
-            if self.version == version:
-                prefill_tokens = sample.observations[turn]  # the row kept its cache
-            else:  # new weights meanwhile: recompute the cache of the whole context
-                prefill_tokens = sample.context_tokens(turn + 1)
+            prefill_tokens = yield from self._call_tool(sample, turn, epoch)
+            if prefill_tokens < 0:
+                return  # the slot was released while the tool runs
         self._finish(sample)
 
-    def _decode_turn(
-        self, sample: SimSample, turn: int, prefill_tokens: int, proc: simpy.Process, epoch: int
-    ) -> ProcessGenerator:
-        """Prefill ``prefill_tokens`` and decode policy turn ``turn`` of ``sample`` in one
-        timeout, re-timed after each in-flight weight update or host pause."""
-        env, spec, counters = self.env, self.spec, self.sim.counters
-        group = sample.group
-        remaining = sample.turn_tokens[turn]
-        while True:
-            per_token = self._per_token_s()
-            prefill_s = prefill_tokens / spec.prefill_tokens_per_s
-            start = env.now
-            self._decoding[proc] = start
-            try:
-                yield env.timeout(prefill_s + remaining * per_token)
-                del self._decoding[proc]
-                counters.slot_busy_s += env.now - start
-                return
-            except simpy.Interrupt as interrupt:
-                cause = interrupt.cause
-                if cause not in _PAUSES or epoch != self.epoch:
-                    raise
-                del self._decoding[proc]
-                counters.slot_busy_s += env.now - start
-                decoded = (env.now - start - prefill_s) / per_token
-                remaining -= min(remaining, max(0, int(decoded + 1e-9)))
-            version = self.version
-            yield from self._wait_resumed(epoch)
-            group.note_version(self._held_version(), self.lineage)
-            if remaining == 0:
-                return
-            if decoded < 0 or self.version != version or cause == WEIGHT_UPDATE:
-                # New weights (or a prefill cut short): recompute the KV cache of the
-                # context and of the tokens decoded so far.
-                done = sample.turn_tokens[turn] - remaining
-                prefill_tokens = sample.context_tokens(turn) + done
-            else:
-                prefill_tokens = 0  # a host pause keeps the KV cache
+    def _call_tool(self, sample: SimSample, turn: int, epoch: int) -> ProcessGenerator:
+        """The tool call after policy turn ``turn``: the slot holds the row and KV cache
+        while it runs, or, past ``release_after_s``, gives the slot up. Returns the
+        tokens the next turn prefills (the observation, or the whole context after new
+        weights), or -1 when the slot was released."""
+        tool_s = sample.tool_s[turn]
+        release_after_s = self.spec.release_after_s
+        version = self.version
+        sample.turn = turn + 1
+        self.sim.counters.tool_calls += 1
+        if release_after_s is not None and tool_s > release_after_s:
+            yield from self._sleep(release_after_s, epoch)
+            self._release(sample, turn, tool_s - release_after_s, epoch)
+            return -1
+        yield from self._sleep(tool_s, epoch)
+        self.sim.counters.tool_hold_s += tool_s
+        self.sim.record_tool_call(self.name, self.version, sample, turn, released=False)
+        yield from self._wait_resumed(epoch)
+        sample.group.note_version(self._held_version(), self.lineage)
+        if self.version == version:
+            return sample.observations[turn]  # the row kept its cache
+        return sample.context_tokens(turn + 1)  # new weights: recompute the context
 
     def _wait_resumed(self, epoch: int) -> ProcessGenerator:
         """Wait while the worker pulls or the host is paused."""
