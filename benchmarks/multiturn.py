@@ -4,24 +4,29 @@ A fleet of 8 workers x 32 slots runs episodes of 0 to 4 tool calls (``Uniform`` 
 [0, 4], rounded), each policy turn about 200 tokens and each observation about 100,
 with tool latencies drawn from a lognormal of median 2 s and sigma 1.5 (mean 6.2 s, p99
 66 s: a few calls of every step take minutes). The trainer takes 256 episodes a step.
-The benchmark simulates (``sim``, parallel fleet model):
+The benchmark simulates (``sim``, parallel fleet model), at η = 0 (synchronous) and
+η = 2, five settings:
 
-- ``samples_per_s`` at η = 0 (synchronous) and η = 2, with slots held through tool calls,
-  and ``eta2_over_eta0``, their ratio;
-- the same at the *mean* tool latency (``Constant``: no tail), so that ``tail_cost`` (1 -
-  samples/s with the tail ÷ without) says what the tail costs at each η and
-  ``tail_hidden`` (1 - tail cost at η = 2 ÷ tail cost at η = 0) how much of it the
-  asynchronous run hides;
-- ``released``: η = 2 and η = 0 again with ``fleet.release_after_s`` = 10 s (a slot whose
-  tool runs longer goes to other work; the episode re-prefills its context later),
-  ``released_over_held``, and the tail's cost and share hidden with released slots.
+- ``held``: slots hold their row through tool calls; workers pull between requests
+  (the default: a worker that must pull drains the episodes it holds first);
+- ``released``: the same with ``fleet.release_after_s`` = 10 s (a slot whose tool runs
+  longer goes to other work; the episode re-prefills its context later);
+- ``in_flight``: slots held, pulls in flight (decoding is interrupted for new weights);
+- ``no_tail`` and ``no_tail_in_flight``: every tool call at the mean latency.
 
-What it showed (``--quick``, 30 steps, 3 seeds, 8 s): η = 0 0.78 samples/s, η = 2 2.96
-(ratio 3.8); without the tail 2.08 and 4.38, so the tail costs 62% at η = 0 and 32% at
-η = 2: with held slots the asynchronous run hides only about half of it, because
-slots held through minutes-long tool calls starve the fleet of slots. Released slots
-recover them: η = 2 3.92 samples/s (+33%), a tail cost of 10%, 83% of it hidden; at
-η = 0 releasing changes almost nothing (admission, not slots, is what waits there).
+It reports ``samples_per_s`` per setting and η, ``eta2_over_eta0``, ``tail_cost`` (1 -
+samples/s with the tail ÷ without, same pull mode), ``tail_hidden`` (1 - tail cost at
+η = 2 ÷ tail cost at η = 0: how much of the tail the asynchronous run hides),
+``released_over_held``, and ``tool_hold_fraction`` (the share of slot time held by
+episodes waiting for a tool).
+
+What it showed (``--quick``, 30 steps, 3 seeds, 7 s): at η = 0 every setting gives
+0.78 samples/s against 2.08 without the tail (the tail costs 62%: every step waits for
+its slowest episode). At η = 2: ``in_flight`` 4.38 against 4.58 without the tail (4.5%,
+93% of the tail hidden, 5.6 times η = 0); ``held`` only 2.96 against 4.38 (32%, 48%
+hidden): a worker that must pull between requests first waits for the episodes it
+holds, whose tools may run for minutes, and decodes nothing new meanwhile;
+``released`` 3.92 (10%, 83% hidden): released episodes do not hold up the pull.
 
 Each figure is the mean over ``--seeds`` seeds (common random numbers across settings).
 No real run is measured here: the runtime's asynchronous loop does not drive multi-turn
@@ -51,6 +56,18 @@ from sim import Constant, Lognormal, Uniform
 
 TOOL_LATENCY_S = Lognormal(median=2.0, sigma=1.5)  # mean 6.2 s, p99 66 s
 RELEASE_AFTER_S = 10.0
+
+
+NO_TAIL = {"workload.tool_latency_s": Constant(value=TOOL_LATENCY_S.mean())}
+IN_FLIGHT = {"weight_sync.pull_mode": "in_flight"}
+# name -> overrides of the workload's scenario (pulls between requests by default).
+SETTINGS: dict[str, dict[str, Any]] = {
+    "held": {},
+    "released": {"fleet.release_after_s": RELEASE_AFTER_S},
+    "in_flight": IN_FLIGHT,
+    "no_tail": NO_TAIL,
+    "no_tail_in_flight": {**NO_TAIL, **IN_FLIGHT},
+}
 
 
 def scenario(*, max_staleness: int, steps: int, seed: int) -> sim.Scenario:
@@ -87,13 +104,17 @@ def scenario(*, max_staleness: int, steps: int, seed: int) -> sim.Scenario:
     )
 
 
-def samples_per_s(overrides: dict[str, Any], *, eta: int, steps: int, seeds: int) -> float:
-    """Mean samples/s over ``seeds`` seeds of the workload at η = ``eta``."""
-    rates = []
+def measure(overrides: dict[str, Any], *, eta: int, steps: int, seeds: int) -> tuple[float, float]:
+    """Mean samples/s and mean share of slot time held by tool calls over ``seeds``
+    seeds of the workload at η = ``eta``."""
+    results = []
     for seed in range(seeds):
         base = scenario(max_staleness=eta, steps=steps, seed=seed)
-        rates.append(sim.simulate(sim.with_overrides(base, overrides)).samples_per_s)
-    return statistics.fmean(rates)
+        results.append(sim.simulate(sim.with_overrides(base, overrides)))
+    return (
+        statistics.fmean(r.samples_per_s for r in results),
+        statistics.fmean(r.tool_hold_fraction for r in results),
+    )
 
 
 def _hidden(tail_cost: dict[str, float]) -> float:
@@ -113,29 +134,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.steps, args.seeds = 3, 1
     began = time.perf_counter()
-    no_tail = {"workload.tool_latency_s": Constant(value=TOOL_LATENCY_S.mean())}
-    released = {"fleet.release_after_s": RELEASE_AFTER_S}
     figures: dict[str, dict[str, float]] = {}
-    for name, overrides in (("held", {}), ("no_tail", no_tail), ("released", released)):
-        figures[name] = {
-            str(eta): samples_per_s(overrides, eta=eta, steps=args.steps, seeds=args.seeds)
-            for eta in (0, 2)
-        }
-    held, flat = figures["held"], figures["no_tail"]
-    tail_cost = {eta: 1.0 - held[eta] / flat[eta] for eta in held}
-    # The no-tail runs release nothing (their tools all end before release_after_s), so
-    # they are the reference for released slots too.
-    tail_cost_released = {eta: 1.0 - figures["released"][eta] / flat[eta] for eta in held}
+    hold: dict[str, dict[str, float]] = {}
+    for name, overrides in SETTINGS.items():
+        figures[name], hold[name] = {}, {}
+        for eta in (0, 2):
+            rate, held_share = measure(overrides, eta=eta, steps=args.steps, seeds=args.seeds)
+            figures[name][str(eta)], hold[name][str(eta)] = rate, held_share
+    # Each setting against the same pull mode at the mean latency (the no-tail runs
+    # release nothing: all their tools end before release_after_s).
+    reference = {
+        "held": "no_tail",
+        "released": "no_tail",
+        "in_flight": "no_tail_in_flight",
+    }
+    tail_cost = {
+        name: {eta: 1.0 - figures[name][eta] / figures[ref][eta] for eta in ("0", "2")}
+        for name, ref in reference.items()
+    }
+    held = figures["held"]
     report = {
-        "samples_per_s": held,
-        "eta2_over_eta0": held["2"] / held["0"],
-        "samples_per_s_no_tail": flat,
+        "samples_per_s": figures,
+        "eta2_over_eta0": {name: v["2"] / v["0"] for name, v in figures.items()},
         "tail_cost": tail_cost,
-        "tail_hidden": _hidden(tail_cost),
-        "tail_cost_released": tail_cost_released,
-        "tail_hidden_released": _hidden(tail_cost_released),
-        "samples_per_s_released": figures["released"],
+        "tail_hidden": {name: _hidden(cost) for name, cost in tail_cost.items()},
         "released_over_held": {eta: figures["released"][eta] / held[eta] for eta in held},
+        "tool_hold_fraction": hold,
         "release_after_s": RELEASE_AFTER_S,
         "tool_latency_s": {"median": 2.0, "sigma": 1.5, "mean": TOOL_LATENCY_S.mean()},
         "steps": args.steps,
@@ -143,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - began,
     }
     for name, values in figures.items():
-        print(f"{name:>9}: " + ", ".join(f"η={eta} {v:.2f} samples/s" for eta, v in values.items()))
+        rates = ", ".join(f"η={eta} {v:.2f} samples/s" for eta, v in values.items())
+        print(f"{name:>17}: {rates}")
     print(json.dumps(report))
     return 0
 

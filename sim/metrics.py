@@ -10,6 +10,9 @@ Definitions (``T`` is the simulated time at the end of the run):
 - goodput: seconds of compute of the surviving steps ÷ ``T`` (useful trainer compute
   over wall time);
 - worker utilisation: slot-seconds spent decoding ÷ (slots · ``T``);
+- multi-turn episodes: ``tool_calls`` started, ``slots_released`` (calls that gave their
+  slot up), and ``tool_hold_fraction``, slot-seconds held by episodes waiting for a
+  tool ÷ (slots · ``T``);
 - staleness: per trained rollout, trainer version minus the rollout's oldest version.
 """
 
@@ -102,6 +105,9 @@ class SimResult:
     step_end_s: tuple[float, ...] = field(repr=False)
     events: int = 0
     wall_s: float = 0.0
+    tool_calls: int = 0
+    slots_released: int = 0
+    tool_hold_fraction: float = 0.0
 
     @property
     def events_per_s(self) -> float:
@@ -215,6 +221,9 @@ def build_result(
         preemptions=dict(counters.preemptions),
         lost_steps=counters.lost_steps,
         step_end_s=tuple(s[3] for s in steps),
+        tool_calls=counters.tool_calls,
+        slots_released=counters.slots_released,
+        tool_hold_fraction=counters.tool_hold_s / (total_slots * duration),
         events=events,
         wall_s=wall_s,
     )

@@ -87,6 +87,9 @@ def test_a_released_slot_re_prefills_the_whole_context_exact_event_log():
     assert engine.counters.slots_released == 2 and engine.counters.tool_calls == 2
     assert engine.counters.tool_hold_s == pytest.approx(2 * 0.5)
     assert result.samples_trained == 2
+    assert (result.tool_calls, result.slots_released) == (2, 2)
+    # 1 slot-second held of 2 slots x 9.85 s
+    assert result.tool_hold_fraction == pytest.approx(1.0 / (2 * 9.85))
     # A tool faster than release_after_s keeps its slot: the held timeline.
     held = simulate(with_overrides(scenario, {"fleet.release_after_s": 2.0}))
     assert held.time_to_step(1) == pytest.approx(8.35)
@@ -271,6 +274,9 @@ def test_the_multiturn_benchmark_reports_eta_and_released_figures(capsys):
     spec.loader.exec_module(module)
     assert module.main(["--smoke"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("samples_per_s", "samples_per_s_no_tail", "samples_per_s_released"):
-        assert set(report[key]) == {"0", "2"} and all(v > 0 for v in report[key].values())
-    assert report["eta2_over_eta0"] == report["samples_per_s"]["2"] / report["samples_per_s"]["0"]
+    rates = report["samples_per_s"]
+    assert set(rates) == {"held", "released", "in_flight", "no_tail", "no_tail_in_flight"}
+    for name, by_eta in rates.items():
+        assert set(by_eta) == {"0", "2"} and all(v > 0 for v in by_eta.values())
+        assert report["eta2_over_eta0"][name] == by_eta["2"] / by_eta["0"]
+    assert set(report["tail_hidden"]) == {"held", "released", "in_flight"}
