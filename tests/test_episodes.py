@@ -31,6 +31,7 @@ from rlaxkit.policies import StalenessPolicy
 from rlaxkit.rollout import Rollout
 from rlaxkit.tasks import CalculatorEnvironment, CalculatorTask, tool_use_metrics
 from rlaxkit.trace import MemoryTrace
+from sim.calibrate_turns import fit_turns
 
 TASK = CalculatorTask()
 TOKENIZER = CharTokenizer(TASK.alphabet())
@@ -274,6 +275,13 @@ def test_every_environment_step_is_timed_and_written_as_a_tool_call_event(engine
         mask = episode.policy_mask
         policy_versions = [v for v, p in zip(episode.versions, mask, strict=True) if p]
         assert mine[-1].version == policy_versions[-1] == 0
+    # The simulator's calibration reads these events: every step's duration, 3 calls
+    # for each of the 6 episodes.
+    fit = fit_turns(trace.events)
+    assert sorted(fit.tool_latency_s.values) == sorted(
+        s.duration_s for episode in episodes for s in episode.steps
+    )
+    assert fit.turns.values == (3.0,) * 6
 
 
 def test_a_timed_out_step_lasts_until_it_is_given_up_on_the_given_clock(engine):
