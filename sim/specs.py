@@ -9,6 +9,10 @@ the SimPy processes use, so a test can compute by hand what the simulator must d
   ``decode_s_per_token + decode_s_per_token_per_seq · (occupancy - 1)`` per token,
   ``occupancy`` being the sequences decoding on the worker (or on the shared host)
   when it starts: continuous batching makes each step slower as the batch grows;
+- multi-turn episode (``WorkloadSpec.turns`` > 0): per policy turn the decode above,
+  per tool call a ``tool_latency_s`` draw with the slot held (up to
+  ``FleetSpec.release_after_s``), then a prefill of the observation (held) or of the
+  whole context (released, or new weights);
 - weight push: ``latency_s + weight_bytes / push_bytes_per_s``; a pull gets
   ``min(pull_bytes_per_s, total_bytes_per_s / n)`` while ``n`` pulls share the store
   (processor sharing), after ``latency_s``;
