@@ -61,9 +61,12 @@ class CharTokenizer:
         self.vocab_size = len(alphabet) + len(self._special)
 
     def encode(self, text: str) -> list[int]:
+        """One id per character; a character outside the alphabet is ``<unk>``."""
         return [self._index.get(ch, self.unk_id) for ch in text]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; special tokens are dropped unless
+        ``skip_special_tokens`` is false, and ids past the vocabulary are dropped."""
         out = []
         for i in ids:
             i = int(i)
