@@ -28,8 +28,9 @@ simulator trace calibrate the same way:
 *parallel* model above. The local runtime's deterministic mode runs trainer and
 workers in one thread, round by round, decoding in chunks: the *serial host*
 (:mod:`sim.host`), fitted from the trace's ``decode`` events and the untimed host time
-between chunks (:mod:`sim.calibrate_host`). The trace's config picks one
-(``runtime.backend: local`` with ``runtime.mode: deterministic`` is serial), or
+between chunks (:mod:`sim.calibrate_host`); on the Ray placement the same rounds run
+every busy worker's chunk at once (``HostSpec.concurrent_chunks``). The trace's config
+picks one (``runtime.mode: deterministic`` on either backend is the serial host), or
 ``executor=`` does.
 
 :func:`calibrate` then simulates the fitted scenario and reports predicted against
@@ -224,8 +225,8 @@ def fit_scenario(
     ``executor`` picks the model: ``serial`` (:mod:`sim.host`, fitted by
     :mod:`sim.calibrate_host` from the trace's ``decode`` events) or ``parallel`` (the
     per-token fleet). By default it is ``serial`` when the config says the run was the
-    local backend in deterministic mode (or a simulated serial host), else
-    ``parallel``.
+    deterministic loop (local, or Ray with ``concurrent_chunks``; or a simulated serial
+    host), else ``parallel``.
 
     ``faults``: the FaultPlan the run was given. The serial host replays it on the
     runtime's logical clock (``runtime.round_s``, ``restart_s`` and
