@@ -25,7 +25,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -46,10 +46,14 @@ __all__ = [
     "Environment",
     "Episode",
     "EpisodeConfig",
+    "EpisodicTask",
     "Observation",
     "StepRecord",
     "StepResult",
+    "advance_episode",
+    "encode_observation",
     "episode_sampling",
+    "resolve_step",
     "run_episodes",
 ]
 
@@ -101,6 +105,17 @@ class Environment(Protocol):
     def error_observation(self, outcome: StepOutcome, detail: str) -> Observation:
         """What the policy sees when a step raised (``"error"``, ``detail`` the exception)
         or ran past its time (``"timeout"``), in the environment's own format."""
+        ...
+
+
+@runtime_checkable
+class EpisodicTask(Protocol):
+    """A task whose samples are multi-turn episodes: the runtime's worker builds one
+    environment per episode with ``make_environment`` (a single-turn task has no such
+    method)."""
+
+    def make_environment(self) -> Environment:
+        """A fresh environment for one episode."""
         ...
 
 
@@ -322,7 +337,7 @@ def run_episodes(
     episodes: list[Episode] = []
     for index, environment in enumerate(environments):
         problem = problems[index // n]
-        prompt = _encode(environment.reset(problem), tokenizer)
+        prompt = encode_observation(environment.reset(problem), tokenizer)
         if not len(prompt) or len(prompt) + config.max_episode_tokens > engine.prompt_width:
             raise ValueError(
                 f"problem {problem.id}: a prompt of {len(prompt)} tokens plus "
@@ -362,7 +377,7 @@ def run_episodes(
                 record = _resolve(pending, environments[index], tokenizer, episodes[index], clock())
                 if trace is not None:
                     _record_tool_call(trace, trace_actor, pending, record, episodes[index], n)
-                if _continue(episodes[index], record, config):
+                if advance_episode(episodes[index], record, config):
                     start_turn(index, pending.parked)
                 elif pending.parked:
                     engine.release(index)
@@ -421,7 +436,7 @@ def _resolve(
         outcome=outcome,
         reward=float(result.reward),
         done=bool(result.done),
-        observation_ids=tuple(_encode(result.observation, tokenizer).tolist()),
+        observation_ids=tuple(encode_observation(result.observation, tokenizer).tolist()),
         info=dict(result.info),
         duration_s=duration_s,
     )
@@ -456,7 +471,26 @@ def _record_tool_call(
     )
 
 
-def _continue(episode: Episode, record: StepRecord, config: EpisodeConfig) -> bool:
+def resolve_step(
+    pool: concurrent.futures.Executor,
+    environment: Environment,
+    action: Action,
+    tokenizer: Tokenizer,
+    episode: Episode,
+    timeout_s: float | None,
+) -> StepRecord:
+    """Runs one environment step in ``pool`` and waits for it, at most ``timeout_s``
+    seconds; records it on ``episode`` like ``run_episodes`` does (a step that raised or
+    timed out becomes the environment's error observation) and returns it."""
+    ran: list[float] = []
+    deadline_s = time.monotonic() + (timeout_s or float("inf"))
+    submitted_s = time.monotonic()
+    future = pool.submit(_timed, environment.step, action, time.monotonic, ran)
+    pending = _Pending(episode.sample_index, action, False, future, deadline_s, submitted_s, ran)
+    return _resolve(pending, environment, tokenizer, episode, time.monotonic())
+
+
+def advance_episode(episode: Episode, record: StepRecord, config: EpisodeConfig) -> bool:
     """Ends the episode or appends the observation; whether another turn follows."""
     room = config.max_episode_tokens - len(episode.tokens) - len(record.observation_ids)
     if record.done:
@@ -471,7 +505,8 @@ def _continue(episode: Episode, record: StepRecord, config: EpisodeConfig) -> bo
     return False
 
 
-def _encode(observation: Observation, tokenizer: Tokenizer) -> np.ndarray:
+def encode_observation(observation: Observation, tokenizer: Tokenizer) -> np.ndarray:
+    """An observation as int32 token ids (text is encoded with ``tokenizer``)."""
     if isinstance(observation, str):
         return np.asarray(tokenizer.encode(observation), np.int32)
     return np.asarray(observation, np.int32).reshape(-1)

@@ -7,8 +7,13 @@ stores. The log records instead the weight version the engine started from (the
 keys depend only on a request's seed, sample and token index (``InferenceEngine.submit``),
 so replaying the log on a fresh engine with the same weights rebuilds the same rows at
 the same chunk: a restored worker re-issues its in-flight prompts and continues exactly
-where the saved one was. The log is short, for the worker starts a new one whenever its
-engine drains (every pull in ``between_requests`` mode).
+where the saved one was. Multi-turn episodes add ``Resume`` (a parked row went on after
+an observation's ids) and ``Release`` (a parked row was freed): a replay steps the
+environments again, as the worker did, and checks that it resumes and releases the same
+rows with the same observations (an environment that answers differently, or a step
+that timed out once and not again, makes the replay refuse). The log is short, for the
+worker starts a new one whenever its engine drains (every pull in ``between_requests``
+mode).
 
 The log is plain Python: it holds the weights it needs (``weights()``, saved once per
 checkpoint for all workers) but never reads them, and its ``state_dict()`` is JSON.
@@ -33,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Decode", "Op", "ReplayLog", "Submit", "UpdateWeights", "parse_ops"]
+__all__ = ["Decode", "Op", "Release", "ReplayLog", "Resume", "Submit", "UpdateWeights", "parse_ops"]
 
 
 @dataclass(frozen=True)
@@ -65,15 +70,41 @@ class UpdateWeights:
         return ["u", self.version, self.recompute_cache]
 
 
-Op = Submit | Decode | UpdateWeights
+@dataclass(frozen=True)
+class Resume:
+    """Sample ``sample_index`` of prompt ``group_id``, parked at a tool call, went on
+    after the environment's ``observation`` (token ids)."""
+
+    group_id: int
+    sample_index: int
+    observation: tuple[int, ...]
+
+    def to_json(self) -> list:
+        return ["r", self.group_id, self.sample_index, list(self.observation)]
+
+
+@dataclass(frozen=True)
+class Release:
+    """The parked row of sample ``sample_index`` of prompt ``group_id`` was freed (its
+    episode ended at a tool call)."""
+
+    group_id: int
+    sample_index: int
+
+    def to_json(self) -> list:
+        return ["x", self.group_id, self.sample_index]
+
+
+Op = Submit | Decode | UpdateWeights | Resume | Release
 
 
 def parse_ops(entries: Sequence[Sequence[Any]]) -> list[Op]:
     """The ops of a ``state_dict()["ops"]`` list (lists or tuples, e.g. read from JSON).
 
     Raises:
-        ValueError: an entry is none of ``["s", group_id]``, ``["d"]`` and
-            ``["u", version, recompute_cache]``.
+        ValueError: an entry is none of ``["s", group_id]``, ``["d"]``,
+            ``["u", version, recompute_cache]``, ``["r", group_id, sample_index,
+            observation]`` and ``["x", group_id, sample_index]``.
     """
     ops: list[Op] = []
     for entry in entries:
@@ -84,10 +115,15 @@ def parse_ops(entries: Sequence[Sequence[Any]]) -> list[Op]:
                 ops.append(Decode())
             case ["u", version, recompute_cache]:
                 ops.append(UpdateWeights(version, recompute_cache))
+            case ["r", group_id, sample_index, observation]:
+                ops.append(Resume(group_id, sample_index, tuple(observation)))
+            case ["x", group_id, sample_index]:
+                ops.append(Release(group_id, sample_index))
             case _:
                 raise ValueError(
-                    f"replay log op {entry!r}: expected ['s', group_id], ['d'] or "
-                    "['u', version, recompute_cache]"
+                    f"replay log op {entry!r}: expected ['s', group_id], ['d'], "
+                    "['u', version, recompute_cache], ['r', group_id, sample_index, "
+                    "observation] or ['x', group_id, sample_index]"
                 )
     return ops
 
@@ -121,6 +157,14 @@ class ReplayLog:
         """Records a decode chunk."""
         self.ops.append(Decode())
 
+    def resumed(self, group_id: int, sample_index: int, observation: tuple[int, ...]) -> None:
+        """Records a parked episode resumed after an observation."""
+        self.ops.append(Resume(group_id, sample_index, observation))
+
+    def released(self, group_id: int, sample_index: int) -> None:
+        """Records a parked episode's row freed."""
+        self.ops.append(Release(group_id, sample_index))
+
     def updated(self, version: int, params: Any, *, recompute_cache: bool) -> None:
         """Records a weight update with prompts in flight, and keeps its weights."""
         self.ops.append(UpdateWeights(version, recompute_cache))
@@ -135,5 +179,6 @@ class ReplayLog:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able ``{"base_version": ..., "ops": [["s", group_id], ["d"],
-        ["u", version, recompute_cache], ...]}``; ``parse_ops`` reads the ops back."""
+        ["u", version, recompute_cache], ["r", group_id, sample_index, observation],
+        ["x", group_id, sample_index], ...]}``; ``parse_ops`` reads the ops back."""
         return {"base_version": self.base_version, "ops": [op.to_json() for op in self.ops]}

@@ -184,6 +184,10 @@ class CalculatorTask:
             task_name=self.name,
         )
 
+    def make_environment(self) -> CalculatorEnvironment:
+        """A fresh environment for one episode (``rlaxkit.episodes.EpisodicTask``)."""
+        return CalculatorEnvironment(self)
+
     def format_prompt(self, problem: Problem, chat: ChatTemplate | None = None) -> str:
         """The prompt string (by default just ``"417*38="``)."""
         return format_prompt(problem, self.config.prompt, chat)

@@ -136,6 +136,10 @@ class CodeToolsTask:
         """The code task's problems of ``split``."""
         return self.code.problems(split, n)
 
+    def make_environment(self) -> CodeToolsEnvironment:
+        """A fresh environment for one episode (``rlaxkit.episodes.EpisodicTask``)."""
+        return CodeToolsEnvironment(self)
+
     def format_prompt(self, problem: Problem, chat: ChatTemplate | None = None) -> str:
         """The code task's prompt."""
         return self.code.format_prompt(problem, chat)
