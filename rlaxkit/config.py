@@ -18,6 +18,7 @@ from typing import Any, Literal
 from rlaxkit.algorithms import PRESETS, algorithm
 from rlaxkit.algorithms.config import AdvantageConfig, LossConfig
 from rlaxkit.configio import apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
+from rlaxkit.episodes import EpisodeConfig
 from rlaxkit.inference import SamplingConfig
 from rlaxkit.models.config import ModelConfig
 from rlaxkit.models.lora import LoraConfig
@@ -212,6 +213,8 @@ class RunConfig:
     ``tracking`` names where metrics go besides ``metrics.jsonl`` (always written):
     ``tensorboard``, ``wandb``, ``mlflow`` (``rlaxkit.tracking``). ``param_server``
     turns on delta publication (``rlaxkit.param_server.ParamServerConfig``).
+    ``episodes`` sets the turns, token budget and tool-step timeout of a multi-turn
+    task's episodes (``rlaxkit.episodes.EpisodeConfig``; a single-turn task ignores it).
     """
 
     seed: int = 0
@@ -239,6 +242,7 @@ class RunConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     param_server: ParamServerConfig = field(default_factory=ParamServerConfig)
     tracking: tuple[TrackerName, ...] = ("jsonl",)
+    episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
 
     def __post_init__(self) -> None:
         check_tracking(self.tracking)  # before any work: a tracker's package is missing

@@ -7,6 +7,16 @@ interruptible generation), or after its running prompts finish (``between_reques
 RLAX: every rollout from one version). When all ``n`` samples of a prompt are done it
 scores them with the task's verifiable reward and hands back ``Rollout``s.
 
+A task with environments (``rlaxkit.episodes.EpisodicTask``, e.g. the calculator) makes
+every sample an episode: the ``n`` samples of a prompt are submitted with ``hold=True``;
+a turn that ends at a tool call parks its row, the worker steps that sample's
+environment (in the chunk loop, under ``EpisodeConfig.step_timeout_s``), and resumes
+the row after the observation's ids, until the environment ends the episode or its
+turns or tokens run out. A finished episode is one ``Rollout`` whose trained tokens are
+the sampled ids followed by the observation ids (``policy_mask`` marks the sampled
+ones); GRPO groups the ``n`` episodes of a prompt. The environment's reward is the
+rollout's: the scorer is not called.
+
 Checkpoints (``snapshot`` / ``restore``): the engine's partly generated sequences and KV
 caches are not saved. The worker records what it does to its engine in a
 ``rlaxkit.replay_log.ReplayLog`` and a restored worker replays that log on a fresh
@@ -15,21 +25,42 @@ engine, which regenerates its in-flight prompts bit for bit.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
 from rlaxkit.controller import Issue
+from rlaxkit.episodes import (
+    Action,
+    Environment,
+    Episode,
+    EpisodeConfig,
+    EpisodicTask,
+    advance_episode,
+    encode_observation,
+    resolve_step,
+)
 from rlaxkit.inference import InferenceEngine, SamplingConfig
+from rlaxkit.inference.config import bucket_length
 from rlaxkit.inference.results import Completion
 from rlaxkit.models.tokenizer import Tokenizer
 from rlaxkit.param_server import ParameterServer
 from rlaxkit.policies import StalenessPolicy, WeightSyncPolicy
-from rlaxkit.replay_log import Decode, ReplayLog, Submit, UpdateWeights, parse_ops
+from rlaxkit.replay_log import (
+    Decode,
+    Release,
+    ReplayLog,
+    Resume,
+    Submit,
+    UpdateWeights,
+    parse_ops,
+)
 from rlaxkit.rollout import Rollout
 from rlaxkit.tasks import REWARD_FAILURES, Problem, RewardRunner, Task
 from rlaxkit.trace import TraceSink
@@ -43,6 +74,15 @@ class _Request:
     issued_s: float
     done: list[Completion] = field(default_factory=list)
     chunks: int = 0  # decode chunks run since it was submitted
+    # A multi-turn task's episodes, one per sample, and their environments.
+    episodes: list[Episode] = field(default_factory=list)
+    environments: list[Environment] = field(default_factory=list)
+    finished: int = 0  # episodes that ended
+
+
+# Turn k >= 1 of a sample samples from fold_in(fold_in(key(seed), _TURN_DOMAIN), k) (and
+# the sample index, as the engine folds it): a stream apart from the first turn's keys.
+_TURN_DOMAIN = 0x7475726E  # "turn"
 
 
 @dataclass(frozen=True)
@@ -73,6 +113,12 @@ class InferenceWorker:
         num_slots: decode rows; the worker runs ``num_slots // n`` prompts at once.
         chunk_steps: decode steps per ``step()``.
         max_prompt_tokens: longest prompt accepted.
+        episodes: turns, token budget and step timeout of a multi-turn task's episodes
+            (default ``EpisodeConfig()``; its ``samples_per_problem`` and ``keep_cache``
+            are not used: a group is ``sampling.n`` episodes and a parked row always
+            keeps its cache; ``tool_workers`` threads run the steps, one at a time, so
+            a step that timed out and runs on does not hold up the next). Ignored for a
+            single-turn task.
     """
 
     def __init__(
@@ -92,9 +138,29 @@ class InferenceWorker:
         num_slots: int,
         chunk_steps: int,
         max_prompt_tokens: int,
+        episodes: EpisodeConfig | None = None,
     ):
         stop = tuple(dict.fromkeys((*sampling.stop_tokens, tokenizer.eos_id)))
         self.sampling = dataclasses.replace(sampling, stop_tokens=stop)
+        self.episode_config: EpisodeConfig | None = None
+        self.max_context_tokens: int | None = None  # the engine's default
+        if isinstance(task, EpisodicTask):
+            self.episode_config = episodes or EpisodeConfig()
+            tool_stops = task.make_environment().tool_stops
+            if not tool_stops:
+                raise ValueError(
+                    f"task {task.name!r}: its environment has no tool_stops, so no turn parks "
+                    "a row; the runtime's worker resumes episodes only in parked rows. Run "
+                    "it with rlaxkit.episodes.run_episodes"
+                )
+            sequences = tuple(tuple(tokenizer.encode(text)) for text in tool_stops)
+            self.sampling = dataclasses.replace(
+                self.sampling,
+                stop_sequences=tuple(dict.fromkeys((*sampling.stop_sequences, *sequences))),
+            )
+            self.max_context_tokens = bucket_length(max_prompt_tokens) + max(
+                self.episode_config.max_episode_tokens, sampling.max_new_tokens
+            )
         self.worker_id = worker_id
         self.graphdef = graphdef
         self.task, self.tokenizer, self.scorer = task, tokenizer, scorer
@@ -112,6 +178,7 @@ class InferenceWorker:
         self.failed_pulls = 0
         self.replay_log = ReplayLog()
         self._launched: _Launched | None = None
+        self._steps: concurrent.futures.ThreadPoolExecutor | None = None  # tool steps
 
     # -- weights ---------------------------------------------------------------------
     def sync_weights(self) -> bool:
@@ -168,6 +235,7 @@ class InferenceWorker:
             self.sampling,
             num_slots=self.num_slots,
             max_prompt_len=self.max_prompt_tokens,
+            max_context_len=self.max_context_tokens,
             version=version,
             chunk_steps=self.chunk_steps,
         )
@@ -186,8 +254,8 @@ class InferenceWorker:
         return self.capacity - len(self.requests)
 
     def submit(self, issue: Issue, problem: Problem) -> None:
-        """Starts generating the ``n`` samples of one issued prompt."""
-        prompt = self.tokenizer.encode(self.task.format_prompt(problem))
+        """Starts generating the ``n`` samples (or episodes) of one issued prompt."""
+        prompt = self._prompt(problem)
         if len(prompt) > self.max_prompt_tokens:
             raise ValueError(
                 f"problem {problem.id}: prompt of {len(prompt)} tokens exceeds "
@@ -206,10 +274,31 @@ class InferenceWorker:
                 prompt_tokens=len(prompt),
             )
 
+    def _prompt(self, problem: Problem) -> list[int]:
+        if self.episode_config is not None:  # the environment writes the prompt
+            assert isinstance(self.task, EpisodicTask)
+            observation = self.task.make_environment().reset(problem)
+            return encode_observation(observation, self.tokenizer).tolist()
+        return self.tokenizer.encode(self.task.format_prompt(problem))
+
     def _start(self, issue: Issue, problem: Problem, prompt: list[int], now: float) -> None:
         engine = self._engine
-        self.requests[issue.group_id] = _Request(issue, problem, prompt, now)
-        engine.submit(prompt, rng=issue.seed, request_id=issue.group_id)
+        request = _Request(issue, problem, prompt, now)
+        self.requests[issue.group_id] = request
+        if self.episode_config is None:
+            engine.submit(prompt, rng=issue.seed, request_id=issue.group_id)
+        else:
+            assert isinstance(self.task, EpisodicTask)
+            array = np.asarray(prompt, np.int32)
+            for j in range(self.sampling.n):
+                environment = self.task.make_environment()
+                environment.reset(problem)
+                request.environments.append(environment)
+                request.episodes.append(Episode(problem, j, array))
+            budget = min(self.sampling.max_new_tokens, self.episode_config.max_episode_tokens)
+            engine.submit(
+                prompt, rng=issue.seed, request_id=issue.group_id, max_new_tokens=budget, hold=True
+            )
         self.replay_log.submitted(issue.group_id)
 
     # -- generation ------------------------------------------------------------------
@@ -231,7 +320,7 @@ class InferenceWorker:
         if self.engine is None or not self.requests:
             return
         n = self.sampling.n
-        rows = sum(n - len(r.done) for r in self.requests.values())
+        rows = sum(n - len(r.done) - r.finished for r in self.requests.values())
         started = sum(n for r in self.requests.values() if r.chunks == 0)
         chunks_before = {g: r.chunks for g, r in self.requests.items()}
         start = self.clock()
@@ -257,8 +346,8 @@ class InferenceWorker:
             steps = self.chunk_steps
         else:  # it stopped when its longest row did
             steps = max(
-                (
-                    c.num_tokens - self.chunk_steps * launched.chunks_before[c.request_id]
+                (  # a resumed turn counts from its resume: at least 0
+                    max(0, c.num_tokens - self.chunk_steps * launched.chunks_before[c.request_id])
                     for c in finished
                 ),
                 default=0,
@@ -289,11 +378,57 @@ class InferenceWorker:
         complete = []
         for completion in finished:
             request = self.requests[completion.request_id]
-            request.done.append(completion)
             self.generated_tokens += completion.num_tokens
-            if len(request.done) == self.sampling.n:
+            if self.episode_config is not None:
+                if not self._take_turn(request, completion):
+                    continue
+            else:
+                request.done.append(completion)
+            if len(request.done) + request.finished == self.sampling.n:
                 complete.append(self.requests.pop(completion.request_id))
         return complete, finished
+
+    def _take_turn(self, request: _Request, completion: Completion) -> bool:
+        """Steps the environment after one policy turn and resumes the sample's parked
+        row with the observation; returns whether the episode ended.
+
+        A turn that did not park (the end token, the turn's budget, or a row without
+        room for an observation) can go on in no row, so an episode the environment
+        would continue ends there as ``"length"``.
+        """
+        config = self.episode_config
+        assert config is not None
+        group, j = completion.request_id, completion.sample_index
+        episode, environment = request.episodes[j], request.environments[j]
+        episode.add_policy_tokens(completion)
+        ids = completion.tokens.tolist()
+        action = Action(self.tokenizer.decode(ids), tuple(ids), completion.finish_reason)
+        if self._steps is None:
+            self._steps = concurrent.futures.ThreadPoolExecutor(
+                config.tool_workers, f"{self.worker_id}-step"
+            )
+        record = resolve_step(
+            self._steps, environment, action, self.tokenizer, episode, config.step_timeout_s
+        )
+        if not completion.parked and not record.done:
+            episode.finish_reason = "length"
+        elif advance_episode(episode, record, config):
+            budget = min(
+                self.sampling.max_new_tokens, config.max_episode_tokens - len(episode.tokens)
+            )
+            key = jax.random.fold_in(
+                jax.random.fold_in(jax.random.key(request.issue.seed), _TURN_DOMAIN), episode.turns
+            )
+            self._engine.resume(
+                group, record.observation_ids, key, sample_index=j, max_new_tokens=budget
+            )
+            self.replay_log.resumed(group, j, record.observation_ids)
+            return False
+        elif completion.parked:
+            self._engine.release(group, j)
+            self.replay_log.released(group, j)
+        request.finished += 1
+        return True
 
     def _text(self, completion: Completion) -> str:
         tokens = completion.tokens.tolist()
@@ -309,6 +444,8 @@ class InferenceWorker:
         """Scores the prompts ``fetch`` returned; their rollouts, in order."""
         if not requests:
             return []
+        if self.episode_config is not None:
+            return self._episode_rollouts(requests)
         pairs = [(r, c) for r in requests for c in sorted(r.done, key=lambda c: c.sample_index)]
         start = self.clock()
         results = self.scorer.score(
@@ -362,6 +499,41 @@ class InferenceWorker:
             duration_s=score_s,
             samples=len(pairs),
         )
+        return rollouts
+
+    def _episode_rollouts(self, requests: list[_Request]) -> list[Rollout]:
+        """The finished episodes of ``requests`` as rollouts, rewarded by their
+        environments."""
+        now = self.clock()
+        rollouts = []
+        for request in requests:
+            for episode in request.episodes:
+                timings = {"issued_s": request.issued_s, "finished_s": now}
+                rollout = episode.to_rollout(
+                    request.issue.group_id, worker_id=self.worker_id, timings=timings
+                )
+                final = episode.steps[-1].info if episode.steps else {}
+                rollout.reward_info.update(
+                    {
+                        "parsed": final.get("parsed"),
+                        "reason": final.get("reason"),
+                        # Turns the environment answered with an observation: tool calls.
+                        "tool_calls": sum(not step.done for step in episode.steps),
+                    }
+                )
+                self.trace.record(
+                    now,
+                    "generation_end",
+                    self.worker_id,
+                    rollout.last_version,
+                    sample=rollout.sample_id,
+                    rollout=rollout.group_id,
+                    tokens=rollout.num_tokens,
+                    first_version=rollout.first_version,
+                    finish=rollout.finish_reason,
+                    turns=episode.turns,
+                )
+                rollouts.append(rollout)
         return rollouts
 
     # -- faults ----------------------------------------------------------------------
@@ -432,7 +604,7 @@ class InferenceWorker:
                     case Submit(group_id=group_id):
                         issue = issue_for(group_id)
                         problem = problem_for(issue)
-                        prompt = self.tokenizer.encode(self.task.format_prompt(problem))
+                        prompt = self._prompt(problem)
                         self._start(issue, problem, prompt, issued.get(group_id, 0.0))
                     case Decode():
                         self.engine.launch()
@@ -440,6 +612,16 @@ class InferenceWorker:
                     case UpdateWeights(version=version, recompute_cache=recompute_cache):
                         params = weights_for(version)
                         self._take_weights(version, params, recompute_cache=recompute_cache)
+                    case Resume() | Release():  # the replayed decode's environments redo it
+                        pass
+            replayed = [op.to_json() for op in self.replay_log.ops]
+            if self.episode_config is not None and replayed != [op.to_json() for op in ops]:
+                raise ValueError(
+                    f"{self.worker_id}: replaying the checkpoint's log did not redo its "
+                    "multi-turn ops: an environment answered a step differently, or a tool "
+                    "step timed out in one run only (a mid-episode restore needs "
+                    "environments that answer the same action the same way)"
+                )
             if sorted(self.requests) != sorted(issued):
                 raise ValueError(
                     f"{self.worker_id}: replaying the checkpoint's log left prompts "

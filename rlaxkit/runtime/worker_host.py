@@ -118,6 +118,7 @@ class WorkerHost:
             num_slots=config.runtime.slots_per_worker,
             chunk_steps=config.runtime.chunk_steps,
             max_prompt_tokens=config.runtime.max_prompt_tokens,
+            episodes=config.episodes,
         )
 
     def _drain(self) -> list[TraceEvent]:
