@@ -410,6 +410,18 @@ class InferenceWorker:
         record = resolve_step(
             self._steps, environment, action, self.tokenizer, episode, config.step_timeout_s
         )
+        self.trace.record(  # as run_episodes writes it, for sim.calibrate's turn fit
+            self.clock(),
+            "tool_call",
+            self.worker_id,
+            int(completion.versions[-1]) if completion.num_tokens else self.version,
+            sample=f"{group}:{j}",
+            turn=episode.turns - 1,
+            duration_s=record.duration_s,
+            outcome=record.outcome,
+            observation_tokens=len(record.observation_ids),
+            action_tokens=len(action.token_ids),
+        )
         if not completion.parked and not record.done:
             episode.finish_reason = "length"
         elif advance_episode(episode, record, config):
@@ -531,7 +543,7 @@ class InferenceWorker:
                     tokens=rollout.num_tokens,
                     first_version=rollout.first_version,
                     finish=rollout.finish_reason,
-                    turns=episode.turns,
+                    turn_tokens=[len(step.action.token_ids) for step in episode.steps],
                 )
                 rollouts.append(rollout)
         return rollouts

@@ -22,6 +22,7 @@ from rlaxkit.runtime.build import build_policy, build_task, warm_start
 from rlaxkit.tasks import RewardRunner, make_task
 from rlaxkit.trace import MemoryTrace
 from rlaxkit.worker import InferenceWorker
+from sim.calibrate_turns import fit_turns
 
 # Two-digit by one-digit products ("65*2="), a 2-layer, 32-wide char model and a short
 # warm start on the demonstrations (call, observation, answer): most episodes call the
@@ -109,10 +110,10 @@ def problem_for(item: Issue):
     return PROBLEMS[item.problem_index]
 
 
-def ready_worker(policy):
+def ready_worker(policy, trace=None):
     server = InProcessParameterServer()
     server.push(0, policy[1])
-    worker = make_worker(policy, server)
+    worker = make_worker(policy, server, trace)
     assert worker.sync_weights()
     return worker
 
@@ -167,7 +168,8 @@ def assert_identical(rollouts, expected):
 
 
 def test_trained_tokens_are_the_sampled_ids_plus_the_observation_ids(policy):
-    worker = ready_worker(policy)
+    trace = MemoryTrace()
+    worker = ready_worker(policy, trace)
     turns = record_engine(worker)
     worker.submit(issue(0), PROBLEMS[0])
     worker.submit(issue(1), PROBLEMS[1])
@@ -197,6 +199,18 @@ def test_trained_tokens_are_the_sampled_ids_plus_the_observation_ids(policy):
             batch.loss_mask[row, p : p + n].tolist() == rollout.policy_mask.astype(float).tolist()
         )
     assert worker.generated_tokens == sum(int(r.policy_mask.sum()) for r in rollouts)
+    # The trace has one tool_call event per environment step and each episode's policy
+    # tokens per turn, from which the simulator fits the turns of each episode.
+    events = trace.events
+    calls = [e for e in events if e.kind == "tool_call"]
+    assert len(calls) == sum(r.reward_info["turns"] for r in rollouts)
+    ends = {e["sample"]: e for e in events if e.kind == "generation_end"}
+    for rollout in rollouts:
+        end = ends[rollout.sample_id]
+        assert end["tokens"] == rollout.num_tokens
+        assert sum(end["turn_tokens"]) == int(rollout.policy_mask.sum())
+    fit = fit_turns(events)
+    assert sorted(fit.turns.values) == sorted(r.reward_info["turns"] for r in rollouts)
 
 
 def test_a_restored_worker_regenerates_its_episodes_mid_episode_bit_for_bit(policy):
