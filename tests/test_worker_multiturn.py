@@ -298,3 +298,34 @@ def test_a_local_run_of_episodes_keeps_its_books_and_is_deterministic(cache):
     rollouts = [r for g in groups for r in g.rollouts]
     assert any(not r.policy_mask.all() for r in rollouts)  # tool observations were trained on
     assert {r.finish_reason for r in rollouts} <= {"stop", "max_turns", "length"}
+
+
+def learning_metrics(history):
+    skip = ("time/", "throughput/")  # wall-clock figures
+    return [{k: v for k, v in m.items() if not k.startswith(skip)} for m in history]
+
+
+def test_a_run_resumed_from_a_checkpoint_with_episodes_in_flight_is_the_uninterrupted_one(
+    cache, tmp_path
+):
+    # In-flight pulls and eta 4 keep the engines busy across steps: the checkpoint of
+    # step 2 finds episodes that resumed after a tool call and have not ended.
+    overrides = [
+        "steps=3",
+        "checkpoint.every_steps=2",
+        "weight_sync.pull_mode=in_flight",
+        "staleness.max_staleness=4",
+    ]
+    config = RunConfig.from_overrides(overrides, base=CONFIG)
+    with Experiment(config, run_dir=tmp_path / "straight", cache_dir=cache) as exp:
+        exp.run()
+        uninterrupted = learning_metrics(exp.history)
+    with Experiment(config, run_dir=tmp_path / "stopped", cache_dir=cache) as exp:
+        exp.run(2)  # checkpoints at step 2, with episodes in flight
+        snapshots = [slot.handle.worker.snapshot() for slot in exp.fleet.workers]
+    assert any(op[0] == "r" for s in snapshots for op in s["ops"])  # mid-episode
+    with Experiment(config, run_dir=tmp_path / "stopped", cache_dir=cache) as exp:
+        assert exp.resumed_from == 2
+        exp.run()
+        exp.check_accounting()
+        assert learning_metrics(exp.history) == uninterrupted
