@@ -489,18 +489,8 @@ class InferenceWorker:
                 },
                 timings={"issued_s": request.issued_s, "finished_s": now},
             )
-            self.trace.record(
-                now,
-                "generation_end",
-                self.worker_id,
-                rollout.last_version,
-                sample=rollout.sample_id,
-                rollout=rollout.group_id,
-                tokens=rollout.num_tokens,
-                first_version=rollout.first_version,
-                finish=rollout.finish_reason,
-                **({"reward_failure": result.reason} if result.reason in REWARD_FAILURES else {}),
-            )
+            failed = result.reason in REWARD_FAILURES
+            self._record_end(now, rollout, **({"reward_failure": result.reason} if failed else {}))
             rollouts.append(rollout)
         self.trace.record(
             now,
@@ -512,6 +502,21 @@ class InferenceWorker:
             samples=len(pairs),
         )
         return rollouts
+
+    def _record_end(self, now: float, rollout: Rollout, **fields: Any) -> None:
+        """The rollout's ``generation_end`` event."""
+        self.trace.record(
+            now,
+            "generation_end",
+            self.worker_id,
+            rollout.last_version,
+            sample=rollout.sample_id,
+            rollout=rollout.group_id,
+            tokens=rollout.num_tokens,
+            first_version=rollout.first_version,
+            finish=rollout.finish_reason,
+            **fields,
+        )
 
     def _episode_rollouts(self, requests: list[_Request]) -> list[Rollout]:
         """The finished episodes of ``requests`` as rollouts, rewarded by their
@@ -533,18 +538,8 @@ class InferenceWorker:
                         "tool_calls": sum(not step.done for step in episode.steps),
                     }
                 )
-                self.trace.record(
-                    now,
-                    "generation_end",
-                    self.worker_id,
-                    rollout.last_version,
-                    sample=rollout.sample_id,
-                    rollout=rollout.group_id,
-                    tokens=rollout.num_tokens,
-                    first_version=rollout.first_version,
-                    finish=rollout.finish_reason,
-                    turn_tokens=[len(step.action.token_ids) for step in episode.steps],
-                )
+                turns = [len(step.action.token_ids) for step in episode.steps]
+                self._record_end(now, rollout, turn_tokens=turns)
                 rollouts.append(rollout)
         return rollouts
 

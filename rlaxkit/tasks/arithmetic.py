@@ -20,12 +20,11 @@ from rlaxkit.tasks.base import (
     PromptConfig,
     RewardExecution,
     RewardResult,
-    Split,
+    SeededProblems,
     check_choices,
     check_range,
     cut_at_stop,
     format_prompt,
-    generate_split,
     stable_id,
 )
 from rlaxkit.tasks.expressions import ExpressionError, evaluate_expression
@@ -85,7 +84,7 @@ class ArithmeticConfig:
 
 
 @register_task("arithmetic", ArithmeticConfig)
-class ArithmeticTask:
+class ArithmeticTask(SeededProblems):
     """Exact-match integer arithmetic; reward 1 for the right integer, else 0.
 
     The reward is a regex and an integer comparison, pure and bounded, so it runs
@@ -104,18 +103,6 @@ class ArithmeticTask:
 
     def __init__(self, config: ArithmeticConfig | None = None):
         self.config = config or ArithmeticConfig()
-
-    def problems(self, split: Split, n: int | None = None) -> list[Problem]:
-        """The first ``n`` (default 1000) distinct problems of ``split``."""
-        c = self.config
-        return generate_split(
-            self._draw,
-            split=split,
-            n=1000 if n is None else n,
-            seed=c.seed,
-            test_fraction=c.test_fraction,
-            task_name=self.name,
-        )
 
     def format_prompt(self, problem: Problem, chat: ChatTemplate | None = None) -> str:
         """The prompt string for ``problem`` (by default just ``"12+7="``)."""

@@ -207,6 +207,30 @@ def split_of(key: str, test_fraction: float) -> Split:
     return "test" if int.from_bytes(digest, "big") / 2.0**64 < test_fraction else "train"
 
 
+class SeededProblems:
+    """``problems`` for a task whose problems come from a seeded stream of draws: its
+    ``_draw(rng)`` (see :func:`generate_split`) and its config's ``seed`` and
+    ``test_fraction``."""
+
+    name: str
+    config: Any
+
+    def _draw(self, rng: random.Random) -> tuple[str, Problem] | None:
+        raise NotImplementedError
+
+    def problems(self, split: Split, n: int | None = None) -> list[Problem]:
+        """The first ``n`` (default 1000) distinct problems of ``split``."""
+        c = self.config
+        return generate_split(
+            self._draw,
+            split=split,
+            n=1000 if n is None else n,
+            seed=c.seed,
+            test_fraction=c.test_fraction,
+            task_name=self.name,
+        )
+
+
 def generate_split(
     draw: Callable[[random.Random], tuple[str, Problem] | None],
     *,

@@ -39,10 +39,9 @@ from rlaxkit.tasks.base import (
     PromptConfig,
     RewardExecution,
     RewardResult,
-    Split,
+    SeededProblems,
     check_range,
     format_prompt,
-    generate_split,
     stable_id,
 )
 from rlaxkit.tasks.registry import register_task
@@ -154,7 +153,7 @@ class CalculatorConfig:
 
 
 @register_task("calculator", CalculatorConfig)
-class CalculatorTask:
+class CalculatorTask(SeededProblems):
     """``a*b=`` with a calculator tool; reward 1 for the right integer in the last turn.
 
     ``score`` reads a whole single-turn completion or transcript: the answer is what
@@ -171,18 +170,6 @@ class CalculatorTask:
         self._answers = ArithmeticTask(ArithmeticConfig(max_digits=digits, stop="\n"))
         close = re.escape(self.config.call_close)
         self._observation = re.compile(close + r"=[^\n]*\n")
-
-    def problems(self, split: Split, n: int | None = None) -> list[Problem]:
-        """The first ``n`` (default 1000) distinct problems of ``split``."""
-        c = self.config
-        return generate_split(
-            self._draw,
-            split=split,
-            n=1000 if n is None else n,
-            seed=c.seed,
-            test_fraction=c.test_fraction,
-            task_name=self.name,
-        )
 
     def make_environment(self) -> CalculatorEnvironment:
         """A fresh environment for one episode (``rlaxkit.episodes.EpisodicTask``)."""

@@ -24,11 +24,10 @@ from rlaxkit.tasks.base import (
     PromptConfig,
     RewardExecution,
     RewardResult,
-    Split,
+    SeededProblems,
     check_range,
     cut_at_stop,
     format_prompt,
-    generate_split,
     stable_id,
 )
 from rlaxkit.tasks.expressions import ExpressionError, evaluate_expression, render
@@ -114,7 +113,7 @@ def check_solution(expression: str, numbers: list[int], target: int) -> RewardRe
 
 
 @register_task("countdown", CountdownConfig)
-class CountdownTask:
+class CountdownTask(SeededProblems):
     """Countdown problems with an exact, ``ast``-based verifier.
 
     The verifier parses at most ``MAX_EXPRESSION_CHARS`` characters and does exact
@@ -128,18 +127,6 @@ class CountdownTask:
 
     def __init__(self, config: CountdownConfig | None = None):
         self.config = config or CountdownConfig()
-
-    def problems(self, split: Split, n: int | None = None) -> list[Problem]:
-        """The first ``n`` (default 1000) distinct problems of ``split``."""
-        c = self.config
-        return generate_split(
-            self._draw,
-            split=split,
-            n=1000 if n is None else n,
-            seed=c.seed,
-            test_fraction=c.test_fraction,
-            task_name=self.name,
-        )
 
     def format_prompt(self, problem: Problem, chat: ChatTemplate | None = None) -> str:
         """The prompt string for ``problem`` (by default ``"3,7,25->100:"``)."""
