@@ -115,11 +115,13 @@ class RayTransport:
 
     def kill(self, handle: Any) -> None:
         self._starting.pop(id(handle), None)
+        self._start_s.pop(id(handle), None)
         with contextlib.suppress(Exception):
             ray.kill(handle)
 
     def stop(self, handle: Any) -> None:
         self._starting.pop(id(handle), None)
+        self._start_s.pop(id(handle), None)
         stop_actor(handle)
 
 
