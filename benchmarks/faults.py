@@ -37,6 +37,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import tempfile
@@ -71,30 +72,18 @@ def run(config: RunConfig, run_dir: Path, cache: Path, plan: FaultPlan | None, *
 
 def run_on_ray(config: RunConfig, root: Path, plan: FaultPlan) -> dict | None:
     """The faulted run on the Ray placement (``None`` without Ray)."""
-    try:
-        import ray
-    except ModuleNotFoundError:
+    if importlib.util.find_spec("ray") is None:
         return None
     from rlaxkit.ray_config import small_cluster_config
     from rlaxkit.runtime.faults import RAY_KINDS
 
     ray_plan = FaultPlan(tuple(f for f in plan if f.kind in RAY_KINDS))
-    from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG
+    from rlaxkit.param_server.ray_store import local_cluster
 
     on_ray = RunConfig.from_dict(apply_overrides(config.to_dict(), ["runtime.backend=ray"]))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _temp_dir=tempfile.mkdtemp(prefix="ray-"),  # socket paths must be short
-        _system_config=RAY_SYSTEM_CONFIG,
-    )
-    try:
+    with local_cluster(num_cpus=2):
         extra = {"ray_config": small_cluster_config()}
         return run(on_ray, root / "ray", root / "cache", ray_plan, **extra)
-    finally:
-        ray.shutdown()
 
 
 def main() -> None:

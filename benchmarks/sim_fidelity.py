@@ -174,19 +174,9 @@ def ray_fidelity(cache: str, *, steps: int, warmup_steps: int, repeats: int) -> 
     CPUs, so a short probe run with one preemption (also the warm-up) times a
     replacement on its own; the prediction is made with both (``predicted``: the
     probe's; ``predicted_initial``: the first actors')."""
-    import ray
+    from rlaxkit.param_server.ray_store import local_cluster
 
-    from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _temp_dir=tempfile.mkdtemp(prefix="ray-"),  # socket paths must be short
-        _system_config=RAY_SYSTEM_CONFIG,
-    )
-    try:
+    with local_cluster(num_cpus=2):
         record = ray_recorder(cache, warmup_steps)
         probe_plan = FaultPlan(
             (Fault(kind="preempt_worker", target="worker-0", at_s=4.0, restart_after_s=1.0),)
@@ -196,8 +186,6 @@ def ray_fidelity(cache: str, *, steps: int, warmup_steps: int, repeats: int) -> 
         base = record(FaultPlan(), steps)
         plan = PLANS["workers"]
         measured = _measure(record(plan, steps), warmup_steps)
-    finally:
-        ray.shutdown()
     initial = sim.calibrate(base, warmup_steps=warmup_steps, faults=plan, repeats=repeats)
     probed = sim.calibrate(
         base,

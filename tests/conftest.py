@@ -43,23 +43,11 @@ def ray_cluster():
     """One local Ray cluster (2 CPUs) per test module. Its files stay in a short temp dir
     (Ray's socket paths must fit in 107 bytes); evicted weight versions are freed at
     once, as clusters the Ray backend starts do (``RAY_SYSTEM_CONFIG``)."""
-    import shutil
-    import tempfile
+    pytest.importorskip("ray")
+    from rlaxkit.param_server.ray_store import local_cluster
 
-    ray = pytest.importorskip("ray")
-    from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG
-
-    temp_dir = tempfile.mkdtemp(prefix="ray-")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _temp_dir=temp_dir,
-        log_to_driver=False,
-        _system_config=RAY_SYSTEM_CONFIG,
-    )
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    with local_cluster(num_cpus=2):
+        yield
 
 
 # Modules whose tests start processes of their own (a Ray cluster, JAX processes): with

@@ -48,6 +48,10 @@ On a running Ray cluster (not run here: it needs one):
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, TypeAlias
@@ -73,6 +77,7 @@ __all__ = [
     "ParameterServerActor",
     "RayObjectStoreParameterServer",
     "WeightsLostError",
+    "local_cluster",
     "parameter_server_actor",
 ]
 
@@ -85,6 +90,33 @@ ParameterServerHandle: TypeAlias = Any
 RAY_SYSTEM_CONFIG: dict[str, Any] = {"free_objects_period_milliseconds": 0}
 """Ray system config under which pushes reuse evicted versions' memory at once (see the
 module docstring); ``ray.init(_system_config=RAY_SYSTEM_CONFIG)``."""
+
+
+@contextlib.contextmanager
+def local_cluster(
+    num_cpus: int = 2, *, system_config: Mapping[str, Any] | None = RAY_SYSTEM_CONFIG
+) -> Iterator[None]:
+    """A Ray cluster on this machine for the life of the block, as tests and benchmarks
+    start one: ``num_cpus`` logical CPUs, no dashboard, workers' logs kept from the
+    driver, ``system_config`` (default ``RAY_SYSTEM_CONFIG``; ``None``: Ray's own), and
+    a short session directory (Ray's socket paths must fit in 107 bytes), removed at the
+    end. Ray's token authentication is off unless ``RAY_AUTH_MODE`` says otherwise (it
+    would write a token under the home directory)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    temp_dir = tempfile.mkdtemp(prefix="ray-")
+    extra = {} if system_config is None else {"_system_config": dict(system_config)}
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=temp_dir,
+        **extra,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 class WeightsLostError(RuntimeError):
