@@ -43,18 +43,21 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Action",
+    "DelayedEnvironment",
     "Environment",
     "Episode",
     "EpisodeConfig",
     "EpisodicTask",
     "Observation",
+    "PendingStep",
     "StepRecord",
     "StepResult",
     "advance_episode",
     "encode_observation",
+    "collect_step",
     "episode_sampling",
-    "resolve_step",
     "run_episodes",
+    "submit_step",
 ]
 
 Observation = str | Sequence[int]  # text (encoded with the run's tokenizer) or token ids
@@ -129,10 +132,19 @@ class EpisodeConfig:
         max_episode_tokens: the most tokens after the prompt (policy and environment's);
             the prompt plus these must fit the engine's ``max_prompt_len``.
         step_timeout_s: seconds an environment step may take (``None``: no limit).
-        tool_workers: threads that run environment steps.
+        tool_workers: threads that run environment steps. A step that waits on a slow
+            tool holds its thread, and the steps behind it wait in the pool's queue:
+            give as many as rows may wait at once for one slow tool not to hold up
+            the others.
         keep_cache: a turn ending in a tool call keeps its engine row and KV cache until
             the tool answers (``InferenceEngine.resume`` prefills only the observation);
             otherwise each turn prefills its whole context.
+        release_after_s: the runtime's worker in a free-running mode (``runtime.mode=
+            concurrent``) releases the row of a tool call that has run this many
+            seconds to other requests; when the tool answers, the turn goes on as a
+            request of the whole context (``None``: the row waits for the answer or the
+            timeout). The deterministic mode refuses it (wall-clock timing would decide
+            which rows go on where); ``run_episodes`` does not use it.
     """
 
     samples_per_problem: int = 1
@@ -141,6 +153,7 @@ class EpisodeConfig:
     step_timeout_s: float | None = 5.0
     tool_workers: int = 4
     keep_cache: bool = False
+    release_after_s: float | None = None
 
     def __post_init__(self) -> None:
         check_int("samples_per_problem", self.samples_per_problem, minimum=1)
@@ -149,6 +162,36 @@ class EpisodeConfig:
         check_int("tool_workers", self.tool_workers, minimum=1)
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s: must be > 0 or None, got {self.step_timeout_s!r}")
+        if self.release_after_s is not None and not (
+            isinstance(self.release_after_s, int | float) and self.release_after_s >= 0
+        ):
+            raise ValueError(
+                f"release_after_s: must be >= 0 (seconds) or None, got {self.release_after_s!r}"
+            )
+
+
+class DelayedEnvironment:
+    """An ``Environment`` whose every step first sleeps ``latency_s()`` seconds: a slow
+    tool (a sandbox, a web call) in front of a fast one, for tests and benchmarks.
+
+    Args:
+        environment: the environment that answers.
+        latency_s: draws one step's delay in seconds (called in the step's thread).
+    """
+
+    def __init__(self, environment: Environment, latency_s: Callable[[], float]):
+        self.environment, self.latency_s = environment, latency_s
+        self.tool_stops = environment.tool_stops
+
+    def reset(self, problem: Problem) -> Observation:
+        return self.environment.reset(problem)
+
+    def step(self, action: Action) -> StepResult:
+        time.sleep(self.latency_s())
+        return self.environment.step(action)
+
+    def error_observation(self, outcome: StepOutcome, detail: str) -> Observation:
+        return self.environment.error_observation(outcome, detail)
 
 
 @dataclass(frozen=True)
@@ -255,16 +298,20 @@ def episode_sampling(
 
 
 @dataclass
-class _Pending:
-    """An environment step in flight for episode ``index``."""
+class PendingStep:
+    """An environment step in flight for episode ``index`` (``submit_step``)."""
 
     index: int
     action: Action
     parked: bool  # the engine holds the episode's row for ``resume``
     future: concurrent.futures.Future[StepResult]
-    deadline_s: float
+    deadline_s: float  # on ``time.monotonic``
     submitted_s: float  # on the run's clock
     ran: list[float] = field(default_factory=list)  # [start_s, end_s] once the step ran
+
+    def due(self) -> bool:
+        """Whether ``collect_step`` returns at once: the step ended or its time is up."""
+        return self.future.done() or time.monotonic() >= self.deadline_s
 
 
 def _timed(
@@ -279,6 +326,25 @@ def _timed(
         return step(action)
     finally:
         ran.append(clock())
+
+
+def submit_step(
+    pool: concurrent.futures.Executor,
+    environment: Environment,
+    action: Action,
+    *,
+    index: int,
+    parked: bool,
+    clock: Callable[[], float],
+    timeout_s: float | None,
+) -> PendingStep:
+    """Starts ``environment.step(action)`` in ``pool``, to run at most ``timeout_s``
+    seconds (``None``: no limit); ``collect_step`` takes its answer."""
+    ran: list[float] = []
+    deadline_s = time.monotonic() + (timeout_s or float("inf"))
+    submitted_s = clock()
+    future = pool.submit(_timed, environment.step, action, clock, ran)
+    return PendingStep(index, action, parked, future, deadline_s, submitted_s, ran)
 
 
 def run_episodes(
@@ -367,14 +433,16 @@ def run_episodes(
         start_turn(index, parked=False)
     pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers, "environment-step")
     try:
-        waiting: list[_Pending] = []
+        waiting: list[PendingStep] = []
         while waiting or not engine.idle:
             if weight_source is not None and (new := weight_source()) is not None:
                 engine.update_weights(*new)
             finished = engine.step()
             for pending in waiting:
                 index = pending.index
-                record = _resolve(pending, environments[index], tokenizer, episodes[index], clock())
+                record = collect_step(
+                    pending, environments[index], tokenizer, episodes[index], clock()
+                )
                 if trace is not None:
                     _record_tool_call(trace, trace_actor, pending, record, episodes[index], n)
                 if advance_episode(episodes[index], record, config):
@@ -387,13 +455,16 @@ def run_episodes(
                 episode.add_policy_tokens(completion)
                 ids = completion.tokens.tolist()
                 action = Action(tokenizer.decode(ids), tuple(ids), completion.finish_reason)
-                step = environments[completion.request_id].step
-                deadline = time.monotonic() + (config.step_timeout_s or float("inf"))
-                ran: list[float] = []
-                submitted = clock()
-                future = pool.submit(_timed, step, action, clock, ran)
-                index, parked = completion.request_id, completion.parked
-                waiting.append(_Pending(index, action, parked, future, deadline, submitted, ran))
+                pending = submit_step(
+                    pool,
+                    environments[completion.request_id],
+                    action,
+                    index=completion.request_id,
+                    parked=completion.parked,
+                    clock=clock,
+                    timeout_s=config.step_timeout_s,
+                )
+                waiting.append(pending)
     except BaseException:
         engine.abort()  # leave no turn running or parked
         raise
@@ -402,8 +473,8 @@ def run_episodes(
     return episodes
 
 
-def _resolve(
-    pending: _Pending,
+def collect_step(
+    pending: PendingStep,
     environment: Environment,
     tokenizer: Tokenizer,
     episode: Episode,
@@ -448,7 +519,7 @@ def _resolve(
 def _record_tool_call(
     trace: TraceSink,
     actor: str,
-    pending: _Pending,
+    pending: PendingStep,
     record: StepRecord,
     episode: Episode,
     samples_per_problem: int,
@@ -469,25 +540,6 @@ def _record_tool_call(
         observation_tokens=len(record.observation_ids),
         action_tokens=len(record.action.token_ids),
     )
-
-
-def resolve_step(
-    pool: concurrent.futures.Executor,
-    environment: Environment,
-    action: Action,
-    tokenizer: Tokenizer,
-    episode: Episode,
-    timeout_s: float | None,
-) -> StepRecord:
-    """Runs one environment step in ``pool`` and waits for it, at most ``timeout_s``
-    seconds; records it on ``episode`` like ``run_episodes`` does (a step that raised or
-    timed out becomes the environment's error observation) and returns it."""
-    ran: list[float] = []
-    deadline_s = time.monotonic() + (timeout_s or float("inf"))
-    submitted_s = time.monotonic()
-    future = pool.submit(_timed, environment.step, action, time.monotonic, ran)
-    pending = _Pending(episode.sample_index, action, False, future, deadline_s, submitted_s, ran)
-    return _resolve(pending, environment, tokenizer, episode, time.monotonic())
 
 
 def advance_episode(episode: Episode, record: StepRecord, config: EpisodeConfig) -> bool:

@@ -8,11 +8,12 @@ RLAX: every rollout from one version). When all ``n`` samples of a prompt are do
 scores them with the task's verifiable reward and hands back ``Rollout``s.
 
 A task with environments (``rlaxkit.episodes.EpisodicTask``, e.g. the calculator) makes
-every sample an episode: the ``n`` samples of a prompt are submitted with ``hold=True``;
-a turn that ends at a tool call parks its row, the worker steps that sample's
-environment (in the chunk loop, under ``EpisodeConfig.step_timeout_s``), and resumes
-the row after the observation's ids, until the environment ends the episode or its
-turns or tokens run out. A finished episode is one ``Rollout`` whose trained tokens are
+every sample an episode (``rlaxkit.worker_episodes.EpisodeTurns``): a turn that ends at a
+tool call parks its row while its environment steps in a thread, and the row resumes
+after the observation's ids, until the environment ends the episode or its turns or
+tokens run out. Steps are resolved before each chunk: all of them in deterministic mode,
+those that are done in a free-running one (``free_running``), where a slow tool holds
+up its own episode only. A finished episode is one ``Rollout`` whose trained tokens are
 the sampled ids followed by the observation ids (``policy_mask`` marks the sampled
 ones); GRPO groups the ``n`` episodes of a prompt. The environment's reward is the
 rollout's: the scorer is not called.
@@ -25,27 +26,16 @@ engine, which regenerates its in-flight prompts bit for bit.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 import numpy as np
 from flax import nnx
 
 from rlaxkit.controller import Issue
-from rlaxkit.episodes import (
-    Action,
-    Environment,
-    Episode,
-    EpisodeConfig,
-    EpisodicTask,
-    advance_episode,
-    encode_observation,
-    resolve_step,
-)
+from rlaxkit.episodes import EpisodeConfig, EpisodicTask
 from rlaxkit.inference import InferenceEngine, SamplingConfig
 from rlaxkit.inference.config import bucket_length
 from rlaxkit.inference.results import Completion
@@ -64,6 +54,7 @@ from rlaxkit.replay_log import (
 from rlaxkit.rollout import Rollout
 from rlaxkit.tasks import REWARD_FAILURES, Problem, RewardRunner, Task
 from rlaxkit.trace import TraceSink
+from rlaxkit.worker_episodes import EpisodeTurns
 
 
 @dataclass
@@ -72,17 +63,8 @@ class _Request:
     problem: Problem
     prompt_tokens: list[int]
     issued_s: float
-    done: list[Completion] = field(default_factory=list)
+    done: list[Completion] = field(default_factory=list)  # a single-turn task's samples
     chunks: int = 0  # decode chunks run since it was submitted
-    # A multi-turn task's episodes, one per sample, and their environments.
-    episodes: list[Episode] = field(default_factory=list)
-    environments: list[Environment] = field(default_factory=list)
-    finished: int = 0  # episodes that ended
-
-
-# Turn k >= 1 of a sample samples from fold_in(fold_in(key(seed), _TURN_DOMAIN), k) (and
-# the sample index, as the engine folds it): a stream apart from the first turn's keys.
-_TURN_DOMAIN = 0x7475726E  # "turn"
 
 
 @dataclass(frozen=True)
@@ -115,10 +97,12 @@ class InferenceWorker:
         max_prompt_tokens: longest prompt accepted.
         episodes: turns, token budget and step timeout of a multi-turn task's episodes
             (default ``EpisodeConfig()``; its ``samples_per_problem`` and ``keep_cache``
-            are not used: a group is ``sampling.n`` episodes and a parked row always
-            keeps its cache; ``tool_workers`` threads run the steps, one at a time, so
-            a step that timed out and runs on does not hold up the next). Ignored for a
-            single-turn task.
+            are not used: a group is ``sampling.n`` episodes and a parked row keeps its
+            cache unless ``release_after_s`` frees it; ``tool_workers`` threads run the
+            steps). Ignored for a single-turn task.
+        free_running: resolve the tool steps that are done and leave the others parked
+            (``runtime.mode=concurrent``); otherwise every step is resolved before the
+            next chunk, in order, so the run is reproducible and its replay log exact.
     """
 
     def __init__(
@@ -139,13 +123,15 @@ class InferenceWorker:
         chunk_steps: int,
         max_prompt_tokens: int,
         episodes: EpisodeConfig | None = None,
+        free_running: bool = False,
     ):
         stop = tuple(dict.fromkeys((*sampling.stop_tokens, tokenizer.eos_id)))
         self.sampling = dataclasses.replace(sampling, stop_tokens=stop)
-        self.episode_config: EpisodeConfig | None = None
+        self.turns: EpisodeTurns | None = None
         self.max_context_tokens: int | None = None  # the engine's default
+        self.max_engine_prompt_tokens = max_prompt_tokens
         if isinstance(task, EpisodicTask):
-            self.episode_config = episodes or EpisodeConfig()
+            config = episodes or EpisodeConfig()
             tool_stops = task.make_environment().tool_stops
             if not tool_stops:
                 raise ValueError(
@@ -159,7 +145,22 @@ class InferenceWorker:
                 stop_sequences=tuple(dict.fromkeys((*sampling.stop_sequences, *sequences))),
             )
             self.max_context_tokens = bucket_length(max_prompt_tokens) + max(
-                self.episode_config.max_episode_tokens, sampling.max_new_tokens
+                config.max_episode_tokens, sampling.max_new_tokens
+            )
+            if config.release_after_s is not None:  # a released turn prefills its context
+                self.max_engine_prompt_tokens = max_prompt_tokens + config.max_episode_tokens
+                self.max_context_tokens = (
+                    bucket_length(self.max_engine_prompt_tokens) + sampling.max_new_tokens
+                )
+            self.turns = EpisodeTurns(
+                worker_id,
+                task,
+                tokenizer,
+                config,
+                max_new_tokens=sampling.max_new_tokens,
+                trace=trace,
+                clock=clock,
+                free_running=free_running,
             )
         self.worker_id = worker_id
         self.graphdef = graphdef
@@ -178,7 +179,7 @@ class InferenceWorker:
         self.failed_pulls = 0
         self.replay_log = ReplayLog()
         self._launched: _Launched | None = None
-        self._steps: concurrent.futures.ThreadPoolExecutor | None = None  # tool steps
+        self._ended: list[_Request] = []  # prompts whose episodes ended before a chunk
 
     # -- weights ---------------------------------------------------------------------
     def sync_weights(self) -> bool:
@@ -234,7 +235,7 @@ class InferenceWorker:
             (self.graphdef, params),
             self.sampling,
             num_slots=self.num_slots,
-            max_prompt_len=self.max_prompt_tokens,
+            max_prompt_len=self.max_engine_prompt_tokens,
             max_context_len=self.max_context_tokens,
             version=version,
             chunk_steps=self.chunk_steps,
@@ -248,9 +249,16 @@ class InferenceWorker:
     # -- prompts ---------------------------------------------------------------------
     @property
     def free(self) -> int:
-        """How many more prompts this worker takes now."""
+        """How many more prompts this worker takes now: ``num_slots // n`` at once, or
+        with ``EpisodeConfig.release_after_s`` as many as its free rows hold (a row
+        released from a slow tool takes a new prompt; the episode's next turn waits in
+        the engine's queue for a row)."""
         if self.draining or self.engine is None:
             return 0
+        if self.turns is not None and self.turns.config.release_after_s is not None:
+            engine = self.engine
+            busy = engine.num_running + engine.num_parked + engine.num_queued
+            return max(0, (self.num_slots - busy) // self.sampling.n)
         return self.capacity - len(self.requests)
 
     def submit(self, issue: Issue, problem: Problem) -> None:
@@ -275,30 +283,18 @@ class InferenceWorker:
             )
 
     def _prompt(self, problem: Problem) -> list[int]:
-        if self.episode_config is not None:  # the environment writes the prompt
-            assert isinstance(self.task, EpisodicTask)
-            observation = self.task.make_environment().reset(problem)
-            return encode_observation(observation, self.tokenizer).tolist()
+        if self.turns is not None:  # the environment writes the prompt
+            return self.turns.prompt(problem)
         return self.tokenizer.encode(self.task.format_prompt(problem))
 
     def _start(self, issue: Issue, problem: Problem, prompt: list[int], now: float) -> None:
         engine = self._engine
         request = _Request(issue, problem, prompt, now)
         self.requests[issue.group_id] = request
-        if self.episode_config is None:
+        if self.turns is None:
             engine.submit(prompt, rng=issue.seed, request_id=issue.group_id)
         else:
-            assert isinstance(self.task, EpisodicTask)
-            array = np.asarray(prompt, np.int32)
-            for j in range(self.sampling.n):
-                environment = self.task.make_environment()
-                environment.reset(problem)
-                request.environments.append(environment)
-                request.episodes.append(Episode(problem, j, array))
-            budget = min(self.sampling.max_new_tokens, self.episode_config.max_episode_tokens)
-            engine.submit(
-                prompt, rng=issue.seed, request_id=issue.group_id, max_new_tokens=budget, hold=True
-            )
+            self.turns.start(engine, issue, problem, prompt, self.sampling.n)
         self.replay_log.submitted(issue.group_id)
 
     # -- generation ------------------------------------------------------------------
@@ -315,17 +311,27 @@ class InferenceWorker:
         return self.score(self.fetch())
 
     def launch(self) -> None:
-        """Dispatches one chunk without waiting for it (JAX runs it asynchronously)."""
+        """Resolves the episodes' tool steps due, then dispatches one chunk without
+        waiting for it (JAX runs it asynchronously)."""
         self._launched = None
-        if self.engine is None or not self.requests:
+        if self.engine is None:
             return
-        n = self.sampling.n
-        rows = sum(n - len(r.done) - r.finished for r in self.requests.values())
-        started = sum(n for r in self.requests.values() if r.chunks == 0)
-        chunks_before = {g: r.chunks for g, r in self.requests.items()}
         start = self.clock()
+        self._advance_turns()
+        if not self.requests:
+            return
+        started = sum(self.sampling.n for r in self.requests.values() if r.chunks == 0)
+        chunks_before = {g: r.chunks for g, r in self.requests.items()}
         self.engine.launch()
+        rows = self.engine.num_running
         self._launched = _Launched(rows, started, chunks_before, self.clock() - start)
+
+    def _advance_turns(self) -> None:
+        """Resolves the tool steps due; the prompts whose episodes all ended wait for
+        ``fetch``."""
+        if self.turns is not None:
+            for group_id in self.turns.advance(self._engine, self.replay_log):
+                self._ended.append(self.requests.pop(group_id))
 
     def fetch(self, *, pipelined: bool = False) -> list[_Request]:
         """Waits for the launched chunk, records its ``decode`` event and returns the
@@ -337,8 +343,11 @@ class InferenceWorker:
         event says so, for its duration is then less than the chunk's cost.
         """
         launched, self._launched = self._launched, None
+        ended, self._ended = self._ended, []
         if launched is None:
-            return []
+            if ended and not self.requests:  # the engine drained
+                self.replay_log.reset(self.version, self._engine.params)
+            return ended
         start = self.clock()
         complete, finished = self._decode()
         end = self.clock()
@@ -366,7 +375,7 @@ class InferenceWorker:
         )
         if not self.requests:  # the engine drained: a fresh one would be the same
             self.replay_log.reset(self.version, self._engine.params)
-        return complete
+        return ended + complete
 
     def _decode(self) -> tuple[list[_Request], list[Completion]]:
         """Finishes the engine's launched chunk; returns the prompts it completed and the
@@ -379,68 +388,13 @@ class InferenceWorker:
         for completion in finished:
             request = self.requests[completion.request_id]
             self.generated_tokens += completion.num_tokens
-            if self.episode_config is not None:
-                if not self._take_turn(request, completion):
-                    continue
-            else:
-                request.done.append(completion)
-            if len(request.done) + request.finished == self.sampling.n:
+            if self.turns is not None:  # the episode ends, or not, when its step resolves
+                self.turns.take_turn(completion, self.version)
+                continue
+            request.done.append(completion)
+            if len(request.done) == self.sampling.n:
                 complete.append(self.requests.pop(completion.request_id))
         return complete, finished
-
-    def _take_turn(self, request: _Request, completion: Completion) -> bool:
-        """Steps the environment after one policy turn and resumes the sample's parked
-        row with the observation; returns whether the episode ended.
-
-        A turn that did not park (the end token, the turn's budget, or a row without
-        room for an observation) can go on in no row, so an episode the environment
-        would continue ends there as ``"length"``.
-        """
-        config = self.episode_config
-        assert config is not None
-        group, j = completion.request_id, completion.sample_index
-        episode, environment = request.episodes[j], request.environments[j]
-        episode.add_policy_tokens(completion)
-        ids = completion.tokens.tolist()
-        action = Action(self.tokenizer.decode(ids), tuple(ids), completion.finish_reason)
-        if self._steps is None:
-            self._steps = concurrent.futures.ThreadPoolExecutor(
-                config.tool_workers, f"{self.worker_id}-step"
-            )
-        record = resolve_step(
-            self._steps, environment, action, self.tokenizer, episode, config.step_timeout_s
-        )
-        self.trace.record(  # as run_episodes writes it, for sim.calibrate's turn fit
-            self.clock(),
-            "tool_call",
-            self.worker_id,
-            int(completion.versions[-1]) if completion.num_tokens else self.version,
-            sample=f"{group}:{j}",
-            turn=episode.turns - 1,
-            duration_s=record.duration_s,
-            outcome=record.outcome,
-            observation_tokens=len(record.observation_ids),
-            action_tokens=len(action.token_ids),
-        )
-        if not completion.parked and not record.done:
-            episode.finish_reason = "length"
-        elif advance_episode(episode, record, config):
-            budget = min(
-                self.sampling.max_new_tokens, config.max_episode_tokens - len(episode.tokens)
-            )
-            key = jax.random.fold_in(
-                jax.random.fold_in(jax.random.key(request.issue.seed), _TURN_DOMAIN), episode.turns
-            )
-            self._engine.resume(
-                group, record.observation_ids, key, sample_index=j, max_new_tokens=budget
-            )
-            self.replay_log.resumed(group, j, record.observation_ids)
-            return False
-        elif completion.parked:
-            self._engine.release(group, j)
-            self.replay_log.released(group, j)
-        request.finished += 1
-        return True
 
     def _text(self, completion: Completion) -> str:
         tokens = completion.tokens.tolist()
@@ -456,8 +410,8 @@ class InferenceWorker:
         """Scores the prompts ``fetch`` returned; their rollouts, in order."""
         if not requests:
             return []
-        if self.episode_config is not None:
-            return self._episode_rollouts(requests)
+        if self.turns is not None:
+            return self._episode_rollouts(self.turns, requests)
         pairs = [(r, c) for r in requests for c in sorted(r.done, key=lambda c: c.sample_index)]
         start = self.clock()
         results = self.scorer.score(
@@ -518,28 +472,15 @@ class InferenceWorker:
             **fields,
         )
 
-    def _episode_rollouts(self, requests: list[_Request]) -> list[Rollout]:
+    def _episode_rollouts(self, turns: EpisodeTurns, requests: list[_Request]) -> list[Rollout]:
         """The finished episodes of ``requests`` as rollouts, rewarded by their
         environments."""
         now = self.clock()
         rollouts = []
         for request in requests:
-            for episode in request.episodes:
-                timings = {"issued_s": request.issued_s, "finished_s": now}
-                rollout = episode.to_rollout(
-                    request.issue.group_id, worker_id=self.worker_id, timings=timings
-                )
-                final = episode.steps[-1].info if episode.steps else {}
-                rollout.reward_info.update(
-                    {
-                        "parsed": final.get("parsed"),
-                        "reason": final.get("reason"),
-                        # Turns the environment answered with an observation: tool calls.
-                        "tool_calls": sum(not step.done for step in episode.steps),
-                    }
-                )
-                turns = [len(step.action.token_ids) for step in episode.steps]
-                self._record_end(now, rollout, turn_tokens=turns)
+            timings = {"issued_s": request.issued_s, "finished_s": now}
+            for rollout, turn_tokens in turns.finish(request.issue.group_id, timings):
+                self._record_end(now, rollout, turn_tokens=turn_tokens)
                 rollouts.append(rollout)
         return rollouts
 
@@ -549,7 +490,10 @@ class InferenceWorker:
         lost = [r.issue for r in self.requests.values()]
         if self.engine is not None:
             self.engine.abort()
+        if self.turns is not None:
+            self.turns.drop()
         self.requests.clear()
+        self._ended = []
         self.engine, self.version, self.draining = None, None, False
         self.replay_log.reset(None)
         return lost
@@ -613,7 +557,8 @@ class InferenceWorker:
                         problem = problem_for(issue)
                         prompt = self._prompt(problem)
                         self._start(issue, problem, prompt, issued.get(group_id, 0.0))
-                    case Decode():
+                    case Decode():  # the steps the worker resolved before the chunk
+                        self._advance_turns()
                         self.engine.launch()
                         self._decode()
                     case UpdateWeights(version=version, recompute_cache=recompute_cache):
@@ -621,8 +566,9 @@ class InferenceWorker:
                         self._take_weights(version, params, recompute_cache=recompute_cache)
                     case Resume() | Release():  # the replayed decode's environments redo it
                         pass
+            self._ended = []  # handed back before the checkpoint
             replayed = [op.to_json() for op in self.replay_log.ops]
-            if self.episode_config is not None and replayed != [op.to_json() for op in ops]:
+            if self.turns is not None and replayed != [op.to_json() for op in ops]:
                 raise ValueError(
                     f"{self.worker_id}: replaying the checkpoint's log did not redo its "
                     "multi-turn ops: an environment answered a step differently, or a tool "
@@ -638,3 +584,8 @@ class InferenceWorker:
         self.draining = snapshot["draining"]
         self.generated_tokens = snapshot["generated_tokens"]
         self.failed_pulls = snapshot["failed_pulls"]
+
+    def close(self) -> None:
+        """Stops the tool-step threads (a multi-turn task's)."""
+        if self.turns is not None:
+            self.turns.close()

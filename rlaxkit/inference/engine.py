@@ -185,11 +185,18 @@ class InferenceEngine:
         max_new_tokens: int | None = None,
         request_id: int | None = None,
         hold: bool = False,
+        sample_index: int | None = None,
     ) -> int:
         """Queues ``config.n`` samples of ``prompt``; returns the request id.
 
         ``request_id`` (default: the next unused integer) must not belong to a request
         still queued, running or parked.
+
+        With ``sample_index``, only that sample of ``request_id`` is queued, and the
+        request's other samples may still be in flight (not this one): a multi-turn
+        sample whose parked row was ``release``d goes on as a prompt of its whole
+        history, with the tokens ``resume(request_id, ..., rng, sample_index=j)`` would
+        have given it.
 
         With ``hold``, a sample whose completion ends with one of
         ``config.stop_sequences`` (and not with a stop token) parks its row: the
@@ -201,28 +208,47 @@ class InferenceEngine:
         ``fold_in(fold_in(rng, j), t)``, so its tokens do not depend on which row or
         chunk generates them: the same as ``generate(model, [prompt], config, [rng])``.
         """
+        (budget,) = budgets(max_new_tokens, 1, self.config)
         (array,) = as_prompts(
             [prompt],
             self.model_config.vocab_size,
             self.model_config.max_position_embeddings,
-            self.config.max_new_tokens,
+            self.config.max_new_tokens if sample_index is None else int(budget),
         )
         if len(array) > self.prompt_width:
             raise ValueError(
                 f"prompt of {len(array)} tokens exceeds max_prompt_len ({self.prompt_width})"
             )
-        (budget,) = budgets(max_new_tokens, 1, self.config)
         if hold and not self.config.stop_sequences:
             raise ValueError("hold=True needs config.stop_sequences (the tool-call ends)")
+        data = key_data(rng)
+        if sample_index is not None:
+            if request_id is None or not 0 <= sample_index < self.config.n:
+                raise ValueError(
+                    f"sample_index={sample_index} needs a request_id and must lie in "
+                    f"[0, {self.config.n})"
+                )
+            if self._holds((request_id, sample_index)):
+                raise ValueError(
+                    f"request {request_id} sample {sample_index} is already queued, "
+                    "running or parked"
+                )
+            self._unfinished[request_id] += 1
+            self._queue.append(_Sample(request_id, sample_index, array, data, int(budget), hold))
+            return request_id
         if request_id is None:
             request_id = next(i for i in self._ids if i not in self._unfinished)
         elif request_id in self._unfinished:
             raise ValueError(f"request {request_id} is already queued, running or parked")
         self._unfinished[request_id] = self.config.n
-        data = key_data(rng)
         for j in range(self.config.n):
             self._queue.append(_Sample(request_id, j, array, data, int(budget), hold))
         return request_id
+
+    def _holds(self, key: tuple[int, int]) -> bool:
+        """Whether sample ``key`` (request, sample) is queued, in a row or parked."""
+        samples = [*self._queue, *(s for s in self._slots if s is not None)]
+        return any((s.request_id, s.sample_index) == key for s in samples)
 
     def resume(
         self,

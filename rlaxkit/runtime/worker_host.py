@@ -119,6 +119,8 @@ class WorkerHost:
             chunk_steps=config.runtime.chunk_steps,
             max_prompt_tokens=config.runtime.max_prompt_tokens,
             episodes=config.episodes,
+            # Concurrent mode's threads leave a slow tool's row parked and decode on.
+            free_running=config.runtime.mode == "concurrent",
         )
 
     def _drain(self) -> list[TraceEvent]:
@@ -238,5 +240,6 @@ class WorkerHost:
         self.worker.preempt()
 
     def close(self) -> None:
+        self.worker.close()
         if self.own_scorer:
             self.scorer.close()
