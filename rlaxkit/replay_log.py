@@ -34,11 +34,21 @@ checkpoint for all workers) but never reads them, and its ``state_dict()`` is JS
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Decode", "Op", "Release", "ReplayLog", "Resume", "Submit", "UpdateWeights", "parse_ops"]
+__all__ = [
+    "Decode",
+    "Op",
+    "Release",
+    "ReplayLog",
+    "Resume",
+    "Submit",
+    "UpdateWeights",
+    "parse_ops",
+    "replay_ops",
+]
 
 
 @dataclass(frozen=True)
@@ -126,6 +136,29 @@ def parse_ops(entries: Sequence[Sequence[Any]]) -> list[Op]:
                     "observation] or ['x', group_id, sample_index]"
                 )
     return ops
+
+
+def replay_ops(
+    ops: Sequence[Op],
+    *,
+    submit: Callable[[int], None],
+    decode: Callable[[], None],
+    update_weights: Callable[[int, bool], None],
+) -> None:
+    """Applies ``ops`` in order: ``submit(group_id)``, ``decode()``,
+    ``update_weights(version, recompute_cache)``. ``Resume`` and ``Release`` are not
+    applied: the replayed decodes' environments redo them, and the caller compares the
+    log it wrote again with ``ops``."""
+    for op in ops:
+        match op:
+            case Submit(group_id=group_id):
+                submit(group_id)
+            case Decode():
+                decode()
+            case UpdateWeights(version=version, recompute_cache=recompute_cache):
+                update_weights(version, recompute_cache)
+            case Resume() | Release():
+                pass
 
 
 class ReplayLog:

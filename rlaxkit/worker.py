@@ -28,32 +28,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from flax import nnx
 
 from rlaxkit.controller import Issue
 from rlaxkit.episodes import EpisodeConfig, EpisodicTask
 from rlaxkit.inference import InferenceEngine, SamplingConfig
-from rlaxkit.inference.config import bucket_length
 from rlaxkit.inference.results import Completion
 from rlaxkit.models.tokenizer import Tokenizer
 from rlaxkit.param_server import ParameterServer
 from rlaxkit.policies import StalenessPolicy, WeightSyncPolicy
-from rlaxkit.replay_log import (
-    Decode,
-    Release,
-    ReplayLog,
-    Resume,
-    Submit,
-    UpdateWeights,
-    parse_ops,
-)
+from rlaxkit.replay_log import ReplayLog, parse_ops, replay_ops
 from rlaxkit.rollout import Rollout
-from rlaxkit.tasks import REWARD_FAILURES, Problem, RewardRunner, Task
+from rlaxkit.tasks import Problem, RewardRunner, Task
 from rlaxkit.trace import TraceSink
+from rlaxkit.verified_rollouts import VerifiedSamples
 from rlaxkit.worker_episodes import EpisodeTurns
 
 
@@ -63,7 +54,6 @@ class _Request:
     problem: Problem
     prompt_tokens: list[int]
     issued_s: float
-    done: list[Completion] = field(default_factory=list)  # a single-turn task's samples
     chunks: int = 0  # decode chunks run since it was submitted
 
 
@@ -128,40 +118,22 @@ class InferenceWorker:
         stop = tuple(dict.fromkeys((*sampling.stop_tokens, tokenizer.eos_id)))
         self.sampling = dataclasses.replace(sampling, stop_tokens=stop)
         self.turns: EpisodeTurns | None = None
-        self.max_context_tokens: int | None = None  # the engine's default
-        self.max_engine_prompt_tokens = max_prompt_tokens
         if isinstance(task, EpisodicTask):
-            config = episodes or EpisodeConfig()
-            tool_stops = task.make_environment().tool_stops
-            if not tool_stops:
-                raise ValueError(
-                    f"task {task.name!r}: its environment has no tool_stops, so no turn parks "
-                    "a row; the runtime's worker resumes episodes only in parked rows. Run "
-                    "it with rlaxkit.episodes.run_episodes"
-                )
-            sequences = tuple(tuple(tokenizer.encode(text)) for text in tool_stops)
-            self.sampling = dataclasses.replace(
-                self.sampling,
-                stop_sequences=tuple(dict.fromkeys((*sampling.stop_sequences, *sequences))),
-            )
-            self.max_context_tokens = bucket_length(max_prompt_tokens) + max(
-                config.max_episode_tokens, sampling.max_new_tokens
-            )
-            if config.release_after_s is not None:  # a released turn prefills its context
-                self.max_engine_prompt_tokens = max_prompt_tokens + config.max_episode_tokens
-                self.max_context_tokens = (
-                    bucket_length(self.max_engine_prompt_tokens) + sampling.max_new_tokens
-                )
             self.turns = EpisodeTurns(
                 worker_id,
                 task,
                 tokenizer,
-                config,
-                max_new_tokens=sampling.max_new_tokens,
+                episodes or EpisodeConfig(),
+                sampling=self.sampling,
+                max_prompt_tokens=max_prompt_tokens,
                 trace=trace,
                 clock=clock,
                 free_running=free_running,
             )
+            self.sampling = self.turns.sampling
+        self.samples = VerifiedSamples(  # a single-turn task's
+            worker_id, tokenizer, self.sampling.stop_tokens, self.sampling.n, trace, clock
+        )
         self.worker_id = worker_id
         self.graphdef = graphdef
         self.task, self.tokenizer, self.scorer = task, tokenizer, scorer
@@ -235,8 +207,8 @@ class InferenceWorker:
             (self.graphdef, params),
             self.sampling,
             num_slots=self.num_slots,
-            max_prompt_len=self.max_engine_prompt_tokens,
-            max_context_len=self.max_context_tokens,
+            max_prompt_len=self.turns.max_prompt_len if self.turns else self.max_prompt_tokens,
+            max_context_len=self.turns.max_context_len if self.turns else None,
             version=version,
             chunk_steps=self.chunk_steps,
         )
@@ -292,7 +264,7 @@ class InferenceWorker:
         request = _Request(issue, problem, prompt, now)
         self.requests[issue.group_id] = request
         if self.turns is None:
-            engine.submit(prompt, rng=issue.seed, request_id=issue.group_id)
+            self.samples.start(engine, issue, prompt)
         else:
             self.turns.start(engine, issue, problem, prompt, self.sampling.n)
         self.replay_log.submitted(issue.group_id)
@@ -316,15 +288,15 @@ class InferenceWorker:
         self._launched = None
         if self.engine is None:
             return
-        start = self.clock()
         self._advance_turns()
         if not self.requests:
             return
         started = sum(self.sampling.n for r in self.requests.values() if r.chunks == 0)
         chunks_before = {g: r.chunks for g, r in self.requests.items()}
-        self.engine.launch()
-        rows = self.engine.num_running
-        self._launched = _Launched(rows, started, chunks_before, self.clock() - start)
+        start = self.clock()
+        if self.engine.launch():  # none while every row waits for a tool
+            rows = self.engine.num_running
+            self._launched = _Launched(rows, started, chunks_before, self.clock() - start)
 
     def _advance_turns(self) -> None:
         """Resolves the tool steps due; the prompts whose episodes all ended wait for
@@ -391,98 +363,17 @@ class InferenceWorker:
             if self.turns is not None:  # the episode ends, or not, when its step resolves
                 self.turns.take_turn(completion, self.version)
                 continue
-            request.done.append(completion)
-            if len(request.done) == self.sampling.n:
+            if self.samples.add(completion):
                 complete.append(self.requests.pop(completion.request_id))
         return complete, finished
-
-    def _text(self, completion: Completion) -> str:
-        tokens = completion.tokens.tolist()
-        if (
-            completion.finish_reason == "stop"
-            and tokens
-            and tokens[-1] in self.sampling.stop_tokens
-        ):
-            tokens = tokens[:-1]
-        return self.tokenizer.decode(tokens)
 
     def score(self, requests: list[_Request]) -> list[Rollout]:
         """Scores the prompts ``fetch`` returned; their rollouts, in order."""
         if not requests:
             return []
-        if self.turns is not None:
-            return self._episode_rollouts(self.turns, requests)
-        pairs = [(r, c) for r in requests for c in sorted(r.done, key=lambda c: c.sample_index)]
-        start = self.clock()
-        results = self.scorer.score(
-            [r.problem for r, _ in pairs], [self._text(c) for _, c in pairs]
-        )
-        now = self.clock()
-        score_s = now - start
-        # One array per prompt, shared by its samples (nothing writes to it).
-        prompts = {id(r): np.asarray(r.prompt_tokens, np.int32) for r in requests}
-        rollouts = []
-        for (request, completion), result in zip(pairs, results, strict=True):
-            rollout = Rollout(
-                group_id=request.issue.group_id,
-                sample_index=completion.sample_index,
-                problem_id=request.problem.id,
-                prompt_tokens=prompts[id(request)],
-                completion_tokens=completion.tokens,
-                behaviour_logprobs=completion.logprobs,
-                versions=completion.versions,
-                reward=float(result.score),
-                finish_reason=completion.finish_reason,
-                worker_id=self.worker_id,
-                reward_info={
-                    "parsed": result.parsed,
-                    "reason": result.reason,
-                    "correct": bool(result.correct),
-                    # Why the reward itself failed, for the run's error message.
-                    **({"detail": result.detail} if result.reason in REWARD_FAILURES else {}),
-                },
-                timings={"issued_s": request.issued_s, "finished_s": now},
-            )
-            failed = result.reason in REWARD_FAILURES
-            self._record_end(now, rollout, **({"reward_failure": result.reason} if failed else {}))
-            rollouts.append(rollout)
-        self.trace.record(
-            now,
-            "reward",
-            "verifier",
-            None,
-            sample=f"{requests[0].issue.group_id}",
-            duration_s=score_s,
-            samples=len(pairs),
-        )
-        return rollouts
-
-    def _record_end(self, now: float, rollout: Rollout, **fields: Any) -> None:
-        """The rollout's ``generation_end`` event."""
-        self.trace.record(
-            now,
-            "generation_end",
-            self.worker_id,
-            rollout.last_version,
-            sample=rollout.sample_id,
-            rollout=rollout.group_id,
-            tokens=rollout.num_tokens,
-            first_version=rollout.first_version,
-            finish=rollout.finish_reason,
-            **fields,
-        )
-
-    def _episode_rollouts(self, turns: EpisodeTurns, requests: list[_Request]) -> list[Rollout]:
-        """The finished episodes of ``requests`` as rollouts, rewarded by their
-        environments."""
-        now = self.clock()
-        rollouts = []
-        for request in requests:
-            timings = {"issued_s": request.issued_s, "finished_s": now}
-            for rollout, turn_tokens in turns.finish(request.issue.group_id, timings):
-                self._record_end(now, rollout, turn_tokens=turn_tokens)
-                rollouts.append(rollout)
-        return rollouts
+        if self.turns is not None:  # the environments gave the rewards
+            return self.turns.rollouts(requests)
+        return self.samples.score(requests, self.scorer)
 
     # -- faults ----------------------------------------------------------------------
     def preempt(self) -> list[Issue]:
@@ -492,6 +383,7 @@ class InferenceWorker:
             self.engine.abort()
         if self.turns is not None:
             self.turns.drop()
+        self.samples.done.clear()
         self.requests.clear()
         self._ended = []
         self.engine, self.version, self.draining = None, None, False
@@ -550,22 +442,21 @@ class InferenceWorker:
             self.replay_log.reset(base, params)
             self.version = base
             issued = {int(g): t for g, t in snapshot["in_flight"].items()}
-            for op in ops:  # each op is recorded again in the new log
-                match op:
-                    case Submit(group_id=group_id):
-                        issue = issue_for(group_id)
-                        problem = problem_for(issue)
-                        prompt = self._prompt(problem)
-                        self._start(issue, problem, prompt, issued.get(group_id, 0.0))
-                    case Decode():  # the steps the worker resolved before the chunk
-                        self._advance_turns()
-                        self.engine.launch()
-                        self._decode()
-                    case UpdateWeights(version=version, recompute_cache=recompute_cache):
-                        params = weights_for(version)
-                        self._take_weights(version, params, recompute_cache=recompute_cache)
-                    case Resume() | Release():  # the replayed decode's environments redo it
-                        pass
+
+            def submit(group_id: int) -> None:
+                issue = issue_for(group_id)
+                problem = problem_for(issue)
+                self._start(issue, problem, self._prompt(problem), issued.get(group_id, 0.0))
+
+            def decode() -> None:  # the steps the worker resolved before the chunk, too
+                self._advance_turns()
+                self._engine.launch()
+                self._decode()
+
+            def update(version: int, recompute_cache: bool) -> None:
+                self._take_weights(version, weights_for(version), recompute_cache=recompute_cache)
+
+            replay_ops(ops, submit=submit, decode=decode, update_weights=update)
             self._ended = []  # handed back before the checkpoint
             replayed = [op.to_json() for op in self.replay_log.ops]
             if self.turns is not None and replayed != [op.to_json() for op in ops]:

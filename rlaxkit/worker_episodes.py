@@ -28,8 +28,9 @@ Two ways to resolve, set by the worker's mode:
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -48,13 +49,15 @@ from rlaxkit.episodes import (
     encode_observation,
     submit_step,
 )
-from rlaxkit.inference import InferenceEngine
+from rlaxkit.inference import InferenceEngine, SamplingConfig
+from rlaxkit.inference.config import bucket_length
 from rlaxkit.inference.results import Completion
 from rlaxkit.models.tokenizer import Tokenizer
 from rlaxkit.replay_log import ReplayLog
 from rlaxkit.rollout import Rollout
 from rlaxkit.tasks import Problem
 from rlaxkit.trace import TraceSink
+from rlaxkit.verified_rollouts import IssuedPrompt, record_generation_end
 
 __all__ = ["EpisodeTurns"]
 
@@ -97,13 +100,21 @@ class EpisodeTurns:
         task: builds one environment per episode.
         tokenizer: encodes observations, decodes actions.
         config: turns, token budget, step timeout, tool threads, ``release_after_s``.
-        max_new_tokens: the engine's budget of one turn.
+        sampling: the worker's sampling settings; ``self.sampling`` adds the tool stops.
+        max_prompt_tokens: the longest prompt the worker accepts.
         trace: where ``tool_call`` events go.
         clock: seconds since the run's start (event times).
         free_running: resolve only the steps that are done (see the module docstring).
 
+    Attributes:
+        sampling: the engine's sampling settings (stopping at the tool stops too).
+        max_prompt_len, max_context_len: the engine's prompt width and row length:
+            room for the prompt and the episode's tokens in one row, and with
+            ``release_after_s`` for a resubmitted turn's whole context as a prompt.
+
     Raises:
-        ValueError: ``release_after_s`` set in deterministic mode.
+        ValueError: the task's environment has no tool stops, or ``release_after_s``
+            is set in deterministic mode.
     """
 
     def __init__(
@@ -113,7 +124,8 @@ class EpisodeTurns:
         tokenizer: Tokenizer,
         config: EpisodeConfig,
         *,
-        max_new_tokens: int,
+        sampling: SamplingConfig,
+        max_prompt_tokens: int,
         trace: TraceSink,
         clock: Callable[[], float],
         free_running: bool,
@@ -124,8 +136,25 @@ class EpisodeTurns:
                 "tool's row depends on wall-clock timing, which runtime.mode=deterministic "
                 "cannot replay; use runtime.mode=concurrent or unset release_after_s"
             )
+        tool_stops = task.make_environment().tool_stops
+        if not tool_stops:
+            raise ValueError(
+                f"task {getattr(task, 'name', task)!r}: its environment has no tool_stops, so "
+                "no turn parks a row; the runtime's worker resumes episodes only in parked "
+                "rows. Run it with rlaxkit.episodes.run_episodes"
+            )
+        sequences = tuple(tuple(tokenizer.encode(text)) for text in tool_stops)
+        self.sampling = dataclasses.replace(
+            sampling, stop_sequences=tuple(dict.fromkeys((*sampling.stop_sequences, *sequences)))
+        )
+        self.max_new_tokens = sampling.max_new_tokens
+        self.max_prompt_len = max_prompt_tokens
+        episode_tokens = max(config.max_episode_tokens, self.max_new_tokens)
+        if config.release_after_s is not None:  # a released turn prefills its context
+            self.max_prompt_len += config.max_episode_tokens
+            episode_tokens = self.max_new_tokens
+        self.max_context_len = bucket_length(self.max_prompt_len) + episode_tokens
         self.worker_id, self.task, self.tokenizer, self.config = worker_id, task, tokenizer, config
-        self.max_new_tokens = max_new_tokens
         self.trace, self.clock, self.free_running = trace, clock, free_running
         self.groups: dict[int, _Group] = {}
         self.waiting: dict[tuple[int, int], _Waiting] = {}  # (group, sample) -> step
@@ -277,9 +306,19 @@ class EpisodeTurns:
         return group_id if group.finished == len(group.episodes) else None
 
     # -- ending -------------------------------------------------------------------------
-    def finish(self, group_id: int, timings: dict[str, float]) -> list[tuple[Rollout, list[int]]]:
-        """Forgets an ended group; its episodes as rollouts rewarded by their
-        environments, each with its policy tokens per turn."""
+    def rollouts(self, prompts: Sequence[IssuedPrompt]) -> list[Rollout]:
+        """Forgets the ended groups of ``prompts``; their episodes as rollouts rewarded
+        by their environments, in order, each with its ``generation_end`` event (with
+        the policy tokens of every turn, ``turn_tokens``)."""
+        now = self.clock()
+        return [
+            rollout
+            for prompt in prompts
+            for rollout in self._finish(prompt, {"issued_s": prompt.issued_s, "finished_s": now})
+        ]
+
+    def _finish(self, prompt: IssuedPrompt, timings: dict[str, float]) -> list[Rollout]:
+        group_id = prompt.issue.group_id
         group = self.groups.pop(group_id)
         out = []
         for episode in group.episodes:
@@ -293,7 +332,11 @@ class EpisodeTurns:
                     "tool_calls": sum(not step.done for step in episode.steps),
                 }
             )
-            out.append((rollout, [len(step.action.token_ids) for step in episode.steps]))
+            turns = [len(step.action.token_ids) for step in episode.steps]
+            record_generation_end(
+                self.trace, self.worker_id, timings["finished_s"], rollout, turn_tokens=turns
+            )
+            out.append(rollout)
         return out
 
     def drop(self) -> None:

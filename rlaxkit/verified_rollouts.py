@@ -1,0 +1,189 @@
+"""Single-turn samples as rollouts rewarded by the task's verifier.
+
+``VerifiedSamples`` gathers the finished samples of an inference worker's issued
+prompts; once all ``n`` of a prompt are done, a ``RewardRunner`` scores the completions'
+text (the final stop token dropped) and ``verified_rollouts`` joins each sample with its
+``RewardResult`` into a ``Rollout`` (``reward_info``: what the verifier parsed, why it
+scored so, and the failure's detail when the reward itself failed). A multi-turn task's
+episodes are rewarded by their environments instead (``rlaxkit.worker_episodes``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from rlaxkit.controller import Issue
+from rlaxkit.inference import InferenceEngine
+from rlaxkit.inference.results import Completion
+from rlaxkit.models.tokenizer import Tokenizer
+from rlaxkit.rollout import Rollout
+from rlaxkit.tasks import REWARD_FAILURES, Problem, RewardResult, RewardRunner
+from rlaxkit.trace import TraceSink
+
+__all__ = [
+    "IssuedPrompt",
+    "Sample",
+    "VerifiedSamples",
+    "completion_text",
+    "record_generation_end",
+    "verified_rollouts",
+]
+
+
+class IssuedPrompt(Protocol):
+    """What a worker knows of an issued prompt it generates for."""
+
+    issue: Issue
+    problem: Problem
+    prompt_tokens: list[int]
+    issued_s: float
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One finished sample of issued prompt ``group_id``: its problem, its prompt's ids
+    (one array shared by the prompt's samples: nothing writes to it), when the prompt
+    was issued, and the engine's completion."""
+
+    group_id: int
+    problem: Problem
+    prompt_tokens: np.ndarray
+    issued_s: float
+    completion: Completion
+
+
+def completion_text(
+    completion: Completion, tokenizer: Tokenizer, stop_tokens: Sequence[int]
+) -> str:
+    """The text the verifier reads: the completion without the stop token it ended at."""
+    tokens = completion.tokens.tolist()
+    if completion.finish_reason == "stop" and tokens and tokens[-1] in stop_tokens:
+        tokens = tokens[:-1]
+    return tokenizer.decode(tokens)
+
+
+def verified_rollouts(
+    samples: Sequence[Sample],
+    results: Sequence[RewardResult],
+    *,
+    worker_id: str,
+    finished_s: float,
+) -> list[Rollout]:
+    """One ``Rollout`` per sample, rewarded with its result (``results[i]`` scores
+    ``samples[i]``), finished at ``finished_s``."""
+    rollouts = []
+    for sample, result in zip(samples, results, strict=True):
+        completion = sample.completion
+        rollouts.append(
+            Rollout(
+                group_id=sample.group_id,
+                sample_index=completion.sample_index,
+                problem_id=sample.problem.id,
+                prompt_tokens=sample.prompt_tokens,
+                completion_tokens=completion.tokens,
+                behaviour_logprobs=completion.logprobs,
+                versions=completion.versions,
+                reward=float(result.score),
+                finish_reason=completion.finish_reason,
+                worker_id=worker_id,
+                reward_info={
+                    "parsed": result.parsed,
+                    "reason": result.reason,
+                    "correct": bool(result.correct),
+                    # Why the reward itself failed, for the run's error message.
+                    **({"detail": result.detail} if result.reason in REWARD_FAILURES else {}),
+                },
+                timings={"issued_s": sample.issued_s, "finished_s": finished_s},
+            )
+        )
+    return rollouts
+
+
+def record_generation_end(
+    trace: TraceSink, actor: str, now_s: float, rollout: Rollout, **fields: Any
+) -> None:
+    """Writes the rollout's ``generation_end`` event (``rlaxkit.trace``)."""
+    trace.record(
+        now_s,
+        "generation_end",
+        actor,
+        rollout.last_version,
+        sample=rollout.sample_id,
+        rollout=rollout.group_id,
+        tokens=rollout.num_tokens,
+        first_version=rollout.first_version,
+        finish=rollout.finish_reason,
+        **fields,
+    )
+
+
+class VerifiedSamples:
+    """The single-turn samples of one worker's issued prompts, until each prompt's ``n``
+    are done and scored.
+
+    Args:
+        worker_id: the trace's actor.
+        tokenizer: decodes completions for the verifier.
+        stop_tokens: the stop tokens ``completion_text`` drops.
+        n: samples per prompt.
+        trace: where ``generation_end`` and ``reward`` events go.
+        clock: seconds since the run's start.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        tokenizer: Tokenizer,
+        stop_tokens: Sequence[int],
+        n: int,
+        trace: TraceSink,
+        clock: Callable[[], float],
+    ):
+        self.worker_id, self.tokenizer = worker_id, tokenizer
+        self.stop_tokens, self.n = stop_tokens, n
+        self.trace, self.clock = trace, clock
+        self.done: dict[int, list[Completion]] = {}  # group id -> finished samples
+
+    def start(self, engine: InferenceEngine, issue: Issue, prompt: list[int]) -> None:
+        """Submits the ``n`` samples of ``issue``."""
+        engine.submit(prompt, rng=issue.seed, request_id=issue.group_id)
+        self.done[issue.group_id] = []
+
+    def add(self, completion: Completion) -> bool:
+        """Books a finished sample; whether its prompt's ``n`` are all done."""
+        done = self.done[completion.request_id]
+        done.append(completion)
+        return len(done) == self.n
+
+    def score(self, prompts: Sequence[IssuedPrompt], scorer: RewardRunner) -> list[Rollout]:
+        """Scores the samples of ``prompts`` (all done) with ``scorer`` and forgets them;
+        their rollouts, in order, each with its ``generation_end`` event, and one
+        ``reward`` event timing the scoring."""
+        samples = []
+        for p in prompts:
+            tokens = np.asarray(p.prompt_tokens, np.int32)
+            done = sorted(self.done.pop(p.issue.group_id), key=lambda c: c.sample_index)
+            samples += [Sample(p.issue.group_id, p.problem, tokens, p.issued_s, c) for c in done]
+        texts = [completion_text(s.completion, self.tokenizer, self.stop_tokens) for s in samples]
+        start = self.clock()
+        results = scorer.score([s.problem for s in samples], texts)
+        now = self.clock()
+        rollouts = verified_rollouts(samples, results, worker_id=self.worker_id, finished_s=now)
+        for rollout in rollouts:
+            reason = rollout.reward_info["reason"]
+            failed = {"reward_failure": reason} if reason in REWARD_FAILURES else {}
+            record_generation_end(self.trace, self.worker_id, now, rollout, **failed)
+        self.trace.record(
+            now,
+            "reward",
+            "verifier",
+            None,
+            sample=f"{prompts[0].issue.group_id}",
+            duration_s=now - start,
+            samples=len(samples),
+        )
+        return rollouts
