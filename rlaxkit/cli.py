@@ -122,7 +122,7 @@ def run_job(
         if not evals:
             before = exp.evaluate()
             evals.append({"step": 0, **_row(before, 1)})
-            log(f"held-out pass@1 before RL: {evals[0]['pass@1']:.3f}")
+            log(f"held-out pass@1 before RL: {evals[0]['pass@1']:.3f}{_extras(before)}")
         every = config.eval.every_steps
         while exp.version < config.steps and not stop.requested:
             exp.step()
@@ -150,6 +150,9 @@ def run_job(
             "steps": config.steps,
             "pass@1_before": evals[0]["pass@1"],
             "pass@1_after": evals[-1]["pass@1"],
+            # A multi-turn task's own metrics (tool_use_rate_before, tool_use_rate_after).
+            **{f"{k}_before": evals[0].get(k) for k in after.metrics},
+            **{f"{k}_after": v for k, v in after.metrics.items()},
             "evals": evals,
             "buffer": exp.buffer.counts(),
             "wall_s": time.perf_counter() - start,
@@ -161,6 +164,7 @@ def run_job(
     log(
         f"held-out pass@1 after RL:  {summary['pass@1_after']:.3f} "
         f"({100 * (summary['pass@1_after'] - summary['pass@1_before']):+.1f} points)"
+        f"{_extras(after)}"
     )
     log(after.table())
     log("plots: " + ", ".join(str(p) for p in plots))
@@ -291,7 +295,15 @@ def _row(report: EvalReport, k: int) -> dict[str, float]:
     row = next(r for r in report.rows if r["k"] == k)
     per_problem = [p["correct"] / report.samples for p in report.per_problem]
     spread = float(np.std(per_problem, ddof=1)) if len(per_problem) > 1 else 0.0
-    return {"pass@1": row["pass@k"], "pass@1_se": spread / max(len(per_problem), 1) ** 0.5}
+    se = spread / max(len(per_problem), 1) ** 0.5
+    return {"pass@1": row["pass@k"], "pass@1_se": se, **report.metrics}
+
+
+def _extras(report: EvalReport) -> str:
+    """``", tool_use_rate 0.412"`` for a multi-turn task's evaluation, else ``""``."""
+    if "tool_use_rate" not in report.metrics:
+        return ""
+    return f", tool_use_rate {report.metrics['tool_use_rate']:.3f}"
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
@@ -413,7 +425,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _eval(run_dir: Path, samples: int | None) -> None:
-    from rlaxkit.evaluation import evaluate_policy
+    import dataclasses
+
+    from rlaxkit.episodes import EpisodicTask
+    from rlaxkit.evaluation import evaluate_episodes, evaluate_policy, make_episode_engine
     from rlaxkit.inference import make_text_generate
     from rlaxkit.models import load_hf_checkpoint
     from rlaxkit.runtime.build import build_task
@@ -424,9 +439,25 @@ def _eval(run_dir: Path, samples: int | None) -> None:
         raise FileNotFoundError(f"{run_dir / 'final'} holds no tokenizer to decode with")
     task = build_task(config)
     n = samples or config.eval.samples
-    generate = make_text_generate(model, tokenizer, config.sampling)
     problems = task.problems("test", config.eval.num_problems)
-    report = evaluate_policy(task, generate, problems=problems, n=n, ks=sorted({1, n}))
+    if isinstance(task, EpisodicTask):  # as Experiment.evaluate does
+        episodes = dataclasses.replace(config.episodes, keep_cache=True)
+        engine = make_episode_engine(
+            model,
+            task,
+            tokenizer,
+            config.sampling,
+            episodes,
+            max_prompt_tokens=config.runtime.max_prompt_tokens,
+            num_slots=config.runtime.slots_per_worker,
+            chunk_steps=config.runtime.chunk_steps,
+        )
+        report = evaluate_episodes(
+            task, engine, tokenizer, episodes, problems=problems, n=n, ks=sorted({1, n})
+        )
+    else:
+        generate = make_text_generate(model, tokenizer, config.sampling)
+        report = evaluate_policy(task, generate, problems=problems, n=n, ks=sorted({1, n}))
     print(report.table())
 
 

@@ -8,6 +8,11 @@ samples drawn without replacement is correct is
 
 the product form avoiding huge binomials. Averaged over problems it is an unbiased
 estimate of the policy's pass@k, with far less variance than drawing only ``k`` samples.
+
+``evaluate_policy`` samples single-turn completions; ``evaluate_episodes`` runs a
+multi-turn task's episodes with their tools (``rlaxkit.episodes.run_episodes``) and
+counts each episode's final verdict, adding the task's own episode metrics (the
+calculator's ``tool_use_rate``).
 """
 
 from __future__ import annotations
@@ -17,11 +22,16 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
+from rlaxkit.episodes import Episode, EpisodeConfig, EpisodicTask, episode_sampling, run_episodes
 from rlaxkit.tasks import ChatTemplate, Problem, RewardRunner, Split, Task, TextPolicy
 from rlaxkit.tasks.policy import sample_and_score
+
+if TYPE_CHECKING:  # JAX waits for an engine: ``import rlaxkit.evaluation`` stays light
+    from rlaxkit.inference import InferenceEngine, SamplingConfig
+    from rlaxkit.models.tokenizer import Tokenizer
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -101,6 +111,8 @@ class EvalReport:
         problems; ``maj@k`` is NaN for tasks whose rewards parse no answer (code).
       per_problem: one dict per problem: ``{"id", "correct", "mean_score"}``.
       reasons: how often each failure reason occurred.
+      metrics: the task's own measures over every sample (episodes: the calculator's
+        ``tool_use_rate``, ``tool_call_rate``, ...); empty for single-turn evaluation.
     """
 
     task: str
@@ -109,6 +121,7 @@ class EvalReport:
     rows: list[dict[str, float]]
     per_problem: list[dict[str, Any]] = field(default_factory=list)
     reasons: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def table(self) -> str:
         """The rows as an aligned text table with a one-line header."""
@@ -122,6 +135,8 @@ class EvalReport:
             lines.append(
                 "failures: " + ", ".join(f"{k}={v}" for k, v in sorted(self.reasons.items()))
             )
+        if self.metrics:
+            lines.append(", ".join(f"{k} {v:.3f}" for k, v in self.metrics.items()))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -163,6 +178,29 @@ def evaluate_policy(
     _, results = sample_and_score(
         task, problems, generate, n=n, seed=seed, runner=runner, chat=chat
     )
+    verdicts = [[_Verdict(r.correct, r.parsed, r.score, r.reason) for r in g] for g in results]
+    return _report(task.name, problems, verdicts, n, ks, seed)
+
+
+class _Verdict(NamedTuple):
+    """What evaluation reads of one sample (a completion's or an episode's)."""
+
+    correct: bool
+    parsed: str | None
+    score: float
+    reason: str | None
+
+
+def _report(
+    name: str,
+    problems: Sequence[Problem],
+    results: list[list[_Verdict]],
+    n: int,
+    ks: Sequence[int],
+    seed: int,
+    metrics: dict[str, float] | None = None,
+) -> EvalReport:
+    """pass@k, maj@k and mean@k per ``k`` from ``n`` verdicts per problem."""
     # Tasks whose rewards parse no answer (code) have nothing to vote on: maj@k is NaN.
     has_answers = any(r.parsed is not None for group in results for r in group)
     rows = []
@@ -197,7 +235,100 @@ def evaluate_policy(
         for p, group in zip(problems, results, strict=True)
     ]
     reasons = Counter(r.reason for group in results for r in group if r.reason is not None)
-    return EvalReport(task.name, len(problems), n, rows, per_problem, dict(reasons))
+    return EvalReport(name, len(problems), n, rows, per_problem, dict(reasons), metrics or {})
+
+
+@runtime_checkable
+class EpisodeMetricsTask(Protocol):
+    """An episodic task with measures of its own over a set of episodes (the
+    calculator's tool use); ``evaluate_episodes`` puts them in ``EvalReport.metrics``."""
+
+    def episode_metrics(self, episodes: Sequence[Episode]) -> dict[str, float]:
+        """Shares or means over ``episodes``."""
+        ...
+
+
+def make_episode_engine(
+    model: Any,
+    task: EpisodicTask,
+    tokenizer: Tokenizer,
+    sampling: SamplingConfig,
+    episodes: EpisodeConfig,
+    *,
+    max_prompt_tokens: int,
+    num_slots: int,
+    chunk_steps: int,
+) -> InferenceEngine:
+    """An engine ``run_episodes`` can drive for ``task``: one sample per request,
+    stopping at the end token and the environment's tool stops, wide enough for a
+    prompt of ``max_prompt_tokens`` plus ``episodes.max_episode_tokens`` (a turn after a
+    tool call that does not resume its row is a request of the whole context)."""
+    from rlaxkit.inference import InferenceEngine
+
+    tool_stops = task.make_environment().tool_stops
+    return InferenceEngine(
+        model,
+        episode_sampling(sampling, tokenizer, tool_stops),
+        num_slots=num_slots,
+        max_prompt_len=max_prompt_tokens + episodes.max_episode_tokens,
+        chunk_steps=chunk_steps,
+    )
+
+
+def evaluate_episodes(
+    task: Task,
+    engine: InferenceEngine,
+    tokenizer: Tokenizer,
+    config: EpisodeConfig,
+    *,
+    problems: Sequence[Problem] | None = None,
+    split: Split = "test",
+    num_problems: int | None = None,
+    n: int = 8,
+    ks: Sequence[int] = (1, 8),
+    seed: int = 0,
+) -> EvalReport:
+    """Runs ``n`` episodes per problem and reports pass@k, maj@k, mean@k over them.
+
+    An episode is correct when its last step's ``info["correct"]`` is true (the
+    environment's verdict on the final answer; an episode whose turns or tokens ran out
+    is wrong); its answer for the vote is that step's ``info["parsed"]``, its score the
+    episode's reward, its failure reason ``info["reason"]`` or how it ended
+    (``max_turns``, ``length``). A task with ``episode_metrics`` adds them over all
+    episodes.
+
+    Args:
+      task: an ``EpisodicTask`` (its environments run the episodes).
+      engine: an idle engine built for episodes (``make_episode_engine``), holding the
+        policy's weights.
+      tokenizer: encodes observations and decodes turns.
+      config: turns, token budget, step timeout; its ``samples_per_problem`` is ``n``.
+      problems, split, num_problems, n, ks: as in ``evaluate_policy``.
+      seed: the episodes' sampling seed (``run_episodes``).
+    """
+    if not isinstance(task, EpisodicTask):
+        raise ValueError(f"task {task.name!r} has no environments; use evaluate_policy")
+    ks = sorted(set(ks))
+    if not ks or ks[0] < 1 or ks[-1] > n:
+        raise ValueError(f"ks must be in [1, n={n}], got {list(ks)}")
+    if problems is None:
+        problems = task.problems(split, num_problems)
+    config = replace(config, samples_per_problem=n)
+    episodes = run_episodes(engine, task.make_environment, problems, tokenizer, config, seed=seed)
+    verdicts = [_episode_verdict(e) for e in episodes]
+    groups = [verdicts[i * n : (i + 1) * n] for i in range(len(problems))]
+    metrics = task.episode_metrics(episodes) if isinstance(task, EpisodeMetricsTask) else None
+    return _report(task.name, problems, groups, n, ks, seed, metrics)
+
+
+def _episode_verdict(episode: Episode) -> _Verdict:
+    last = episode.steps[-1].info if episode.steps else {}
+    correct = bool(last.get("correct", False))
+    reason = None
+    if not correct:
+        reason = last.get("reason") if episode.finish_reason == "stop" else episode.finish_reason
+    parsed = last.get("parsed") if episode.finish_reason == "stop" else None
+    return _Verdict(correct, parsed, float(episode.reward), reason)
 
 
 def _vote_key(parsed: str | None) -> str | None:

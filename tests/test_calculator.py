@@ -1,14 +1,17 @@
 """The calculator task: the safe evaluator agrees with Python and refuses everything else,
-the environment answers tool calls and scores final answers, tool-use metrics."""
+the environment answers tool calls and scores final answers, tool-use metrics, and the
+same task without its tool."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from rlaxkit.config import RunConfig
 from rlaxkit.episodes import Action, Episode, StepRecord
 from rlaxkit.tasks import (
     CalcError,
@@ -20,7 +23,9 @@ from rlaxkit.tasks import (
     task_names,
     tool_use_metrics,
 )
-from rlaxkit.tasks.calculator import MAX_CALC_CHARS, MAX_CALC_VALUE, render
+from rlaxkit.tasks.calculator import MAX_CALC_CHARS, MAX_CALC_VALUE, CalculatorConfig, render
+
+CONFIGS = Path(__file__).parents[1] / "configs"
 
 
 @st.composite
@@ -159,6 +164,31 @@ def test_environment_answers_calls_refuses_bad_ones_and_scores_the_final_turn():
     assert set("".join([ok.observation, bad.observation])) <= set(task.alphabet())
 
 
+def test_without_the_tool_a_call_is_an_error_and_the_demonstration_the_answer():
+    task = CalculatorTask(CalculatorConfig(tool=False))
+    problem = task.problems("train", 1)[0]
+    assert task.problems("train", 1) == CalculatorTask().problems("train", 1)
+    assert task.demonstration(problem) == str(problem.answer)
+    env = CalculatorEnvironment(task)
+    env.reset(problem)
+    call = env.step(Action(task.demonstration_turns(problem)[0], (), "stop"))
+    assert call.observation == "=error: no calculator\n" and not call.done
+    assert call.info == {"tool": "calc", "ok": False}  # a call, refused: tool_error_rate
+    final = env.step(Action(str(problem.answer), (), "stop"))
+    assert final.done and final.info["correct"]
+    # The same model: one alphabet (the char tokenizer, vocab_size 50) with or without.
+    assert task.alphabet() == CalculatorTask().alphabet()
+    assert set(call.observation) <= set(task.alphabet()) and len(task.alphabet()) + 3 <= 50
+
+
+def test_the_no_tool_config_is_the_tool_config_without_the_tool():
+    tool = RunConfig.from_yaml(CONFIGS / "calculator_tools.yaml").to_dict()
+    no_tool = RunConfig.from_yaml(CONFIGS / "calculator_no_tool.yaml").to_dict()
+    assert tool["task"]["options"].pop("tool", True) is True
+    assert no_tool["task"]["options"].pop("tool") is False
+    assert tool == no_tool
+
+
 def episode_with(problem, *infos, reward=0.0):
     steps = [StepRecord(Action("", (), "stop"), "ok", 0.0, False, (), info) for info in infos]
     return Episode(problem, 0, np.ones(1, np.int32), steps=steps, reward=reward)
@@ -203,6 +233,7 @@ def test_tasks_and_the_environment_contract_import_without_jax():
         ({"second_digits": "two"}, "second_digits"),
         ({"call_close": ""}, "call_open and call_close"),
         ({"test_fraction": 2.0}, "test_fraction"),
+        ({"tool": "no"}, "tool"),
     ],
 )
 def test_config_errors_name_the_field(options, message):

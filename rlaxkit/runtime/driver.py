@@ -12,6 +12,7 @@ backend; on Ray a preemption kills the actor for real.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -24,7 +25,8 @@ from rlaxkit.api import Work
 from rlaxkit.buffer import RolloutBuffer
 from rlaxkit.config import RunConfig
 from rlaxkit.controller import PromptController
-from rlaxkit.evaluation import EvalReport, evaluate_policy
+from rlaxkit.episodes import EpisodicTask
+from rlaxkit.evaluation import EvalReport, evaluate_episodes, evaluate_policy, make_episode_engine
 from rlaxkit.faults import FaultPlan
 from rlaxkit.inference import make_text_generate
 from rlaxkit.runtime import state as codec
@@ -35,7 +37,7 @@ from rlaxkit.runtime.concurrent import check_supported
 from rlaxkit.runtime.faults import FaultInjector, load_plan
 from rlaxkit.runtime.loop import Loop
 from rlaxkit.runtime.placement import start_placement
-from rlaxkit.tasks import CodeTask, isolation_mode
+from rlaxkit.tasks import CodeTask, Task, isolation_mode
 from rlaxkit.tracking import check_run_dir, open_trackers
 
 
@@ -314,25 +316,57 @@ class Experiment(Loop):
         self, num_problems: int | None = None, samples: int | None = None, seed: int = 1234
     ) -> EvalReport:
         """Held-out pass@1 (and pass@k) at the training temperature on the test split;
-        the external trackers get ``eval/pass_at_<k>`` at the current step."""
+        the external trackers get ``eval/pass_at_<k>`` at the current step.
+
+        A multi-turn task is evaluated as it trains, on whole episodes with its tools
+        (``evaluate_episodes``, turns and budgets from ``config.episodes``); its
+        episode metrics reach the trackers as ``eval/<name>`` (``eval/tool_use_rate``).
+        """
         cfg = self.config.eval
         n = samples or cfg.samples
         params = jax.tree.map(lambda x: x.copy(), self.params())
-        generate = make_text_generate(
-            (self.parts.graphdef, params), self.tokenizer, self.config.sampling
-        )
-        problems = self.task.problems("test", num_problems or cfg.num_problems)
-        report = evaluate_policy(
-            self.task,
-            generate,
-            problems=problems,
-            n=n,
-            ks=sorted({1, n}),
-            seed=seed,
-            runner=self.parts.scorer,
-        )
+        task: Task = self.task
+        problems = task.problems("test", num_problems or cfg.num_problems)
+        if isinstance(task, EpisodicTask):
+            runtime = self.config.runtime
+            # Parked rows keep their caches through a tool call, as the worker's do.
+            episodes = dataclasses.replace(self.config.episodes, keep_cache=True)
+            engine = make_episode_engine(
+                (self.parts.graphdef, params),
+                task,
+                self.tokenizer,
+                self.config.sampling,
+                episodes,
+                max_prompt_tokens=runtime.max_prompt_tokens,
+                num_slots=runtime.slots_per_worker,
+                chunk_steps=runtime.chunk_steps,
+            )
+            report = evaluate_episodes(
+                task,
+                engine,
+                self.tokenizer,
+                episodes,
+                problems=problems,
+                n=n,
+                ks=sorted({1, n}),
+                seed=seed,
+            )
+        else:
+            generate = make_text_generate(
+                (self.parts.graphdef, params), self.tokenizer, self.config.sampling
+            )
+            report = evaluate_policy(
+                task,
+                generate,
+                problems=problems,
+                n=n,
+                ks=sorted({1, n}),
+                seed=seed,
+                runner=self.parts.scorer,
+            )
+        metrics = {f"eval/pass_at_{r['k']}": r["pass@k"] for r in report.rows}
         self.logger.log_eval(
-            self.version, {f"eval/pass_at_{r['k']}": r["pass@k"] for r in report.rows}
+            self.version, metrics | {f"eval/{k}": v for k, v in report.metrics.items()}
         )
         return report
 

@@ -7,6 +7,8 @@ stops there, the calculator answers ``=15846`` and a newline, and the model goes
 The calculator evaluates with ``ast`` (``calculate``), never ``eval``: numbers,
 ``+ - * / // %``, parentheses and unary minus, every value bounded; anything else gives
 an error observation (``=error: ...``), which the model sees and may learn from.
+With ``tool=False`` the same model and format run without the tool: its demonstration
+is the answer alone and every call is answered ``=error: no calculator``.
 
 >>> task = CalculatorTask(CalculatorConfig(seed=0))
 >>> problem = task.problems("train", 1)[0]
@@ -127,6 +129,9 @@ class CalculatorConfig:
       second_digits: digits of the second factor (2: 10-99).
       call_open, call_close: the tags around a tool call; generation stops after
         ``call_close``.
+      tool: whether the calculator answers calls; without it (the no-tool baseline of
+        the same model) a call gets ``=error: no calculator`` and the demonstration is
+        the answer alone.
       test_fraction: share of all problems in the test split.
       seed: seeds the stream of drawn problems.
       prompt: how problem text becomes the model's prompt.
@@ -136,6 +141,7 @@ class CalculatorConfig:
     second_digits: int = 2
     call_open: str = "<calc>"
     call_close: str = "</calc>"
+    tool: bool = True
     test_fraction: float = 0.1
     seed: int = 0
     prompt: PromptConfig = PromptConfig()
@@ -145,6 +151,8 @@ class CalculatorConfig:
         check_int("second_digits", self.second_digits, minimum=1, maximum=9)
         check_int("seed", self.seed)
         check_range("test_fraction", self.test_fraction, 0.0, 1.0)
+        if not isinstance(self.tool, bool):
+            raise ValueError(f"tool: must be true or false, got {self.tool!r}")
         if not self.call_open or not self.call_close or self.call_open == self.call_close:
             raise ValueError(
                 f"call_open and call_close: must be distinct non-empty strings, got "
@@ -185,8 +193,11 @@ class CalculatorTask(SeededProblems):
         return f"{c.call_open}{problem.metadata['expression']}{c.call_close}", str(problem.answer)
 
     def demonstration(self, problem: Problem) -> str:
-        """The ideal transcript: call, observation, answer (for a supervised start)."""
+        """The ideal transcript for a supervised start: call, observation, answer; the
+        answer alone without the tool."""
         call, answer = self.demonstration_turns(problem)
+        if not self.config.tool:
+            return answer
         return call + observation_text(render(int(problem.answer))) + answer
 
     def score(self, problem: Problem, completion: str) -> RewardResult:
@@ -197,6 +208,10 @@ class CalculatorTask(SeededProblems):
     def score_answer(self, problem: Problem, answer: str) -> RewardResult:
         """Judges a final turn: the integer up to the first newline."""
         return self._answers.score(problem, answer)
+
+    def episode_metrics(self, episodes: Sequence[Episode]) -> dict[str, float]:
+        """``tool_use_metrics`` (``rlaxkit.evaluation.EpisodeMetricsTask``)."""
+        return tool_use_metrics(episodes)
 
     def alphabet(self) -> str:
         """Every character of a prompt, a tool call or an observation (char tokenizers)."""
@@ -233,6 +248,7 @@ _ERROR_TEXTS: Final = (
     "error: number too large",
     f"error: longer than {MAX_CALC_CHARS} characters",
     "error: no call",
+    "error: no calculator",
     "error: tool timed out",
     "error: tool failed",
 )
@@ -242,8 +258,9 @@ class CalculatorEnvironment:
     """One calculator episode (``rlaxkit.episodes.Environment``).
 
     A turn that ends with ``call_close`` is a tool call: the expression after the last
-    ``call_open`` is calculated and ``=value`` (or ``=error: ...``) comes back. Any other
-    turn is the final answer, scored with ``CalculatorTask.score_answer``.
+    ``call_open`` is calculated and ``=value`` (or ``=error: ...``; without the tool,
+    always ``=error: no calculator``) comes back. Any other turn is the final answer,
+    scored with ``CalculatorTask.score_answer``.
     """
 
     def __init__(self, task: CalculatorTask):
@@ -263,10 +280,17 @@ class CalculatorEnvironment:
         c = self.task.config
         if not action.text.endswith(c.call_close):
             result = self.task.score_answer(self.problem, action.text)
-            verdict = {"final": True, "correct": result.correct, "parsed": result.parsed}
+            verdict = {
+                "final": True,
+                "correct": result.correct,
+                "parsed": result.parsed,
+                "reason": result.reason,
+            }
             return StepResult(reward=result.score, done=True, info=verdict)
         body = action.text[: -len(c.call_close)]
         info: dict[str, Any] = {"tool": "calc", "ok": False}
+        if not c.tool:
+            return StepResult(observation_text("error: no calculator"), info=info)
         if c.call_open not in body:
             return StepResult(observation_text("error: no call"), info=info)
         expression = body.rsplit(c.call_open, 1)[1]
