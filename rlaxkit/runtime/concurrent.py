@@ -33,8 +33,11 @@ itself idle and waits until something that can change its answer happens (a push
 dropped group, new rollouts, a stop): ``wake()`` clears every idle flag and notifies. The
 trainer waits for rollouts; when every worker is idle, has seen the latest change and
 still no batch is ready, nothing can ever change, and ``collect`` raises instead of
-hanging. An exception in a worker thread stops all threads and is raised by ``collect``
-(so by ``Experiment.step()``).
+hanging. A worker whose episodes all wait for tool steps holds prompts, so it is busy,
+never idle: its ``step`` waits a few tens of milliseconds for a step to end
+(``rlaxkit.worker_episodes``, free-running) and comes back to pull and take prompts,
+neither spinning nor counting toward a stall. An exception in a worker thread stops
+all threads and is raised by ``collect`` (so by ``Experiment.step()``).
 """
 
 from __future__ import annotations
