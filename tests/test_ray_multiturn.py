@@ -38,3 +38,11 @@ def test_worker_actors_run_episodes_as_the_local_backend(ray_cluster, tmp_path):
             if got.get(k) != want.get(k) and not k.startswith("fleet/")  # Ray's fleet size
         }
         assert not differ, f"step {step}: (ray, local) = {differ}"
+
+
+def test_release_after_s_is_refused_up_front(ray_cluster, tmp_path):
+    config = RunConfig.from_overrides(
+        ["runtime.backend=ray", "episodes.release_after_s=1.0"], base=CONFIG
+    )
+    with pytest.raises(ValueError, match="release_after_s=1.0.*runtime.mode=concurrent"):
+        RayExperiment(config, cache_dir=tmp_path, ray_config=small_cluster_config())

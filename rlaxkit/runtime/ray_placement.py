@@ -157,6 +157,12 @@ def start_ray(
             f"runtime.mode {config.runtime.mode!r} is not available on the ray backend; "
             "use runtime.mode=deterministic"
         )
+    if config.episodes.release_after_s is not None:  # the actors' workers would refuse it
+        raise ValueError(
+            f"episodes.release_after_s={config.episodes.release_after_s}: releasing a slow "
+            "tool's row needs runtime.mode=concurrent, which the ray backend does not run; "
+            "unset release_after_s"
+        )
     rc = ray_config or config.ray
     parts = Parts(
         task=build_task(config),
