@@ -425,13 +425,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _eval(run_dir: Path, samples: int | None) -> None:
-    import dataclasses
-
-    from rlaxkit.episodes import EpisodicTask
-    from rlaxkit.evaluation import evaluate_episodes, evaluate_policy, make_episode_engine
-    from rlaxkit.inference import make_text_generate
     from rlaxkit.models import load_hf_checkpoint
     from rlaxkit.runtime.build import build_task
+    from rlaxkit.runtime.driver import evaluate_model
 
     config = RunConfig.from_yaml(run_dir / "config.yaml")
     model, tokenizer = load_hf_checkpoint(run_dir / "final")
@@ -440,24 +436,7 @@ def _eval(run_dir: Path, samples: int | None) -> None:
     task = build_task(config)
     n = samples or config.eval.samples
     problems = task.problems("test", config.eval.num_problems)
-    if isinstance(task, EpisodicTask):  # as Experiment.evaluate does
-        episodes = dataclasses.replace(config.episodes, keep_cache=True)
-        engine = make_episode_engine(
-            model,
-            task,
-            tokenizer,
-            config.sampling,
-            episodes,
-            max_prompt_tokens=config.runtime.max_prompt_tokens,
-            num_slots=config.runtime.slots_per_worker,
-            chunk_steps=config.runtime.chunk_steps,
-        )
-        report = evaluate_episodes(
-            task, engine, tokenizer, episodes, problems=problems, n=n, ks=sorted({1, n})
-        )
-    else:
-        generate = make_text_generate(model, tokenizer, config.sampling)
-        report = evaluate_policy(task, generate, problems=problems, n=n, ks=sorted({1, n}))
+    report = evaluate_model(config, task, model, tokenizer, problems=problems, n=n, seed=0)
     print(report.table())
 
 

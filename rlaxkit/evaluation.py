@@ -31,6 +31,7 @@ from rlaxkit.tasks.policy import sample_and_score
 
 if TYPE_CHECKING:  # JAX waits for an engine: ``import rlaxkit.evaluation`` stays light
     from rlaxkit.inference import InferenceEngine, SamplingConfig
+    from rlaxkit.inference.results import ModelLike
     from rlaxkit.models.tokenizer import Tokenizer
 
 
@@ -249,7 +250,7 @@ class EpisodeMetricsTask(Protocol):
 
 
 def make_episode_engine(
-    model: Any,
+    model: ModelLike,
     task: EpisodicTask,
     tokenizer: Tokenizer,
     sampling: SamplingConfig,

@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx
@@ -37,8 +38,12 @@ from rlaxkit.runtime.concurrent import check_supported
 from rlaxkit.runtime.faults import FaultInjector, load_plan
 from rlaxkit.runtime.loop import Loop
 from rlaxkit.runtime.placement import start_placement
-from rlaxkit.tasks import CodeTask, Task, isolation_mode
+from rlaxkit.tasks import CodeTask, Problem, RewardRunner, Task, isolation_mode
 from rlaxkit.tracking import check_run_dir, open_trackers
+
+if TYPE_CHECKING:
+    from rlaxkit.inference.results import ModelLike
+    from rlaxkit.models.tokenizer import Tokenizer
 
 
 class Experiment(Loop):
@@ -325,45 +330,17 @@ class Experiment(Loop):
         cfg = self.config.eval
         n = samples or cfg.samples
         params = jax.tree.map(lambda x: x.copy(), self.params())
-        task: Task = self.task
-        problems = task.problems("test", num_problems or cfg.num_problems)
-        if isinstance(task, EpisodicTask):
-            runtime = self.config.runtime
-            # Parked rows keep their caches through a tool call, as the worker's do.
-            episodes = dataclasses.replace(self.config.episodes, keep_cache=True)
-            engine = make_episode_engine(
-                (self.parts.graphdef, params),
-                task,
-                self.tokenizer,
-                self.config.sampling,
-                episodes,
-                max_prompt_tokens=runtime.max_prompt_tokens,
-                num_slots=runtime.slots_per_worker,
-                chunk_steps=runtime.chunk_steps,
-            )
-            report = evaluate_episodes(
-                task,
-                engine,
-                self.tokenizer,
-                episodes,
-                problems=problems,
-                n=n,
-                ks=sorted({1, n}),
-                seed=seed,
-            )
-        else:
-            generate = make_text_generate(
-                (self.parts.graphdef, params), self.tokenizer, self.config.sampling
-            )
-            report = evaluate_policy(
-                task,
-                generate,
-                problems=problems,
-                n=n,
-                ks=sorted({1, n}),
-                seed=seed,
-                runner=self.parts.scorer,
-            )
+        problems = self.task.problems("test", num_problems or cfg.num_problems)
+        report = evaluate_model(
+            self.config,
+            self.task,
+            (self.parts.graphdef, params),
+            self.tokenizer,
+            problems=problems,
+            n=n,
+            seed=seed,
+            runner=self.parts.scorer,
+        )
         metrics = {f"eval/pass_at_{r['k']}": r["pass@k"] for r in report.rows}
         self.logger.log_eval(
             self.version, metrics | {f"eval/{k}": v for k, v in report.metrics.items()}
@@ -397,3 +374,41 @@ class Experiment(Loop):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def evaluate_model(
+    config: RunConfig,
+    task: Task,
+    model: ModelLike,
+    tokenizer: Tokenizer,
+    *,
+    problems: Sequence[Problem],
+    n: int,
+    seed: int,
+    runner: RewardRunner | None = None,
+) -> EvalReport:
+    """pass@1 and pass@n of ``model`` on ``problems`` at ``config.sampling``: single-turn
+    completions (``evaluate_policy``), or for a multi-turn task whole episodes with its
+    tools (``evaluate_episodes``; turns and budgets from ``config.episodes``, an engine
+    of ``runtime.slots_per_worker`` rows)."""
+    if isinstance(task, EpisodicTask):
+        runtime = config.runtime
+        # Parked rows keep their caches through a tool call, as the worker's do.
+        episodes = dataclasses.replace(config.episodes, keep_cache=True)
+        engine = make_episode_engine(
+            model,
+            task,
+            tokenizer,
+            config.sampling,
+            episodes,
+            max_prompt_tokens=runtime.max_prompt_tokens,
+            num_slots=runtime.slots_per_worker,
+            chunk_steps=runtime.chunk_steps,
+        )
+        return evaluate_episodes(
+            task, engine, tokenizer, episodes, problems=problems, n=n, ks=sorted({1, n}), seed=seed
+        )
+    generate = make_text_generate(model, tokenizer, config.sampling)
+    return evaluate_policy(
+        task, generate, problems=problems, n=n, ks=sorted({1, n}), seed=seed, runner=runner
+    )
