@@ -358,7 +358,6 @@ class InferenceWorker:
             request.chunks += 1
         complete = []
         for completion in finished:
-            request = self.requests[completion.request_id]
             self.generated_tokens += completion.num_tokens
             if self.turns is not None:  # the episode ends, or not, when its step resolves
                 self.turns.take_turn(completion, self.version)
