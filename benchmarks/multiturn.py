@@ -48,7 +48,8 @@ What the real runs showed, on two CPU cores shared with another job (load averag
 114 without (the tail costs 76%: each step waits for its slowest episode's tools); at
 η = 2 108 against 193 (44%): η = 2 gives 4.0 times η = 0 and hides 42% of the tail.
 A second such run gave 27 / 115 and 109 / 212 (36% hidden); ``--quick`` (one 6-step
-window each, 61 s at load 3.9 to 4.8) gave 42 / 105 and 102 / 148 (48% hidden). Less
+window each, 57 s in all at load 2.2 to 2.9) gave 42 / 104 and 100 / 142 (50% hidden;
+its short windows read η = 0 with the tail high). Less
 is hidden than in the simulated fleet because the real tail is long against a trainer
 step: a step takes about 0.1 s here and the tool's p99 is 1 s, so a slow call spans
 about ten steps, while η = 2 lets a group lag only two; the simulated step takes
