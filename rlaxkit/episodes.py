@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 from rlaxkit.rollout import ENVIRONMENT_VERSION, Rollout
-from rlaxkit.validation import check_int
+from rlaxkit.validation import check_int, check_number
 
 # Tasks import the environment contract from here: the engine, tokenizer and tasks are
 # types only, and JAX waits for ``run_episodes``, so ``import rlaxkit.tasks`` stays light.
@@ -162,11 +162,12 @@ class EpisodeConfig:
         check_int("tool_workers", self.tool_workers, minimum=1)
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s: must be > 0 or None, got {self.step_timeout_s!r}")
-        if self.release_after_s is not None and not (
-            isinstance(self.release_after_s, int | float) and self.release_after_s >= 0
-        ):
-            raise ValueError(
-                f"release_after_s: must be >= 0 (seconds) or None, got {self.release_after_s!r}"
+        if self.release_after_s is not None:
+            check_number(
+                "release_after_s",
+                self.release_after_s,
+                minimum=0.0,
+                allowed="a number >= 0 (seconds) or None",
             )
 
 
