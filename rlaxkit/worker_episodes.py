@@ -160,6 +160,7 @@ class EpisodeTurns:
         self.waiting: dict[tuple[int, int], _Waiting] = {}  # (group, sample) -> step
         self.released_rows = 0  # rows given up to other requests while a tool ran
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._running: set[concurrent.futures.Future] = set()  # steps not yet returned
 
     def prompt(self, problem: Problem) -> list[int]:
         """The environment's prompt of ``problem`` as token ids."""
@@ -202,6 +203,8 @@ class EpisodeTurns:
             clock=time.monotonic,  # durations only; events are timed on the run's clock
             timeout_s=self.config.step_timeout_s,
         )
+        self._running.add(step.future)
+        step.future.add_done_callback(self._running.discard)
         last = int(completion.versions[-1]) if completion.num_tokens else version
         self.waiting[group_id, j] = _Waiting(
             group_id, step, completion.parked, last, time.monotonic()
@@ -348,7 +351,10 @@ class EpisodeTurns:
         self.waiting.clear()
 
     def close(self) -> None:
-        """Stops the step threads without waiting for a step that runs on."""
+        """Stops the step threads: joins them, unless a step still runs (one that timed
+        out may never return), so that no thread outlives the worker for long."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            for future in list(self._running):  # those not started yet end here
+                future.cancel()
+            self._pool.shutdown(wait=not self._running, cancel_futures=True)
             self._pool = None
