@@ -104,13 +104,12 @@ def local_cluster(
     would write a token under the home directory)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     temp_dir = tempfile.mkdtemp(prefix="ray-")
-    extra = {} if system_config is None else {"_system_config": dict(system_config)}
     ray.init(
         num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=False,
         _temp_dir=temp_dir,
-        **extra,
+        _system_config=None if system_config is None else dict(system_config),
     )
     try:
         yield
