@@ -6,7 +6,9 @@ submitted with ``hold=True``; a turn that ends at a tool call parks its row. Eve
 finished turn submits its environment step to a thread pool (``take_turn``) and its row
 stays parked while the engine decodes the other rows; ``advance``, called before each
 chunk, resolves the steps: the row resumes after the observation's ids, or the episode
-ends (the environment ended it, or its turns or tokens ran out).
+ends (the environment ended it, or its turns or tokens ran out). A task whose
+environment has no tool stops (code with test feedback: each attempt ends at the end
+token) parks no row; its next turn is a request of the whole context.
 
 Two ways to resolve, set by the worker's mode:
 
@@ -113,8 +115,7 @@ class EpisodeTurns:
             ``release_after_s`` for a resubmitted turn's whole context as a prompt.
 
     Raises:
-        ValueError: the task's environment has no tool stops, or ``release_after_s``
-            is set in deterministic mode.
+        ValueError: ``release_after_s`` is set in deterministic mode.
     """
 
     def __init__(
@@ -137,20 +138,18 @@ class EpisodeTurns:
                 "cannot replay; use runtime.mode=concurrent or unset release_after_s"
             )
         tool_stops = task.make_environment().tool_stops
-        if not tool_stops:
-            raise ValueError(
-                f"task {getattr(task, 'name', task)!r}: its environment has no tool_stops, so "
-                "no turn parks a row; the runtime's worker resumes episodes only in parked "
-                "rows. Run it with rlaxkit.episodes.run_episodes"
-            )
         sequences = tuple(tuple(tokenizer.encode(text)) for text in tool_stops)
         self.sampling = dataclasses.replace(
             sampling, stop_sequences=tuple(dict.fromkeys((*sampling.stop_sequences, *sequences)))
         )
+        # Rows park at tool stops; a task without them (each turn ends at the end token)
+        # and a released row go on as a request of the whole context.
+        self.hold = bool(tool_stops)
+        self.resubmits = config.release_after_s is not None or not self.hold
         self.max_new_tokens = sampling.max_new_tokens
         self.max_prompt_len = max_prompt_tokens
         episode_tokens = max(config.max_episode_tokens, self.max_new_tokens)
-        if config.release_after_s is not None:  # a released turn prefills its context
+        if self.resubmits:  # a later turn may prefill its whole context
             self.max_prompt_len += config.max_episode_tokens
             episode_tokens = self.max_new_tokens
         self.max_context_len = bucket_length(self.max_prompt_len) + episode_tokens
@@ -179,7 +178,11 @@ class EpisodeTurns:
         self.groups[issue.group_id] = _Group(issue.seed, episodes, environments)
         budget = min(self.max_new_tokens, self.config.max_episode_tokens)
         engine.submit(
-            prompt, rng=issue.seed, request_id=issue.group_id, max_new_tokens=budget, hold=True
+            prompt,
+            rng=issue.seed,
+            request_id=issue.group_id,
+            max_new_tokens=budget,
+            hold=self.hold,
         )
 
     def take_turn(self, completion: Completion, version: int | None) -> None:
@@ -254,7 +257,8 @@ class EpisodeTurns:
     def _resolve(self, engine: InferenceEngine, log: ReplayLog, key: tuple[int, int]) -> int | None:
         """Resolves one step; returns its group's id when that ended the group's last
         episode. A turn that did not park (the end token, the turn's budget, or a row
-        without room for an observation) can go on in no row, so an episode the
+        without room for an observation) goes on as a request of its whole context when
+        the engine has room for one (``self.resubmits``); otherwise an episode the
         environment would continue ends there as ``"length"``."""
         waiting = self.waiting.pop(key)
         group_id, j = key
@@ -275,7 +279,7 @@ class EpisodeTurns:
             observation_tokens=len(record.observation_ids),
             action_tokens=len(step.action.token_ids),
         )
-        if not waiting.turn_parked and not record.done:
+        if not waiting.turn_parked and not record.done and not self.resubmits:
             episode.finish_reason = "length"
         elif advance_episode(episode, record, self.config):
             budget = min(self.max_new_tokens, self.config.max_episode_tokens - len(episode.tokens))
@@ -291,7 +295,7 @@ class EpisodeTurns:
                     max_new_tokens=budget,
                 )
                 log.resumed(group_id, j, record.observation_ids)
-            else:  # its row was released: the whole context is prefilled again
+            else:  # no row holds it: the whole context is prefilled again
                 context = episode.prompt_tokens.tolist() + episode.tokens
                 engine.submit(
                     context,
@@ -299,7 +303,7 @@ class EpisodeTurns:
                     request_id=group_id,
                     sample_index=j,
                     max_new_tokens=budget,
-                    hold=True,
+                    hold=self.hold,
                 )
             return None
         elif step.parked:

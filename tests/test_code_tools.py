@@ -217,3 +217,51 @@ def test_episodes_on_a_tiny_random_model(monkeypatch):
         )
         assert "SandboxSetupError" in episode.steps[0].info["error"]
     assert code_tool_metrics(broken)["step_failure_rate"] == 1.0
+
+
+def test_a_local_run_trains_on_attempts_and_their_test_feedback(tmp_path):
+    """In the runtime's worker, each attempt ends at the end token and parks no row: the
+    next attempt is a request of the whole context (prompt, attempts, feedback). The
+    trained rows are the sampled ids plus the feedback's ids, and the books balance."""
+    from rlaxkit.config import RunConfig
+    from rlaxkit.runtime import Experiment
+
+    config = RunConfig.from_overrides(
+        [
+            "steps=2",
+            "model.config.hidden_size=32",
+            "model.config.intermediate_size=64",
+            "model.config.num_layers=1",
+            "model.config.max_position_embeddings=512",
+            "model.config.vocab_size=100",  # printable characters
+            "task.name=code_tools",
+            "task.options.max_attempts=2",
+            "task.options.max_failures_shown=1",
+            "task.options.max_field_chars=16",
+            "sft.steps=0",
+            "sampling.n=2",
+            "sampling.max_new_tokens=8",
+            "staleness.batch_size=2",
+            "runtime.num_workers=1",
+            "runtime.slots_per_worker=4",
+            "runtime.max_prompt_tokens=256",
+            "episodes.max_turns=2",
+            "episodes.max_episode_tokens=160",
+            "batching.equal_rewards=keep",
+            "eval.num_problems=1",
+            "eval.samples=1",
+            "eval.every_steps=0",
+        ]
+    )
+    with Experiment(config, run_dir=tmp_path) as exp:
+        exp.run()
+        exp.check_accounting()
+        rollouts = [r for g in exp.last_batch["groups"] for r in g.rollouts]
+        tokenizer = exp.tokenizer
+    for rollout in rollouts:
+        assert rollout.reward_info["turns"] == 2  # a random model's first attempt fails
+        mask = rollout.policy_mask
+        feedback = rollout.completion_tokens[~mask].tolist()
+        shown = tokenizer.decode(feedback)
+        assert shown.startswith("Tests failed: 0 of") or shown == NO_PROGRAM_TEXT
+        assert mask[:1].all() and mask[-1:].all()  # attempt, feedback, attempt

@@ -14,12 +14,11 @@ from flax import nnx
 from rlaxkit.batch import collate
 from rlaxkit.config import RunConfig
 from rlaxkit.controller import Issue
-from rlaxkit.episodes import EpisodeConfig
 from rlaxkit.param_server import InProcessParameterServer
 from rlaxkit.policies import StalenessPolicy, WeightSyncPolicy
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.build import build_policy, build_task, warm_start
-from rlaxkit.tasks import RewardRunner, make_task
+from rlaxkit.tasks import RewardRunner
 from rlaxkit.trace import MemoryTrace
 from rlaxkit.worker import InferenceWorker
 from sim.calibrate_turns import fit_turns
@@ -257,28 +256,6 @@ def test_a_preempted_worker_gives_its_episodes_back_and_they_start_over(policy):
     worker.sync_weights()  # a fresh engine, the same weights: the same episodes
     worker.submit(issue(0), PROBLEMS[0])
     assert_identical(run_until_idle(worker), expected)
-
-
-def test_a_task_whose_turns_never_park_is_refused(policy):
-    task = make_task("code_tools")
-    with pytest.raises(ValueError, match="no tool_stops.*run_episodes"):
-        InferenceWorker(
-            "worker-0",
-            policy[0],
-            CONFIG.sampling,
-            task=task,
-            tokenizer=policy[2],
-            scorer=RewardRunner.for_task(task, "inline"),
-            param_server=InProcessParameterServer(),
-            staleness=StalenessPolicy(batch_size=2),
-            weight_sync=WeightSyncPolicy(),
-            trace=MemoryTrace(),
-            clock=Clock(),
-            num_slots=NUM_SLOTS,
-            chunk_steps=CHUNK_STEPS,
-            max_prompt_tokens=8,
-            episodes=EpisodeConfig(),
-        )
 
 
 def test_a_local_run_of_episodes_keeps_its_books_and_is_deterministic(cache):
