@@ -229,9 +229,10 @@ assert gap <= 1e-5
 #
 # Be warned: **this tiny model will not learn the task in a few steps.** It calls the
 # tool, but with the wrong numbers, so almost every reward is 0 and GRPO has almost
-# nothing to push on. A learning run (a longer warm start, held-out pass@1 before and
-# after, and the same model without the tool) is separate work; here the curves only
-# show the pieces running together.
+# nothing to push on; here the curves only show the pieces running together. The
+# learning run is `rlaxkit train configs/calculator_tools.yaml` (a longer warm start,
+# asynchronous GRPO, held-out pass@1 and tool use over whole episodes before and
+# after); `benchmarks/tool_learning.py` runs it and the same model without the tool.
 
 # %%
 graphdef, params = nnx.split(model)
