@@ -425,9 +425,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _eval(run_dir: Path, samples: int | None) -> None:
+    from rlaxkit.evaluation import evaluate_model
     from rlaxkit.models import load_hf_checkpoint
     from rlaxkit.runtime.build import build_task
-    from rlaxkit.runtime.driver import evaluate_model
 
     config = RunConfig.from_yaml(run_dir / "config.yaml")
     model, tokenizer = load_hf_checkpoint(run_dir / "final")

@@ -30,6 +30,7 @@ from rlaxkit.tasks import ChatTemplate, Problem, RewardRunner, Split, Task, Text
 from rlaxkit.tasks.policy import sample_and_score
 
 if TYPE_CHECKING:  # JAX waits for an engine: ``import rlaxkit.evaluation`` stays light
+    from rlaxkit.config import RunConfig
     from rlaxkit.inference import InferenceEngine, SamplingConfig
     from rlaxkit.inference.results import ModelLike
     from rlaxkit.models.tokenizer import Tokenizer
@@ -335,3 +336,43 @@ def _episode_verdict(episode: Episode) -> _Verdict:
 def _vote_key(parsed: str | None) -> str | None:
     """Votes are grouped by the parsed answer with whitespace removed."""
     return None if parsed is None else "".join(parsed.split())
+
+
+def evaluate_model(
+    config: RunConfig,
+    task: Task,
+    model: ModelLike,
+    tokenizer: Tokenizer,
+    *,
+    problems: Sequence[Problem],
+    n: int,
+    seed: int,
+    runner: RewardRunner | None = None,
+) -> EvalReport:
+    """pass@1 and pass@n of ``model`` on ``problems`` at ``config.sampling``: single-turn
+    completions (``evaluate_policy``), or for a multi-turn task whole episodes with its
+    tools (``evaluate_episodes``; turns and budgets from ``config.episodes``, an engine
+    of ``runtime.slots_per_worker`` rows)."""
+    if isinstance(task, EpisodicTask):
+        runtime = config.runtime
+        # Parked rows keep their caches through a tool call, as the worker's do.
+        episodes = replace(config.episodes, keep_cache=True)
+        engine = make_episode_engine(
+            model,
+            task,
+            tokenizer,
+            config.sampling,
+            episodes,
+            max_prompt_tokens=runtime.max_prompt_tokens,
+            num_slots=runtime.slots_per_worker,
+            chunk_steps=runtime.chunk_steps,
+        )
+        return evaluate_episodes(
+            task, engine, tokenizer, episodes, problems=problems, n=n, ks=sorted({1, n}), seed=seed
+        )
+    from rlaxkit.inference import make_text_generate
+
+    generate = make_text_generate(model, tokenizer, config.sampling)
+    return evaluate_policy(
+        task, generate, problems=problems, n=n, ks=sorted({1, n}), seed=seed, runner=runner
+    )

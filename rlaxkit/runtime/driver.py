@@ -12,12 +12,10 @@ backend; on Ray a preemption kills the actor for real.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from flax import nnx
@@ -26,10 +24,8 @@ from rlaxkit.api import Work
 from rlaxkit.buffer import RolloutBuffer
 from rlaxkit.config import RunConfig
 from rlaxkit.controller import PromptController
-from rlaxkit.episodes import EpisodicTask
-from rlaxkit.evaluation import EvalReport, evaluate_episodes, evaluate_policy, make_episode_engine
+from rlaxkit.evaluation import EvalReport, evaluate_model
 from rlaxkit.faults import FaultPlan
-from rlaxkit.inference import make_text_generate
 from rlaxkit.runtime import state as codec
 from rlaxkit.runtime.books import RunBooks, Window
 from rlaxkit.runtime.build import check_inputs
@@ -38,12 +34,8 @@ from rlaxkit.runtime.concurrent import check_supported
 from rlaxkit.runtime.faults import FaultInjector, load_plan
 from rlaxkit.runtime.loop import Loop
 from rlaxkit.runtime.placement import start_placement
-from rlaxkit.tasks import CodeTask, Problem, RewardRunner, Task, isolation_mode
+from rlaxkit.tasks import CodeTask, isolation_mode
 from rlaxkit.tracking import check_run_dir, open_trackers
-
-if TYPE_CHECKING:
-    from rlaxkit.inference.results import ModelLike
-    from rlaxkit.models.tokenizer import Tokenizer
 
 
 class Experiment(Loop):
@@ -374,41 +366,3 @@ class Experiment(Loop):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def evaluate_model(
-    config: RunConfig,
-    task: Task,
-    model: ModelLike,
-    tokenizer: Tokenizer,
-    *,
-    problems: Sequence[Problem],
-    n: int,
-    seed: int,
-    runner: RewardRunner | None = None,
-) -> EvalReport:
-    """pass@1 and pass@n of ``model`` on ``problems`` at ``config.sampling``: single-turn
-    completions (``evaluate_policy``), or for a multi-turn task whole episodes with its
-    tools (``evaluate_episodes``; turns and budgets from ``config.episodes``, an engine
-    of ``runtime.slots_per_worker`` rows)."""
-    if isinstance(task, EpisodicTask):
-        runtime = config.runtime
-        # Parked rows keep their caches through a tool call, as the worker's do.
-        episodes = dataclasses.replace(config.episodes, keep_cache=True)
-        engine = make_episode_engine(
-            model,
-            task,
-            tokenizer,
-            config.sampling,
-            episodes,
-            max_prompt_tokens=runtime.max_prompt_tokens,
-            num_slots=runtime.slots_per_worker,
-            chunk_steps=runtime.chunk_steps,
-        )
-        return evaluate_episodes(
-            task, engine, tokenizer, episodes, problems=problems, n=n, ks=sorted({1, n}), seed=seed
-        )
-    generate = make_text_generate(model, tokenizer, config.sampling)
-    return evaluate_policy(
-        task, generate, problems=problems, n=n, ks=sorted({1, n}), seed=seed, runner=runner
-    )
