@@ -56,6 +56,7 @@ __all__ = [
     "encode_observation",
     "collect_step",
     "episode_sampling",
+    "record_tool_call",
     "run_episodes",
     "submit_step",
 ]
@@ -529,13 +530,36 @@ def _record_tool_call(
     policy = [v for v, mine in zip(episode.versions, episode.policy_mask, strict=True) if mine]
     ran = pending.ran
     ended = len(ran) >= 2 and record.outcome != "timeout"
-    trace.record(
+    record_tool_call(
+        trace,
         max(0.0, ran[1] if ended else pending.submitted_s + record.duration_s),
-        "tool_call",
         actor,
         policy[-1] if policy else None,
         sample=f"{pending.index // samples_per_problem}/{pending.index % samples_per_problem}",
         turn=episode.turns - 1,
+        record=record,
+    )
+
+
+def record_tool_call(
+    trace: TraceSink,
+    at_s: float,
+    actor: str,
+    version: int | None,
+    *,
+    sample: str,
+    turn: int,
+    record: StepRecord,
+) -> None:
+    """Writes the ``tool_call`` event of one resolved step (the trace schema's fields:
+    the step's ``duration_s`` and outcome, its action's and observation's tokens)."""
+    trace.record(
+        at_s,
+        "tool_call",
+        actor,
+        version,
+        sample=sample,
+        turn=turn,
         duration_s=record.duration_s,
         outcome=record.outcome,
         observation_tokens=len(record.observation_ids),

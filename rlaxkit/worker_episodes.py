@@ -49,6 +49,7 @@ from rlaxkit.episodes import (
     advance_episode,
     collect_step,
     encode_observation,
+    record_tool_call,
     submit_step,
 )
 from rlaxkit.inference import InferenceEngine, SamplingConfig
@@ -267,17 +268,14 @@ class EpisodeTurns:
         record = collect_step(
             step, group.environments[j], self.tokenizer, episode, time.monotonic()
         )
-        self.trace.record(  # as run_episodes writes it, for sim.calibrate's turn fit
+        record_tool_call(  # for sim.calibrate's turn fit
+            self.trace,
             self.clock(),
-            "tool_call",
             self.worker_id,
             waiting.version,
             sample=f"{group_id}:{j}",
             turn=episode.turns - 1,
-            duration_s=record.duration_s,
-            outcome=record.outcome,
-            observation_tokens=len(record.observation_ids),
-            action_tokens=len(step.action.token_ids),
+            record=record,
         )
         if not waiting.turn_parked and not record.done and not self.resubmits:
             episode.finish_reason = "length"
