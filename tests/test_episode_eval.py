@@ -124,3 +124,28 @@ def test_train_summary_has_tool_use_before_and_after(tmp_path, capsys, name):
     assert "held-out pass@1 before RL" in out and "tool_use_rate" in out
     assert main(["eval", str(run)]) == 0
     assert "tool_use_rate" in capsys.readouterr().out
+
+
+def test_the_tool_learning_benchmark_reports_both_runs(tmp_path, capsys, monkeypatch):
+    """``benchmarks/tool_learning.py`` on the tiny job: one JSON line with both runs'
+    figures (so the script cannot rot; its real figures need minutes)."""
+    import importlib.util
+
+    from rlaxkit.config import RunConfig
+
+    path = Path(__file__).parents[1] / "benchmarks" / "tool_learning.py"
+    spec = importlib.util.spec_from_file_location("bench_tool_learning", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shipped = bench.config_for
+
+    def tiny(name, quick):
+        return RunConfig.from_overrides(TINY_CALCULATOR, base=shipped(name, quick))
+
+    monkeypatch.setattr(bench, "config_for", tiny)
+    assert bench.main(["--quick", "--run-dir", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("pass1_before_tool", "pass1_after_no_tool", "tool_use_rate_after"):
+        assert 0 <= report[key] <= 1
+    assert report["quick"] is True and report["wall_s_tool"] > 0
