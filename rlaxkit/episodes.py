@@ -133,10 +133,11 @@ class EpisodeConfig:
         max_episode_tokens: the most tokens after the prompt (policy and environment's);
             the prompt plus these must fit the engine's ``max_prompt_len``.
         step_timeout_s: seconds an environment step may take (``None``: no limit).
-        tool_workers: threads that run environment steps. A step that waits on a slow
-            tool holds its thread, and the steps behind it wait in the pool's queue:
-            give as many as rows may wait at once for one slow tool not to hold up
-            the others.
+        tool_workers: threads that run environment steps (``None``: one per engine
+            row, so that every row may wait on a tool at once). A step that waits on a
+            slow tool holds its thread, and the steps behind it wait in the pool's
+            queue: fewer threads than rows lets one slow tool hold up other rows'
+            steps.
         keep_cache: a turn ending in a tool call keeps its engine row and KV cache until
             the tool answers (``InferenceEngine.resume`` prefills only the observation);
             otherwise each turn prefills its whole context.
@@ -152,7 +153,7 @@ class EpisodeConfig:
     max_turns: int = 4
     max_episode_tokens: int = 256
     step_timeout_s: float | None = 5.0
-    tool_workers: int = 4
+    tool_workers: int | None = None
     keep_cache: bool = False
     release_after_s: float | None = None
 
@@ -160,7 +161,8 @@ class EpisodeConfig:
         check_int("samples_per_problem", self.samples_per_problem, minimum=1)
         check_int("max_turns", self.max_turns, minimum=1)
         check_int("max_episode_tokens", self.max_episode_tokens, minimum=1)
-        check_int("tool_workers", self.tool_workers, minimum=1)
+        if self.tool_workers is not None:
+            check_int("tool_workers", self.tool_workers, minimum=1)
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s: must be > 0 or None, got {self.step_timeout_s!r}")
         if self.release_after_s is not None:
@@ -433,7 +435,9 @@ def run_episodes(
 
     for index in range(len(episodes)):
         start_turn(index, parked=False)
-    pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers, "environment-step")
+    pool = concurrent.futures.ThreadPoolExecutor(
+        config.tool_workers or engine.num_slots, "environment-step"
+    )
     try:
         waiting: list[PendingStep] = []
         while waiting or not engine.idle:

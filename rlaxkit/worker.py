@@ -126,6 +126,7 @@ class InferenceWorker:
                 episodes or EpisodeConfig(),
                 sampling=self.sampling,
                 max_prompt_tokens=max_prompt_tokens,
+                rows=num_slots,
                 trace=trace,
                 clock=clock,
                 free_running=free_running,

@@ -105,6 +105,7 @@ class EpisodeTurns:
         config: turns, token budget, step timeout, tool threads, ``release_after_s``.
         sampling: the worker's sampling settings; ``self.sampling`` adds the tool stops.
         max_prompt_tokens: the longest prompt the worker accepts.
+        rows: the engine's rows (step threads by default: ``EpisodeConfig.tool_workers``).
         trace: where ``tool_call`` events go.
         clock: seconds since the run's start (event times).
         free_running: resolve only the steps that are done (see the module docstring).
@@ -128,6 +129,7 @@ class EpisodeTurns:
         *,
         sampling: SamplingConfig,
         max_prompt_tokens: int,
+        rows: int,
         trace: TraceSink,
         clock: Callable[[], float],
         free_running: bool,
@@ -156,6 +158,7 @@ class EpisodeTurns:
         self.max_context_len = bucket_length(self.max_prompt_len) + episode_tokens
         self.worker_id, self.task, self.tokenizer, self.config = worker_id, task, tokenizer, config
         self.trace, self.clock, self.free_running = trace, clock, free_running
+        self.rows = rows
         self.groups: dict[int, _Group] = {}
         self.waiting: dict[tuple[int, int], _Waiting] = {}  # (group, sample) -> step
         self.released_rows = 0  # rows given up to other requests while a tool ran
@@ -196,7 +199,7 @@ class EpisodeTurns:
         action = Action(self.tokenizer.decode(ids), tuple(ids), completion.finish_reason)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.config.tool_workers, f"{self.worker_id}-step"
+                self.config.tool_workers or self.rows, f"{self.worker_id}-step"
             )
         step = submit_step(
             self._pool,

@@ -97,8 +97,10 @@ def free_running_worker(policy, task, episodes: EpisodeConfig, free_running=True
 
 def test_a_slow_tool_holds_up_its_own_episodes_only(policy):
     task = GatedTask()
-    # A thread per row: steps that wait do not hold up the others' in the pool's queue.
-    episodes = dataclasses.replace(CONFIG.episodes, step_timeout_s=30.0, tool_workers=8)
+    # A thread per row by default: steps that wait do not hold up the others' in the
+    # pool's queue.
+    assert CONFIG.episodes.tool_workers is None
+    episodes = dataclasses.replace(CONFIG.episodes, step_timeout_s=30.0)
     worker = free_running_worker(policy, task, episodes)
     worker.submit(issue(0), PROBLEMS[0])  # its first steps wait for the gate
     worker.submit(issue(1), PROBLEMS[1])
