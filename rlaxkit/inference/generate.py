@@ -1,5 +1,5 @@
 """Static-batch generation: prefill a batch of ragged prompts once, then decode every row
-to its end inside one compiled ``lax.while_loop``.
+to its end in compiled ``lax.while_loop``s over growing prefixes of the KV cache.
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -84,9 +84,11 @@ def generate(
 
     The ``B`` prompts (ragged) are right-padded to a power-of-two width (at least 16) and
     prefilled once; each prompt's cache rows are copied to its ``n`` sample rows; the
-    ``B * n`` rows (padded to a power of two) decode in one jitted ``lax.while_loop``
-    that exits when every row has stopped. A second call whose batch and prompt width
-    fall in the same buckets compiles nothing.
+    ``B * n`` rows (padded to a power of two) decode in jitted ``lax.while_loop``s until
+    every row has stopped. A long decode runs in segments over growing prefixes of the
+    cache (``decode_views``), so early steps attend over few slots; the tokens are those
+    of decoding over the whole cache, the log-probs equal to a few float32 ulps. A
+    second call whose batch and prompt width fall in the same buckets compiles nothing.
 
     Args:
         model: a ``Transformer`` or ``(graphdef, params)`` from ``nnx.split``.
@@ -140,16 +142,47 @@ def generate(
         (row % n).astype(np.int32),
         budget[source],
     )
-    state, _ = programs.decode_steps(
-        graphdef,
-        params,
-        state,
-        np.int32(version),
-        np.int32(config.max_new_tokens),
-        np.int32(rows + 1),
-        config=config,
-    )
+    # Row ``b`` writes cache slots ``len_b - 1 .. len_b + budget_b - 2``: the views from
+    # the first up to one holding every row's last write.
+    needed = int((lengths[:num_prompts] - 1 + budget).max())
+    for view in decode_views(width, state.cache.slots):
+        state, _ = programs.decode_steps(
+            graphdef,
+            params,
+            state,
+            np.int32(version),
+            np.int32(config.max_new_tokens),
+            np.int32(rows + 1),
+            config=config,
+            view=view,
+        )
+        if view >= needed:
+            break
     return collect_result(state.rows, prompt_arrays, config)
+
+
+MIN_VIEW = 32
+MIN_VIEW_TOKENS = 64
+
+
+def decode_views(prompt_width: int, slots: int) -> tuple[int, ...]:
+    """The cache prefixes ``generate`` decodes in, shortest first: the powers of two from
+    ``max(MIN_VIEW, prompt_width)`` below ``slots``, then ``slots``.
+
+    Each is one compiled program (``decode_steps(..., view=...)``); a segment runs until a
+    generating row would write past its view and the next view goes on from there, so
+    early steps read a short cache instead of all ``slots`` slots. A decode of fewer than
+    ``MIN_VIEW_TOKENS`` new tokens (``slots - prompt_width``) runs in one program: its
+    steps are too few to pay for compiling more.
+    """
+    if slots - prompt_width < MIN_VIEW_TOKENS:
+        return (slots,)
+    views = []
+    view = max(MIN_VIEW, prompt_width)
+    while view < slots:
+        views.append(view)
+        view *= 2
+    return (*views, slots)
 
 
 def compile_generate(
@@ -174,7 +207,7 @@ def compile_generate(
     )
     key_shape = key_data(0).shape
     row = spec((rows,), np.int32)
-    jobs = [
+    jobs: list[Callable[[], object]] = [
         lambda: programs.init_state.lower(model_config, config, rows, width).compile(),
         lambda: programs.start_rows.lower(
             graphdef,
@@ -188,7 +221,10 @@ def compile_generate(
             row,
             row,
         ).compile(),
-        lambda: programs.compile_decode_steps(graphdef, params, state, config),
+        *(
+            functools.partial(programs.compile_decode_steps, graphdef, params, state, config, view)
+            for view in decode_views(width, state.cache.slots)
+        ),
     ]
     threads = [threading.Thread(target=job, name="compile-generate") for job in jobs]
     for thread in threads:

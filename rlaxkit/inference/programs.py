@@ -252,6 +252,7 @@ def decode_steps(
     min_finished: ArrayLike,
     *,
     config: SamplingConfig,
+    view: int | None = None,
 ) -> tuple[DecodeState, jax.Array]:
     """Runs decode steps in a ``lax.while_loop`` until every row has stopped, ``max_steps``
     steps have run, or ``min_finished`` rows have finished in this call.
@@ -259,21 +260,46 @@ def decode_steps(
     ``max_steps`` and ``min_finished`` are traced: changing them compiles nothing. Nor do
     ``config.n`` and ``config.max_new_tokens``, which the loop reads from the shapes.
 
+    ``view`` (static, one program per value) runs the steps on the cache's first ``view``
+    slots only, so attention reads ``view`` slots instead of all of them; the loop also
+    stops before any generating row would write at or past slot ``view``. Slots past the
+    view hold nothing a generating row attends to, so the steps give the tokens of the
+    whole cache and its log-probs to a few float32 ulps (the softmax sums the same terms,
+    less the masked slots' exact zeros, in an order XLA may choose differently). Rows
+    that are not generating keep their cache. ``None`` or ``view >= slots`` is the whole
+    cache.
+
     Returns:
         The state and the number of steps run.
     """
+    slots = state.cache.slots
+    if view is not None and view < 1:
+        raise ValueError(f"view must be a positive number of cache slots, got {view}")
     return _decode_steps(
-        graphdef, params, state, version, max_steps, min_finished, config=step_config(config)
+        graphdef,
+        params,
+        state,
+        version,
+        max_steps,
+        min_finished,
+        config=step_config(config),
+        view=None if view is None or view >= slots else view,
     )
 
 
 def compile_decode_steps(
-    graphdef: StaticGraph, params: nnx.State, state: DecodeState, config: SamplingConfig
+    graphdef: StaticGraph,
+    params: nnx.State,
+    state: DecodeState,
+    config: SamplingConfig,
+    view: int | None = None,
 ) -> None:
-    """Compiles ``decode_steps`` for abstract (or concrete) ``params`` and ``state``."""
+    """Compiles ``decode_steps`` (with ``view``) for abstract (or concrete) ``params`` and
+    ``state``."""
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    view = None if view is None or view >= state.cache.slots else view
     _decode_steps.lower(
-        graphdef, params, state, scalar, scalar, scalar, config=step_config(config)
+        graphdef, params, state, scalar, scalar, scalar, config=step_config(config), view=view
     ).compile()
 
 
@@ -284,7 +310,9 @@ def step_config(config: SamplingConfig) -> SamplingConfig:
     return dataclasses.replace(config, n=1, max_new_tokens=1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "config", "view"), donate_argnames=("state",)
+)
 def _decode_steps(
     graphdef: StaticGraph,
     params: nnx.State,
@@ -294,20 +322,66 @@ def _decode_steps(
     min_finished: jax.Array,
     *,
     config: SamplingConfig,
+    view: int | None = None,
 ) -> tuple[DecodeState, jax.Array]:
     model = graphdef.merge(params)
     was_active = state.rows.active
+    full = state.cache
+    if view is not None:
+        state = dataclasses.replace(state, cache=_prefix(full, view))
 
     def keep_going(carry):
         state, step = carry
-        finished = jnp.sum(was_active & ~state.rows.active)
-        return jnp.any(state.rows.active) & (step < max_steps) & (finished < min_finished)
+        active = state.rows.active
+        finished = jnp.sum(was_active & ~active)
+        go = jnp.any(active) & (step < max_steps) & (finished < min_finished)
+        if view is not None:  # a step writes slot ``end`` of every generating row
+            go &= ~jnp.any(active & (state.cache.end >= view))
+        return go
 
     def body(carry):
         state, step = carry
         return decode_step(model, state, version, config), step + 1
 
-    return jax.lax.while_loop(keep_going, body, (state, jnp.zeros((), jnp.int32)))
+    state, steps = jax.lax.while_loop(keep_going, body, (state, jnp.zeros((), jnp.int32)))
+    if view is not None:
+        state = dataclasses.replace(state, cache=_write_prefix(full, state.cache, view))
+    return state, steps
+
+
+def _prefix(cache: KVCache, view: int) -> KVCache:
+    """The first ``view`` slots of every row."""
+    return KVCache(
+        k=[k[:, :, :view] for k in cache.k],
+        v=[v[:, :, :view] for v in cache.v],
+        valid=cache.valid[:, :view],
+        end=cache.end,
+    )
+
+
+def _write_prefix(full: KVCache, part: KVCache, view: int) -> KVCache:
+    """``full`` with its first ``view`` slots from ``part`` (``_prefix`` after steps).
+
+    A row that is not generating still writes (nothing valid) at its ``end``, which the
+    prefix clamps to slot ``view - 1`` when ``end >= view``; such rows keep that slot of
+    ``full``, so the prefix changes nothing the whole cache would have kept.
+    """
+    outside = (full.end >= view)[:, None, None]  # [rows, 1, 1]: broadcast over heads, dim
+
+    def put(whole: jax.Array, new: jax.Array) -> jax.Array:
+        last = jnp.where(outside, whole[:, :, view - 1], new[:, :, view - 1])
+        return jax.lax.dynamic_update_slice_in_dim(
+            whole, new.at[:, :, view - 1].set(last), 0, axis=2
+        )
+
+    last_valid = jnp.where(full.end >= view, full.valid[:, view - 1], part.valid[:, view - 1])
+    valid = part.valid.at[:, view - 1].set(last_valid)
+    return KVCache(
+        k=[put(w, n) for w, n in zip(full.k, part.k, strict=True)],
+        v=[put(w, n) for w, n in zip(full.v, part.v, strict=True)],
+        valid=jax.lax.dynamic_update_slice_in_dim(full.valid, valid, 0, axis=1),
+        end=part.end,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))

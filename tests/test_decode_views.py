@@ -1,0 +1,155 @@
+"""``generate`` decodes in growing cache prefixes (views): the same tokens, log-probs and
+cache as decoding over the whole cache, and ``compile_generate`` covers every view."""
+
+import dataclasses
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlaxkit.inference import SamplingConfig, compile_generate, generate, programs
+from rlaxkit.inference.results import key_data, split_model
+from rlaxkit.jaxutil import count_compilations
+
+generate_module = sys.modules["rlaxkit.inference.generate"]
+
+# Prompt width 16 + 112 new tokens: 128 slots, views 32, 64 and 128.
+CONFIG = SamplingConfig(temperature=1.0, max_new_tokens=112)
+
+
+def prompts(lengths, seed=0, vocab=64):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(0, vocab, n).tolist() for n in lengths]
+
+
+def without_views(monkeypatch, *args, **kwargs):
+    """``generate`` over the whole cache in one program."""
+    with monkeypatch.context() as patch:
+        patch.setattr(generate_module, "decode_views", lambda width, slots: (slots,))
+        return generate(*args, **kwargs)
+
+
+def assert_same(a, b):
+    """Equal tokens; log-probs equal to a few float32 ulps (a view's softmax sums the
+    same terms as the whole cache's, the masked slots' exact zeros left out, so XLA may
+    add them in another order)."""
+    for field in ("tokens", "versions", "mask", "lengths"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+    for field in ("logprobs", "plain_logprobs"):
+        np.testing.assert_allclose(
+            getattr(a, field), getattr(b, field), rtol=1e-6, atol=1e-6, err_msg=field
+        )
+    assert a.finish_reasons == b.finish_reasons
+
+
+def test_views_are_powers_of_two_then_the_cache_for_long_decodes():
+    views = generate_module.decode_views
+    assert views(16, 32) == (32,)  # the small GRPO shape (16 new tokens): one program
+    assert views(16, 48) == (48,)  # 32 new tokens: one program
+    assert views(16, 144) == (32, 64, 128, 144)
+    assert views(64, 192) == (64, 128, 192)  # every prompt fills more than 32 slots
+
+
+@pytest.mark.parametrize(
+    ("config", "lengths", "budget"),
+    [
+        # Ragged prompts, 2 samples each, every row spanning all three views.
+        (dataclasses.replace(CONFIG, n=2), [1, 5, 16], None),
+        # Per-prompt budgets: the 9-token rows stop inside the first view.
+        (CONFIG, [3, 16, 7, 12], [112, 9, 60, 9]),
+        # Budgets that all end inside the first view: one segment runs.
+        (CONFIG, [2, 4], [10, 20]),
+        # Stop tokens end rows at different steps (each of 3 ids ends about 5% of steps).
+        (dataclasses.replace(CONFIG, n=3, stop_tokens=(3, 17, 40)), [6, 16], None),
+    ],
+)
+def test_generate_with_views_equals_the_whole_cache(
+    tiny_model, monkeypatch, config, lengths, budget
+):
+    model = nnx.split(tiny_model)
+    batch = prompts(lengths, seed=len(lengths))
+    viewed = generate(model, batch, config, 5, version=3, max_new_tokens=budget)
+    whole = without_views(monkeypatch, model, batch, config, 5, version=3, max_new_tokens=budget)
+    assert_same(viewed, whole)
+    expected = budget if budget is not None else [config.max_new_tokens] * len(lengths)
+    if not config.stop_tokens:
+        np.testing.assert_array_equal(viewed.lengths, np.repeat([expected], config.n, 0).T)
+    else:
+        assert viewed.lengths.min() < config.max_new_tokens  # some row stopped early
+
+
+def test_decode_steps_in_views_leave_the_state_of_the_whole_cache(tiny_model):
+    """Including a stopped row whose cache reaches past the first view (its slots are
+    kept, as a row waiting for an observation needs)."""
+    graphdef, params = split_model(tiny_model)
+    config = CONFIG
+
+    def start(state, tokens, dest, budget):
+        width = 16
+        padded = np.zeros((len(tokens), width), np.int32)
+        for i, t in enumerate(tokens):
+            padded[i, : len(t)] = t
+        dest = np.asarray(dest, np.int32)
+        return programs.start_rows(
+            graphdef,
+            params,
+            state,
+            padded,
+            np.asarray([len(t) for t in tokens], np.int32),
+            dest,
+            np.arange(len(dest), dtype=np.int32),
+            np.stack([key_data(int(d) + 1) for d in dest]),
+            np.zeros(len(dest), np.int32),
+            np.asarray(budget, np.int32),
+        )
+
+    def run(views):
+        state = programs.init_state(tiny_model.config, config, 4, 16)
+        # Row 1 decodes 40 tokens and stops with its cache end at slot 51.
+        state = start(state, prompts([12], seed=1), [1], [40])
+        state, _ = programs.decode_steps(graphdef, params, state, 0, 112, 5, config=config)
+        assert int(state.cache.end[1]) == 51 and not bool(state.rows.active[1])
+        state = start(state, prompts([16, 2], seed=2), [0, 2], [112, 50])
+        for view in views:
+            before = int(state.cache.end[0])
+            state, steps = programs.decode_steps(
+                graphdef, params, state, 1, 112, 5, config=config, view=view
+            )
+            if view is not None:
+                # Row 0, the furthest along, stops when its next write would leave the view.
+                assert int(state.cache.end[0]) == view and int(steps) == view - before
+        return state
+
+    viewed, whole = run([32, 64, None]), run([None])
+
+    def plain(x):
+        return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+    for a, b in zip(jax.tree.leaves(viewed), jax.tree.leaves(whole), strict=True):
+        a, b = np.asarray(plain(a)), np.asarray(plain(b))
+        if np.issubdtype(a.dtype, np.floating):  # a few ulps, as in ``assert_same``
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(a, b)
+
+
+def test_compile_generate_compiles_every_view(tiny_model):
+    # A shape no other test uses: 3 prompts x 2 samples = 8 rows, width 32, 96 new
+    # tokens: 128 slots, views 32, 64 and 128.
+    config = dataclasses.replace(CONFIG, n=2, max_new_tokens=96, stop_tokens=(5,))
+    model = nnx.split(tiny_model)
+    for thread in compile_generate(model, config, 3, 20):
+        thread.join()
+    with count_compilations() as compiles:
+        result = generate(model, prompts([20, 3, 17], seed=9), config, 4)
+    assert compiles.count == 0
+    assert result.tokens.shape == (3, 2, 96)
+
+
+def test_a_view_must_be_positive(tiny_model):
+    graphdef, params = split_model(tiny_model)
+    state = programs.init_state(tiny_model.config, CONFIG, 2, 16)
+    with pytest.raises(ValueError, match="view must be a positive"):
+        programs.decode_steps(graphdef, params, state, 0, 1, 1, config=CONFIG, view=0)
