@@ -76,3 +76,7 @@ def pytest_configure(config):
     cache = config.cache.mkdir("jax_compilation_cache")
     jax.config.update("jax_compilation_cache_dir", str(cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    # The processes tests start (Ray actors, notebook kernels, the CLI) read the same
+    # cache: JAX takes both settings from the environment when it is imported.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
