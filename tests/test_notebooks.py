@@ -48,15 +48,11 @@ def test_ipynb_is_in_sync_with_its_py_and_has_no_outputs(source):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
-def test_notebook_executes_with_small_settings(source, monkeypatch, pytestconfig):
+def test_notebook_executes_with_small_settings(source, monkeypatch):
     from nbclient import NotebookClient
 
     monkeypatch.setenv("RLAXKIT_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
-    # Share compiled programs with the rest of the suite (see conftest.py).
-    cache = pytestconfig.cache.mkdir("jax_compilation_cache")
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(cache))
-    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
     notebook = nbformat.read(source.with_suffix(".ipynb"), as_version=4)
     client = NotebookClient(
         notebook,
