@@ -4,6 +4,7 @@ matmul peak."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -83,23 +84,72 @@ def matmul_peak_flops(size: int = 2048, repeats: int = 5, dtype: DTypeLike = jnp
     return 2 * size**3 / best
 
 
-# LLVM at -O0: on a 2-core CPU a GRPO train step compiles in ~0.6x the CPU time and runs
-# ~1.7x slower (measured on the small model of ``benchmarks/grpo_step.py``).
-QUICK_COMPILER_OPTIONS: dict[str, str] = {"xla_backend_optimization_level": "0"}
+# LLVM at -O0, and XLA:CPU's loop emitters for fusions instead of its MLIR fusion
+# emitters: on a 2-core CPU the small GRPO train step of ``benchmarks/grpo_step.py``
+# compiles in 1.0 s instead of 2.5 s (1.5 s at -O0 alone) and runs in 56 ms instead of
+# 22 ms (41 ms at -O0 alone). The quick tier runs once per shape, so compile time is
+# what counts.
+QUICK_COMPILER_OPTIONS: dict[str, Any] = {
+    "xla_backend_optimization_level": 0,
+    "xla_cpu_use_fusion_emitters": False,
+}
+
+
+class _Hold:
+    """How many :func:`hold_background_compiles` blocks are running."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.released = threading.Condition()
+
+    @property
+    def held(self) -> bool:
+        return self.count > 0
+
+    def wait_released(self) -> None:
+        with self.released:
+            self.released.wait_for(lambda: self.count == 0)
+
+
+_HOLD = _Hold()
+
+
+@contextlib.contextmanager
+def hold_background_compiles() -> Iterator[None]:
+    """``TieredJit``'s optimised compiles wait while this block runs and start as it ends.
+
+    For a loop's first step: its quick programs compile and run with the CPU to
+    themselves, and the optimised ones compile during the next step. Calls inside the
+    block run the quick executables, so which executable ran a call still depends only
+    on where the call is, not on timing. On a 2-core CPU this takes the small GRPO
+    loop's first step (``benchmarks/peers``) from 3.4-3.8 s to 2.6 s when its sampler is
+    tiered too: the optimised sampler compiles had competed with the train step's quick
+    compile, and its tracing, for the cores and the GIL.
+    """
+    with _HOLD.released:
+        _HOLD.count += 1
+    try:
+        yield
+    finally:
+        with _HOLD.released:
+            _HOLD.count -= 1
+            _HOLD.released.notify_all()
 
 
 class TieredJit:
     """``jax.jit(fun)`` whose first call per input shape runs a quickly compiled executable.
 
-    The first call with a new signature (tree structure, shapes, dtypes, shardings)
-    compiles ``fun`` with ``QUICK_COMPILER_OPTIONS`` and runs that; as it returns, the
-    fully optimised executable starts compiling on a background thread. Every later
-    call with that signature runs the optimised one, waiting for its compile if need
-    be. So the first step of a loop costs about half the compile time, and which
-    executable ran a call depends only on the call's position, not on timing: two runs
-    with one seed still agree bit for bit (the two executables may differ from each
-    other in the last bits, as any two compilations of one program may).
+    The first call with a new signature (tree structure, shapes, dtypes, shardings, and
+    the values of static arguments) compiles ``fun`` with ``QUICK_COMPILER_OPTIONS`` and
+    runs that; as it returns, the fully optimised executable starts compiling on a
+    background thread. Every later call with that signature runs the optimised one,
+    waiting for its compile if need be. So the first step of a loop costs about half the
+    compile time, and which executable ran a call depends only on the call's position,
+    not on timing: two runs with one seed still agree bit for bit (the two executables
+    may differ from each other in the last bits, as any two compilations of one program
+    may).
 
+    ``jit_kwargs`` are ``jax.jit``'s (``static_argnames``, ``donate_argnums``, ...).
     ``lower`` lowers the quick version (to precompile the first call on a thread);
     ``optimised`` is the plain ``jax.jit`` function.
     """
@@ -107,47 +157,63 @@ class TieredJit:
     def __init__(self, fun: Callable, **jit_kwargs: Any):
         self.optimised = jax.jit(fun, **jit_kwargs)
         self.quick = jax.jit(fun, compiler_options=QUICK_COMPILER_OPTIONS, **jit_kwargs)
+        self._parameters = inspect.signature(fun)
+        names = list(self._parameters.parameters)
+        static = set(jit_kwargs.get("static_argnames", ()))
+        static |= {names[i] for i in jit_kwargs.get("static_argnums", ())}
+        self._static = static
         self._compiling: dict[Any, threading.Thread] = {}
         self._lock = threading.Lock()
 
-    @staticmethod
-    def _abstract(args: tuple) -> tuple:
+    def _abstract(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict, Any]:
+        """``(args, kwargs, key)`` with every array argument abstract; static arguments
+        are kept, and key the signature by value."""
+
         def spec(x):
             sharding = getattr(x, "sharding", None)
             return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding)
 
-        return jax.tree.map(spec, args)
+        bound = self._parameters.bind(*args, **kwargs)
+        key: list[tuple[Any, ...]] = []
+        for name, value in bound.arguments.items():
+            if name in self._static:
+                key.append((name, value))
+                continue
+            abstract = jax.tree.map(spec, value)
+            leaves, tree = jax.tree.flatten(abstract)
+            key.append((name, tree, tuple((x.shape, x.dtype, x.sharding) for x in leaves)))
+            bound.arguments[name] = abstract
+        return bound.args, bound.kwargs, tuple(key)
 
-    @staticmethod
-    def _signature(abstract: tuple) -> Any:
-        leaves, tree = jax.tree.flatten(abstract)
-        return tree, tuple((x.shape, x.dtype, x.sharding) for x in leaves)
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """``jax.jit(fun, compiler_options=QUICK_COMPILER_OPTIONS).lower(...)``."""
+        return self.quick.lower(*args, **kwargs)
 
-    def lower(self, *args: Any) -> jax.stages.Lowered:
-        """``jax.jit(fun, compiler_options=QUICK_COMPILER_OPTIONS).lower(*args)``."""
-        return self.quick.lower(*args)
-
-    def __call__(self, *args: Any) -> Any:
-        abstract = self._abstract(args)  # before the call: inputs may be donated
-        key = self._signature(abstract)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Before the call: its inputs may be donated.
+        abstract_args, abstract_kwargs, key = self._abstract(args, kwargs)
         with self._lock:
             compiling = self._compiling.get(key)
-        if compiling is not None:
+        if compiling is not None and not _HOLD.held:
             compiling.join()  # returns at once when the optimised compile is done
-            return self.optimised(*args)
-        out = self.quick(*args)
-        thread = threading.Thread(
-            target=lambda: self.optimised.lower(*abstract).compile(),
-            name="optimised-compile",
-            daemon=True,
-        )
+            return self.optimised(*args, **kwargs)
+        out = self.quick(*args, **kwargs)
+        if compiling is not None:  # a later call inside a hold: quick again
+            return out
+
+        def compile_optimised() -> None:
+            _HOLD.wait_released()
+            self.optimised.lower(*abstract_args, **abstract_kwargs).compile()
+
+        thread = threading.Thread(target=compile_optimised, name="optimised-compile", daemon=True)
         with self._lock:
             self._compiling[key] = thread
         thread.start()
         return out
 
     def wait(self) -> None:
-        """Blocks until every optimised compile started so far is done."""
+        """Blocks until every optimised compile started so far is done (not inside
+        :func:`hold_background_compiles`, whose compiles wait for its end)."""
         with self._lock:
             threads = list(self._compiling.values())
         for thread in threads:

@@ -239,7 +239,8 @@ def create_train_state(
         adapters = jax.jit(lambda p, k: init_adapters(p, lora, k))(params, key)
         base_params = jax.tree.map(jnp.copy, params)
         trained = adapters
-    opt_state = make_optimizer(cfg.optimizer).init((trained, value_params))
+    # One compiled program: eagerly, every schedule term and zeros_like is a compile.
+    opt_state = jax.jit(make_optimizer(cfg.optimizer).init)((trained, value_params))
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,

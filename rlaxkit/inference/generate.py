@@ -79,6 +79,7 @@ def generate(
     *,
     version: int = 0,
     max_new_tokens: int | Sequence[int] | None = None,
+    tiered: bool = False,
 ) -> GenerationResult:
     """Samples ``config.n`` completions of every prompt with a KV cache.
 
@@ -100,6 +101,11 @@ def generate(
         version: the weight version, recorded for every token.
         max_new_tokens: per-prompt budgets (one value or ``B``), at most
             ``config.max_new_tokens``; default ``config.max_new_tokens``.
+        tiered: the first call of a batch shape runs quickly compiled programs while
+            the optimised ones compile in the background (``rlaxkit.jaxutil.TieredJit``):
+            for a loop whose first step should start soon. Later calls are as fast as
+            untiered ones; the first call's tokens and log-probs may differ from theirs
+            in the last float32 bits.
 
     Returns:
         A ``GenerationResult`` of ``[B, n, config.max_new_tokens]`` arrays.
@@ -130,7 +136,7 @@ def generate(
     dest = np.where(row < num_rows, row, rows).astype(np.int32)  # >= rows: padding, dropped
 
     state = programs.init_state(model_config, config, rows, width)
-    state = programs.start_rows(
+    state = (programs.tiered_start_rows if tiered else programs.start_rows)(
         graphdef,
         params,
         state,
@@ -155,6 +161,7 @@ def generate(
             np.int32(rows + 1),
             config=config,
             view=view,
+            tiered=tiered,
         )
         if view >= needed:
             break
@@ -186,7 +193,11 @@ def decode_views(prompt_width: int, slots: int) -> tuple[int, ...]:
 
 
 def compile_generate(
-    model: ModelLike, config: SamplingConfig, num_prompts: int, max_prompt_len: int
+    model: ModelLike,
+    config: SamplingConfig,
+    num_prompts: int,
+    max_prompt_len: int,
+    tiered: bool = False,
 ) -> list[threading.Thread]:
     """Starts compiling ``generate``'s programs for one batch shape, one thread each.
 
@@ -195,6 +206,7 @@ def compile_generate(
     XLA compiles without holding the GIL, so the programs compile side by side and
     alongside whatever the caller does next (e.g. compiling a train step). Join the
     returned threads to wait; a compile error surfaces when ``generate`` is called.
+    ``tiered`` compiles the quick programs of ``generate(..., tiered=True)``'s first call.
     """
     graphdef, params = split_model(model)
     model_config = graphdef.model_config(params)
@@ -209,20 +221,26 @@ def compile_generate(
     row = spec((rows,), np.int32)
     jobs: list[Callable[[], object]] = [
         lambda: programs.init_state.lower(model_config, config, rows, width).compile(),
-        lambda: programs.start_rows.lower(
-            graphdef,
-            params,
-            state,
-            spec((padded_prompts, width), np.int32),
-            spec((padded_prompts,), np.int32),
-            row,
-            row,
-            spec((rows, *key_shape), np.uint32),
-            row,
-            row,
-        ).compile(),
+        lambda: (
+            (programs.tiered_start_rows if tiered else programs.start_rows)
+            .lower(
+                graphdef,
+                params,
+                state,
+                spec((padded_prompts, width), np.int32),
+                spec((padded_prompts,), np.int32),
+                row,
+                row,
+                spec((rows, *key_shape), np.uint32),
+                row,
+                row,
+            )
+            .compile()
+        ),
         *(
-            functools.partial(programs.compile_decode_steps, graphdef, params, state, config, view)
+            functools.partial(
+                programs.compile_decode_steps, graphdef, params, state, config, view, tiered
+            )
             for view in decode_views(width, state.cache.slots)
         ),
     ]

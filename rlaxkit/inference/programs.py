@@ -13,6 +13,10 @@ Multi-turn rows keep this layout: a row that stopped (its last sampled token pen
 is extended by an observation as if its prompt had been ``prompt + completion +
 observation`` all along (``extend_rows``), so the next turn's decode steps, and a cache
 rebuilt under new weights, treat it like any other row.
+
+``start_rows`` and ``decode_steps`` also come in two tiers (``tiered=True``,
+``rlaxkit.jaxutil.TieredJit``): a shape's first call runs a quickly compiled program
+while the optimised one compiles in the background, for a loop's first step.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +34,7 @@ from jax.typing import ArrayLike
 from rlaxkit.inference.config import SamplingConfig
 from rlaxkit.inference.results import StaticGraph
 from rlaxkit.inference.rows import Rows, sample_and_record
+from rlaxkit.jaxutil import TieredJit
 from rlaxkit.models import KVCache, ModelConfig, Transformer
 
 
@@ -83,8 +89,7 @@ def init_state(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
-def start_rows(
+def _start_rows(
     graphdef: StaticGraph,
     params: nnx.State,
     state: DecodeState,
@@ -138,6 +143,11 @@ def start_rows(
         pending=state.pending.at[dest].set(last[source], mode="drop"),
         rows=state.rows.start(dest, request_keys, sample_index, budget),
     )
+
+
+_START_ROWS_JIT: dict[str, Any] = {"static_argnames": ("graphdef",), "donate_argnames": ("state",)}
+start_rows = jax.jit(_start_rows, **_START_ROWS_JIT)
+tiered_start_rows = TieredJit(_start_rows, **_START_ROWS_JIT)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
@@ -253,6 +263,7 @@ def decode_steps(
     *,
     config: SamplingConfig,
     view: int | None = None,
+    tiered: bool = False,
 ) -> tuple[DecodeState, jax.Array]:
     """Runs decode steps in a ``lax.while_loop`` until every row has stopped, ``max_steps``
     steps have run, or ``min_finished`` rows have finished in this call.
@@ -269,13 +280,17 @@ def decode_steps(
     that are not generating keep their cache. ``None`` or ``view >= slots`` is the whole
     cache.
 
+    ``tiered`` runs the two-tier program (``TieredJit``): quickly compiled on a shape's
+    first call.
+
     Returns:
         The state and the number of steps run.
     """
     slots = state.cache.slots
     if view is not None and view < 1:
         raise ValueError(f"view must be a positive number of cache slots, got {view}")
-    return _decode_steps(
+    program = _tiered_decode_steps if tiered else _decode_steps
+    return program(
         graphdef,
         params,
         state,
@@ -293,12 +308,14 @@ def compile_decode_steps(
     state: DecodeState,
     config: SamplingConfig,
     view: int | None = None,
+    tiered: bool = False,
 ) -> None:
-    """Compiles ``decode_steps`` (with ``view``) for abstract (or concrete) ``params`` and
-    ``state``."""
+    """Compiles ``decode_steps`` (with ``view``; ``tiered``: its first call's quick
+    program) for abstract (or concrete) ``params`` and ``state``."""
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     view = None if view is None or view >= state.cache.slots else view
-    _decode_steps.lower(
+    program = _tiered_decode_steps if tiered else _decode_steps
+    program.lower(
         graphdef, params, state, scalar, scalar, scalar, config=step_config(config), view=view
     ).compile()
 
@@ -310,10 +327,7 @@ def step_config(config: SamplingConfig) -> SamplingConfig:
     return dataclasses.replace(config, n=1, max_new_tokens=1)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "config", "view"), donate_argnames=("state",)
-)
-def _decode_steps(
+def _decode_steps_fn(
     graphdef: StaticGraph,
     params: nnx.State,
     state: DecodeState,
@@ -347,6 +361,14 @@ def _decode_steps(
     if view is not None:
         state = dataclasses.replace(state, cache=_write_prefix(full, state.cache, view))
     return state, steps
+
+
+_DECODE_STEPS_JIT: dict[str, Any] = {
+    "static_argnames": ("graphdef", "config", "view"),
+    "donate_argnames": ("state",),
+}
+_decode_steps = jax.jit(_decode_steps_fn, **_DECODE_STEPS_JIT)
+_tiered_decode_steps = TieredJit(_decode_steps_fn, **_DECODE_STEPS_JIT)
 
 
 def _prefix(cache: KVCache, view: int) -> KVCache:

@@ -1,0 +1,86 @@
+"""Two-tier compilation (``rlaxkit.jaxutil.TieredJit``): static arguments key the tiers,
+``hold_background_compiles`` keeps a block on the quick executables, and
+``generate(..., tiered=True)`` samples what the one-tier ``generate`` samples."""
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlaxkit.inference import SamplingConfig, compile_generate, generate, programs
+from rlaxkit.jaxutil import TieredJit, hold_background_compiles
+
+
+def fresh_scaled():
+    """A new function each time: JAX keys its executables' caches by the function."""
+
+    def scaled(x, *, scale):
+        return x * scale
+
+    return scaled
+
+
+def calls(tiered):
+    """(quick, optimised) executables JAX has dispatched through, by cache size."""
+    return tiered.quick._cache_size(), tiered.optimised._cache_size()
+
+
+def test_static_arguments_key_the_tiers():
+    tiered = TieredJit(fresh_scaled(), static_argnames=("scale",))
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(tiered(x, scale=2.0), [0.0, 2.0, 4.0])
+    assert calls(tiered) == (1, 0)
+    tiered.wait()
+    np.testing.assert_array_equal(tiered(x, scale=2.0), [0.0, 2.0, 4.0])
+    assert calls(tiered) == (1, 1)
+    # Another static value is another signature: quick first again.
+    np.testing.assert_array_equal(tiered(x, scale=3.0), [0.0, 3.0, 6.0])
+    assert calls(tiered) == (2, 1)
+
+
+def test_a_hold_keeps_calls_on_the_quick_executable_and_releases_the_compile():
+    tiered = TieredJit(fresh_scaled(), static_argnames=("scale",))
+    x = jnp.arange(3.0)
+    with hold_background_compiles():
+        tiered(x, scale=2.0)
+        tiered(x, scale=2.0)  # would wait for the optimised compile without the hold
+        assert calls(tiered) == (1, 0)
+        (thread,) = tiered._compiling.values()
+        thread.join(timeout=0.5)
+        assert thread.is_alive(), "the optimised compile started inside the hold"
+    tiered.wait()
+    tiered(x, scale=2.0)
+    assert calls(tiered) == (1, 1)
+
+
+def test_holds_nest_and_other_threads_wait_for_the_outermost():
+    tiered = TieredJit(fresh_scaled(), static_argnames=("scale",))
+    with hold_background_compiles():
+        with hold_background_compiles():
+            tiered(jnp.ones(2), scale=1.0)
+        (thread,) = tiered._compiling.values()
+        thread.join(timeout=0.3)
+        assert thread.is_alive()
+    done = threading.Event()
+    threading.Thread(target=lambda: (tiered.wait(), done.set())).start()
+    assert done.wait(timeout=60)
+
+
+def test_tiered_generate_samples_what_untiered_generate_samples(tiny_model):
+    config = SamplingConfig(temperature=1.0, max_new_tokens=8, n=2)
+    split = nnx.split(tiny_model)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    plain = generate(split, prompts, config, 0)
+    for thread in compile_generate(split, config, len(prompts), 4, tiered=True):
+        thread.join()
+    with hold_background_compiles():
+        first = generate(split, prompts, config, 0, tiered=True)
+    programs.tiered_start_rows.wait()
+    programs._tiered_decode_steps.wait()
+    second = generate(split, prompts, config, 0, tiered=True)
+    assert calls(programs.tiered_start_rows)[1] >= 1  # the second call ran optimised
+    for result in (first, second):
+        np.testing.assert_array_equal(result.tokens, plain.tokens)
+        np.testing.assert_array_equal(result.lengths, plain.lengths)
+        np.testing.assert_allclose(result.logprobs, plain.logprobs, atol=1e-5)
