@@ -43,9 +43,10 @@ def tiny_model(tiny_config):
     return Transformer(tiny_config, rngs=nnx.Rngs(0))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray cluster (2 CPUs) per test module. Its files stay in a short temp dir
+    """One local Ray cluster (2 CPUs) per pytest process, for every module that asks
+    (starting and stopping one costs about 8 s). Its files stay in a short temp dir
     (Ray's socket paths must fit in 107 bytes); evicted weight versions are freed at
     once, as clusters the Ray backend starts do (``RAY_SYSTEM_CONFIG``)."""
     pytest.importorskip("ray")
