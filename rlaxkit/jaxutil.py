@@ -116,7 +116,8 @@ _HOLD = _Hold()
 
 @contextlib.contextmanager
 def hold_background_compiles() -> Iterator[None]:
-    """``TieredJit``'s optimised compiles wait while this block runs and start as it ends.
+    """``TieredJit``'s optimised compiles wait while this block runs and start as it ends
+    (process-wide: the block holds back the compiles of every thread's calls).
 
     For a loop's first step: its quick programs compile and run with the CPU to
     themselves, and the optimised ones compile during the next step. Calls inside the

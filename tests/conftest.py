@@ -69,10 +69,27 @@ PROCESS_MODULES = {
 }
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
+    """Puts the tests that start processes in the ``processes`` group, before xdist's
+    hook reads the groups; after it, makes the groups count under pytest 9.2.
+
+    pytest-xdist 3.8 names a test's group by appending ``@<group>`` to the item's
+    ``_nodeid``, but pytest 9.2 derives ``nodeid`` from ``_id``: xdist's scheduler saw no
+    group and spread grouped tests over both workers (two Ray clusters at once, module
+    fixtures built once per worker). The suffix is carried over to ``_id`` where the two
+    disagree; versions that agree are left alone.
+    """
     for item in items:
         if item.path.name in PROCESS_MODULES or "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("processes"))
+    yield
+    for item in items:
+        grouped = getattr(item, "_nodeid", None)
+        if isinstance(grouped, str) and "@" in grouped and grouped != item.nodeid:
+            from _pytest.nodeid import coerce_node_id  # pytest 9.2's; older ones agree
+
+            item._id = coerce_node_id(grouped)
 
 
 def pytest_configure(config):
