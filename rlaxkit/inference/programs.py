@@ -286,9 +286,6 @@ def decode_steps(
     Returns:
         The state and the number of steps run.
     """
-    slots = state.cache.slots
-    if view is not None and view < 1:
-        raise ValueError(f"view must be a positive number of cache slots, got {view}")
     program = _tiered_decode_steps if tiered else _decode_steps
     return program(
         graphdef,
@@ -298,7 +295,7 @@ def decode_steps(
         max_steps,
         min_finished,
         config=step_config(config),
-        view=None if view is None or view >= slots else view,
+        view=_static_view(view, state.cache.slots),
     )
 
 
@@ -313,11 +310,18 @@ def compile_decode_steps(
     """Compiles ``decode_steps`` (with ``view``; ``tiered``: its first call's quick
     program) for abstract (or concrete) ``params`` and ``state``."""
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    view = None if view is None or view >= state.cache.slots else view
     program = _tiered_decode_steps if tiered else _decode_steps
+    view = _static_view(view, state.cache.slots)
     program.lower(
         graphdef, params, state, scalar, scalar, scalar, config=step_config(config), view=view
     ).compile()
+
+
+def _static_view(view: int | None, slots: int) -> int | None:
+    """``view`` as ``_decode_steps`` keys it: ``None`` for the whole cache."""
+    if view is not None and view < 1:
+        raise ValueError(f"view must be a positive number of cache slots, got {view}")
+    return None if view is None or view >= slots else view
 
 
 @functools.cache
