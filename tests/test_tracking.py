@@ -19,9 +19,6 @@ from rlaxkit.metrics import MetricsLogger, read_metrics
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.state import config_differences
 
-# One xdist worker takes the module: its tests share one stopped-and-resumed run.
-pytestmark = pytest.mark.xdist_group("tracking")
-
 ALL = "tracking=[jsonl,tensorboard,wandb,mlflow]"
 RUN = ["checkpoint.every_steps=2", "steps=5", "eval.num_problems=4", "eval.samples=2"]
 
