@@ -45,8 +45,16 @@ def task_alphabet(task: Task) -> str:
     return "".join(sorted(chars))
 
 
-def build_policy(config: RunConfig, task: Task) -> tuple[Transformer, Tokenizer]:
-    """A fresh model with a character tokenizer, or a local HF checkpoint."""
+def build_policy(
+    config: RunConfig, task: Task, abstract: bool = False
+) -> tuple[Transformer, Tokenizer]:
+    """A fresh model with a character tokenizer, or a local HF checkpoint.
+
+    ``abstract``: a fresh model's parameters are ``ShapeDtypeStruct``\\ s
+    (``nnx.eval_shape``), for a caller that needs only its graph and shapes or replaces
+    its weights (a cached warm start): initialising them compiles one program per
+    parameter shape, about 2 s for the demo's model in a fresh process.
+    """
     spec = config.model
     if spec.checkpoint:
         model, tokenizer = load_hf_checkpoint(spec.checkpoint, param_dtype=spec.param_dtype)
@@ -57,6 +65,9 @@ def build_policy(config: RunConfig, task: Task) -> tuple[Transformer, Tokenizer]
     model_config = spec.config.replace(vocab_size=tokenizer.vocab_size)
     if spec.param_dtype:
         model_config = model_config.replace(param_dtype=spec.param_dtype)
+    if abstract:
+        model = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(config.seed)))
+        return model, tokenizer
     return Transformer(model_config, rngs=nnx.Rngs(config.seed)), tokenizer
 
 
@@ -99,6 +110,15 @@ def warm_start_key(config: RunConfig) -> str:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def cached_warm_start(config: RunConfig, cache_dir: Path | None) -> Path | None:
+    """The cached warm start ``warm_start`` would load for ``config``, if there is one
+    (then the model it is given is not used)."""
+    if config.sft.steps == 0 or cache_dir is None:
+        return None
+    path = cache_dir / f"warm_start-{warm_start_key(config)}"
+    return path if (path / "config.json").exists() else None
+
+
 def warm_start(
     config: RunConfig,
     task: Task,
@@ -120,12 +140,11 @@ def warm_start(
             f"sft.steps is {config.sft.steps} but task {config.task.name!r} has no "
             "demonstrations; set sft.steps=0"
         )
-    key = warm_start_key(config)
-    path = cache_dir / f"warm_start-{key}" if cache_dir else None
-    if path is not None and (path / "config.json").exists():
-        cached, _ = load_hf_checkpoint(path, with_tokenizer=False)
-        check_tokenizer_fits(tokenizer, cached.config.vocab_size, f"warm start {path}")
-        return cached, {"cached": True, "steps": config.sft.steps, "path": str(path)}
+    path = cache_dir / f"warm_start-{warm_start_key(config)}" if cache_dir else None
+    if (cached_path := cached_warm_start(config, cache_dir)) is not None:
+        cached, _ = load_hf_checkpoint(cached_path, with_tokenizer=False)
+        check_tokenizer_fits(tokenizer, cached.config.vocab_size, f"warm start {cached_path}")
+        return cached, {"cached": True, "steps": config.sft.steps, "path": str(cached_path)}
     problems = task.problems("train", config.task.num_train)
     pairs = [(task.format_prompt(p), demonstration(p)) for p in problems]
     losses = supervised_warm_start(model, tokenizer, pairs, config.sft, on_step=on_step)

@@ -201,7 +201,8 @@ def _place(
     cache_dir: Path | None,
     worker_ids: list[str] | None,
 ) -> None:
-    model, parts.tokenizer = build_policy(config, parts.task)
+    # Graph and shapes only: the trainer actor builds (or loads) the weights.
+    model, parts.tokenizer = build_policy(config, parts.task, abstract=True)
     parts.graphdef, params = nnx.split(model)
     del model
     parts.shapes = param_shapes(params)

@@ -3,6 +3,8 @@ this process or as a Ray actor (``rlaxkit.runtime.hosts``)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -10,14 +12,73 @@ import jax
 from flax import nnx
 
 from rlaxkit.api import PublishReply, SaveReply, TrainResult
-from rlaxkit.batch import TrainBatch
-from rlaxkit.checkpoint import CheckpointManager, restore_train_state, save_train_state
+from rlaxkit.batch import Sample, TrainBatch, collate
+from rlaxkit.checkpoint import (
+    CheckpointManager,
+    abstract_tree,
+    restore_train_state,
+    save_train_state,
+)
 from rlaxkit.config import RunConfig
+from rlaxkit.episodes import EpisodicTask
 from rlaxkit.param_server.adapters import AdapterParameterServer
-from rlaxkit.runtime.build import build_policy, build_task, train_config_for, warm_start
+from rlaxkit.runtime.build import (
+    build_policy,
+    build_task,
+    cached_warm_start,
+    train_config_for,
+    warm_start,
+)
+from rlaxkit.runtime.common import TRAIN_BUCKETS
 from rlaxkit.runtime.hosts import TrainerRestartedError, WeightStore, configure_jax, drain
 from rlaxkit.trace import MemoryTrace, TraceEvent
 from rlaxkit.trainer import create_train_state, make_train_step
+
+
+def first_batch(config: RunConfig, task: Any, tokenizer: Any) -> TrainBatch | None:
+    """A batch shaped as the run's first one most likely is (``None``: no guess, for an
+    episodic task): ``staleness.batch_size`` groups of ``group_size`` samples, each the
+    longest training prompt (at most ``runtime.max_prompt_tokens``) and
+    ``sampling.max_new_tokens`` completion tokens, collated as the driver does (a
+    fresh policy rarely stops early, and bucketing absorbs the rest)."""
+    if isinstance(task, EpisodicTask):
+        return None
+    problems = task.problems("train", config.task.num_train)
+    problems = problems[:: max(1, len(problems) // 4096)]  # a sample of a large set
+    longest = max(len(tokenizer.encode(task.format_prompt(p))) for p in problems)
+    prompt = [tokenizer.pad_id] * min(longest, config.runtime.max_prompt_tokens)
+    new = config.sampling.max_new_tokens
+    sample = Sample(
+        prompt_tokens=prompt,
+        completion_tokens=[tokenizer.pad_id] * new,
+        behaviour_logprobs=[0.0] * new,
+        versions=0,
+        reward=0.0,
+        group_id=0,
+    )
+    rows = config.staleness.batch_size * config.group_size
+    return collate([sample] * rows, bucket=TRAIN_BUCKETS, pad_token_id=tokenizer.pad_id)
+
+
+def compile_first_step(host: TrainerHost, config: RunConfig, task: Any) -> threading.Thread:
+    """Compiles ``host``'s train step for ``first_batch`` on a background thread, so that
+    it compiles while the workers compile and generate the first batch (XLA compiles
+    without the GIL) and the first step waits for the longer of the two, not their sum.
+    The call that finds the program is the same as without it. A guess that misses costs
+    one compile on the side; the step compiles its own shape."""
+
+    step: Any = host.train_step  # jax.jit's, or make_train_step's keep-params wrapper
+    state = abstract_tree(host.state)  # the committed state's shardings key the program
+
+    def compile_step() -> None:
+        with contextlib.suppress(Exception):  # a failing compile fails at the step itself
+            batch = first_batch(config, task, host.tokenizer)
+            if batch is not None:
+                step.lower(state, abstract_tree(batch)).compile()
+
+    thread = threading.Thread(target=compile_step, name="compile-train-step", daemon=True)
+    thread.start()
+    return thread
 
 
 class TrainerHost:
@@ -76,10 +137,12 @@ class TrainerHost:
         self.in_process = store.in_process
         self.trace = trace or MemoryTrace()
         self.task = task = build_task(config)
-        model, self.tokenizer = build_policy(config, task)
-        model, self.warm_start = self._warm_start(
-            config, task, model, self.tokenizer, Path(cache_dir) if cache_dir else None
-        )
+        cache = Path(cache_dir) if cache_dir else None
+        # A cached warm start replaces the fresh weights: do not initialise them (a
+        # trainer group's processes need real ones to broadcast into).
+        abstract = self.mesh is None and cached_warm_start(config, cache) is not None
+        model, self.tokenizer = build_policy(config, task, abstract=abstract)
+        model, self.warm_start = self._warm_start(config, task, model, self.tokenizer, cache)
         graphdef, params = nnx.split(model)
         self.graphdef = graphdef
         train_config = train_config_for(config)
@@ -93,6 +156,9 @@ class TrainerHost:
         self.train_step = make_train_step(
             train_config, graphdef, mesh=self.mesh, keep_params=self.in_process
         )
+        # A trainer group's step compiles at its first batch (its shardings are the
+        # mesh's); one process compiles it now, while the workers start.
+        self.compiling = None if self.mesh else compile_first_step(self, config, task)
         self.store_kind = store.kind
         # A LoRA run publishes the frozen base once and then the adapters alone.
         self.lora = train_config.lora
@@ -234,6 +300,9 @@ class TrainerHost:
             TrainerRestartedError: the state is not at ``step - 1``.
         """
         self._expect(step - 1)
+        if self.compiling is not None:  # the first step's program, compiled ahead
+            self.compiling.join()
+            self.compiling = None
         # On the run's clock, as every other duration in the trace (a calibration
         # recorded on the CPU clock compares them with the run's windows).
         start = self.clock()
@@ -321,5 +390,7 @@ class TrainerHost:
         return self.state.params if self.in_process else self._host(self.state.params)
 
     def close(self) -> None:
+        if self.compiling is not None:
+            self.compiling.join()
         if self.checkpoints is not None:
             self.checkpoints.close()

@@ -1,0 +1,50 @@
+"""The trainer host compiles the first train step while the workers start."""
+
+import jax
+import pytest
+
+from rlaxkit.batch import collate
+from rlaxkit.checkpoint import abstract_tree
+from rlaxkit.config import small_run_config
+from rlaxkit.episodes import EpisodicTask
+from rlaxkit.jaxutil import count_compilations
+from rlaxkit.models import CharTokenizer
+from rlaxkit.runtime import Experiment
+from rlaxkit.runtime.build import build_task, task_alphabet
+from rlaxkit.runtime.common import TRAIN_BUCKETS
+from rlaxkit.runtime.trainer_host import first_batch
+
+
+@pytest.fixture
+def no_persistent_cache():
+    """Compilations count as such (a persistent-cache hit is not one)."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
+def test_the_first_train_step_runs_the_program_compiled_ahead(tmp_path, no_persistent_cache):
+    config = small_run_config("steps=1")
+    with Experiment(config, cache_dir=tmp_path) as exp:
+        host = exp.parts.trainer.group.leader
+        groups = exp.collect_batch()
+        samples = [r for g in groups for r in g.rollouts]
+        batch = collate(samples, bucket=TRAIN_BUCKETS, pad_token_id=exp.tokenizer.pad_id)
+        # The guess is the batch's shape, dtypes and structure, so its program is the step's.
+        guess = first_batch(config, exp.task, exp.tokenizer)
+        assert jax.tree.structure(guess) == jax.tree.structure(batch)
+        assert abstract_tree(guess) == abstract_tree(batch)
+        assert host.compiling is not None
+        host.compiling.join()
+        with count_compilations() as compiles:
+            result = host.train(batch, 1)
+        assert compiles.count == 0
+        assert host.compiling is None and result.metrics
+
+
+def test_no_guess_for_an_episodic_task():
+    config = small_run_config("task.name=calculator")
+    task = build_task(config)
+    assert isinstance(task, EpisodicTask)
+    assert first_batch(config, task, CharTokenizer(task_alphabet(task))) is None
