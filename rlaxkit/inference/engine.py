@@ -52,6 +52,14 @@ from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED, STOP
 WeightSource = Callable[[], "tuple[ModelLike | nnx.State, int] | None"]
 
 
+def _device_of(params: nnx.State) -> jax.Device:
+    """The one device ``params`` are committed to (else the default device)."""
+    for leaf in jax.tree.leaves(params):
+        if isinstance(leaf, jax.Array) and leaf.committed and len(leaf.devices()) == 1:
+            return next(iter(leaf.devices()))
+    return jax.devices()[0]
+
+
 @dataclass(frozen=True)
 class _Sample:
     """One sample of one request, queued or in a row.
@@ -136,8 +144,13 @@ class InferenceEngine:
         self.version = version
         self.chunk_steps = chunk_steps
         self.refill_rows = max(1, math.ceil(refill_fraction * num_slots))
-        self.state = programs.init_state(
-            self.model_config, config, num_slots, self.prompt_width, self.max_context_len
+        # Committed where the weights are: the programs' outputs are, and an uncommitted
+        # first state would key a second program of the same shapes (a second compile).
+        self.state = jax.device_put(
+            programs.init_state(
+                self.model_config, config, num_slots, self.prompt_width, self.max_context_len
+            ),
+            _device_of(self.params),
         )
         self._queue: collections.deque[_Sample] = collections.deque()
         self._slots: list[_Sample | None] = [None] * num_slots
