@@ -70,3 +70,11 @@ def test_weight_sync_benchmark_reports_fraction_of_memcpy(capsys, tmp_path):
     assert report["lora_base_push_bytes_fraction"] > 1
     assert finite(report["lora_decode_unmerged_vs_merged"])
     assert report["lora"]["decode_same_tokens_fraction"] > 0.9
+
+
+def test_first_step_benchmark_reports_the_start_of_fresh_processes(capsys):
+    assert load("first_step").main(["--smoke"]) == 0
+    report = last_json(capsys)
+    for key in ("build_s", "first_step_s", "second_step_s", "train_s", "generate_s"):
+        assert finite(report[key]) and report[key] > 0, key
+    assert report["start_s"] == report["build_s"] + report["first_step_s"]
