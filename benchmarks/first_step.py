@@ -17,9 +17,9 @@ over ``--repeats`` processes:
   the start costs.
 
 The config is ``configs/demo.yaml`` (``make demo``'s run, its warm start included: a
-shorter one leaves a policy whose first batches take more rounds and other shapes);
-``--quick`` measures two processes instead of three. ``--smoke`` is the tests' tiny
-run, one process.
+shorter one leaves a policy whose first batches take more rounds and other shapes).
+``--quick`` measures one process instead of three (making the warm start takes about
+25 s); ``--smoke`` is the tests' tiny run, one process.
 ``--backend ray`` places the trainer and workers in Ray actors on a local cluster.
 
 Usage::
@@ -103,7 +103,7 @@ def run_child(args: argparse.Namespace, cache: str, prepare: bool = False) -> di
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 fresh processes, not 3")
+    parser.add_argument("--quick", action="store_true", help="1 fresh process, not 3")
     parser.add_argument("--smoke", action="store_true", help="the tests' tiny run, 1 process")
     parser.add_argument("--repeats", type=int, default=None, help="fresh processes measured")
     parser.add_argument("--backend", choices=("local", "ray"), default="local")
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    repeats = args.repeats or (1 if args.smoke else 2 if args.quick else 3)
+    repeats = args.repeats or (1 if args.smoke or args.quick else 3)
     with tempfile.TemporaryDirectory(prefix="rlaxkit-first-step-") as cache:
         prepared = run_child(args, cache, prepare=True)  # the warm start, cached
         runs = [run_child(args, cache) for _ in range(repeats)]
