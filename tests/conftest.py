@@ -43,6 +43,18 @@ def tiny_model(tiny_config):
     return Transformer(tiny_config, rngs=nnx.Rngs(0))
 
 
+@pytest.fixture
+def no_persistent_cache():
+    """JAX's persistent compilation cache off for one test, so that ``count_compilations``
+    counts every program the test needs (a hit in the shared cache is no compile)."""
+    import jax
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster (2 CPUs) per pytest process, for every module that asks

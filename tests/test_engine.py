@@ -253,21 +253,16 @@ def test_bad_requests_and_weights_fail_loudly(models):
         InferenceEngine(models[0], CONFIG, num_slots=0, max_prompt_len=16)
 
 
-def test_committed_weights_compile_each_program_once(models):
+def test_committed_weights_compile_each_program_once(models, no_persistent_cache):
     """Weights pulled onto a device are committed, as every program's output is: the
     engine's first state is committed there too, so the first refill's program is the
     later refills' (else an uncommitted first state keys a second one)."""
     graphdef, params = nnx.split(models[0])
     params = jax.device_put(params, jax.devices()[0])
     engine = InferenceEngine((graphdef, params), CONFIG, num_slots=4, max_prompt_len=16)
-    cache_on = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # a cache hit is no compile
-    try:
-        engine.submit([1, 2, 3], jax.random.key(0), max_new_tokens=4)
-        engine.run()
-        with count_compilations() as compiles:
-            engine.submit([4, 5, 6], jax.random.key(1), max_new_tokens=4)
-            (completion,) = engine.run()
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache_on)
+    engine.submit([1, 2, 3], jax.random.key(0), max_new_tokens=4)
+    engine.run()
+    with count_compilations() as compiles:
+        engine.submit([4, 5, 6], jax.random.key(1), max_new_tokens=4)
+        (completion,) = engine.run()
     assert compiles.count == 0 and completion.num_tokens == 4

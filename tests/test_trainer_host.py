@@ -1,7 +1,6 @@
 """The trainer host compiles the first train step while the workers start."""
 
 import jax
-import pytest
 
 from rlaxkit.batch import collate
 from rlaxkit.checkpoint import abstract_tree
@@ -13,15 +12,6 @@ from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.build import build_task, task_alphabet
 from rlaxkit.runtime.common import TRAIN_BUCKETS
 from rlaxkit.runtime.trainer_host import first_batch
-
-
-@pytest.fixture
-def no_persistent_cache():
-    """Compilations count as such (a persistent-cache hit is not one)."""
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", before)
 
 
 def test_the_first_train_step_runs_the_program_compiled_ahead(tmp_path, no_persistent_cache):
