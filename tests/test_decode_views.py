@@ -50,6 +50,21 @@ def test_views_are_powers_of_two_then_the_cache_for_long_decodes():
     assert views(16, 48) == (48,)  # 32 new tokens: one program
     assert views(16, 144) == (32, 64, 128, 144)
     assert views(64, 192) == (64, 128, 192)  # every prompt fills more than 32 slots
+    # 4-token prompts, 128 new tokens: the 128-slot view would leave a 4-step segment.
+    assert views(4, 132) == (32, 64, 132)
+
+
+def test_short_prompts_pad_to_a_narrower_width_and_sample_the_same(tiny_model, monkeypatch):
+    """``generate`` pads 4-token prompts to 4, not to the engine's 16: the same tokens,
+    log-probs to a few ulps (the cache has 12 fewer masked slots per row)."""
+    model = nnx.split(tiny_model)
+    config = dataclasses.replace(CONFIG, n=2, max_new_tokens=16)
+    batch = prompts([4, 3, 4], seed=11)
+    narrow = generate(model, batch, config, 7, version=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(generate_module, "MIN_PROMPT_WIDTH", 16)
+        wide = generate(model, batch, config, 7, version=1)
+    assert_same(narrow, wide)
 
 
 @pytest.mark.parametrize(

@@ -90,13 +90,13 @@ def bucket_rows(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
-def bucket_length(length: int, cap: int | None = None) -> int:
-    """Token width rounded up to a power of two, at least ``MIN_LENGTH_BUCKET``.
+def bucket_length(length: int, cap: int | None = None, minimum: int = MIN_LENGTH_BUCKET) -> int:
+    """Token width rounded up to a power of two, at least ``minimum``.
 
     With ``cap``, the bucket never exceeds it (``length`` must not): a prefill chunk must
     fit the cache it is written into.
     """
-    width = max(MIN_LENGTH_BUCKET, 1 << max(length - 1, 0).bit_length())
+    width = max(minimum, 1 << max(length - 1, 0).bit_length())
     if cap is not None:
         if length > cap:
             raise ValueError(f"length {length} exceeds the cap of {cap} tokens")

@@ -83,13 +83,14 @@ def generate(
 ) -> GenerationResult:
     """Samples ``config.n`` completions of every prompt with a KV cache.
 
-    The ``B`` prompts (ragged) are right-padded to a power-of-two width (at least 16) and
-    prefilled once; each prompt's cache rows are copied to its ``n`` sample rows; the
-    ``B * n`` rows (padded to a power of two) decode in jitted ``lax.while_loop``s until
-    every row has stopped. A long decode runs in segments over growing prefixes of the
-    cache (``decode_views``), so early steps attend over few slots; the tokens are those
-    of decoding over the whole cache, the log-probs equal to a few float32 ulps. A
-    second call whose batch and prompt width fall in the same buckets compiles nothing.
+    The ``B`` prompts (ragged) are right-padded to a power-of-two width (at least
+    ``MIN_PROMPT_WIDTH``) and prefilled once; each prompt's cache rows are copied to its
+    ``n`` sample rows; the ``B * n`` rows (padded to a power of two) decode in jitted
+    ``lax.while_loop``s until every row has stopped. A long decode runs in segments over
+    growing prefixes of the cache (``decode_views``), so early steps attend over few
+    slots; the tokens are those of decoding over the whole cache, the log-probs equal to
+    a few float32 ulps. A second call whose batch and prompt width fall in the same
+    buckets compiles nothing.
 
     Args:
         model: a ``Transformer`` or ``(graphdef, params)`` from ``nnx.split``.
@@ -125,7 +126,7 @@ def generate(
     num_rows = num_prompts * n
     rows = bucket_rows(num_rows)
     padded_prompts = bucket_rows(num_prompts)
-    width = bucket_length(max(len(p) for p in prompt_arrays))
+    width = bucket_length(max(len(p) for p in prompt_arrays), minimum=MIN_PROMPT_WIDTH)
     tokens = np.zeros((padded_prompts, width), np.int32)
     lengths = np.ones((padded_prompts,), np.int32)
     for i, prompt in enumerate(prompt_arrays):
@@ -168,13 +169,20 @@ def generate(
     return collect_result(state.rows, prompt_arrays, config)
 
 
+# The narrowest prompt width ``generate`` pads to. The engine's refills, small subsets of
+# prompts of varying length all run long, pad to at least 16 (``MIN_LENGTH_BUCKET``) to
+# stay within few programs; one ``generate`` batch of 4-token prompts padded to 16 would
+# spend three quarters of its prefill on padding and keep 12 dead slots per cache row.
+MIN_PROMPT_WIDTH = 4
 MIN_VIEW = 32
 MIN_VIEW_TOKENS = 64
 
 
 def decode_views(prompt_width: int, slots: int) -> tuple[int, ...]:
     """The cache prefixes ``generate`` decodes in, shortest first: the powers of two from
-    ``max(MIN_VIEW, prompt_width)`` below ``slots``, then ``slots``.
+    ``max(MIN_VIEW, prompt_width)`` below ``slots``, then ``slots``; a view fewer than
+    ``MIN_VIEW / 2`` slots short of ``slots`` is left out (a segment of a few steps
+    would not pay for its program).
 
     Each is one compiled program (``decode_steps(..., view=...)``); a segment runs until a
     generating row would write past its view and the next view goes on from there, so
@@ -187,7 +195,8 @@ def decode_views(prompt_width: int, slots: int) -> tuple[int, ...]:
     views = []
     view = max(MIN_VIEW, prompt_width)
     while view < slots:
-        views.append(view)
+        if slots - view >= MIN_VIEW // 2:
+            views.append(view)
         view *= 2
     return (*views, slots)
 
@@ -211,7 +220,7 @@ def compile_generate(
     graphdef, params = split_model(model)
     model_config = graphdef.model_config(params)
     rows, padded_prompts = bucket_rows(num_prompts * config.n), bucket_rows(num_prompts)
-    width = bucket_length(max_prompt_len)
+    width = bucket_length(max_prompt_len, minimum=MIN_PROMPT_WIDTH)
     spec = jax.ShapeDtypeStruct
     params = jax.tree.map(lambda x: spec(x.shape, x.dtype), params)
     state = jax.eval_shape(
