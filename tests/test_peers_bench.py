@@ -54,6 +54,18 @@ def test_rlaxkit_half_runs_and_summarises_on_tiny_shapes(drivers):
         assert report[key] == pytest.approx(1.0), key
     fraction = report["rlaxkit_step_small_peak_fraction"]
     assert math.isfinite(fraction) and fraction > 0
+    floors = side.floors(["step:tiny", "decode:tiny"])
+    assert set(floors) == {"step_tiny", "decode_tiny"} and all(f > 0 for f in floors.values())
+    for name in ("tunix", "rlaxkit"):
+        results[(name, "step", "tiny")] = [step]
+        results[(name, "decode", "tiny")] = [decode]
+    report = run.summarise(results, peak_flops=1e11, floors=floors)
+    for key in ("step_tiny", "decode_tiny"):
+        took = step["step_s"][0] if key == "step_tiny" else decode["seconds"][0]
+        assert report[f"rlaxkit_{key}_floor_fraction"] == pytest.approx(floors[key] / took)
+        # Both sides took the same time: the bound is the side's time over the floor.
+        assert report[f"{key}_x_bound"] == pytest.approx(took / floors[key])
+        assert report[f"{key}_goal_floor_fraction"] == pytest.approx(2 * floors[key] / took)
     results[("tunix", "step", "small")] = [dict(step, params=step["params"] + 1)]
     with pytest.raises(RuntimeError, match="parameter counts differ"):
         run.summarise(results, peak_flops=1e11)

@@ -11,7 +11,8 @@ prints one JSON object as its last line, with the same keys as ``tunix_side.py``
   off, from the model existing to the first step's end (optimizer state, every
   compile, the step itself);
 * ``--work decode``: a warm-up call, then ``--repeats`` timed calls;
-* ``--work peak``: this machine's float32 matmul FLOP/s (``matmul_peak_flops``).
+* ``--work peak``: this machine's float32 matmul FLOP/s (``matmul_peak_flops``);
+* ``--work floor``: the matmul floor (``floor.py``) of each ``--floors`` job.
 
 Usage::
 
@@ -32,6 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+import floor  # noqa: E402
 import jax  # noqa: E402
 import workloads  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -136,12 +138,25 @@ def run_decode(work: workloads.DecodeWork, repeats: int) -> dict[str, object]:
     return {"params": params, "seconds": seconds, "tokens": tokens, "flops": work.flops()}
 
 
+def floors(jobs: list[str]) -> dict[str, float]:
+    """``{"step_large": seconds, ...}``: the matmul floor of each ``work:setting`` job."""
+    out = {}
+    for job in jobs:
+        work, setting = job.split(":")
+        shape = workloads.grpo_work(setting) if work == "step" else workloads.decode_work(setting)
+        out[f"{work}_{setting}"] = floor.floor_seconds(work, shape)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", choices=("step", "first_step", "decode", "peak"), required=True)
+    parser.add_argument(
+        "--work", choices=("step", "first_step", "decode", "peak", "floor"), required=True
+    )
     parser.add_argument("--setting", choices=("small", "large", "tiny"), default="small")
     parser.add_argument("--steps", type=int, default=5, help="timed GRPO steps")
     parser.add_argument("--repeats", type=int, default=5, help="timed decode calls")
+    parser.add_argument("--floors", nargs="*", default=[], help="work:setting, e.g. step:large")
     args = parser.parse_args(argv)
     report: dict[str, object]
     if args.work == "step":
@@ -150,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         report = run_first_step(workloads.grpo_work(args.setting))
     elif args.work == "decode":
         report = run_decode(workloads.decode_work(args.setting), args.repeats)
+    elif args.work == "floor":
+        report = {"floor_s": floors(args.floors)}
     else:
         report = {"peak_flops": matmul_peak_flops()}
     report.update(side="rlaxkit", work=args.work, setting=args.setting)

@@ -11,7 +11,10 @@ parameter count; the run stops if they differ.
 
 Each ratio is ``peer time / rlaxkit time`` (above 1: rlaxkit is faster). Each side's
 model FLOP/s (``workloads.py``'s formulas, the same for both) is given as a fraction
-of this machine's float32 matmul peak, measured in the same run.
+of this machine's float32 matmul peak, measured in the same run. So is each job's
+matmul floor (``floor.py``: the model's matmuls alone, at the job's shapes, in one
+jitted program): each side's time against it, and ``peer time / floor``, the largest
+ratio any implementation could reach on this machine.
 
 The peer's virtualenv is made once (``pip install google-tunix==0.1.7``, about 1.6 GB,
 several minutes) at ``--peer-venv``, else ``$RLAXKIT_PEER_VENV``, else
@@ -87,10 +90,16 @@ def job_args(work: str, setting: str, steps: int, repeats: int) -> list[str]:
     return ["--work", work, "--setting", setting, "--steps", str(steps), "--repeats", str(repeats)]
 
 
-def summarise(results: dict[tuple[str, str, str], list[dict]], peak_flops: float) -> dict:
-    """Medians, ratios and fractions of peak from every round's results.
+def summarise(
+    results: dict[tuple[str, str, str], list[dict]],
+    peak_flops: float,
+    floors: dict[str, float] | None = None,
+) -> dict:
+    """Medians, ratios and fractions of peak and of the matmul floor from every round's
+    results.
 
-    ``results[(side, work, setting)]`` lists the JSON objects of that job's runs.
+    ``results[(side, work, setting)]`` lists the JSON objects of that job's runs;
+    ``floors["step_large"]`` is that job's matmul floor in seconds.
     """
     report: dict[str, object] = {"peak_flops": peak_flops}
     sides = sorted({side for side, _, _ in results})
@@ -110,6 +119,7 @@ def summarise(results: dict[tuple[str, str, str], list[dict]], peak_flops: float
             )
         else:
             seconds = statistics.median(s for run in runs for s in run["seconds"])
+            report[f"{side}_decode_{setting}_call_s"] = seconds
             report[f"{side}_decode_{setting}_tokens_per_s"] = runs[0]["tokens"] / seconds
             report[f"{side}_decode_{setting}_peak_fraction"] = (
                 runs[0]["flops"] / seconds / peak_flops
@@ -131,7 +141,23 @@ def summarise(results: dict[tuple[str, str, str], list[dict]], peak_flops: float
         firsts = [report[k] for k in ("first_step_small_x", "first_step_large_x") if k in report]
         if firsts:
             report["first_step_x"] = min(firsts)
+    for key, seconds in (floors or {}).items():
+        report[f"{key}_floor_s"] = seconds
+        times = {side: job_seconds(report, side, key) for side in sides}
+        for side, took in times.items():
+            if took is not None:
+                report[f"{side}_{key}_floor_fraction"] = seconds / took
+        if times.get("tunix") is not None:
+            report[f"{key}_x_bound"] = bound = times["tunix"] / seconds
+            # The fraction of the floor rlaxkit would have to run at for the goal's ratio
+            # (above 1: no implementation on this machine can reach it).
+            report[f"{key}_goal_floor_fraction"] = GOAL_RATIO / bound
     return report
+
+
+def job_seconds(report: dict, side: str, key: str) -> float | None:
+    """One GRPO step, or one decode call, of ``side`` (``key``: ``step_small`` ...)."""
+    return report.get(f"{side}_{key}_s" if key.startswith("step_") else f"{side}_{key}_call_s")
 
 
 def print_table(report: dict) -> None:
@@ -143,7 +169,10 @@ def print_table(report: dict) -> None:
         ("decode 16 x 16", "decode_small", "tokens_per_s"),
         ("decode 64 x 128", "decode_large", "tokens_per_s"),
     ]
-    print(f"\n{'work':<36} {'tunix':>12} {'rlaxkit':>12} {'ratio':>7}  fraction of peak")
+    print(
+        f"\n{'work':<36} {'tunix':>12} {'rlaxkit':>12} {'ratio':>7}  {'of peak':<15} "
+        f"{'floor':>9}  {'of floor':<15} bound"
+    )
     for label, key, unit in rows:
         peer, ours = report.get(f"tunix_{key}_{unit}"), report.get(f"rlaxkit_{key}_{unit}")
         if ours is None:
@@ -152,9 +181,15 @@ def print_table(report: dict) -> None:
         ratio = report.get(f"{key}_x")
         fractions = [report.get(f"{side}_{key}_peak_fraction") for side in SIDES]
         peak = " / ".join(f"{f:.1%}" for f in fractions if f is not None)
+        floor = report.get(f"{key}_floor_s")
+        of_floor = [report.get(f"{side}_{key}_floor_fraction") for side in SIDES]
+        bound = report.get(f"{key}_x_bound")
         print(
             f"{label:<36} {fmt(peer) if peer else '-':>12} {fmt(ours):>12} "
-            f"{f'{ratio:.2f}x' if ratio else '-':>7}  {peak}"
+            f"{f'{ratio:.2f}x' if ratio else '-':>7}  {peak:<15} "
+            f"{f'{floor:.4f} s' if floor else '':>9}  "
+            f"{' / '.join(f'{f:.0%}' for f in of_floor if f is not None):<15} "
+            f"{f'{bound:.2f}x' if bound else ''}"
         )
 
 
@@ -175,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     scripts = {"tunix": "tunix_side.py", "rlaxkit": "rlaxkit_side.py"}
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
+    floor_args = ["--work", "floor", "--floors"]
+    floor_args += [f"{w}:{s}" for w, s in jobs if w in ("step", "decode")]
     peaks = [run_side(sys.executable, "rlaxkit_side.py", ["--work", "peak"])["peak_flops"]]
+    floors = [run_side(sys.executable, "rlaxkit_side.py", floor_args)["floor_s"]]
     results: dict[tuple[str, str, str], list[dict]] = {}
     for r in range(rounds):
         order = list(args.sides) if r % 2 == 0 else list(reversed(args.sides))
@@ -187,12 +225,15 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault((side, work, setting), []).append(out)
                 print(f"round {r}: {side:<8} {work:<10} {setting:<6} {json.dumps(out)}", flush=True)
     peaks.append(run_side(sys.executable, "rlaxkit_side.py", ["--work", "peak"])["peak_flops"])
-    report = summarise(results, max(peaks))
+    floors.append(run_side(sys.executable, "rlaxkit_side.py", floor_args)["floor_s"])
+    # The faster of the two measurements: the floor is what the machine can do.
+    report = summarise(results, max(peaks), {k: min(f[k] for f in floors) for k in floors[0]})
     report.update(
         rounds=rounds,
         steps_per_run=steps,
         decode_repeats=repeats,
         peak_flops_each=peaks,
+        floor_s_each=floors,
         wall_s=time.perf_counter() - start,
         load_average_1m=[load_before, os.getloadavg()[0]],
         cpu_count=os.cpu_count(),
@@ -206,6 +247,16 @@ def main(argv: list[str] | None = None) -> int:
             f"goal: every ratio >= {GOAL_RATIO}x (lowest {min(ratios):.2f}x); rlaxkit first "
             f"step <= {GOAL_FIRST_STEP_S} s ({report['rlaxkit_first_step_small_s']:.2f} s small)"
         )
+    for key in ("step_small", "step_large", "decode_small", "decode_large"):
+        need, now = (
+            report.get(f"{key}_goal_floor_fraction"),
+            report.get(f"rlaxkit_{key}_floor_fraction"),
+        )
+        if need is not None and now is not None and report[f"{key}_x"] < GOAL_RATIO:
+            print(
+                f"{key}: {GOAL_RATIO}x needs rlaxkit at {need:.0%} of the matmul floor "
+                f"(it runs at {now:.0%}, the peer at {report[f'tunix_{key}_floor_fraction']:.0%})"
+            )
     print(json.dumps(report))
     return 0
 
