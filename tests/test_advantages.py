@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -121,6 +122,10 @@ def test_gae_steps_over_an_observation_by_hand():
     np.testing.assert_allclose(ret, [[0, 0.75, 0, 0, 0.9, 1.0]], rtol=1e-6)
 
 
+ROW_WIDTH = 40  # at least the longest row drawn: 3 prompt + 8 policy + 8 * 3 observed + 3
+jitted_gae = jax.jit(gae_advantages, static_argnames=("gamma", "lam"))
+
+
 @st.composite
 def rows_with_observations(draw):
     """A row (prompt, policy tokens, padding) and the same row with observations (runs
@@ -156,10 +161,14 @@ def test_gae_at_policy_tokens_does_not_see_the_observations(case):
     values_without = values_with[keep]
 
     def gae(m, v):
-        m, v = jnp.asarray(m[None]), jnp.asarray(v[None])
+        # Padded to one width (more trailing padding, which the property covers) and
+        # jitted, so the examples share one program per (gamma, lam): called eagerly,
+        # the scan compiles again on every call.
+        n = len(m)
+        m, v = (jnp.asarray(np.pad(x, (0, ROW_WIDTH - n))[None]) for x in (m, v))
         rewards = terminal_rewards(jnp.array([reward], jnp.float32), m)
-        adv, ret = gae_advantages(rewards, v, m, gamma=gamma, lam=lam)
-        return np.asarray(adv[0]), np.asarray(ret[0])
+        adv, ret = jitted_gae(rewards, v, m, gamma=gamma, lam=lam)
+        return np.asarray(adv[0, :n]), np.asarray(ret[0, :n])
 
     adv_with, ret_with = gae(mask_with, values_with)
     adv_without, ret_without = gae(mask_without, values_without)
