@@ -54,17 +54,17 @@ def test_views_are_powers_of_two_then_the_cache_for_long_decodes():
     assert views(4, 132) == (32, 64, 132)
 
 
-def test_short_prompts_pad_to_a_narrower_width_and_sample_the_same(tiny_model, monkeypatch):
-    """``generate`` pads 4-token prompts to 4, not to the engine's 16: the same tokens,
+def test_short_prompts_padded_to_their_own_width_sample_the_same(tiny_model):
+    """``min_prompt_width=4`` pads 4-token prompts to 4, not 16: the same tokens,
     log-probs to a few ulps (the cache has 12 fewer masked slots per row)."""
     model = nnx.split(tiny_model)
     config = dataclasses.replace(CONFIG, n=2, max_new_tokens=16)
     batch = prompts([4, 3, 4], seed=11)
-    narrow = generate(model, batch, config, 7, version=1)
-    with monkeypatch.context() as patch:
-        patch.setattr(generate_module, "MIN_PROMPT_WIDTH", 16)
-        wide = generate(model, batch, config, 7, version=1)
-    assert_same(narrow, wide)
+    narrow = generate(model, batch, config, 7, version=1, min_prompt_width=4)
+    assert_same(narrow, generate(model, batch, config, 7, version=1))
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="min_prompt_width must be an int >= 1"):
+            generate(model, batch, config, 7, min_prompt_width=bad)
 
 
 @pytest.mark.parametrize(

@@ -120,7 +120,9 @@ def run_decode(work: workloads.DecodeWork, repeats: int) -> dict[str, object]:
     split = nnx.split(model)
 
     def call(seed: int):
-        result = generate(split, prompts, config, seed)
+        # Pads to the prompts' own 4 tokens, as the peer's sampler is told them
+        # (``max_prompt_length``), not to generate's default 16.
+        result = generate(split, prompts, config, seed, min_prompt_width=work.prompt_tokens)
         if not (result.lengths == work.new_tokens).all():
             raise RuntimeError(f"rows generated {result.lengths} tokens, not {work.new_tokens}")
         return result

@@ -13,7 +13,12 @@ import jax
 import numpy as np
 
 from rlaxkit.inference import programs
-from rlaxkit.inference.config import SamplingConfig, bucket_length, bucket_rows
+from rlaxkit.inference.config import (
+    MIN_LENGTH_BUCKET,
+    SamplingConfig,
+    bucket_length,
+    bucket_rows,
+)
 from rlaxkit.inference.results import (
     GenerationResult,
     KeyLike,
@@ -23,6 +28,7 @@ from rlaxkit.inference.results import (
     split_model,
 )
 from rlaxkit.inference.rows import FINISH_REASONS, Rows
+from rlaxkit.validation import is_int
 
 
 def as_prompts(
@@ -80,11 +86,12 @@ def generate(
     version: int = 0,
     max_new_tokens: int | Sequence[int] | None = None,
     tiered: bool = False,
+    min_prompt_width: int = MIN_LENGTH_BUCKET,
 ) -> GenerationResult:
     """Samples ``config.n`` completions of every prompt with a KV cache.
 
     The ``B`` prompts (ragged) are right-padded to a power-of-two width (at least
-    ``MIN_PROMPT_WIDTH``) and prefilled once; each prompt's cache rows are copied to its
+    ``min_prompt_width``) and prefilled once; each prompt's cache rows are copied to its
     ``n`` sample rows; the ``B * n`` rows (padded to a power of two) decode in jitted
     ``lax.while_loop``s until every row has stopped. A long decode runs in segments over
     growing prefixes of the cache (``decode_views``), so early steps attend over few
@@ -107,10 +114,16 @@ def generate(
             for a loop whose first step should start soon. Later calls are as fast as
             untiered ones; the first call's tokens and log-probs may differ from theirs
             in the last float32 bits.
+        min_prompt_width: the narrowest width prompts are padded to (default 16). Every
+            width is its own program, so the default keeps short prompts of varying
+            length in one; a caller whose prompts all have the same few tokens can pass
+            their length, and then neither prefills nor caches padding (4-token prompts
+            padded to 16 spend three quarters of the prefill on it).
 
     Returns:
         A ``GenerationResult`` of ``[B, n, config.max_new_tokens]`` arrays.
     """
+    check_min_prompt_width(min_prompt_width)
     graphdef, params = split_model(model)
     model_config = graphdef.model_config(params)
     prompt_arrays = as_prompts(
@@ -126,7 +139,7 @@ def generate(
     num_rows = num_prompts * n
     rows = bucket_rows(num_rows)
     padded_prompts = bucket_rows(num_prompts)
-    width = bucket_length(max(len(p) for p in prompt_arrays), minimum=MIN_PROMPT_WIDTH)
+    width = bucket_length(max(len(p) for p in prompt_arrays), minimum=min_prompt_width)
     tokens = np.zeros((padded_prompts, width), np.int32)
     lengths = np.ones((padded_prompts,), np.int32)
     for i, prompt in enumerate(prompt_arrays):
@@ -169,11 +182,11 @@ def generate(
     return collect_result(state.rows, prompt_arrays, config)
 
 
-# The narrowest prompt width ``generate`` pads to. The engine's refills, small subsets of
-# prompts of varying length all run long, pad to at least 16 (``MIN_LENGTH_BUCKET``) to
-# stay within few programs; one ``generate`` batch of 4-token prompts padded to 16 would
-# spend three quarters of its prefill on padding and keep 12 dead slots per cache row.
-MIN_PROMPT_WIDTH = 4
+def check_min_prompt_width(width: object) -> None:
+    if not is_int(width, numpy=True) or width < 1:
+        raise ValueError(f"min_prompt_width must be an int >= 1 (tokens), got {width!r}")
+
+
 MIN_VIEW = 32
 MIN_VIEW_TOKENS = 64
 
@@ -207,6 +220,7 @@ def compile_generate(
     num_prompts: int,
     max_prompt_len: int,
     tiered: bool = False,
+    min_prompt_width: int = MIN_LENGTH_BUCKET,
 ) -> list[threading.Thread]:
     """Starts compiling ``generate``'s programs for one batch shape, one thread each.
 
@@ -215,12 +229,14 @@ def compile_generate(
     XLA compiles without holding the GIL, so the programs compile side by side and
     alongside whatever the caller does next (e.g. compiling a train step). Join the
     returned threads to wait; a compile error surfaces when ``generate`` is called.
-    ``tiered`` compiles the quick programs of ``generate(..., tiered=True)``'s first call.
+    ``tiered`` compiles the quick programs of ``generate(..., tiered=True)``'s first call,
+    ``min_prompt_width`` those of ``generate`` called with the same.
     """
+    check_min_prompt_width(min_prompt_width)
     graphdef, params = split_model(model)
     model_config = graphdef.model_config(params)
     rows, padded_prompts = bucket_rows(num_prompts * config.n), bucket_rows(num_prompts)
-    width = bucket_length(max_prompt_len, minimum=MIN_PROMPT_WIDTH)
+    width = bucket_length(max_prompt_len, minimum=min_prompt_width)
     spec = jax.ShapeDtypeStruct
     params = jax.tree.map(lambda x: spec(x.shape, x.dtype), params)
     state = jax.eval_shape(
