@@ -182,7 +182,7 @@ def generate(
     return collect_result(state.rows, prompt_arrays, config)
 
 
-def check_min_prompt_width(width: object) -> None:
+def check_min_prompt_width(width: int) -> None:
     if not is_int(width, numpy=True) or width < 1:
         raise ValueError(f"min_prompt_width must be an int >= 1 (tokens), got {width!r}")
 
