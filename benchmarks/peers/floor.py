@@ -1,13 +1,14 @@
 """The matmul floor of each job in ``workloads.py``: how long this machine takes for the
-job's model matmuls alone, in one jitted JAX program.
+job's model matmuls alone, in jitted JAX programs (one per phase of the job).
 
-A job's floor program does every projection of the model (q, k, v, o, SwiGLU gate, up
+A job's floor programs do every projection of the model (q, k, v, o, SwiGLU gate, up
 and down, the tied unembedding) at the job's own shapes and in the job's own order,
 and nothing else: no attention, norms, RoPE, softmax, sampling, loss or optimizer (a
 cheap elementwise op joins the projections so that none is dead code). Both sides run
 on XLA:CPU, so the floor is what either could reach if everything but the matmuls cost
-nothing. ``peer time / floor`` is then the largest ratio any implementation could show
-against the peer on this machine, and ``floor / time`` is how close a side is.
+nothing. ``peer time / floor`` is then the largest ratio an implementation doing the
+same matmuls through XLA:CPU could show against the peer on this machine, and
+``floor / time`` is how close a side is.
 
 * A GRPO step: sampling (the prompt's prefill for every row, then one decode step per
   new token after the first, ``rows`` rows each), then the update: forward and backward

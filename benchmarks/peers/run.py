@@ -12,9 +12,9 @@ parameter count; the run stops if they differ.
 Each ratio is ``peer time / rlaxkit time`` (above 1: rlaxkit is faster). Each side's
 model FLOP/s (``workloads.py``'s formulas, the same for both) is given as a fraction
 of this machine's float32 matmul peak, measured in the same run. So is each job's
-matmul floor (``floor.py``: the model's matmuls alone, at the job's shapes, in one
-jitted program): each side's time against it, and ``peer time / floor``, the largest
-ratio any implementation could reach on this machine.
+matmul floor (``floor.py``: the model's matmuls alone, at the job's shapes, in jitted
+programs): each side's time against it, and ``peer time / floor``, the largest ratio
+an implementation doing the same matmuls through XLA:CPU could reach on this machine.
 
 The peer's virtualenv is made once (``pip install google-tunix==0.1.7``, about 1.6 GB,
 several minutes) at ``--peer-venv``, else ``$RLAXKIT_PEER_VENV``, else
@@ -150,7 +150,7 @@ def summarise(
         if times.get("tunix") is not None:
             report[f"{key}_x_bound"] = bound = times["tunix"] / seconds
             # The fraction of the floor rlaxkit would have to run at for the goal's ratio
-            # (above 1: no implementation on this machine can reach it).
+            # (above 1: not even the matmuls alone would be fast enough).
             report[f"{key}_goal_floor_fraction"] = GOAL_RATIO / bound
     return report
 
