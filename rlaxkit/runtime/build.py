@@ -110,13 +110,18 @@ def warm_start_key(config: RunConfig) -> str:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def warm_start_path(config: RunConfig, cache_dir: Path | None) -> Path | None:
+    """Where ``warm_start`` caches ``config``'s weights (``None``: no cache)."""
+    return cache_dir / f"warm_start-{warm_start_key(config)}" if cache_dir else None
+
+
 def cached_warm_start(config: RunConfig, cache_dir: Path | None) -> Path | None:
     """The cached warm start ``warm_start`` would load for ``config``, if there is one
     (then the model it is given is not used)."""
-    if config.sft.steps == 0 or cache_dir is None:
+    path = warm_start_path(config, cache_dir)
+    if config.sft.steps == 0 or path is None or not (path / "config.json").exists():
         return None
-    path = cache_dir / f"warm_start-{warm_start_key(config)}"
-    return path if (path / "config.json").exists() else None
+    return path
 
 
 def warm_start(
@@ -140,7 +145,6 @@ def warm_start(
             f"sft.steps is {config.sft.steps} but task {config.task.name!r} has no "
             "demonstrations; set sft.steps=0"
         )
-    path = cache_dir / f"warm_start-{warm_start_key(config)}" if cache_dir else None
     if (cached_path := cached_warm_start(config, cache_dir)) is not None:
         cached, _ = load_hf_checkpoint(cached_path, with_tokenizer=False)
         check_tokenizer_fits(tokenizer, cached.config.vocab_size, f"warm start {cached_path}")
@@ -148,7 +152,7 @@ def warm_start(
     problems = task.problems("train", config.task.num_train)
     pairs = [(task.format_prompt(p), demonstration(p)) for p in problems]
     losses = supervised_warm_start(model, tokenizer, pairs, config.sft, on_step=on_step)
-    if path is not None:
+    if (path := warm_start_path(config, cache_dir)) is not None:
         save_hf_checkpoint(model, path)
     return model, {"cached": False, "steps": len(losses), "final_loss": losses[-1]}
 
