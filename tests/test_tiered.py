@@ -39,6 +39,28 @@ def test_static_arguments_key_the_tiers():
     assert calls(tiered) == (2, 1)
 
 
+def test_shapes_dtypes_and_trees_key_the_tiers_as_jit_does():
+    def add(tree, y):
+        return tree["a"] + y
+
+    tiered = TieredJit(add)
+    signatures = [
+        ({"a": jnp.ones(3)}, 1.0),
+        ({"a": jnp.ones(3)}, 2.0),  # a Python scalar's value is not its signature
+        ({"a": jnp.ones(4)}, 1.0),  # a new shape
+        ({"a": jnp.ones(4, jnp.int32)}, 1),  # a new dtype
+        ({"a": jnp.ones(4, jnp.int32), "b": 0}, 1),  # a new tree
+    ]
+    seen = []
+    for tree, y in signatures:
+        tiered.wait()
+        before = calls(tiered)
+        np.testing.assert_array_equal(tiered(tree, y), add(tree, y))
+        seen.append(calls(tiered)[0] - before[0])  # 1: ran quick, a new signature
+    assert seen == [1, 0, 1, 1, 1]
+    assert calls(tiered)[1] == 1  # the repeat ran the optimised executable
+
+
 def test_a_hold_keeps_calls_on_the_quick_executable_and_releases_the_compile():
     tiered = TieredJit(fresh_scaled(), static_argnames=("scale",))
     x = jnp.arange(3.0)
