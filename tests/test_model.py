@@ -1,5 +1,7 @@
 """The decoder: config validation, causality, padding, KV-cache decode, compilation."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ from flax import nnx
 
 from rlaxkit.jaxutil import count_compilations
 from rlaxkit.models import KVCache, ModelConfig, Transformer, positions_from_mask
+from rlaxkit.models.transformer import rope_frequencies, rope_tables
 
 FAMILIES = {
     "qwen2": dict(family="qwen2"),
@@ -147,6 +150,36 @@ def test_no_recompilation_on_second_forward_with_same_shapes():
     with count_compilations() as compiles:
         forward(state, tokens_of((2, 6), seed=9), positions).block_until_ready()
     assert compiles.count == 0
+
+
+def test_rope_tables_are_the_rotate_half_angles():
+    positions = jnp.asarray([[0, 1, 2, 7], [3, 4, 5, 1000]])
+    inv_freq = rope_frequencies(make("qwen3").config)
+    cos, sin = rope_tables(positions, inv_freq)
+    angles = np.asarray(positions, np.float32)[..., None] * np.asarray(inv_freq)
+    angles = np.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    assert cos.shape == sin.shape == (2, 4, 1, 2 * inv_freq.shape[0])
+    np.testing.assert_allclose(cos, np.cos(angles), atol=1e-6)
+    np.testing.assert_allclose(sin, np.sin(angles), atol=1e-6)
+    # Rotate-half pairs dimension i with i + D/2: both halves hold the same angles.
+    half = inv_freq.shape[0]
+    np.testing.assert_array_equal(cos[..., :half], cos[..., half:])
+
+
+def test_training_gradient_evaluates_each_rope_table_once():
+    """The sines and cosines are computed once per step, not fused into each layer's
+    queries and keys (and their gradients) and evaluated per head there."""
+    model = make("qwen3")
+    graphdef, state = nnx.split(model)
+    tokens = tokens_of((2, 6))
+    positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
+
+    def loss(state):
+        return jnp.sum(nnx.merge(graphdef, state)(tokens, positions) ** 2)
+
+    hlo = jax.jit(jax.grad(loss)).lower(state).compile().as_text()
+    assert len(re.findall(r"\bsine\(", hlo)) == 1
+    assert len(re.findall(r"\bcosine\(", hlo)) == 1
 
 
 @pytest.mark.parametrize(
