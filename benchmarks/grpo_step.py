@@ -73,6 +73,7 @@ from flax import nnx  # noqa: E402
 from rlaxkit.algorithms import algorithm  # noqa: E402
 from rlaxkit.batch import BucketSpec, Sample, TrainBatch, collate  # noqa: E402
 from rlaxkit.inference import SamplingConfig, compile_generate, generate  # noqa: E402
+from rlaxkit.inference.config import MIN_LENGTH_BUCKET  # noqa: E402
 from rlaxkit.jaxutil import (  # noqa: E402
     TieredJit,
     count_compilations,
@@ -140,7 +141,8 @@ class GRPOLoop:
 
     ``score(k, tokens)`` rewards a completion of prompt ``k`` (its stop token removed);
     ``arithmetic_loop`` builds the arithmetic task's loop. ``model`` (default: a fresh
-    one seeded with ``seed``) is the initial policy.
+    one seeded with ``seed``) is the initial policy. ``min_prompt_width`` is
+    ``generate``'s: a loop whose prompts all have one length passes that length.
     """
 
     def __init__(
@@ -154,8 +156,10 @@ class GRPOLoop:
         seed: int = 0,
         tiered: bool = True,
         model: Transformer | None = None,
+        min_prompt_width: int = MIN_LENGTH_BUCKET,
     ):
         self.setting = setting
+        self.min_prompt_width = min_prompt_width
         self.score = score
         self.pad_id = pad_id
         if model is None:
@@ -218,6 +222,7 @@ class GRPOLoop:
             self.setting.prompts,
             longest,
             tiered=self.tiered,
+            min_prompt_width=self.min_prompt_width,
         )
 
     def step(self, i: int) -> dict[str, float]:
@@ -243,6 +248,7 @@ class GRPOLoop:
             i,
             version=version,
             tiered=self.tiered,
+            min_prompt_width=self.min_prompt_width,
         )
         t1 = time.perf_counter()
         samples = []

@@ -82,6 +82,8 @@ def make_loop(work: workloads.GRPOWork, model: Transformer, tiered: bool = True)
         eos_id=workloads.EOS_ID,
         model=model,
         tiered=tiered,
+        # The prompts' own width, as the peer's rollout is told it (``max_prompt_length``).
+        min_prompt_width=work.prompt_tokens,
     )
 
 
