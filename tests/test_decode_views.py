@@ -63,7 +63,7 @@ def test_short_prompts_padded_to_their_own_width_sample_the_same(tiny_model):
     narrow = generate(model, batch, config, 7, version=1, min_prompt_width=4)
     assert_same(narrow, generate(model, batch, config, 7, version=1))
     for bad in (0, 2.0, True):
-        with pytest.raises(ValueError, match="min_prompt_width must be an int >= 1"):
+        with pytest.raises(ValueError, match="min_prompt_width: must be an integer >= 1"):
             generate(model, batch, config, 7, min_prompt_width=bad)
 
 

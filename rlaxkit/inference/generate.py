@@ -28,7 +28,7 @@ from rlaxkit.inference.results import (
     split_model,
 )
 from rlaxkit.inference.rows import FINISH_REASONS, Rows
-from rlaxkit.validation import is_int
+from rlaxkit.validation import check_int
 
 
 def as_prompts(
@@ -123,7 +123,7 @@ def generate(
     Returns:
         A ``GenerationResult`` of ``[B, n, config.max_new_tokens]`` arrays.
     """
-    check_min_prompt_width(min_prompt_width)
+    check_int("min_prompt_width", min_prompt_width, minimum=1, numpy=True)
     graphdef, params = split_model(model)
     model_config = graphdef.model_config(params)
     prompt_arrays = as_prompts(
@@ -182,11 +182,6 @@ def generate(
     return collect_result(state.rows, prompt_arrays, config)
 
 
-def check_min_prompt_width(width: int) -> None:
-    if not is_int(width, numpy=True) or width < 1:
-        raise ValueError(f"min_prompt_width must be an int >= 1 (tokens), got {width!r}")
-
-
 MIN_VIEW = 32
 MIN_VIEW_TOKENS = 64
 
@@ -232,7 +227,7 @@ def compile_generate(
     ``tiered`` compiles the quick programs of ``generate(..., tiered=True)``'s first call,
     ``min_prompt_width`` those of ``generate`` called with the same.
     """
-    check_min_prompt_width(min_prompt_width)
+    check_int("min_prompt_width", min_prompt_width, minimum=1, numpy=True)
     graphdef, params = split_model(model)
     model_config = graphdef.model_config(params)
     rows, padded_prompts = bucket_rows(num_prompts * config.n), bucket_rows(num_prompts)
