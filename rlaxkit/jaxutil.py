@@ -193,8 +193,8 @@ class TieredJit:
         """``(args, kwargs)`` of ``bound`` with every array argument abstract."""
 
         def spec(x):
-            sharding = getattr(x, "sharding", None)
-            return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding)
+            shape, dtype, sharding = _leaf_signature(x)
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
         arguments = {
             name: value if name in self._static else jax.tree.map(spec, value)
