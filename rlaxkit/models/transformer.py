@@ -127,9 +127,9 @@ def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> Rope:
     """``(cos, sin)`` of the rotate-half angles at ``positions``, each ``[B, T, 1, D]``.
 
     Computed once per forward, on the half angles, and shared by every layer's queries
-    and keys. Computed inside ``apply_rope`` from the whole angles instead, the sines
-    and cosines were fused into each layer's consumers and, in the backward, evaluated
-    once per head there: about a tenth of the small GRPO step on CPU.
+    and keys: where each layer computes its own, XLA fuses the sines and cosines into
+    their consumers and, in the backward, evaluates them once per head (about a tenth of
+    the small GRPO step on CPU).
 
     Args:
         positions: ``[batch, seq]`` integer positions.
