@@ -75,7 +75,6 @@ from rlaxkit.batch import BucketSpec, Sample, TrainBatch, collate  # noqa: E402
 from rlaxkit.inference import SamplingConfig, compile_generate, generate  # noqa: E402
 from rlaxkit.inference.config import MIN_LENGTH_BUCKET  # noqa: E402
 from rlaxkit.jaxutil import (  # noqa: E402
-    TieredJit,
     count_compilations,
     hold_background_compiles,
 )
@@ -207,10 +206,8 @@ class GRPOLoop:
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state)
         batch = self.batch_shape()
 
-        def compile_step() -> None:
-            compiled = self.train_step.lower(state, batch).compile()
-            if not isinstance(self.train_step, TieredJit):  # tiered: its call finds it
-                self.train_step = compiled
+        def compile_step() -> None:  # the step's call finds the executable
+            self.train_step.lower(state, batch).compile()
 
         self._compiling = threading.Thread(target=compile_step, name="compile-train-step")
         self._compiling.start()
@@ -242,7 +239,7 @@ class GRPOLoop:
         prompts = [self.prompts[k] for k in index]
         version = int(self.state.step)
         result = generate(
-            (self.graphdef, self.state.params),
+            (self.graphdef, self.state.packed("params")),
             prompts,
             self.sampling,
             i,

@@ -239,3 +239,74 @@ class TieredJit:
             threads = list(self._compiling.values())
         for thread in threads:
             thread.join()
+
+
+class _Structure:
+    """An interned tree structure: one object per distinct ``PyTreeDef``, hashed once.
+
+    ``jax.jit`` hashes and compares the tree structure of its arguments on every call.
+    For a tree of ``nnx.Variable``\\ s that calls flax's Python code once per Variable;
+    as the structure of a :class:`Packed` tree it is one cached hash and an identity test.
+    """
+
+    __slots__ = ("treedef", "_hash")
+    _interned: dict[Any, _Structure] = {}
+
+    def __init__(self, treedef: Any):
+        self.treedef = treedef
+        self._hash = hash(treedef)
+
+    @classmethod
+    def of(cls, treedef: Any) -> _Structure:
+        found = cls._interned.get(treedef)
+        if found is None:
+            found = cls._interned.setdefault(treedef, cls(treedef))
+        return found
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other  # interned: equal structures are one object
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Structure.of, (self.treedef,))
+
+
+class Packed:
+    """A pytree flattened once: its leaves, and its structure interned.
+
+    As an argument of a jitted function it flattens to its leaves with one Python call
+    and keys the compilation cache by an interned structure, where the tree itself (a
+    train state of ``nnx.Variable``\\ s) costs a Python call per node on every call, in
+    the flatten and again in the cache lookup. A jitted function that returns a
+    ``Packed`` hands its outputs back the same way; :meth:`tree` rebuilds the tree.
+
+    >>> p = Packed.of({"w": jnp.zeros(2), "b": jnp.ones(())})
+    >>> len(p.leaves), sorted(p.tree())
+    (2, ['b', 'w'])
+    >>> Packed.of({"w": 1.0, "b": 2.0}).structure is Packed.of({"b": 0, "w": 0}).structure
+    True
+    """
+
+    __slots__ = ("leaves", "structure")
+
+    def __init__(self, leaves: Any, structure: _Structure):
+        self.leaves = leaves
+        self.structure = structure
+
+    @classmethod
+    def of(cls, tree: Any) -> Packed:
+        leaves, treedef = jax.tree.flatten(tree)
+        return cls(leaves, _Structure.of(treedef))
+
+    def tree(self) -> Any:
+        """The tree, rebuilt from the leaves."""
+        return self.structure.treedef.unflatten(self.leaves)
+
+
+jax.tree_util.register_pytree_node(
+    Packed,
+    lambda p: (p.leaves, p.structure),
+    lambda structure, leaves: Packed(leaves, structure),
+)

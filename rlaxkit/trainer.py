@@ -47,7 +47,7 @@ from rlaxkit.algorithms import (
     rl_loss,
 )
 from rlaxkit.batch import TrainBatch
-from rlaxkit.jaxutil import TieredJit
+from rlaxkit.jaxutil import Packed, TieredJit
 from rlaxkit.logprobs import logprobs_and_entropy
 from rlaxkit.models import REMAT_POLICIES, RematPolicy, is_stacked, positions_from_mask
 from rlaxkit.models.lora import LoraConfig, init_adapters, merge_adapters
@@ -173,8 +173,64 @@ class TrainState:
     base_params: Any = None
 
     def replace(self, **changes: Any) -> TrainState:
-        """A copy with ``changes`` applied."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied (a packed state stays packed)."""
+        packed = self.__dict__.get("_packed")
+        if packed is None:
+            return dataclasses.replace(self, **changes)
+        fields = list(packed)
+        for name, value in changes.items():
+            if name not in _FIELD_INDEX:
+                raise TypeError(f"TrainState has no field {name!r}")
+            fields[_FIELD_INDEX[name]] = Packed.of(value)
+        return TrainState.unpack(tuple(fields))
+
+    # A train step's state crosses ``jax.jit`` packed: each field flattened once, its
+    # structure interned (``rlaxkit.jaxutil.Packed``). A state a step returns is built
+    # lazily: a field is rebuilt from its leaves when first read, so a loop that reads
+    # ``step`` and ``params`` never rebuilds the optimizer state's Variables, and passing
+    # the state to the next step flattens nothing. The fields' trees must not be changed
+    # in place (``replace`` makes a new state), as a packed field would not see it.
+
+    def pack(self) -> tuple[Packed, ...]:
+        """Each field's tree as a ``Packed``, in field order (computed once per state)."""
+        packed = self.__dict__.get("_packed")
+        if packed is None:
+            packed = tuple(Packed.of(getattr(self, name)) for name in _FIELD_INDEX)
+            object.__setattr__(self, "_packed", packed)
+        return packed
+
+    def packed(self, name: str) -> Packed:
+        """Field ``name`` as a ``Packed``, without rebuilding its tree: e.g.
+        ``generate((graphdef, state.packed("params")), ...)`` after a train step."""
+        return self.pack()[_FIELD_INDEX[name]]
+
+    @classmethod
+    def unpack(cls, packed: Sequence[Packed]) -> TrainState:
+        """The state whose fields are ``packed`` (``pack``'s), each rebuilt when read."""
+        state = object.__new__(cls)
+        object.__setattr__(state, "_packed", tuple(packed))
+        return state
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for a field not yet rebuilt from the packed state.
+        packed = self.__dict__.get("_packed")
+        index = _FIELD_INDEX.get(name)
+        if packed is None or index is None:
+            raise AttributeError(f"'TrainState' object has no attribute {name!r}")
+        value = packed[index].tree()
+        object.__setattr__(self, name, value)
+        return value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TrainState, tuple(getattr(self, name) for name in _FIELD_INDEX))
+
+
+_FIELD_INDEX = {f.name: i for i, f in enumerate(dataclasses.fields(TrainState))}
+# The defaults live in the generated ``__init__``; as class attributes they would answer
+# for a packed state's fields before ``__getattr__`` could rebuild them.
+for _name in _FIELD_INDEX:
+    if _name in TrainState.__dict__:
+        delattr(TrainState, _name)
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
@@ -589,7 +645,7 @@ def make_train_step(
     donate: bool = True,
     keep_params: bool = False,
     tiered: bool = False,
-) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]]:
+) -> PackedTrainStep:
     """The jitted ``train_step(state, batch) -> (state, metrics)``.
 
     Args:
@@ -655,39 +711,60 @@ def make_train_step(
             )
         return new_state, {**metrics, **stats}
 
-    if donate and keep_params:
-        return _KeepParams(train_step, tiered)
-    donate_argnums = (0,) if donate else ()
-    if tiered:
-        return TieredJit(train_step, donate_argnums=donate_argnums)
-    return jax.jit(train_step, donate_argnums=donate_argnums)
+    return PackedTrainStep(train_step, donate=donate, keep_params=keep_params, tiered=tiered)
 
 
-class _KeepParams:
-    """``train_step(state, batch)`` jitted with every input buffer donated except
-    ``state.params`` (``make_train_step(..., keep_params=True)``)."""
+_PARAMS = _FIELD_INDEX["params"]
+
+
+class PackedTrainStep:
+    """``make_train_step``'s jitted ``train_step(state, batch) -> (state, metrics)``.
+
+    The state crosses the jitted function packed (``TrainState.pack``), parameters apart
+    from the other fields, so that ``keep_params`` donates every buffer but theirs; the
+    returned state is packed too, and the next call passes it on without a flatten.
+    ``jitted`` is the ``jax.jit`` (or ``TieredJit``) function of the packed arguments.
+    """
 
     def __init__(
         self,
         train_step: Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]],
+        *,
+        donate: bool,
+        keep_params: bool,
         tiered: bool,
     ):
-        def split_step(
-            params: Any, rest: TrainState, batch: TrainBatch
-        ) -> tuple[TrainState, dict[str, jax.Array]]:
-            return train_step(rest.replace(params=params), batch)
+        def packed_step(
+            params: Packed, rest: tuple[Packed, ...], batch: TrainBatch
+        ) -> tuple[tuple[Packed, ...], dict[str, jax.Array]]:
+            fields = (*rest[:_PARAMS], params, *rest[_PARAMS:])
+            state, metrics = train_step(TrainState.unpack(fields), batch)
+            return state.pack(), metrics
 
+        donate_argnums = ((1,) if keep_params else (0, 1)) if donate else ()
         jit = TieredJit if tiered else jax.jit
-        self.jitted = jit(split_step, donate_argnums=(1,))
+        self.jitted = jit(packed_step, donate_argnums=donate_argnums)
+
+    @staticmethod
+    def _arguments(state: TrainState) -> tuple[Packed, tuple[Packed, ...]]:
+        fields = state.pack()
+        return fields[_PARAMS], fields[:_PARAMS] + fields[_PARAMS + 1 :]
 
     def __call__(
         self, state: TrainState, batch: TrainBatch
     ) -> tuple[TrainState, dict[str, jax.Array]]:
-        return self.jitted(state.params, state.replace(params=None), batch)
+        fields, metrics = self.jitted(*self._arguments(state), batch)
+        return TrainState.unpack(fields), metrics
 
     def lower(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
         """Lowers the jitted step for these arguments (``jax.jit(...).lower``)."""
-        return self.jitted.lower(state.params, state.replace(params=None), batch)
+        return self.jitted.lower(*self._arguments(state), batch)
+
+    def wait(self) -> None:
+        """Tiered: blocks until the optimised compiles started so far are done
+        (``TieredJit.wait``); otherwise returns at once."""
+        if isinstance(self.jitted, TieredJit):
+            self.jitted.wait()
 
 
 def make_gradient_fn(

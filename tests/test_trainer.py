@@ -169,7 +169,7 @@ def test_tiered_train_step_runs_quick_then_optimised_and_is_reproducible():
     tiered = make_train_step(cfg, graphdef, tiered=True)
     tiered_params, tiered_losses = run(tiered)
     tiered.wait()
-    assert tiered.quick._cache_size() == 1 and tiered.optimised._cache_size() == 1
+    assert tiered.jitted.quick._cache_size() == 1 and tiered.jitted.optimised._cache_size() == 1
     again_params, again_losses = run(make_train_step(cfg, graphdef, tiered=True))
     assert again_losses == tiered_losses
     assert relative_error(again_params, tiered_params) == 0.0
@@ -294,3 +294,39 @@ def test_weight_decay_skips_vectors_and_clipping_bounds_the_update():
 def test_configs_name_the_bad_field(make, field):
     with pytest.raises(ValueError, match=field):
         make()
+
+
+def test_a_returned_state_is_packed_and_rebuilds_only_the_fields_read():
+    # The step hands its state back packed: the next step takes it without a flatten of
+    # the nnx trees, a field is rebuilt when first read, and the packed and the eager
+    # forms of one state agree everywhere (replace, pickling, tree maps, the next step).
+    import pickle
+
+    graphdef, params = model_parts()
+    cfg = TrainConfig(algorithm=algorithm("grpo", loss={"kl_coef": 0.0}), optimizer=OPTIMIZER)
+    step = make_train_step(cfg, graphdef, donate=False)
+    start = create_train_state(cfg, params)
+    state, _ = step(start, batch_of(seed=4))
+    assert "opt_state" not in vars(state) and "params" not in vars(state)
+    assert int(state.step) == 1 and "opt_state" not in vars(state)
+    assert state.packed("params").structure is start.packed("params").structure
+    assert jax.tree.structure(state.params) == jax.tree.structure(params)
+
+    eager = jax.tree.map(lambda x: x, state)  # rebuilt field by field
+    assert "_packed" not in vars(eager)
+    bumped = state.replace(rng=jnp.zeros_like(start.rng))
+    assert "_packed" in vars(bumped) and int(bumped.step) == 1
+    assert np.array_equal(bumped.rng, np.zeros_like(start.rng))
+    restored = pickle.loads(pickle.dumps(state))
+    assert "_packed" not in vars(restored)
+    with pytest.raises(TypeError, match="no field 'steps'"):
+        state.replace(steps=2)
+    with pytest.raises(AttributeError, match="'value_param'"):
+        _ = state.value_param
+
+    with count_compilations() as compiles:
+        outputs = [step(s, batch_of(seed=5)) for s in (state, eager, bumped, restored)]
+    assert compiles.count == 0  # one structure, however the state was made
+    packed_params = jax.device_get(outputs[0][0].params)
+    for other, _ in (outputs[1], outputs[3]):  # bumped's rng differs: it shuffles otherwise
+        assert relative_error(jax.device_get(other.params), packed_params) == 0.0

@@ -40,7 +40,7 @@ from flax import nnx  # noqa: E402
 from grpo_step import GRPOLoop, Setting, qwen3, timed_steps  # noqa: E402
 
 from rlaxkit.inference import SamplingConfig, generate  # noqa: E402
-from rlaxkit.jaxutil import count_compilations, matmul_peak_flops  # noqa: E402
+from rlaxkit.jaxutil import Packed, count_compilations, matmul_peak_flops  # noqa: E402
 from rlaxkit.models import ModelConfig, Transformer  # noqa: E402
 
 
@@ -118,8 +118,10 @@ def run_decode(work: workloads.DecodeWork, repeats: int) -> dict[str, object]:
     model, params = build_model(work.model)
     prompts = workloads.prompt_ids(work.batch, work.prompt_tokens, work.model.vocab, 0)
     config = SamplingConfig(temperature=1.0, max_new_tokens=work.new_tokens)
-    # Split once, as a sampler holding its weights does (the peer's splits at construction).
-    split = nnx.split(model)
+    # Split and flattened once, as a sampler holding its weights does (``InferenceEngine``
+    # packs them per weight update; the peer's sampler splits at construction).
+    graphdef, weights = nnx.split(model)
+    split = (graphdef, Packed.of(weights))
 
     def call(seed: int):
         # Pads to the prompts' own 4 tokens, as the peer's sampler is told them

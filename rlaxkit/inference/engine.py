@@ -44,6 +44,7 @@ from rlaxkit.inference.results import (
     ModelLike,
     key_data,
     matching_params,
+    packed,
     split_model,
 )
 from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED, STOP
@@ -129,6 +130,7 @@ class InferenceEngine:
         if not 0 < refill_fraction <= 1:
             raise ValueError(f"refill_fraction must be in (0, 1], got {refill_fraction}")
         self.graphdef, self.params = split_model(model)
+        self._packed = packed(self.params)  # what the programs take
         self.model_config = self.graphdef.model_config(self.params)
         self.config = config
         self.num_slots = num_slots
@@ -368,11 +370,12 @@ class InferenceEngine:
         """
         params = matching_params(weights, self.graphdef, self.params)
         self.params, self.version = params, version
+        self._packed = packed(params)
         if recompute_cache and any(s is not None for s in self._slots):
             # Parked rows go on later: their caches are rebuilt with the running ones'.
             waiting = np.zeros((self.num_slots,), bool)
             waiting[self._waiting_rows()] = True
-            self.state = programs.recompute_cache(self.graphdef, self.params, self.state, waiting)
+            self.state = programs.recompute_cache(self.graphdef, self._packed, self.state, waiting)
 
     def step(self) -> list[Completion]:
         """Refills free rows, runs one chunk of decode steps, returns what finished."""
@@ -390,7 +393,7 @@ class InferenceEngine:
         if self._launched:
             self.state, _ = programs.decode_steps(
                 self.graphdef,
-                self.params,
+                self._packed,
                 self.state,
                 np.int32(self.version),
                 np.int32(self.chunk_steps),
@@ -492,7 +495,7 @@ class InferenceEngine:
             )
         self.state = programs.extend_rows(
             self.graphdef,
-            self.params,
+            self._packed,
             self.state,
             observations,
             lengths,
@@ -537,7 +540,7 @@ class InferenceEngine:
             )
         self.state = programs.start_rows(
             self.graphdef,
-            self.params,
+            self._packed,
             self.state,
             prompts,
             lengths,

@@ -24,6 +24,7 @@ from rlaxkit.inference.results import (
     KeyLike,
     ModelLike,
     key_data,
+    packed,
     prompt_keys,
     split_model,
 )
@@ -124,7 +125,8 @@ def generate(
         A ``GenerationResult`` of ``[B, n, config.max_new_tokens]`` arrays.
     """
     check_int("min_prompt_width", min_prompt_width, minimum=1, numpy=True)
-    graphdef, params = split_model(model)
+    graphdef, weights = split_model(model)
+    params = packed(weights)
     model_config = graphdef.model_config(params)
     prompt_arrays = as_prompts(
         prompts,
@@ -233,7 +235,7 @@ def compile_generate(
     rows, padded_prompts = bucket_rows(num_prompts * config.n), bucket_rows(num_prompts)
     width = bucket_length(max_prompt_len, minimum=min_prompt_width)
     spec = jax.ShapeDtypeStruct
-    params = jax.tree.map(lambda x: spec(x.shape, x.dtype), params)
+    abstract = packed(jax.tree.map(lambda x: spec(x.shape, x.dtype), params))
     state = jax.eval_shape(
         functools.partial(programs.init_state, model_config, config, rows, width)
     )
@@ -245,7 +247,7 @@ def compile_generate(
             (programs.tiered_start_rows if tiered else programs.start_rows)
             .lower(
                 graphdef,
-                params,
+                abstract,
                 state,
                 spec((padded_prompts, width), np.int32),
                 spec((padded_prompts,), np.int32),
@@ -259,7 +261,7 @@ def compile_generate(
         ),
         *(
             functools.partial(
-                programs.compile_decode_steps, graphdef, params, state, config, view, tiered
+                programs.compile_decode_steps, graphdef, abstract, state, config, view, tiered
             )
             for view in decode_views(width, state.cache.slots)
         ),

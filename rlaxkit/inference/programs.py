@@ -34,7 +34,7 @@ from jax.typing import ArrayLike
 from rlaxkit.inference.config import SamplingConfig
 from rlaxkit.inference.results import StaticGraph
 from rlaxkit.inference.rows import Rows, sample_and_record
-from rlaxkit.jaxutil import TieredJit
+from rlaxkit.jaxutil import Packed, TieredJit
 from rlaxkit.models import KVCache, ModelConfig, Transformer
 
 
@@ -91,7 +91,7 @@ def init_state(
 
 def _start_rows(
     graphdef: StaticGraph,
-    params: nnx.State,
+    params: nnx.State | Packed,
     state: DecodeState,
     prompts: jax.Array,
     prompt_len: jax.Array,
@@ -153,7 +153,7 @@ tiered_start_rows = TieredJit(_start_rows, **_START_ROWS_JIT)
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
 def extend_rows(
     graphdef: StaticGraph,
-    params: nnx.State,
+    params: nnx.State | Packed,
     state: DecodeState,
     observations: jax.Array,
     observation_len: jax.Array,
@@ -255,7 +255,7 @@ def decode_step(
 
 def decode_steps(
     graphdef: StaticGraph,
-    params: nnx.State,
+    params: nnx.State | Packed,
     state: DecodeState,
     version: ArrayLike,
     max_steps: ArrayLike,
@@ -301,7 +301,7 @@ def decode_steps(
 
 def compile_decode_steps(
     graphdef: StaticGraph,
-    params: nnx.State,
+    params: nnx.State | Packed,
     state: DecodeState,
     config: SamplingConfig,
     view: int | None = None,
@@ -333,7 +333,7 @@ def step_config(config: SamplingConfig) -> SamplingConfig:
 
 def _decode_steps_fn(
     graphdef: StaticGraph,
-    params: nnx.State,
+    params: nnx.State | Packed,
     state: DecodeState,
     version: jax.Array,
     max_steps: jax.Array,
@@ -412,7 +412,10 @@ def _write_prefix(full: KVCache, part: KVCache, view: int) -> KVCache:
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
 def recompute_cache(
-    graphdef: StaticGraph, params: nnx.State, state: DecodeState, keep: jax.Array | None = None
+    graphdef: StaticGraph,
+    params: nnx.State | Packed,
+    state: DecodeState,
+    keep: jax.Array | None = None,
 ) -> DecodeState:
     """Rebuilds the cache of every active row, and of the rows ``keep`` marks, from its
     prompt and completion so far under ``params``.

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rlaxkit.jaxutil import Packed
 from rlaxkit.models import ModelConfig, Transformer
 
 # A model, or its graph definition and weights (``nnx.split(model)``).
@@ -47,11 +48,13 @@ class StaticGraph:
             and self.graphdef == other.graphdef
         )
 
-    def merge(self, params: nnx.State) -> Transformer:
+    def merge(self, params: nnx.State | Packed) -> Transformer:
         """The model with ``params`` (inside jit: traced arrays)."""
+        if isinstance(params, Packed):
+            params = params.tree()
         return nnx.merge(self.graphdef, params)
 
-    def model_config(self, params: nnx.State) -> ModelConfig:
+    def model_config(self, params: nnx.State | Packed) -> ModelConfig:
         """The model's ``ModelConfig``, a static part of the graph: merged once, then
         remembered (a merge costs about a millisecond of Python per call)."""
         if self._config is None:
@@ -98,6 +101,12 @@ def split_model(model: ModelLike) -> tuple[StaticGraph, nnx.State]:
         _BY_ID[id(graph)] = (graph, static)
         graph = static
     return graph, params
+
+
+def packed(params: nnx.State | Packed) -> Packed:
+    """``params`` as the programs take them: flattened once (``rlaxkit.jaxutil.Packed``),
+    instead of once in every program call of a ``generate`` or an engine's chunk."""
+    return params if isinstance(params, Packed) else Packed.of(params)
 
 
 def matching_params(
