@@ -28,7 +28,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -211,15 +211,17 @@ class TrainState:
         object.__setattr__(state, "_packed", tuple(packed))
         return state
 
-    def __getattr__(self, name: str) -> Any:
-        # Reached only for a field not yet rebuilt from the packed state.
-        packed = self.__dict__.get("_packed")
-        index = _FIELD_INDEX.get(name)
-        if packed is None or index is None:
-            raise AttributeError(f"'TrainState' object has no attribute {name!r}")
-        value = packed[index].tree()
-        object.__setattr__(self, name, value)
-        return value
+    if not TYPE_CHECKING:  # a type checker still sees the fields alone
+
+        def __getattr__(self, name: str) -> Any:
+            # Reached only for a field not yet rebuilt from the packed state.
+            packed = self.__dict__.get("_packed")
+            index = _FIELD_INDEX.get(name)
+            if packed is None or index is None:
+                raise AttributeError(f"'TrainState' object has no attribute {name!r}")
+            value = packed[index].tree()
+            object.__setattr__(self, name, value)
+            return value
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TrainState, tuple(getattr(self, name) for name in _FIELD_INDEX))

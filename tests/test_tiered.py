@@ -98,10 +98,10 @@ def test_tiered_generate_samples_what_untiered_generate_samples(tiny_model):
         thread.join()
     with hold_background_compiles():
         first = generate(split, prompts, config, 0, tiered=True)
-    programs.tiered_start_rows.wait()
+    programs.tiered_begin_rows.wait()
     programs._tiered_decode_steps.wait()
     second = generate(split, prompts, config, 0, tiered=True)
-    assert calls(programs.tiered_start_rows)[1] >= 1  # the second call ran optimised
+    assert calls(programs.tiered_begin_rows)[1] >= 1  # the second call ran optimised
     for result in (first, second):
         np.testing.assert_array_equal(result.tokens, plain.tokens)
         np.testing.assert_array_equal(result.lengths, plain.lengths)

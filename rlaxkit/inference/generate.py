@@ -151,11 +151,9 @@ def generate(
     source = np.minimum(row // n, num_prompts - 1).astype(np.int32)
     dest = np.where(row < num_rows, row, rows).astype(np.int32)  # >= rows: padding, dropped
 
-    state = programs.init_state(model_config, config, rows, width)
-    state = (programs.tiered_start_rows if tiered else programs.start_rows)(
+    state = (programs.tiered_begin_rows if tiered else programs.begin_rows)(
         graphdef,
         params,
-        state,
         tokens,
         lengths,
         dest,
@@ -163,6 +161,9 @@ def generate(
         keys[source],
         (row % n).astype(np.int32),
         budget[source],
+        model_config=model_config,
+        config=config,
+        rows=rows,
     )
     # Row ``b`` writes cache slots ``len_b - 1 .. len_b + budget_b - 2``: the views from
     # the first up to one holding every row's last write.
@@ -242,13 +243,11 @@ def compile_generate(
     key_shape = key_data(0).shape
     row = spec((rows,), np.int32)
     jobs: list[Callable[[], object]] = [
-        lambda: programs.init_state.lower(model_config, config, rows, width).compile(),
         lambda: (
-            (programs.tiered_start_rows if tiered else programs.start_rows)
+            (programs.tiered_begin_rows if tiered else programs.begin_rows)
             .lower(
                 graphdef,
                 abstract,
-                state,
                 spec((padded_prompts, width), np.int32),
                 spec((padded_prompts,), np.int32),
                 row,
@@ -256,6 +255,9 @@ def compile_generate(
                 spec((rows, *key_shape), np.uint32),
                 row,
                 row,
+                model_config=model_config,
+                config=config,
+                rows=rows,
             )
             .compile()
         ),

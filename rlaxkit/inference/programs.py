@@ -14,7 +14,8 @@ is extended by an observation as if its prompt had been ``prompt + completion +
 observation`` all along (``extend_rows``), so the next turn's decode steps, and a cache
 rebuilt under new weights, treat it like any other row.
 
-``start_rows`` and ``decode_steps`` also come in two tiers (``tiered=True``,
+``begin_rows`` (``init_state`` and ``start_rows`` in one program, ``generate``'s) and
+``decode_steps`` also come in two tiers (``tiered=True``,
 ``rlaxkit.jaxutil.TieredJit``): a shape's first call runs a quickly compiled program
 while the optimised one compiles in the background, for a loop's first step.
 """
@@ -147,7 +148,46 @@ def _start_rows(
 
 _START_ROWS_JIT: dict[str, Any] = {"static_argnames": ("graphdef",), "donate_argnames": ("state",)}
 start_rows = jax.jit(_start_rows, **_START_ROWS_JIT)
-tiered_start_rows = TieredJit(_start_rows, **_START_ROWS_JIT)
+
+
+def _begin_rows(
+    graphdef: StaticGraph,
+    params: nnx.State | Packed,
+    prompts: jax.Array,
+    prompt_len: jax.Array,
+    dest: jax.Array,
+    source: jax.Array,
+    request_key_data: jax.Array,
+    sample_index: jax.Array,
+    budget: jax.Array,
+    *,
+    model_config: ModelConfig,
+    config: SamplingConfig,
+    rows: int,
+) -> DecodeState:
+    """``start_rows`` on a fresh ``init_state(model_config, config, rows, W)`` (``W``:
+    the prompts' width), in one program: ``generate``'s first call, one dispatch and one
+    compile fewer than the two."""
+    state = init_state(model_config, config, rows, prompts.shape[1])
+    return _start_rows(
+        graphdef,
+        params,
+        state,
+        prompts,
+        prompt_len,
+        dest,
+        source,
+        request_key_data,
+        sample_index,
+        budget,
+    )
+
+
+_BEGIN_ROWS_JIT: dict[str, Any] = {
+    "static_argnames": ("graphdef", "model_config", "config", "rows")
+}
+begin_rows = jax.jit(_begin_rows, **_BEGIN_ROWS_JIT)
+tiered_begin_rows = TieredJit(_begin_rows, **_BEGIN_ROWS_JIT)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
