@@ -153,34 +153,17 @@ start_rows = jax.jit(_start_rows, **_START_ROWS_JIT)
 def _begin_rows(
     graphdef: StaticGraph,
     params: nnx.State | Packed,
-    prompts: jax.Array,
-    prompt_len: jax.Array,
-    dest: jax.Array,
-    source: jax.Array,
-    request_key_data: jax.Array,
-    sample_index: jax.Array,
-    budget: jax.Array,
-    *,
+    *inputs: jax.Array,
     model_config: ModelConfig,
     config: SamplingConfig,
     rows: int,
 ) -> DecodeState:
-    """``start_rows`` on a fresh ``init_state(model_config, config, rows, W)`` (``W``:
-    the prompts' width), in one program: ``generate``'s first call, one dispatch and one
-    compile fewer than the two."""
-    state = init_state(model_config, config, rows, prompts.shape[1])
-    return _start_rows(
-        graphdef,
-        params,
-        state,
-        prompts,
-        prompt_len,
-        dest,
-        source,
-        request_key_data,
-        sample_index,
-        budget,
-    )
+    """``start_rows(graphdef, params, state, *inputs)`` on a fresh ``state =
+    init_state(model_config, config, rows, W)`` (``W``: the prompts' width), in one
+    program: ``generate``'s first call, one dispatch and one compile fewer than the two.
+    ``inputs`` are ``start_rows``'s from ``prompts`` on."""
+    state = init_state(model_config, config, rows, inputs[0].shape[1])
+    return _start_rows(graphdef, params, state, *inputs)
 
 
 _BEGIN_ROWS_JIT: dict[str, Any] = {
