@@ -4,12 +4,12 @@ Short runs of the deterministic local runtime (the tiny ``config.SMALL_RUN`` mod
 η = 1 and η = 0, three times each, alternating. ``sim.calibrate`` fits the serial host model
 (``sim/host.py``) to each η = 1 trace and predicts samples/s over the measured window
 (after the compiling first steps): each η = 1 run itself, the best within 10%, and
-η = 0, whose best prediction must be within 15% of the best η = 0 run. (Three of each, and the best of
-them, because on a loaded machine one run differs from the next by several percent and
-contention only ever slows a run down: one pair's error spread about ±10% around +2%
-over 15 pairs, a CI run under load once measured η = 0 at 832 and 949 samples/s, and
-with two of each a full suite once measured both η = 0 runs slowed, at 731 and 664
-against 881 predicted: +20%, where the same module alone erred by +1%.
+η = 0, whose best prediction must be within 15% of the best η = 0 run. (Three of each,
+and the best of them, because on a loaded machine one run differs from the next by
+several percent and contention only ever slows a run down: one pair's error spread
+about ±10% around +2% over 15 pairs, a CI run under load once measured η = 0 at 832 and
+949 samples/s, and with two of each a full suite once measured both η = 0 runs slowed,
+at 731 and 664 against 881 predicted: +20%, where the same module alone erred by +1%.
 The ≤ 10% goal on longer windows is `benchmarks/sim_fidelity.py`'s.) η = 0 runs about
 three times as many rounds per step as η = 1 (each on one worker instead of two); on
 the same traces the per-token fleet model (``executor="parallel"``) predicts η = 0
