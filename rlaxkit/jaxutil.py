@@ -138,12 +138,14 @@ def hold_background_compiles() -> Iterator[None]:
 
 
 def _leaf_signature(x: Any) -> tuple[Any, Any]:
-    """A leaf's ``(abstract value, sharding)`` as ``jax.jit`` would see it: shape, dtype
-    and weak type. A ``jax.Array`` keeps its abstract value, so reading it costs less
-    than reading the shape and the dtype apart."""
+    """A leaf's ``(abstract value, sharding)`` as ``jax.jit`` keys it: shape, dtype and
+    weak type, and the sharding of a committed array only (``None`` otherwise: an
+    executable lowered for an uncommitted array's sharding is not the one ``jax.jit``
+    finds for that array). A ``jax.Array`` keeps its abstract value, so reading it costs
+    less than reading the shape and the dtype apart."""
     if isinstance(x, jax.Array):
-        return (x.aval, x.sharding)
-    return (jax.typeof(x), getattr(x, "sharding", None))
+        return (x.aval, x.sharding if getattr(x, "committed", True) else None)
+    return (jax.typeof(x), None)
 
 
 class TieredJit:

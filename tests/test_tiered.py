@@ -4,12 +4,14 @@
 
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from rlaxkit.inference import SamplingConfig, compile_generate, generate, programs
-from rlaxkit.jaxutil import TieredJit, hold_background_compiles
+from rlaxkit.jaxutil import TieredJit, count_compilations, hold_background_compiles
 
 
 def fresh_scaled():
@@ -37,6 +39,25 @@ def test_static_arguments_key_the_tiers():
     # Another static value is another signature: quick first again.
     np.testing.assert_array_equal(tiered(x, scale=3.0), [0.0, 3.0, 6.0])
     assert calls(tiered) == (2, 1)
+
+
+@pytest.mark.parametrize("kind", ["uncommitted", "committed", "numpy"])
+def test_the_call_after_the_background_compile_compiles_nothing(kind):
+    # The optimised executable compiled in the background is the one the next call of
+    # the signature runs: lowered for an uncommitted array's sharding, or for a Python
+    # scalar without its weak type, it would be compiled a second time, in the call.
+    make = {
+        "uncommitted": lambda: jnp.ones(3) + 1,
+        "committed": lambda: jax.device_put(np.ones(3, np.float32), jax.devices()[0]),
+        "numpy": lambda: np.ones(3, np.float32),
+    }[kind]
+    tiered = TieredJit(lambda x, s: x * s + 1)
+    tiered(make(), 2.0)
+    tiered.wait()
+    x = make()
+    with count_compilations() as compiles:
+        np.testing.assert_array_equal(tiered(x, 3.0), np.asarray(x) * 3 + 1)
+    assert compiles.count == 0 and calls(tiered) == (1, 1)
 
 
 def test_shapes_dtypes_and_trees_key_the_tiers_as_jit_does():
