@@ -4,16 +4,20 @@ Short runs of the deterministic local runtime (the tiny ``config.SMALL_RUN`` mod
 η = 1 and η = 0, three times each, alternating. ``sim.calibrate`` fits the serial host model
 (``sim/host.py``) to each η = 1 trace and predicts samples/s over the measured window
 (after the compiling first steps): each η = 1 run itself, the best within 10%, and
-η = 0, whose best prediction must be within 15% of the best η = 0 run. (Three of each,
-and the best of them, because on a loaded machine one run differs from the next by
-several percent and contention only ever slows a run down: one pair's error spread
-about ±10% around +2% over 15 pairs, a CI run under load once measured η = 0 at 832 and
-949 samples/s, and with two of each a full suite once measured both η = 0 runs slowed,
-at 731 and 664 against 881 predicted: +20%, where the same module alone erred by +1%.
-The ≤ 10% goal on longer windows is `benchmarks/sim_fidelity.py`'s.) η = 0 runs about
-three times as many rounds per step as η = 1 (each on one worker instead of two); on
-the same traces the per-token fleet model (``executor="parallel"``) predicts η = 0
-16-20% low and η = 1 itself 16-19% high.
+η = 0, whose median prediction must be within 15% of the median η = 0 run. (Three of
+each, because on a loaded machine one run differs from the next by several percent:
+one pair's error spread about ±10% around +2% over 15 pairs, a CI run under load once
+measured η = 0 at 832 and 949 samples/s, and with two of each a full suite once
+measured both η = 0 runs slowed, at 731 and 664 against 881 predicted: +20%, where the
+same module alone erred by +1%. Medians, not the best of each: contention slows the
+η = 1 runs the predictions come from as well, and one of them spared is the best
+prediction. A clean-clone CI run predicted 767, 977 and 769 against 738, 797 and 650
+measured: +23% best to best, +4% median to median; nine runs of the module, alone
+or in a suite, erred by -12% to +10% median to median, where best to best two
+of them failed. The ≤ 10% goal on longer windows is `benchmarks/sim_fidelity.py`'s.)
+η = 0 runs about three times as many rounds per step as η = 1 (each on one worker
+instead of two); on the same traces the per-token fleet model (``executor="parallel"``)
+predicts η = 0 16-20% low and η = 1 itself 16-19% high.
 
 The runs are timed on the process's CPU clock instead of the wall clock: a window
 lasts about 0.3 s, and on a machine shared with other jobs the wall time of so short a
@@ -24,6 +28,8 @@ collection of the test session's heap takes ~100 ms at a moment nobody chooses, 
 each run starts with the objects that exist before it frozen (``gc.freeze``); the
 run's own collections still count.
 """
+
+import statistics
 
 import pytest
 
@@ -109,4 +115,4 @@ def test_calibration_on_eta_one_predicts_eta_zero(traces):
     measured = [window_summary(events, WARMUP_STEPS).samples_per_s for events in traces[0]]
     print(f"\nη=0 samples/s: measured {measured}, predicted {predicted}")
     assert all(r.predicted.max_staleness == 0 for r in results)
-    assert abs(_error(max(predicted), max(measured))) < 0.15
+    assert abs(_error(statistics.median(predicted), statistics.median(measured))) < 0.15
