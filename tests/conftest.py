@@ -56,6 +56,15 @@ def no_persistent_cache():
 
 
 @pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    """One warm-start cache for every module on this pytest process. Its entries are
+    keyed by everything the warm-started weights depend on (``warm_start_key``: model,
+    task, SFT and seed), so runs that share them load one warm start instead of each
+    module training its own (about 5 s each)."""
+    return tmp_path_factory.mktemp("warm_start")
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster (2 CPUs) per pytest process, for every module that asks
     (starting and stopping one costs about 8 s). Its files stay in a short temp dir

@@ -13,12 +13,6 @@ SMALL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One warm start for the whole module."""
-    return tmp_path_factory.mktemp("warm_start")
-
-
 def trained_staleness(exp):
     return [s for e in exp.trace.memory.events if e.kind == "train_step" for s in e["staleness"]]
 

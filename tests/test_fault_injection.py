@@ -21,11 +21,6 @@ SMALL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("warm_start")
-
-
 def events(exp, kind, actor=None):
     return [
         e

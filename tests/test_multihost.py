@@ -65,12 +65,6 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One warm start for the module, shared by the local reference and every host."""
-    return tmp_path_factory.mktemp("warm_start")
-
-
-@pytest.fixture(scope="module")
 def local_run(cache):
     """The local backend's learning metrics and trained prompts, step by step."""
     with Experiment(small_run_config(*SMALL, f"steps={STEPS}"), cache_dir=cache) as exp:

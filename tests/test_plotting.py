@@ -90,9 +90,9 @@ def test_plot_of_a_directory_without_a_run_exits_2_with_a_message(tmp_path, caps
 
 
 @pytest.mark.slow
-def test_plot_writes_png_files_for_a_real_local_run(tmp_path, capsys):
+def test_plot_writes_png_files_for_a_real_local_run(tmp_path, capsys, cache):
     config = small_run_config()
-    with Experiment(config, run_dir=tmp_path) as exp:
+    with Experiment(config, run_dir=tmp_path, cache_dir=cache) as exp:
         exp.run(3)
     check_plots(tmp_path, capsys, ["reward.png", *TRACE_PLOTS])
     # The same real run, exported for Perfetto, keeps the format's rules.

@@ -28,12 +28,6 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One warm start for the module: both backends and every actor share it."""
-    return tmp_path_factory.mktemp("warm_start")
-
-
-@pytest.fixture(scope="module")
 def local_run(cache):
     """The local backend's reference: learning metrics and trained prompts per step (and
     its summary's keys)."""

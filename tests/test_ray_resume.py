@@ -43,11 +43,6 @@ SETTINGS = (
 )
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("warm_start")
-
-
 def comparable(history):
     return [
         {k: v for k, v in m.items() if not k.startswith("fleet/")}

@@ -50,11 +50,6 @@ def bad_tasks():
         unregister_task(name)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("warm_start")
-
-
 def test_invalid_rewards_are_counted_in_summary_metrics_and_trace(cache, tmp_path):
     config = small_run_config(
         "task.name=arithmetic_half_nan", "steps=2", "sft.steps=0", "batching.equal_rewards=keep"

@@ -14,12 +14,6 @@ SMALL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One warm start for the whole module (every run shares model, task and SFT)."""
-    return tmp_path_factory.mktemp("warm_start")
-
-
 def learning_metrics(history):
     """Everything but wall-clock timings and fault counters (an actor killed on one
     backend counts there only)."""

@@ -46,11 +46,6 @@ REPEATS = 3
 WARMUP_STEPS = 3  # the first train step compiles; so may the first chunks of a shape
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("warm_start")
-
-
 def _run(cache, steps: int, *overrides: str) -> list[TraceEvent]:
     """A run's trace on the CPU clock (``sim.calibrate.record_local_run``: run again if
     its window compiled a program)."""

@@ -55,12 +55,6 @@ NUM_SLOTS, CHUNK_STEPS = 8, 4
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One warm start for the whole module (the runs share model, task and SFT)."""
-    return tmp_path_factory.mktemp("warm_start")
-
-
-@pytest.fixture(scope="module")
 def policy(cache):
     """The warm-started graph, weights and tokenizer (the runs' cached warm start)."""
     model, tokenizer = build_policy(CONFIG, TASK)

@@ -26,11 +26,6 @@ from rlaxkit.worker import InferenceWorker
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("warm_start")
-
-
-@pytest.fixture(scope="module")
 def policy(cache):
     model, tokenizer = build_policy(CONFIG, TASK)
     model, _ = warm_start(CONFIG, TASK, model, tokenizer, cache)
