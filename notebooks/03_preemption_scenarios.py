@@ -130,7 +130,8 @@ plan = FaultPlan.from_dicts(
     ]
 )
 run_dir = Path(tempfile.mkdtemp(prefix="rlaxkit-nb03-")) / "run"
-with Experiment(config, run_dir=run_dir, faults=plan) as exp:
+warm_start_cache = run_dir.parent / "cache"  # the clean run below loads this run's warm start
+with Experiment(config, run_dir=run_dir, cache_dir=warm_start_cache, faults=plan) as exp:
     metrics = exp.run(REAL_STEPS)
     exp.check_accounting()  # every issued prompt is in flight, buffered, trained or dropped
     summary = exp.summary()
@@ -166,7 +167,7 @@ timeline_figure(events)
 
 # %%
 clean_dir = run_dir.parent / "clean"
-with Experiment(config, run_dir=clean_dir) as clean:
+with Experiment(config, run_dir=clean_dir, cache_dir=warm_start_cache) as clean:
     clean.run(REAL_STEPS)
 predicted = sim.calibrate(clean_dir / "trace.jsonl", faults=plan)
 measured = sim.calibrate(events, faults=plan)  # read the same way, from the real trace

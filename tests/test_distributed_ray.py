@@ -42,8 +42,7 @@ def close_to(got, reference):
 
 
 @pytest.mark.slow
-def test_two_trainer_processes_learn_as_one_and_survive_losing_one(ray_cluster, tmp_path):
-    cache = tmp_path / "cache"
+def test_two_trainer_processes_learn_as_one_and_survive_losing_one(ray_cluster, tmp_path, cache):
     with Experiment(small_run_config(*SMALL, "checkpoint.every_steps=2"), cache_dir=cache) as local:
         trained = []
         for _ in range(STEPS):

@@ -71,10 +71,10 @@ def wait_for_rows(process, metrics, rows, timeout_s=240):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, cache):
     """The uninterrupted run (its warm start is cached for every run in this module)."""
     root = tmp_path_factory.mktemp("preemption")
-    cache, run = root / "cache", root / "uninterrupted"
+    run = root / "uninterrupted"
     assert main(cli_args(run, cache)) == 0
     return {"cache": cache, "run": run, "root": root}
 
