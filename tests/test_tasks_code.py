@@ -31,8 +31,7 @@ TASK = CodeTask(CodeConfig(limits=LIMITS))
 # A CPU-bound program reaches its 1 s CPU limit before the wall limit only if it gets
 # half a core; under a loaded test run it may get less (it read ``wall_timeout`` then),
 # so its wall limit leaves room for a sixth of a core.
-CPU_BOUND_LIMITS = dataclasses.replace(LIMITS, wall_time_s=6.0)
-CPU_BOUND_TASK = CodeTask(CodeConfig(limits=CPU_BOUND_LIMITS))
+CPU_BOUND_TASK = CodeTask(CodeConfig(limits=dataclasses.replace(LIMITS, wall_time_s=6.0)))
 SUM_PROBLEM = Problem(
     id="sum",
     prompt="print the sum",
@@ -67,15 +66,13 @@ RUNAWAYS = {
 @pytest.mark.parametrize("name", sorted(RUNAWAYS))
 def test_runaway_programs_end_within_limits(name):
     source, reason, min_time_s = RUNAWAYS[name]
-    task, limits = (
-        (CPU_BOUND_TASK, CPU_BOUND_LIMITS) if reason == CPU_TIME_LIMIT else (TASK, LIMITS)
-    )
+    task = CPU_BOUND_TASK if reason == CPU_TIME_LIMIT else TASK
     start = time.monotonic()
     result = task.score(SUM_PROBLEM, fenced(source))
     elapsed = time.monotonic() - start
     assert (result.score, result.reason) == (0.0, reason)
     # One test case runs (the first failure stops scoring): the wall limit plus slack.
-    assert min_time_s * 0.9 <= elapsed < limits.wall_time_s + 1.5
+    assert min_time_s * 0.9 <= elapsed < task.config.limits.wall_time_s + 1.5
 
 
 def test_correct_program_gets_one():
