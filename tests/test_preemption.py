@@ -54,7 +54,7 @@ def subprocess_env(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     # Share the test session's compiled programs with the child process.
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache/d/jax_compilation_cache"))
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     return env
 
 
