@@ -29,8 +29,13 @@ lint: $(STAMP)
 # (Ray clusters, multi-process JAX) share one of them (conftest.py: xdist_group).
 PYTEST_WORKERS ?= 2
 
+# Bytecode is written even where the environment turns it off (PYTHONDONTWRITEBYTECODE):
+# the suite starts well over a hundred Python processes (pytest's workers, Ray actors,
+# notebook kernels, the CLI) that import the same modules, and pytest keeps its rewritten
+# test modules only then. Collecting the suite took 13.9-14.8 s without and 9.8-11.2 s
+# with them.
 test: lint
-	$(BIN)/python -m pytest -q -ra --durations=15 -n $(PYTEST_WORKERS) --dist loadgroup
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -ra --durations=15 -n $(PYTEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis
