@@ -10,11 +10,17 @@ export PYTHONUNBUFFERED := 1
 
 setup: $(STAMP)
 
+# The last step removes rfc3987-syntax, which jupyterlab's event schemas pull in: when it
+# is installed, jsonschema imports it to check IRI formats, and it builds its parsers as
+# it is imported: `import ray` took 1.5-2.1 s with it and 0.4-0.6 s without, in every
+# process that imports Ray (the driver, each actor, a replacement worker after a
+# preemption). Nothing here checks IRIs (docs/running_at_scale.md, "Actor start").
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "rlaxkit needs Python 3.11 or newer")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[notebooks,dev,ray,tracking,tensorboard,wandb,mlflow]"
+	$(BIN)/python -m pip uninstall --quiet --yes rfc3987-syntax
 	touch $(STAMP)
 
 demo: $(STAMP)
