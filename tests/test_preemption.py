@@ -50,12 +50,9 @@ def final_params(run_dir):
     return load_file(path)
 
 
-def subprocess_env(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    # Share the test session's compiled programs with the child process.
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache/d/jax_compilation_cache"))
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    return env
+def subprocess_env():
+    # The test session's compilation cache settings are in os.environ (conftest.py).
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
 
 
 def wait_for_rows(process, metrics, rows, timeout_s=240):
@@ -72,7 +69,8 @@ def wait_for_rows(process, metrics, rows, timeout_s=240):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache):
-    """The uninterrupted run (its warm start is cached for every run in this module)."""
+    """The uninterrupted run (its warm start goes into the session's shared cache, which
+    every run in this module loads)."""
     root = tmp_path_factory.mktemp("preemption")
     run = root / "uninterrupted"
     assert main(cli_args(run, cache)) == 0
@@ -84,7 +82,7 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(reference, tmp_path):
     run = tmp_path / "preempted"
     command = [sys.executable, "-m", "rlaxkit.cli", *cli_args(run, reference["cache"])]
     process = subprocess.Popen(
-        command, env=subprocess_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        command, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     wait_for_rows(process, run / "metrics.jsonl", rows=3)
     process.send_signal(__import__("signal").SIGTERM)
@@ -145,7 +143,7 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(reference, tmp_
     )
     process = subprocess.Popen(
         [sys.executable, "-c", script],
-        env=subprocess_env(tmp_path),
+        env=subprocess_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
