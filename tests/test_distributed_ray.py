@@ -8,6 +8,9 @@ pushes. The reference is the local backend's run of the same config, which
 processes reduce in another order, so floats agree to 1e-5, not bitwise.
 """
 
+import os
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -86,6 +89,32 @@ def test_two_trainer_processes_learn_as_one_and_survive_losing_one(ray_cluster, 
             sum(np.sum((a - b) ** 2) for a, b in zip(params, reference_params, strict=True))
         )
         assert diff / np.sqrt(sum(np.sum(b**2) for b in reference_params)) <= 1e-5
+
+
+def test_a_dead_process_stops_its_group_at_once(ray_cluster, monkeypatch):
+    """When one trainer process dies, the others may be stuck in a collective that will
+    never end: the group is killed at once, not after a grace period (here an hour)."""
+    from ray.exceptions import RayActorError
+
+    from rlaxkit.runtime import ray_trainer_group
+    from rlaxkit.runtime.ray_trainer_group import TrainerGroup
+
+    @ray.remote(num_cpus=0)
+    class Process:
+        def stuck(self):  # a collective whose peer is gone
+            time.sleep(3600)
+
+        def die(self):
+            os._exit(1)
+
+    monkeypatch.setattr(ray_trainer_group, "_GRACE_S", 3600.0)
+    survivor, dying = Process.remote(), Process.remote()
+    group = TrainerGroup.__new__(TrainerGroup)  # its handles only: no trainer to start
+    group.handles, group._joining, group._placement = [survivor, dying], [], None
+    with pytest.raises(RayActorError):
+        group._gather([survivor.stuck.remote(), dying.die.remote()])
+    with pytest.raises(RayActorError):  # killed with the group
+        ray.get(survivor.stuck.remote(), timeout=60)
 
 
 def leaves(tree):

@@ -281,9 +281,11 @@ class TrainerGroup:
         ]
 
     def _gather(self, refs: list[Any]) -> list[Any]:
-        """Every reply, in order. If any process fails, the others may be stuck in a
-        collective: they get ``_GRACE_S`` to answer, else the group is stopped; then
-        the first error is raised (``RayActorError`` if a process died)."""
+        """Every reply, in order. If a process dies, the group is stopped at once: the
+        others may be stuck in a collective, and the driver restarts the whole group
+        anyway. If a process raises, the others may still be stuck: they get
+        ``_GRACE_S`` to answer, else the group is stopped. Then the first error is
+        raised (``RayActorError`` if a process died)."""
         index = {ref: i for i, ref in enumerate(refs)}
         replies: dict[int, Any] = {}
         pending, died = list(refs), False
@@ -298,6 +300,7 @@ class TrainerGroup:
                 replies[index[done[0]]] = ray.get(done[0])
             except RayActorError as failure:
                 error, died = error or failure, True
+                break  # waiting for the others would only delay the kill below
             except Exception as failure:  # noqa: BLE001 - re-raised below, after cleanup
                 error = error or failure
         if error is None:
