@@ -39,7 +39,9 @@ DOUBLE = Problem(
 )
 RIGHT = "```python\nprint(2 * int(input()))\n```"
 PLUS_ONE = "```python\nprint(int(input()) + 1)\n```"  # right for n = 1 only
-SHORT_LIMITS = SandboxLimits(wall_time_s=1.0, cpu_time_s=1)
+# A runaway ends on its 1 s of CPU; the wall limit leaves room for the interpreter's and
+# the sandbox's start, which took 2 s once in a loaded test run (tests/test_tasks_code.py).
+SHORT_LIMITS = SandboxLimits(wall_time_s=6.0, cpu_time_s=1)
 
 
 def environment(**options):
