@@ -101,20 +101,22 @@ def test_a_dead_process_stops_its_group_at_once(ray_cluster, monkeypatch):
 
     @ray.remote(num_cpus=0)
     class Process:
-        def stuck(self):  # a collective whose peer is gone
-            time.sleep(3600)
+        def __init__(self, dies: bool):
+            self.dies = dies
 
-        def die(self):
-            os._exit(1)
+        def step(self):
+            if self.dies:
+                os._exit(1)
+            time.sleep(3600)  # a collective whose peer is gone
 
     monkeypatch.setattr(ray_trainer_group, "_GRACE_S", 3600.0)
-    survivor, dying = Process.remote(), Process.remote()
-    group = TrainerGroup.__new__(TrainerGroup)  # its handles only: no trainer to start
-    group.handles, group._joining, group._placement = [survivor, dying], [], None
+    survivor, dying = Process.remote(False), Process.remote(True)
+    group = TrainerGroup.__new__(TrainerGroup)  # two started processes; no trainer in them
+    group.size, group.handles, group._joining, group._placement = 2, [survivor, dying], [], None
     with pytest.raises(RayActorError):
-        group._gather([survivor.stuck.remote(), dying.die.remote()])
+        group.call("step")
     with pytest.raises(RayActorError):  # killed with the group
-        ray.get(survivor.stuck.remote(), timeout=60)
+        ray.get(survivor.step.remote(), timeout=60)
 
 
 def leaves(tree):
