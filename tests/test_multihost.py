@@ -135,6 +135,8 @@ def test_a_lost_host_is_detected_its_prompts_reissued_and_it_is_used_again_when_
     to the other worker and trains on; the replacement worker waits for a host with an
     ``inference`` slot; when the host comes back (a new Ray node) the replacement
     starts there and takes work. Nothing accepted is lost."""
+    # The host is lost after the first step from ``lost_after`` on at which a worker
+    # holds prompts (which steps those are depends on the sampled rollouts).
     steps, lost_after, back_after = 8, 2, 4
     config = small_run_config(
         *SMALL,
@@ -150,14 +152,14 @@ def test_a_lost_host_is_detected_its_prompts_reissued_and_it_is_used_again_when_
     run.mkdir()
     config.save(tmp_path / "config.yaml")
     argv = [cluster.python, DRIVER, str(tmp_path / "config.yaml"), str(run), str(cache)]
-    pauses = [f"--pause-after={lost_after}", f"--pause-after={back_after}"]
+    pauses = [f"--pause-holding-after={lost_after}", f"--pause-after={back_after}"]
     driver = cluster.popen("a", [*argv, *pauses], log=tmp_path / "driver.log")
     hosts = {host.address: name for name, host in cluster.nodes.items()}
     try:
         paused = run / f"paused-{lost_after}.json"
         wait_for(lambda: paused.exists() or driver.poll() is not None, "the first pause")
         at_pause = json.loads(paused.read_text())
-        in_flight = at_pause["in_flight"]
+        lost_step, in_flight = at_pause["step"], at_pause["in_flight"]
         victim = max(in_flight, key=lambda w: len(in_flight[w]))  # a worker with prompts
         lost_host = hosts[at_pause["addresses"][victim]]
         assert lost_host in ("b", "c")
@@ -166,6 +168,7 @@ def test_a_lost_host_is_detected_its_prompts_reissued_and_it_is_used_again_when_
         paused = run / f"paused-{back_after}.json"
         wait_for(lambda: paused.exists() or driver.poll() is not None, "the second pause")
         assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+        back_step = json.loads(paused.read_text())["step"]
         cluster.start_node(lost_host)  # the host comes back: a new Ray node, same slot
         address = cluster.nodes[lost_host].address
         wait_for(
@@ -197,7 +200,7 @@ def test_a_lost_host_is_detected_its_prompts_reissued_and_it_is_used_again_when_
     between = [e for e in events if lost.t < e.t < back_at]
     assert {e.actor for e in between if e.kind == "generation_end"} == {survivor}
     assert [e["step"] for e in between if e.kind == "train_step"] == list(
-        range(lost_after + 1, back_after + 1)
+        range(lost_step + 1, back_step + 1)
     )
     # The lost prompts were generated again, with their old ids.
     again = {e["rollout"] for e in events if e.kind == "generation_start" and e.t > lost.t}
