@@ -5,11 +5,15 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("MPLBACKEND", "Agg")
-# Tests compile far more than they run: at LLVM -O0 the suite takes about a quarter
-# less time (the tiny models run a little slower, compiles are much faster). The
-# processes tests start inherit it. Runs outside the tests use XLA's default level;
-# ``rlaxkit.jaxutil.TieredJit`` sets its own options either way.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# Tests compile far more than they run, so they compile as ``TieredJit``'s quick tier
+# does (``rlaxkit.jaxutil.QUICK_COMPILER_OPTIONS``): LLVM at -O0 took about a quarter
+# off the suite, and XLA:CPU's loop emitters for fusions instead of its MLIR emitters
+# took a further 23-36 % off six compile-heavy modules from an empty cache (95-97 s
+# against 123-152 s). The tiny models run a little slower. The processes tests start
+# inherit the flags; runs outside the tests use XLA's defaults.
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+)
 
 import pytest  # noqa: E402
 
