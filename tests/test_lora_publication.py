@@ -242,6 +242,42 @@ def test_through_the_ray_object_store_across_its_restart(ray_cluster, trained):
     ray.kill(actor)
 
 
+@pytest.mark.ray
+def test_a_push_that_finds_the_actor_restarted_registers_the_base_again(ray_cluster, trained):
+    """Nobody noticed the restart before the trainer's next push (in a run, when the
+    next batch needed no round): the push registers the pinned base record first, so a
+    worker that starts later still finds it, and reports the restart."""
+    import pickle
+
+    import ray
+
+    from rlaxkit.param_server.ray_store import RayObjectStoreParameterServer, parameter_server_actor
+
+    base, versions = trained
+    actor = parameter_server_actor(keep=2)
+    seen = []
+    client = RayObjectStoreParameterServer(actor, on_event=lambda kind, v, **_: seen.append(kind))
+    pusher = AdapterParameterServer(client, lora=LORA)
+    pusher.publish_base(base)
+    for version in range(2):
+        pusher.push(version, versions[version][0])
+    ray.kill(actor, no_restart=False)
+    deadline = time.monotonic() + 60
+    while pusher.latest_version() is not None:
+        assert time.monotonic() < deadline, "the parameter-server actor did not restart"
+        time.sleep(0.05)
+    assert "restart" not in seen
+    pusher.push(2, versions[2][0])
+    assert seen.count("restart") == 1 and pusher.versions() == [0, 1, 2]
+    pusher.push(3, versions[3][0])  # the next push finds it as it left it
+    assert seen.count("restart") == 1 and pusher.versions() == [0, 2, 3]
+    fresh = pickle.loads(pickle.dumps(AdapterParameterServer(RayObjectStoreParameterServer(actor))))
+    pulled, params = fresh.pull(timeout=10)
+    assert pulled == 3 and fresh.base_pulls == 1
+    assert_bitwise_equal(params, versions[3][1])
+    ray.kill(actor)
+
+
 def test_the_simulated_parameter_server_moves_adapters_after_the_base():
     """The toy preset (tests/test_sim_delta.py): 100-byte weights, pushes at 100 B/s,
     pulls at 200 B/s, here with adapters of 2% of them. The worker's first pull reads

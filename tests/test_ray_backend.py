@@ -183,18 +183,21 @@ def test_parameter_server_and_trainer_restarts_heal_without_changing_results(
     local_metrics, _, _ = local_run
     config = small_run_config(*SMALL, "runtime.backend=ray", "checkpoint.every_steps=2")
     with RayExperiment(config, run_dir=tmp_path, cache_dir=cache, ray_config=ray_config()) as exp:
-        # Killed before the first step, whose batch needs rounds: the first round finds
-        # the server empty. (Killed after a step, the next step's push may refill it
-        # before any round looks: when depends on the sampled rollouts, how many rounds
-        # a batch takes, so on the CPU's float rounding.)
+        exp.run(1)
         exp.parts.kill_store()
-        ps_killed_at = exp.clock()
-        exp.run(3)
+        ps_killed_at, ps_version = exp.clock(), exp.version
+        exp.run(2)
+        # Whichever finds it empty first records the restart: the next round of the
+        # driver, or the trainer's next push when that step's batch needs no round
+        # (which depends on the sampled rollouts, so on the CPU's float rounding).
         (restart,) = events(exp, "restart", "param_server")
         assert restart.version is None  # It came back empty...
         pulls = events(exp, "pull", after=ps_killed_at)
         assert {e.actor for e in pulls} == {"worker-0", "worker-1"}  # ...and served again,
         assert exp.parts.store.latest_version() == exp.version  # every later version too.
+        # Every pull after the kill is of a version published after it or re-published
+        # to the restarted server.
+        assert all(ps_version <= e.version <= exp.version for e in pulls)
         ray.kill(exp.trainer.group.leader, no_restart=False)  # Its last checkpoint is step 2 of 3.
         exp.run(STEPS - 3)
         (restart,) = events(exp, "restart", "trainer")

@@ -39,7 +39,8 @@ __all__ = [
 ]
 
 EventHook = Callable[..., None]
-"""``on_event(kind, version, **fields)``; kind is ``"push"`` or ``"pull"``."""
+"""``on_event(kind, version, **fields)``; kind is ``"push"`` or ``"pull"`` (a transfer),
+or ``"restart"`` (a push found the parameter server restarted empty; version ``None``)."""
 
 
 @runtime_checkable

@@ -149,14 +149,20 @@ class ParameterServerActor:
         nbytes: int,
         reset: bool = False,
         pin: bool = False,
-    ) -> None:
+        after: int | None = None,
+    ) -> bool:
         """Publishes ``ref[0]`` as ``version``; ``reset`` first forgets every version
         (their owner died), so ``version`` need only be new to an empty store; ``pin``
         keeps it beyond the ``keep`` newest until the next pinned one (a LoRA run's
-        base record, ``adapters``)."""
+        base record, ``adapters``). ``after`` is the version the caller registered
+        last: an actor that holds no version then has restarted empty since, and
+        registers nothing (``False``), so that the caller can register what it retains
+        first (:meth:`RayObjectStoreParameterServer.push`)."""
         if reset:
             self._versions.clear()
             self._pinned = None
+        elif after is not None and not self._versions:
+            return False
         check_new_version(version, self.latest_version())
         self._versions[int(version)] = (ref[0], int(nbytes))
         if pin:
@@ -165,6 +171,7 @@ class ParameterServerActor:
         for old in unpinned[: max(0, len(unpinned) - self.keep)]:
             del self._versions[old]  # Dropping the reference frees the object.
         self.registrations += 1
+        return True
 
     def latest(self, min_version: int | None = None) -> tuple[int, list[ray.ObjectRef], int] | None:
         """``(version, [ref], nbytes)`` of the newest version if it is ``>= min_version``."""
@@ -222,7 +229,8 @@ class RayObjectStoreParameterServer:
         poll_interval_s: how often a waiting pull asks the actor again.
         default_timeout_s: the timeout of a pull that gives none (``None``: wait
             forever, as the protocol says).
-        on_event: optional ``on_event(kind, version, duration_s=..., bytes=..., ...)``.
+        on_event: optional ``on_event(kind, version, duration_s=..., bytes=..., ...)``,
+            and ``on_event("restart", None)`` when a push finds the actor restarted empty.
         retain_pushes: how many of its newest pushes the trainer's client keeps
             references to, for :meth:`republish` (a delta-published version needs the
             versions its chunks were last written in; see ``delta_store``).
@@ -289,7 +297,15 @@ class RayObjectStoreParameterServer:
             # The outer object holds the entries' references, which keep them alive.
             host = {key: ray.put(value) for key, value in host.items()}
         ref = ray.put(host)
-        ray.get(self.actor.register.remote(int(version), [ref], nbytes, reset, pin))
+        after = None if reset or not self._retained else self._retained[-1][0]
+        if not ray.get(self.actor.register.remote(int(version), [ref], nbytes, reset, pin, after)):
+            # The actor restarted empty since this client's last push, and nobody has
+            # registered anything since: what this client retains goes back first (a
+            # LoRA run's pinned base record, the versions a delta's chunks live in).
+            self.republish()
+            ray.get(self.actor.register.remote(int(version), [ref], nbytes, False, pin))
+            if self.on_event is not None:
+                self.on_event("restart", None)
         if reset:
             self._retained.clear()
             self._pinned = None

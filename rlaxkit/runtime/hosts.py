@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from typing import Any, Literal
 
 import jax
@@ -120,7 +121,9 @@ class WeightStore:
         if self.kind == "inprocess":
             return self.server
         publication = publication or ParamServerConfig()
-        hook = None if publication.delta else on_event  # the wrapper reports then
+        hook = on_event
+        if publication.delta and on_event is not None:  # the wrapper reports transfers
+            hook = partial(_restarts_only, on_event)
         server: Any
         if self.kind == "object_store":
             import ray
@@ -143,6 +146,11 @@ class WeightStore:
         return publication.wrap(
             server, template=self.template, default_timeout_s=timeout_s, on_event=on_event
         )
+
+
+def _restarts_only(on_event: Any, kind: str, version: int | None, **fields: Any) -> None:
+    if kind == "restart":
+        on_event(kind, version, **fields)
 
 
 def read_published(store: Any, lora: Any) -> tuple[int, Any]:

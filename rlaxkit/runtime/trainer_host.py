@@ -213,9 +213,11 @@ class TrainerHost:
         """What a push publishes of ``state``: the params, or a LoRA run's adapters."""
         return state.params if self.lora is None else state.adapters
 
-    def _on_transfer(self, kind: str, version: int, **fields: Any) -> None:
+    def _on_transfer(self, kind: str, version: int | None, **fields: Any) -> None:
         if kind == "push":
             self.trace.record(self.clock(), "push", "trainer", version, **fields)
+        elif kind == "restart":  # found by a push before a round of the driver's did
+            self.trace.record(self.clock(), "restart", "param_server", None)
 
     def _drain(self) -> list[TraceEvent]:
         return drain(self.trace)
