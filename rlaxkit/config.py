@@ -29,6 +29,7 @@ from rlaxkit.policies import (
     RecoveryPolicy,
     StalenessPolicy,
     WeightSyncPolicy,
+    check_admission,
 )
 from rlaxkit.ray_config import RayConfig
 from rlaxkit.sft import SFTConfig
@@ -248,6 +249,7 @@ class RunConfig:
         check_tracking(self.tracking)  # before any work: a tracker's package is missing
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
+        check_admission(self.staleness, self.weight_sync)
         if (
             self.param_server.delta
             and self.runtime.keep_versions < self.param_server.snapshot_every

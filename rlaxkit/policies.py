@@ -36,6 +36,7 @@ __all__ = [
     "PullMode",
     "StalenessPolicy",
     "WeightSyncPolicy",
+    "check_admission",
     "policy_from_dict",
     "policy_to_dict",
 ]
@@ -182,6 +183,26 @@ class WeightSyncPolicy:
     def interrupts_generation(self) -> bool:
         """True when a pull pauses generations already running (in-flight mode)."""
         return self.pull_mode == "in_flight"
+
+
+def check_admission(staleness: StalenessPolicy, weight_sync: WeightSyncPolicy) -> None:
+    """Refuses a staleness bound that admission can never meet with these pushes.
+
+    Admission counts *published* versions (``StalenessPolicy.capacity``); with pushes
+    every ``k`` steps the trainer runs up to ``k - 1`` versions ahead of them, so with
+    ``η < k - 1`` the trainer waits for rollouts that admission never lets start. The
+    runtime and the simulator both call this when a run or scenario is built.
+
+    Raises:
+        ValueError: naming ``staleness.max_staleness`` and what it must be.
+    """
+    lag = weight_sync.push_every_steps - 1
+    if staleness.max_staleness < lag:
+        raise ValueError(
+            f"staleness.max_staleness: must be >= weight_sync.push_every_steps - 1 "
+            f"({lag}) or admission deadlocks, got {staleness.max_staleness}; raise "
+            "max_staleness or push more often"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

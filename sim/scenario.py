@@ -24,6 +24,7 @@ from rlaxkit.policies import (
     RecoveryPolicy,
     StalenessPolicy,
     WeightSyncPolicy,
+    check_admission,
 )
 from rlaxkit.validation import check_int
 
@@ -136,14 +137,7 @@ class Scenario:
                 "staleness.batch_size: must equal workload.prompts_per_step "
                 f"({self.workload.prompts_per_step}), got {self.staleness.batch_size}"
             )
-        lag = self.weight_sync.push_every_steps - 1
-        if self.staleness.max_staleness < lag:
-            # Admission counts published versions; with pushes every k steps the
-            # trainer runs up to k - 1 versions ahead of them, so η < k - 1 deadlocks.
-            raise ValueError(
-                f"staleness.max_staleness: must be >= weight_sync.push_every_steps - 1 "
-                f"({lag}) or admission deadlocks, got {self.staleness.max_staleness}"
-            )
+        check_admission(self.staleness, self.weight_sync)
         preempts = self.preemptions
         random_faults = (preempts.worker_mtbf_s, preempts.slice_mtbf_s, preempts.trainer_mtbf_s)
         if self.host.serial and any(random_faults):

@@ -135,3 +135,21 @@ def test_the_cli_docstring_names_configs_that_exist():
     root = Path(rlaxkit.cli.__file__).resolve().parents[1]
     named = set(re.findall(r"configs/[\w/]+\.yaml", rlaxkit.cli.__doc__ or ""))
     assert named and all((root / path).is_file() for path in named), named
+
+
+def test_a_staleness_bound_admission_cannot_meet_is_refused_as_in_the_simulator():
+    """With pushes every k steps the trainer runs up to k - 1 versions ahead of the
+    published one that admission counts: η < k - 1 would stall the run after its first
+    steps (the simulator's scenario refuses it too, with the same words)."""
+    import sim
+
+    bad = {"staleness.max_staleness": 0, "weight_sync.push_every_steps": 2}
+    message = (
+        r"^(config: )?staleness\.max_staleness: must be >= "
+        r"weight_sync\.push_every_steps - 1 \(1\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        small_run_config(*(f"{k}={v}" for k, v in bad.items()))
+    with pytest.raises(ValueError, match=message):
+        sim.with_overrides(sim.presets.toy(), bad)
+    small_run_config("staleness.max_staleness=1", "weight_sync.push_every_steps=2")  # η = k - 1
