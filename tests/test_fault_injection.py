@@ -4,6 +4,8 @@ loses no accepted rollout; hung rewards and failed pulls are survived and counte
 import json
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 from rlaxkit.config import small_run_config
@@ -160,3 +162,53 @@ def test_trainer_restore_drops_the_weights_of_the_discarded_branch(cache, tmp_pa
     assert summarize(steps).steps == 7
     assert summary["preemptions"] == {"worker": 0, "slice": 0, "trainer": 1, "param_server": 0}
     assert summary["restarts"] == {"trainer": 1} and rows[-1]["preemptions/trainer"] == 1
+
+
+@pytest.mark.parametrize(
+    ("settings", "restart_after_s", "stop_at", "pulled"),
+    [
+        # On-policy (η = 0): the workers must pull version 2 for step 3's batch. The
+        # checkpoint of step 2 is taken while the outage holds step 2's push back.
+        (("staleness.max_staleness=0",), 3.0, 2, {2, 3}),
+        # Pushes every 2 steps: the outage ends during step 3, which publishes the held
+        # push; the checkpoint of step 3 must know that version 2 is the published one.
+        (("weight_sync.push_every_steps=2", "staleness.max_staleness=1"), 1.0, 3, None),
+    ],
+    ids=["saved_while_held", "saved_after_it_was_published"],
+)
+def test_a_push_an_outage_held_back_is_checkpointed_and_resumed(
+    cache, tmp_path, settings, restart_after_s, stop_at, pulled
+):
+    """The parameter server goes down after step 2, so step 2's push waits for it. A
+    checkpoint taken while it waits holds it (the train state's own version, stored
+    once); one taken after it was published names it as the published version. A run
+    resumed from either goes on as the uninterrupted run does. (A LoRA run's held push:
+    ``test_lora_publication``.)"""
+    config = small_run_config(*SMALL, "steps=4", "checkpoint.every_steps=1", *settings)
+    plan = [{"kind": "kill_param_server", "at_step": 2, "restart_after_s": restart_after_s}]
+
+    def learning(history):
+        return [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
+                for m in history]  # fmt: skip
+
+    with Experiment(config, run_dir=tmp_path / "a", cache_dir=cache, faults=plan) as exp:
+        exp.run()
+        expected, expected_params = learning(exp.history), jax.device_get(exp.params())
+    with Experiment(config, run_dir=tmp_path / "b", cache_dir=cache, faults=plan) as exp:
+        exp.run(stop_at)
+        held = set(exp.faults.held_weights())
+        if stop_at == 2:  # saved while held: the workers see version 1
+            assert held == {2} and exp.published == 1
+        else:
+            assert held == set() and exp.published == 2
+    with Experiment(config, run_dir=tmp_path / "b", cache_dir=cache, faults=plan) as exp:
+        assert exp.resumed_from == stop_at
+        exp.run()
+        exp.check_accounting()
+        assert learning(exp.history) == expected
+        assert exp.summary()["accepted_lost"] == 0
+        if pulled is not None:
+            assert {e.version for e in events(exp, "pull")} == pulled
+        got = jax.device_get(exp.params())
+    for a, b in zip(jax.tree.leaves(expected_params), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(a, b)

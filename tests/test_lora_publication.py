@@ -349,3 +349,34 @@ def test_a_local_lora_run_survives_worker_trainer_and_parameter_server_faults(tm
             pulled, params = client.pull(timeout=10)
             assert pulled == host.version == 4
             assert_bitwise_equal(params, host.state.params)
+
+
+def test_an_adapter_push_held_by_an_outage_is_checkpointed_as_weights_and_restored(trained):
+    """The local fault plan's store holds a push back while it is down. A LoRA run's push
+    is an adapter record; its checkpoint holds the merged weights, and the store restored
+    from it publishes them (as a merged record) when the outage ends, which a worker
+    pulls as the weights the trainer pushed."""
+    from rlaxkit.runtime.faulty_store import UnreliableParameterServer
+    from rlaxkit.runtime.local import lora_conversions
+
+    base, versions = trained
+    store = UnreliableParameterServer(
+        lambda: InProcessParameterServer(keep=2), **lora_conversions()
+    )
+    pusher = AdapterParameterServer(store, lora=LORA)
+    pusher.publish_base(base)
+    pusher.push(1, versions[1][0])
+    store.kill(until_s=10.0)
+    pusher.push(2, versions[2][0])  # held back
+    held = store.held_weights()
+    assert held.keys() == {2}
+    assert_bitwise_equal(held[2], versions[2][1])
+
+    restored = UnreliableParameterServer(
+        lambda: InProcessParameterServer(keep=2), **lora_conversions()
+    )
+    restored.load_state_dict(store.state_dict(), {2: jax.device_get(held[2])}.__getitem__)
+    assert not restored.tick(5.0) and restored.tick(10.0)
+    version, params = AdapterParameterServer(restored.store).pull(timeout=10)
+    assert version == 2
+    assert_bitwise_equal(params, versions[2][1])

@@ -76,7 +76,7 @@ from rlaxkit.param_server.base import (
 )
 from rlaxkit.param_server.delta import byte_view
 
-__all__ = ["FORMAT", "AdapterParameterServer"]
+__all__ = ["FORMAT", "AdapterParameterServer", "merged_record"]
 
 FORMAT = "rlaxkit.param_server.adapters/1"
 
@@ -110,6 +110,18 @@ def _leaves(stored: Any) -> list[Any]:
     if isinstance(stored, list | tuple):
         return list(stored)
     return [stored[i] for i in range(len(stored))]
+
+
+def merged_record(version: int, params: Any) -> dict[str, Any]:
+    """The record of full weights ``params`` as ``version`` (what ``push_merged``
+    stores): pulls return them as they are."""
+    meta = {"format": FORMAT, "base_version": int(version), "merged": True}
+    leaves = [np.array(x) for x in jax.device_get(jax.tree.leaves(params))]
+    return {
+        "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8).copy(),
+        "base": leaves,
+        "skeleton": np.frombuffer(pickle.dumps((_skeleton(params), None)), np.uint8),
+    }
 
 
 class AdapterParameterServer:
@@ -262,13 +274,7 @@ class AdapterParameterServer:
                 check_new_version(version, self.inner.latest_version())
             version = int(version)
             start = time.perf_counter()
-            meta = {"format": FORMAT, "base_version": version, "merged": True}
-            leaves = [np.array(x) for x in jax.device_get(jax.tree.leaves(params))]
-            record = {
-                "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8).copy(),
-                "base": leaves,
-                "skeleton": np.frombuffer(pickle.dumps((_skeleton(params), None)), np.uint8),
-            }
+            record = merged_record(version, params)
             self.inner.push(version, record, **({"reset": True} if reset else {}))
             self._base_version = None
             nbytes = tree_nbytes(record)

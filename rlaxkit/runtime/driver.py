@@ -252,12 +252,14 @@ class Experiment(Loop):
         self.controller.load_state_dict(items["controller"])
         self.buffer.load_state_dict(items["buffer"])
         self.note_published(self.trainer.publish(step, reset=True))
-        self.faults.load_state_dict(items["faults"], weights)
 
         def weights_for(version: int) -> Any:
             if version not in weights:  # the train state's own
                 weights[version] = self.trainer.host_params(version)
             return weights[version]
+
+        # A push an outage holds back may be the train state's own version.
+        self.faults.load_state_dict(items["faults"], weights_for)
 
         def work_for(group_id: int) -> Work:
             issue = self.controller.issue_for(group_id)

@@ -36,6 +36,7 @@ saves (as in the simulator, a trainer preempted after step ``s`` loses step ``s`
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rlaxkit.fault_clock import FaultState
@@ -149,7 +150,7 @@ class NoFaults:
     def state_dict(self) -> dict[str, Any]:
         return {"plan": []}
 
-    def load_state_dict(self, state: dict[str, Any], weights: dict[int, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], weights_for: Callable[[int], Any]) -> None:
         pass
 
 
@@ -277,9 +278,7 @@ class FaultInjector(NoFaults):
     # -- checkpoints -----------------------------------------------------------------
     def held_weights(self) -> dict[int, Any]:
         """A push held back by a parameter-server outage (a checkpoint keeps it)."""
-        if self.store is None or self.store.pending is None:
-            return {}
-        return {self.store.pending[0]: self.store.pending[1]}
+        return {} if self.store is None else self.store.held_weights()
 
     def state_dict(self) -> dict[str, Any]:
         out = self.state.state_dict()
@@ -287,7 +286,9 @@ class FaultInjector(NoFaults):
             out["param_server"] = self.store.state_dict()
         return out
 
-    def load_state_dict(self, state: dict[str, Any], weights: dict[int, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], weights_for: Callable[[int], Any]) -> None:
+        """Loads :meth:`state_dict`'s items; ``weights_for(version)`` gives the host
+        weights of a version the checkpoint holds (a push an outage held back)."""
         self.state.load_state_dict({k: v for k, v in state.items() if k != "param_server"})
         if self.store is not None:
-            self.store.load_state_dict(state["param_server"], weights.__getitem__)
+            self.store.load_state_dict(state["param_server"], weights_for)

@@ -30,10 +30,22 @@ class UnreliableParameterServer:
 
     Args:
         make_store: builds an empty store (a new one starts each lineage).
+        weights_of: ``(version, what the trainer pushed) -> full weights``, for the
+            checkpoint of a push an outage holds back (default: the push itself; a LoRA
+            run pushes adapter records).
+        push_of: ``(version, full weights) -> what to push``, for that push restored
+            from a checkpoint (default: the weights themselves).
     """
 
-    def __init__(self, make_store: Callable[[], Any]):
+    def __init__(
+        self,
+        make_store: Callable[[], Any],
+        weights_of: Callable[[int, Any], Any] | None = None,
+        push_of: Callable[[int, Any], Any] | None = None,
+    ):
         self._make_store = make_store
+        self._weights_of = weights_of or (lambda version, pushed: pushed)
+        self._push_of = push_of or (lambda version, weights: weights)
         self.store = make_store()
         self.down_until: float | None = None
         self.failing: Counter[str] = Counter()
@@ -87,6 +99,14 @@ class UnreliableParameterServer:
         """The store as worker ``worker_id`` reaches it."""
         return _WorkerView(self, worker_id)
 
+    def held_weights(self) -> dict[int, Any]:
+        """``{version: full weights}`` of a push the outage holds back (the checkpoint
+        saves them; ``state_dict`` names the version)."""
+        if self.pending is None:
+            return {}
+        version, pushed = self.pending
+        return {version: self._weights_of(version, pushed)}
+
     def state_dict(self) -> dict[str, Any]:
         """Outage, failing pulls and lineage (weights are saved by the checkpoint)."""
         return {
@@ -100,7 +120,11 @@ class UnreliableParameterServer:
         self.down_until = state["down_until"]
         self.failing = Counter(state["failing"])
         pending = state["pending_version"]
-        self.pending = None if pending is None else (pending, weights_for(pending))
+        if pending is not None:  # a copy, as push keeps one
+            weights = jax.tree.map(jnp.copy, weights_for(pending))
+            self.pending = (pending, self._push_of(pending, weights))
+        else:
+            self.pending = None
         self.lineage = state["lineage"]
 
 

@@ -61,7 +61,8 @@ def start_local(
 
     store: Any = new_store()
     if isinstance(faults, FaultInjector):  # the plan's outages and failing pulls
-        store = faults.store = UnreliableParameterServer(new_store)
+        conversions = lora_conversions() if config.trainer.lora is not None else {}
+        store = faults.store = UnreliableParameterServer(new_store, **conversions)
     weights = WeightStore("inprocess", server=store)
     checkpoints = str(checkpoint_dir(run_dir)) if run_dir else None
     cache = str(cache_dir) if cache_dir else None
@@ -113,3 +114,16 @@ def start_local(
         published_weights=published_weights,
         teardown=[scorer.close, trainer.close, fleet.close],
     )
+
+
+def lora_conversions() -> dict[str, Callable[[int, Any], Any]]:
+    """A LoRA run pushes adapter records: a push held back by an outage is checkpointed
+    as its full weights and restored as a record of them (``merged_record``)."""
+    from rlaxkit.param_server.adapters import merged_record
+
+    def weights_of(version: int, record: Any) -> Any:
+        alone = InProcessParameterServer(keep=2)
+        alone.push(version, record)
+        return read_published(alone, lora=True)[1]
+
+    return {"weights_of": weights_of, "push_of": merged_record}

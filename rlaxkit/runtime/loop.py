@@ -198,6 +198,7 @@ class Loop:
         if self.faults.trainer_down() or self.faults.store_down():
             return latest
         if latest is not None and latest >= self.published:
+            self.note_published(latest)  # a push an outage held back, published since
             return latest
         self.trace.record(self.clock(), "restart", "param_server", latest)
         version = self.trainer.publish(self.version)
