@@ -165,27 +165,37 @@ def test_trainer_restore_drops_the_weights_of_the_discarded_branch(cache, tmp_pa
 
 
 @pytest.mark.parametrize(
-    ("settings", "restart_after_s", "stop_at", "pulled"),
+    ("settings", "outage", "stop_at", "held", "published", "pulled"),
     [
         # On-policy (η = 0): the workers must pull version 2 for step 3's batch. The
         # checkpoint of step 2 is taken while the outage holds step 2's push back.
-        (("staleness.max_staleness=0",), 3.0, 2, {2, 3}),
+        (("staleness.max_staleness=0",), {"at_step": 2, "restart_after_s": 3.0}, 2, {2}, 1, {2, 3}),
         # Pushes every 2 steps: the outage ends during step 3, which publishes the held
         # push; the checkpoint of step 3 must know that version 2 is the published one.
-        (("weight_sync.push_every_steps=2", "staleness.max_staleness=1"), 1.0, 3, None),
+        (
+            ("weight_sync.push_every_steps=2", "staleness.max_staleness=1"),
+            {"at_step": 2, "restart_after_s": 1.0},
+            3,
+            set(),
+            2,
+            None,
+        ),
+        # An outage from the second round: step 1's push waits, and the checkpoint of
+        # step 1 must not name version 1 as published.
+        ((), {"at_s": 0.5, "restart_after_s": 4.0}, 1, {1}, 0, None),
     ],
-    ids=["saved_while_held", "saved_after_it_was_published"],
+    ids=["saved_while_held", "saved_after_it_was_published", "timed_outage"],
 )
 def test_a_push_an_outage_held_back_is_checkpointed_and_resumed(
-    cache, tmp_path, settings, restart_after_s, stop_at, pulled
+    cache, tmp_path, settings, outage, stop_at, held, published, pulled
 ):
-    """The parameter server goes down after step 2, so step 2's push waits for it. A
-    checkpoint taken while it waits holds it (the train state's own version, stored
-    once); one taken after it was published names it as the published version. A run
-    resumed from either goes on as the uninterrupted run does. (A LoRA run's held push:
-    ``test_lora_publication``.)"""
+    """The parameter server goes down, so a step's push waits for it. A checkpoint taken
+    while it waits holds it (the train state's own version, stored once) and names the
+    version the workers could see as published; one taken after it was published names
+    it. A run resumed from either goes on as the uninterrupted run does. (A LoRA run's
+    held push: ``test_lora_publication``.)"""
     config = small_run_config(*SMALL, "steps=4", "checkpoint.every_steps=1", *settings)
-    plan = [{"kind": "kill_param_server", "at_step": 2, "restart_after_s": restart_after_s}]
+    plan = [{"kind": "kill_param_server", **outage}]
 
     def learning(history):
         return [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
@@ -196,11 +206,7 @@ def test_a_push_an_outage_held_back_is_checkpointed_and_resumed(
         expected, expected_params = learning(exp.history), jax.device_get(exp.params())
     with Experiment(config, run_dir=tmp_path / "b", cache_dir=cache, faults=plan) as exp:
         exp.run(stop_at)
-        held = set(exp.faults.held_weights())
-        if stop_at == 2:  # saved while held: the workers see version 1
-            assert held == {2} and exp.published == 1
-        else:
-            assert held == set() and exp.published == 2
+        assert set(exp.faults.held_weights()) == held and exp.published == published
     with Experiment(config, run_dir=tmp_path / "b", cache_dir=cache, faults=plan) as exp:
         assert exp.resumed_from == stop_at
         exp.run()

@@ -245,7 +245,10 @@ class Loop:
             self.faults.apply(self, fault)
         trainer_up = not self.faults.trainer_down()
         if push and trainer_up:
-            self.note_published(self.trainer.publish(step) if due else step)
+            if due:
+                self.note_published(self.trainer.publish(step))
+            elif not self.faults.store_down():  # else an injected outage holds it back
+                self.note_published(step)
         if self.parts.collector is not None:
             self.parts.collector.wake()  # more admission room, newer weights to pull
         with self.lock:
