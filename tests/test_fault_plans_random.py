@@ -13,24 +13,17 @@ import random
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import jax
 import numpy as np
 import pytest
 
 from rlaxkit.config import small_run_config
+from rlaxkit.faults import FaultKind
 from rlaxkit.runtime import Experiment
 
-KINDS = (
-    "preempt_worker",
-    "preempt_slice",
-    "preempt_trainer",
-    "kill_param_server",
-    "slow_worker",
-    "fail_pull",
-    "hang_reward",
-)
+KINDS = get_args(FaultKind)  # the first four have a downtime
 
 
 def random_plan(rng: random.Random, workers: int, slices: int, steps: int) -> list[dict]:
