@@ -361,7 +361,7 @@ def test_an_adapter_push_held_by_an_outage_is_checkpointed_as_weights_and_restor
 
     base, versions = trained
     store = UnreliableParameterServer(
-        lambda: InProcessParameterServer(keep=2), **lora_conversions()
+        lambda: InProcessParameterServer(keep=2), **lora_conversions(LORA)
     )
     pusher = AdapterParameterServer(store, lora=LORA)
     pusher.publish_base(base)
@@ -373,7 +373,7 @@ def test_an_adapter_push_held_by_an_outage_is_checkpointed_as_weights_and_restor
     assert_bitwise_equal(held[2], versions[2][1])
 
     restored = UnreliableParameterServer(
-        lambda: InProcessParameterServer(keep=2), **lora_conversions()
+        lambda: InProcessParameterServer(keep=2), **lora_conversions(LORA)
     )
     restored.load_state_dict(store.state_dict(), {2: jax.device_get(held[2])}.__getitem__)
     assert not restored.tick(5.0) and restored.tick(10.0)

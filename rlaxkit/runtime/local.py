@@ -61,7 +61,8 @@ def start_local(
 
     store: Any = new_store()
     if isinstance(faults, FaultInjector):  # the plan's outages and failing pulls
-        conversions = lora_conversions() if config.trainer.lora is not None else {}
+        lora = config.trainer.lora
+        conversions = lora_conversions(lora) if lora is not None else {}
         store = faults.store = UnreliableParameterServer(new_store, **conversions)
     weights = WeightStore("inprocess", server=store)
     checkpoints = str(checkpoint_dir(run_dir)) if run_dir else None
@@ -116,14 +117,15 @@ def start_local(
     )
 
 
-def lora_conversions() -> dict[str, Callable[[int, Any], Any]]:
-    """A LoRA run pushes adapter records: a push held back by an outage is checkpointed
-    as its full weights and restored as a record of them (``merged_record``)."""
+def lora_conversions(lora: Any) -> dict[str, Callable[[int, Any], Any]]:
+    """A LoRA run (``trainer.lora``) pushes adapter records: a push held back by an
+    outage is checkpointed as its full weights and restored as a record of them
+    (``merged_record``)."""
     from rlaxkit.param_server.adapters import merged_record
 
     def weights_of(version: int, record: Any) -> Any:
         alone = InProcessParameterServer(keep=2)
         alone.push(version, record)
-        return read_published(alone, lora=True)[1]
+        return read_published(alone, lora)[1]
 
     return {"weights_of": weights_of, "push_of": merged_record}
