@@ -23,6 +23,12 @@ SMALL = [
 ]
 
 
+def learning(history):
+    """A run's metrics without its wall-clock timings (fault counters included)."""
+    return [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
+            for m in history]  # fmt: skip
+
+
 def events(exp, kind, actor=None):
     return [
         e
@@ -105,10 +111,7 @@ def test_standard_plan_replays_identically(cache, tmp_path):
         with Experiment(config, run_dir=tmp_path / name, cache_dir=cache, faults=plan) as exp:
             exp.run()
             exp.check_accounting()
-            wall = ("time/", "throughput/")
-            runs.append(
-                [{k: v for k, v in m.items() if not k.startswith(wall)} for m in exp.history]
-            )
+            runs.append(learning(exp.history))
             assert exp.summary()["lost_steps"] == 1
     assert runs[0] == runs[1]
 
@@ -196,10 +199,6 @@ def test_a_push_an_outage_held_back_is_checkpointed_and_resumed(
     held push: ``test_lora_publication``.)"""
     config = small_run_config(*SMALL, "steps=4", "checkpoint.every_steps=1", *settings)
     plan = [{"kind": "kill_param_server", **outage}]
-
-    def learning(history):
-        return [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
-                for m in history]  # fmt: skip
 
     with Experiment(config, run_dir=tmp_path / "a", cache_dir=cache, faults=plan) as exp:
         exp.run()

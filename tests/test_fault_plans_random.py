@@ -18,6 +18,7 @@ from typing import Any, get_args
 import jax
 import numpy as np
 import pytest
+from test_fault_injection import learning
 
 from rlaxkit.config import small_run_config
 from rlaxkit.faults import FaultKind
@@ -86,12 +87,6 @@ def random_case(seed: int) -> dict[str, Any]:
         "save": save,
         "extra_rounds": rng.choice([0, 1, 2, 3]) if save else 0,
     }
-
-
-def learning(history: list[dict]) -> list[dict]:
-    return [
-        {k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))} for m in history
-    ]
 
 
 def check_case(case: dict[str, Any], cache: Path, root: Path) -> dict[str, Any]:
