@@ -95,6 +95,11 @@ def check_case(case: dict[str, Any], cache: Path, root: Path) -> dict[str, Any]:
     config = small_run_config(*case["settings"])
     plan = case["plan"]
     with Experiment(config, run_dir=root / "a", cache_dir=cache, faults=plan) as exp:
+        # The same calls as the stopped run, less its stop: rounds called by hand are
+        # rounds a plain ``run`` need not take (it trains as soon as a batch is ready).
+        exp.run(case["stop_at"])
+        for _ in range(case["extra_rounds"]):
+            exp.round()
         exp.run()
         exp.check_accounting()
         summary = exp.summary()
