@@ -202,6 +202,11 @@ class EvalConfig:
     samples: int = 4
     every_steps: int = 0
 
+    def __post_init__(self) -> None:
+        check_int("num_problems", self.num_problems, minimum=1)
+        check_int("samples", self.samples, minimum=1)
+        check_int("every_steps", self.every_steps, minimum=0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
@@ -260,10 +265,20 @@ class RunConfig:
                 "version needs the versions since its snapshot; raise keep_versions or "
                 "lower snapshot_every"
             )
-        if self.sampling.n < 2 and self.algorithm.preset in ("grpo", "dr_grpo", "dapo", "rloo"):
+        group_relative = self.algorithm.preset in ("grpo", "dr_grpo", "dapo", "rloo")
+        if self.sampling.n < 2 and group_relative:
             raise ValueError(
                 f"sampling.n is {self.sampling.n}; group-relative algorithms "
                 f"({self.algorithm.preset}) need at least 2 samples per prompt"
+            )
+        if group_relative and (self.sampling.greedy or self.sampling.top_k == 1):
+            field_, value = (
+                ("temperature", 0) if self.sampling.greedy else ("top_k", self.sampling.top_k)
+            )
+            raise ValueError(
+                f"sampling.{field_} is {value}: every sample of a prompt is the same "
+                f"completion, so {self.algorithm.preset}'s group-relative advantages are all "
+                "zero and no step learns; sample at a temperature > 0 with top_k 0 or > 1"
             )
 
     @property

@@ -23,6 +23,7 @@ from flax import nnx
 from rlaxkit.logprobs import logprobs_from_logits
 from rlaxkit.models.tokenizer import Tokenizer
 from rlaxkit.models.transformer import Transformer
+from rlaxkit.validation import check_number, is_number
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,8 +52,10 @@ class SFTConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        lr = self.learning_rate
+        if not (is_number(lr) and lr > 0 and math.isfinite(lr)):
+            raise ValueError(f"learning_rate must be a finite number > 0, got {lr}")
+        check_number("weight_decay", self.weight_decay, minimum=0)
 
 
 def encode_demonstrations(

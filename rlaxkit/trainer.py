@@ -51,7 +51,7 @@ from rlaxkit.jaxutil import Packed, TieredJit
 from rlaxkit.logprobs import logprobs_and_entropy
 from rlaxkit.models import REMAT_POLICIES, RematPolicy, is_stacked, positions_from_mask
 from rlaxkit.models.lora import LoraConfig, init_adapters, merge_adapters
-from rlaxkit.validation import check_int
+from rlaxkit.validation import check_int, check_number, is_number
 
 MESH_AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")
@@ -80,15 +80,18 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         for name in ("learning_rate", "eps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not (is_number(value) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
         for name in ("warmup_steps", "decay_steps"):
             check_int(name, getattr(self, name), minimum=0)
-        for name in ("end_lr_ratio", "b1", "b2"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)!r}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay!r}")
+        check_number("end_lr_ratio", self.end_lr_ratio, minimum=0, maximum=1)
+        for name in ("b1", "b2"):
+            # Adam divides by 1 - b^t: a decay of 1 makes every update NaN.
+            value = getattr(self, name)
+            if not (is_number(value) and 0 <= value < 1):
+                raise ValueError(f"{name}: must be in [0, 1), got {value!r}")
+        check_number("weight_decay", self.weight_decay, minimum=0)
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm: must be > 0 or None, got {self.max_grad_norm!r}")
 

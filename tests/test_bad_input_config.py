@@ -153,3 +153,39 @@ def test_a_staleness_bound_admission_cannot_meet_is_refused_as_in_the_simulator(
     with pytest.raises(ValueError, match=message):
         sim.with_overrides(sim.presets.toy(), bad)
     small_run_config("staleness.max_staleness=1", "weight_sync.push_every_steps=2")  # η = k - 1
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        # Adam divides by 1 - b^t: a decay of 1 turns the first update into NaN.
+        ("optimizer.b1=1.0", r"config\.optimizer: b1: must be in \[0, 1\)"),
+        ("optimizer.b2=1.0", r"config\.optimizer: b2: must be in \[0, 1\)"),
+        ("optimizer.learning_rate=inf", r"config\.optimizer: learning_rate: must be a finite"),
+        ("optimizer.eps=inf", r"config\.optimizer: eps: must be a finite"),
+        ("optimizer.weight_decay=inf", r"config\.optimizer: weight_decay: must be a number"),
+        ("sft.learning_rate=inf", r"config\.sft: learning_rate must be a finite"),
+        ("sft.weight_decay=-1", r"config\.sft: weight_decay: must be a number >= 0"),
+        ("sft.weight_decay=nan", r"config\.sft: weight_decay: must be a number >= 0"),
+        ("model.config.rms_norm_eps=inf", r"config\.model\.config: rms_norm_eps must be a fin"),
+        # Zero samples made pass@1 a division by zero; -1 problems evaluated all but one.
+        ("eval.samples=0", r"config\.eval: samples: must be an integer >= 1, got 0"),
+        ("eval.num_problems=-1", r"config\.eval: num_problems: must be an integer >= 1"),
+        ("eval.every_steps=-1", r"config\.eval: every_steps: must be an integer >= 0"),
+        # Every sample of a group the same: the run stalled after 200 filtered groups.
+        ("sampling.temperature=0", r"sampling\.temperature is 0: every sample of a prompt"),
+        ("sampling.top_k=1", r"sampling\.top_k is 1: every sample of a prompt"),
+    ],
+)
+def test_values_a_run_cannot_use_are_refused_when_the_config_is_read(override, message):
+    """Each was accepted before, and the run then crashed later, stalled, or trained
+    on NaN: a sweep of odd values over every field of the small run's config found
+    them."""
+    with pytest.raises(ValueError, match=message):
+        small_run_config(override)
+
+
+def test_greedy_sampling_stays_allowed_where_no_group_is_compared():
+    config = small_run_config("algorithm.preset=ppo", "sampling.temperature=0")
+    assert config.sampling.greedy
+    small_run_config("sampling.top_k=2", "optimizer.b1=0", "optimizer.b2=0")

@@ -159,8 +159,8 @@ class ModelConfig:
             raise ValueError(f"head_dim must be a positive even integer, got {self.head_dim}")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
+            raise ValueError(f"rms_norm_eps must be a finite number > 0, got {self.rms_norm_eps}")
 
     @property
     def qkv_bias(self) -> bool:
