@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -181,8 +182,11 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.keep_versions < 2:
             raise ValueError(f"keep_versions must be >= 2, got {self.keep_versions}")
-        if not self.round_s > 0:
-            raise ValueError(f"round_s must be > 0 (logical seconds per round), got {self.round_s}")
+        if not (self.round_s > 0 and math.isfinite(self.round_s)):  # 0 rounds · inf is NaN
+            raise ValueError(
+                "round_s must be a finite number > 0 (logical seconds per round), "
+                f"got {self.round_s}"
+            )
         if not self.restart_s >= 0:
             raise ValueError(f"restart_s must be >= 0, got {self.restart_s}")
 

@@ -167,6 +167,8 @@ def test_a_staleness_bound_admission_cannot_meet_is_refused_as_in_the_simulator(
         ("sft.learning_rate=inf", r"config\.sft: learning_rate must be a finite"),
         ("sft.weight_decay=-1", r"config\.sft: weight_decay: must be a number >= 0"),
         ("sft.weight_decay=nan", r"config\.sft: weight_decay: must be a number >= 0"),
+        # The fault clock is rounds · round_s: NaN at round 0, so no timed fault fired.
+        ("runtime.round_s=inf", r"config\.runtime: round_s must be a finite number > 0"),
         ("model.config.rms_norm_eps=inf", r"config\.model\.config: rms_norm_eps must be a fin"),
         # Zero samples made pass@1 a division by zero; -1 problems evaluated all but one.
         ("eval.samples=0", r"config\.eval: samples: must be an integer >= 1, got 0"),
