@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, get_args, overload
 
-from rlaxkit.validation import check_int
+from rlaxkit.validation import check_int, is_number
 
 __all__ = [
     "BatchPolicy",
@@ -186,21 +186,34 @@ class WeightSyncPolicy:
 
 
 def check_admission(staleness: StalenessPolicy, weight_sync: WeightSyncPolicy) -> None:
-    """Refuses a staleness bound that admission can never meet with these pushes.
+    """Refuses a staleness bound that admission and pulls can never meet.
 
     Admission counts *published* versions (``StalenessPolicy.capacity``); with pushes
-    every ``k`` steps the trainer runs up to ``k - 1`` versions ahead of them, so with
-    ``η < k - 1`` the trainer waits for rollouts that admission never lets start. The
-    runtime and the simulator both call this when a run or scenario is built.
+    every ``k`` steps the trainer runs up to ``k - 1`` versions ahead of them, and a
+    worker keeps its weights until it lags the newest published version by more than
+    ``max_worker_lag`` (``L``). Its rollouts are then up to ``L + k - 1`` versions old,
+    so with ``η < L + k - 1`` a fleet that lags together makes only rollouts the
+    trainer drops as stale, and the trainer waits for ever. The runtime and the
+    simulator both call this when a run or scenario is built.
 
     Raises:
         ValueError: naming ``staleness.max_staleness`` and what it must be.
     """
-    lag = weight_sync.push_every_steps - 1
-    if staleness.max_staleness < lag:
+    ahead = weight_sync.push_every_steps - 1
+    if staleness.max_worker_lag:
+        bound = staleness.max_worker_lag + ahead
+        if staleness.max_staleness < bound:
+            raise ValueError(
+                "staleness.max_staleness: must be >= staleness.max_worker_lag + "
+                f"weight_sync.push_every_steps - 1 ({bound}), got "
+                f"{staleness.max_staleness}: a worker holding weights that old makes "
+                "only rollouts the trainer drops as stale; raise max_staleness or lower "
+                "max_worker_lag"
+            )
+    if staleness.max_staleness < ahead:
         raise ValueError(
             f"staleness.max_staleness: must be >= weight_sync.push_every_steps - 1 "
-            f"({lag}) or admission deadlocks, got {staleness.max_staleness}; raise "
+            f"({ahead}) or admission deadlocks, got {staleness.max_staleness}; raise "
             "max_staleness or push more often"
         )
 
@@ -227,7 +240,7 @@ class CheckpointPolicy:
     def __post_init__(self) -> None:
         if self.every_steps is not None:
             check_int("every_steps", self.every_steps, minimum=1)
-        if self.every_s is not None and not self.every_s > 0:
+        if self.every_s is not None and not (is_number(self.every_s) and self.every_s > 0):
             raise ValueError(f"every_s: must be a number > 0 or None, got {self.every_s!r}")
         check_int("keep", self.keep, minimum=1)
 

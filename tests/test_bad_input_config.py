@@ -191,3 +191,24 @@ def test_greedy_sampling_stays_allowed_where_no_group_is_compared():
     config = small_run_config("algorithm.preset=ppo", "sampling.temperature=0")
     assert config.sampling.greedy
     small_run_config("sampling.top_k=2", "optimizer.b1=0", "optimizer.b2=0")
+
+
+def test_a_worker_lag_beyond_the_staleness_bound_is_refused_as_in_the_simulator():
+    """A worker keeps its weights until it lags the newest published version by more
+    than ``max_worker_lag``: with η = 0 and a lag of 1, a fleet one version behind made
+    only stale rollouts (the runtime gave up after 200 stale groups in a row, the
+    simulator ran for ever)."""
+    import sim
+
+    bad = {"staleness.max_staleness": 1, "staleness.max_worker_lag": 1}
+    bad["weight_sync.push_every_steps"] = 2
+    message = (
+        r"^(config: )?staleness\.max_staleness: must be >= staleness\.max_worker_lag \+ "
+        r"weight_sync\.push_every_steps - 1 \(2\), got 1"
+    )
+    with pytest.raises(ValueError, match=message):
+        small_run_config(*(f"{k}={v}" for k, v in bad.items()))
+    with pytest.raises(ValueError, match=message):
+        sim.with_overrides(sim.presets.toy(), bad)
+    small_run_config("staleness.max_staleness=2", "staleness.max_worker_lag=1")
+    sim.with_overrides(sim.presets.toy(), {**bad, "staleness.max_staleness": 2})

@@ -352,7 +352,7 @@ def check_drops(exp: Loop, dropped_before: int) -> None:
         f"({exp.buffer.counts()['dropped_by_reason']}) without one batch: with "
         "'filtered', the policy always or never solves the task; warm start longer "
         "(sft.steps), pick an easier task, keep them (batching.equal_rewards=keep), or "
-        "lower η for 'stale'"
+        "with 'stale', raise staleness.max_staleness"
     )
 
 
