@@ -249,14 +249,21 @@ class SimParameterServer:
         self._last_update = now
         if not self._transfers:
             return
+        rate = self._rate()
         if elapsed > 0:
-            moved = self._rate() * elapsed
             for transfer in self._transfers:
-                transfer.remaining -= moved
+                transfer.remaining -= rate * elapsed
         threshold = self.spec.weight_bytes * _DONE_FRACTION
-        finished = [t for t in self._transfers if t.remaining <= threshold]
+
+        def done(transfer: _Transfer) -> bool:
+            # Also done when the time it still needs is below the clock's resolution
+            # now: a timer that far ahead fires at ``now`` again, and a fast pull's
+            # last bytes would be rescheduled for ever.
+            return transfer.remaining <= threshold or now + transfer.remaining / rate <= now
+
+        finished = [t for t in self._transfers if done(t)]
         if finished:
-            self._transfers = [t for t in self._transfers if t.remaining > threshold]
+            self._transfers = [t for t in self._transfers if not done(t)]
             for transfer in finished:
                 transfer.event.succeed(True)
 

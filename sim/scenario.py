@@ -132,6 +132,12 @@ class Scenario:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_int("seed", self.seed, minimum=0)
+        if not isinstance(self.fault_plan, FaultPlan):
+            raise ValueError(
+                f"fault_plan: must be a FaultPlan, got {type(self.fault_plan).__name__}; "
+                "build one from a list of faults with FaultPlan.from_dicts"
+            )
         if self.staleness.batch_size != self.workload.prompts_per_step:
             raise ValueError(
                 "staleness.batch_size: must equal workload.prompts_per_step "

@@ -53,11 +53,23 @@ Executor = Literal["parallel", "serial"]
 
 
 def _check(
-    name: str, value: Any, *, low: float = 0.0, strict: bool = True, integer: bool = False
+    name: str,
+    value: Any,
+    *,
+    low: float = 0.0,
+    strict: bool = True,
+    integer: bool = False,
+    finite: bool = False,
 ) -> None:
     bad_type = not (is_int(value) if integer else is_number(value))
-    if bad_type or math.isnan(value) or (value <= low if strict else value < low):
-        kind = "an integer" if integer else "a number"
+    if (
+        bad_type
+        or math.isnan(value)
+        or (value <= low if strict else value < low)
+        or (finite and math.isinf(value))
+    ):
+        noun = "integer" if integer else "number"
+        kind = f"a finite {noun}" if finite else ("an integer" if integer else "a number")
         raise ValueError(f"{name}: must be {kind} {'>' if strict else '>='} {low}, got {value!r}")
 
 
@@ -90,14 +102,15 @@ class TrainerCostSpec:
 
     def __post_init__(self) -> None:
         _check("chips", self.chips, integer=True)
-        _check("model_params", self.model_params)
+        # Infinite costs make an infinite step: SimPy cannot schedule it.
+        _check("model_params", self.model_params, finite=True)
         _check("chip_flops", self.chip_flops)
         _check("mfu", self.mfu)
         if self.mfu > 1:
             raise ValueError(f"mfu: must be in (0, 1], got {self.mfu!r}")
-        _check("flops_per_token_factor", self.flops_per_token_factor)
-        _check("step_overhead_s", self.step_overhead_s, strict=False)
-        _check("restart_s", self.restart_s, strict=False)
+        _check("flops_per_token_factor", self.flops_per_token_factor, finite=True)
+        _check("step_overhead_s", self.step_overhead_s, strict=False, finite=True)
+        _check("restart_s", self.restart_s, strict=False, finite=True)
 
     @classmethod
     def from_rate(

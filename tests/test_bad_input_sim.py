@@ -1,6 +1,8 @@
-"""A scenario whose random preemptions would explode is refused before it runs, naming
-the field and the fix."""
+"""A scenario the simulator cannot run (random preemptions that would explode, an
+infinite cost, a value of the wrong type) is refused before it runs, naming the field
+and the fix; extreme values it can run, it runs to the end."""
 
+import math
 import time
 
 import pytest
@@ -41,3 +43,32 @@ def test_the_dominant_kind_is_named_and_a_shorter_horizon_is_accepted():
     horizon_s = 0.5 * MAX_EXPECTED_PREEMPTIONS * 1e-3
     scenario = sim.with_overrides(toy(), {**overrides, "horizon_s": horizon_s})
     assert scenario.expected_preemptions <= MAX_EXPECTED_PREEMPTIONS
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        # An infinite step time: SimPy raised ZeroDivisionError from its core.
+        ({"trainer.model_params": math.inf}, r"model_params: must be a finite number > 0"),
+        ({"trainer.step_overhead_s": math.inf}, r"step_overhead_s: must be a finite number"),
+        # A string where a number goes: a TypeError from a comparison inside a policy.
+        ({"checkpointing.every_s": "x"}, r"every_s: must be a number > 0 or None, got 'x'"),
+        # A list of faults: AttributeError in the fault injector once the run started.
+        ({"fault_plan": [{"kind": "preempt_trainer", "at_s": 1}]}, r"fault_plan: must be"),
+        ({"seed": -1}, r"seed: must be an integer >= 0, got -1"),  # NumPy's own error
+    ],
+)
+def test_values_the_simulator_cannot_run_are_refused_naming_the_field(override, message):
+    with pytest.raises(ValueError, match=message):
+        sim.with_overrides(sim.presets.toy(target_steps=2), override)
+
+
+@pytest.mark.parametrize("rate", [1e9, 1e12, math.inf])
+def test_a_pull_faster_than_the_clock_resolves_finishes(rate):
+    """The last bytes of a fast pull need less time than the clock can add to ``now``:
+    their timer fired at ``now`` again and again, and the run never ended."""
+    scenario = sim.with_overrides(
+        sim.presets.toy(target_steps=4), {"param_server.pull_bytes_per_s": rate}
+    )
+    result = sim.simulate(scenario)
+    assert result.steps == 4 and result.samples_per_s == pytest.approx(0.5, rel=1e-6)
