@@ -212,3 +212,14 @@ def test_a_worker_lag_beyond_the_staleness_bound_is_refused_as_in_the_simulator(
         sim.with_overrides(sim.presets.toy(), bad)
     small_run_config("staleness.max_staleness=2", "staleness.max_worker_lag=1")
     sim.with_overrides(sim.presets.toy(), {**bad, "staleness.max_staleness": 2})
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "countdown", "calculator"])
+@pytest.mark.parametrize(("fraction", "empty"), [(0.0, "test"), (1.0, "train")])
+def test_a_generated_task_refuses_a_split_that_would_be_empty(name, fraction, empty):
+    """Generated problems are split by a hash of their content: at 0 or 1 one split is
+    empty, and the run failed when it first drew from it ("found only 0 distinct ...
+    widen the generator settings"), after the warm start."""
+    message = rf"test_fraction must be strictly between 0 and 1, got {fraction}: the {empty}"
+    with pytest.raises(ValueError, match=message):
+        make_task(name, test_fraction=fraction)

@@ -22,7 +22,7 @@ from rlaxkit.tasks.base import (
     RewardResult,
     SeededProblems,
     check_choices,
-    check_range,
+    check_split_fraction,
     cut_at_stop,
     format_prompt,
     stable_id,
@@ -80,7 +80,7 @@ class ArithmeticConfig:
             raise ValueError("question_template must contain '{expression}'")
         if "{answer}" not in self.answer_format:
             raise ValueError("answer_format must contain '{answer}'")
-        check_range("test_fraction", self.test_fraction, 0.0, 1.0)
+        check_split_fraction("test_fraction", self.test_fraction)
 
 
 @register_task("arithmetic", ArithmeticConfig)

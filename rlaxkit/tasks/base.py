@@ -300,6 +300,19 @@ def check_range(name: str, value: float, low: float, high: float) -> None:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
 
 
+def check_split_fraction(name: str, value: float) -> None:
+    """``check_range(name, value, 0, 1)`` without the ends, for a generator's split: its
+    problems are split by a hash of their content, so 0 leaves the test split empty
+    and 1 the train split."""
+    check_range(name, value, 0.0, 1.0)
+    if value in (0.0, 1.0):
+        empty = "train" if value == 1.0 else "test"
+        raise ValueError(
+            f"{name} must be strictly between 0 and 1, got {value!r}: the {empty} split "
+            "would hold no problem"
+        )
+
+
 def cut_at_stop(completion: str, stop: str | None) -> str:
     """The completion up to (not including) the first ``stop`` string, stripped."""
     if stop:

@@ -42,7 +42,7 @@ from rlaxkit.tasks.base import (
     RewardExecution,
     RewardResult,
     SeededProblems,
-    check_range,
+    check_split_fraction,
     format_prompt,
     stable_id,
 )
@@ -150,7 +150,7 @@ class CalculatorConfig:
         check_int("first_digits", self.first_digits, minimum=1, maximum=9)
         check_int("second_digits", self.second_digits, minimum=1, maximum=9)
         check_int("seed", self.seed)
-        check_range("test_fraction", self.test_fraction, 0.0, 1.0)
+        check_split_fraction("test_fraction", self.test_fraction)
         if not isinstance(self.tool, bool):
             raise ValueError(f"tool: must be true or false, got {self.tool!r}")
         if not self.call_open or not self.call_close or self.call_open == self.call_close:

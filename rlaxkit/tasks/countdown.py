@@ -25,7 +25,7 @@ from rlaxkit.tasks.base import (
     RewardExecution,
     RewardResult,
     SeededProblems,
-    check_range,
+    check_split_fraction,
     cut_at_stop,
     format_prompt,
     stable_id,
@@ -78,7 +78,7 @@ class CountdownConfig:
         for name in ("{numbers}", "{target}"):
             if name not in self.question_template:
                 raise ValueError(f"question_template must contain '{name}'")
-        check_range("test_fraction", self.test_fraction, 0.0, 1.0)
+        check_split_fraction("test_fraction", self.test_fraction)
 
 
 def extract_expression(completion: str, stop: str | None = "\n") -> str | None:
