@@ -55,7 +55,7 @@ class SFTConfig:
         lr = self.learning_rate
         if not (is_number(lr) and lr > 0 and math.isfinite(lr)):
             raise ValueError(f"learning_rate must be a finite number > 0, got {lr}")
-        check_number("weight_decay", self.weight_decay, minimum=0)
+        check_number("weight_decay", self.weight_decay, minimum=0, allowed="a finite number >= 0")
 
 
 def encode_demonstrations(

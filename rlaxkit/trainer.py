@@ -91,7 +91,7 @@ class OptimizerConfig:
             value = getattr(self, name)
             if not (is_number(value) and 0 <= value < 1):
                 raise ValueError(f"{name}: must be in [0, 1), got {value!r}")
-        check_number("weight_decay", self.weight_decay, minimum=0)
+        check_number("weight_decay", self.weight_decay, minimum=0, allowed="a finite number >= 0")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm: must be > 0 or None, got {self.max_grad_norm!r}")
 

@@ -163,10 +163,10 @@ def test_a_staleness_bound_admission_cannot_meet_is_refused_as_in_the_simulator(
         ("optimizer.b2=1.0", r"config\.optimizer: b2: must be in \[0, 1\)"),
         ("optimizer.learning_rate=inf", r"config\.optimizer: learning_rate: must be a finite"),
         ("optimizer.eps=inf", r"config\.optimizer: eps: must be a finite"),
-        ("optimizer.weight_decay=inf", r"config\.optimizer: weight_decay: must be a number"),
+        ("optimizer.weight_decay=inf", r"config\.optimizer: weight_decay: must be a finite"),
         ("sft.learning_rate=inf", r"config\.sft: learning_rate must be a finite"),
-        ("sft.weight_decay=-1", r"config\.sft: weight_decay: must be a number >= 0"),
-        ("sft.weight_decay=nan", r"config\.sft: weight_decay: must be a number >= 0"),
+        ("sft.weight_decay=-1", r"config\.sft: weight_decay: must be a finite number >= 0"),
+        ("sft.weight_decay=nan", r"config\.sft: weight_decay: must be a finite number >= 0"),
         # The fault clock is rounds · round_s: NaN at round 0, so no timed fault fired.
         ("runtime.round_s=inf", r"config\.runtime: round_s must be a finite number > 0"),
         ("model.config.rms_norm_eps=inf", r"config\.model\.config: rms_norm_eps must be a fin"),
