@@ -137,22 +137,45 @@ def test_the_cli_docstring_names_configs_that_exist():
     assert named and all((root / path).is_file() for path in named), named
 
 
-def test_a_staleness_bound_admission_cannot_meet_is_refused_as_in_the_simulator():
+@pytest.mark.parametrize(
+    ("bad", "message", "bound"),
+    [
+        (
+            {"staleness.max_staleness": 0, "weight_sync.push_every_steps": 2},
+            r"weight_sync\.push_every_steps - 1 \(1\) or admission deadlocks, got 0",
+            1,
+        ),
+        (
+            {
+                "staleness.max_staleness": 1,
+                "staleness.max_worker_lag": 1,
+                "weight_sync.push_every_steps": 2,
+            },
+            r"staleness\.max_worker_lag \+ weight_sync\.push_every_steps - 1 \(2\), got 1",
+            2,
+        ),
+    ],
+    ids=["pushes_every_2_steps", "and_a_worker_lag_of_1"],
+)
+def test_a_staleness_bound_admission_or_pulls_cannot_meet_is_refused_as_in_the_simulator(
+    bad, message, bound
+):
     """With pushes every k steps the trainer runs up to k - 1 versions ahead of the
-    published one that admission counts: η < k - 1 would stall the run after its first
-    steps (the simulator's scenario refuses it too, with the same words)."""
+    published one that admission counts, and a worker keeps weights up to
+    ``max_worker_lag`` (L) versions behind it: with η < L + k - 1 a fleet that lags
+    together makes only rollouts too stale to train on (the runtime stopped after its
+    first steps or after 200 stale groups, the simulator ran for ever). Both refuse it,
+    with the same words, and accept η = L + k - 1."""
     import sim
 
-    bad = {"staleness.max_staleness": 0, "weight_sync.push_every_steps": 2}
-    message = (
-        r"^(config: )?staleness\.max_staleness: must be >= "
-        r"weight_sync\.push_every_steps - 1 \(1\)"
-    )
+    message = rf"^(config: )?staleness\.max_staleness: must be >= .*{message}"
     with pytest.raises(ValueError, match=message):
         small_run_config(*(f"{k}={v}" for k, v in bad.items()))
     with pytest.raises(ValueError, match=message):
         sim.with_overrides(sim.presets.toy(), bad)
-    small_run_config("staleness.max_staleness=1", "weight_sync.push_every_steps=2")  # η = k - 1
+    good = {**bad, "staleness.max_staleness": bound}
+    small_run_config(*(f"{k}={v}" for k, v in good.items()))
+    sim.with_overrides(sim.presets.toy(), good)
 
 
 @pytest.mark.parametrize(
@@ -191,27 +214,6 @@ def test_greedy_sampling_stays_allowed_where_no_group_is_compared():
     config = small_run_config("algorithm.preset=ppo", "sampling.temperature=0")
     assert config.sampling.greedy
     small_run_config("sampling.top_k=2", "optimizer.b1=0", "optimizer.b2=0")
-
-
-def test_a_worker_lag_beyond_the_staleness_bound_is_refused_as_in_the_simulator():
-    """A worker keeps its weights until it lags the newest published version by more
-    than ``max_worker_lag``: with η = 0 and a lag of 1, a fleet one version behind made
-    only stale rollouts (the runtime gave up after 200 stale groups in a row, the
-    simulator ran for ever)."""
-    import sim
-
-    bad = {"staleness.max_staleness": 1, "staleness.max_worker_lag": 1}
-    bad["weight_sync.push_every_steps"] = 2
-    message = (
-        r"^(config: )?staleness\.max_staleness: must be >= staleness\.max_worker_lag \+ "
-        r"weight_sync\.push_every_steps - 1 \(2\), got 1"
-    )
-    with pytest.raises(ValueError, match=message):
-        small_run_config(*(f"{k}={v}" for k, v in bad.items()))
-    with pytest.raises(ValueError, match=message):
-        sim.with_overrides(sim.presets.toy(), bad)
-    small_run_config("staleness.max_staleness=2", "staleness.max_worker_lag=1")
-    sim.with_overrides(sim.presets.toy(), {**bad, "staleness.max_staleness": 2})
 
 
 @pytest.mark.parametrize("name", ["arithmetic", "countdown", "calculator"])
