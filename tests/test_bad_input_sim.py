@@ -6,6 +6,8 @@ import math
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sim
 from sim.presets import local_runtime, toy
@@ -72,3 +74,35 @@ def test_a_pull_faster_than_the_clock_resolves_finishes(rate):
     )
     result = sim.simulate(scenario)
     assert result.steps == 4 and result.samples_per_s == pytest.approx(0.5, rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    eta=st.integers(0, 3),
+    lag=st.integers(0, 3),
+    push_every=st.integers(1, 3),
+    workers=st.integers(1, 3),
+    prompts=st.integers(1, 2),
+    pull_mode=st.sampled_from(["between_requests", "in_flight"]),
+)
+def test_a_staleness_setting_admission_accepts_reaches_its_target(
+    eta, lag, push_every, workers, prompts, pull_mode
+):
+    """``rlaxkit.policies.check_admission`` refuses the settings under which a fleet can
+    make nothing the trainer takes; whatever it lets through, the simulator runs to its
+    target within the horizon (no stall, no endless round of stale drops)."""
+    overrides = {
+        "target_steps": 6,
+        "staleness.max_staleness": eta,
+        "staleness.max_worker_lag": lag,
+        "weight_sync.push_every_steps": push_every,
+        "weight_sync.pull_mode": pull_mode,
+        "fleet.num_workers": workers,
+        "workload.prompts_per_step": prompts,
+    }
+    try:
+        scenario = toy(**overrides)
+    except ValueError as error:
+        assert eta < lag + push_every - 1, error
+        return
+    assert sim.simulate(scenario).steps == 6
