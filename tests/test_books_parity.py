@@ -1,11 +1,13 @@
 """One scripted sequence of events fed to the runtime's buffer and to the simulator's
-gives the same decisions, step by step: admission, drops and their reasons, batch
-order, re-issued work after a worker preemption, requeued and dropped groups after a
-trainer restore. Both keep their books in ``rlaxkit.ledger.GroupLedger``; this pins that
-each side feeds it the same events."""
+gives the same decisions, step by step, and so do random sequences of those events:
+admission, drops and their reasons, batch order, re-issued work after a worker
+preemption, requeued and dropped groups after a trainer restore. Both keep their books
+in ``rlaxkit.ledger.GroupLedger``; this pins that each side feeds it the same events."""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlaxkit.buffer import RolloutBuffer
 from rlaxkit.rollout import Rollout
@@ -218,3 +220,51 @@ def test_runtime_and_simulator_books_decide_the_same_step_by_step(recovery):
             6: "rolled_back",
             7: "rolled_back",
         }
+
+
+RECOVERIES = [("reissue", "requeue"), ("drop", "drop"), ("reissue", "drop"), ("drop", "requeue")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), recovery=st.sampled_from(RECOVERIES))
+def test_random_event_sequences_get_the_same_decisions_on_both_sides(data, recovery):
+    """Random sequences of the script's events, each valid where it is drawn: a group
+    completes only while it runs, with versions from the one it started with up to the
+    published one; a restore goes back to the last save and voids the running groups
+    started with newer weights. After every event both sides' books agree."""
+    runtime, simulated = RuntimeSide(recovery), SimSide(recovery)
+    running: dict[int, int] = {}  # group id -> the published version it started with
+    saved = None
+    done = []
+    for _ in range(data.draw(st.integers(10, 60))):
+        kinds = ["start"] * 3 + ["take"] * 3 + ["publish"] * 3 + ["save"]
+        if running:
+            kinds += ["complete"] * 6 + ["lose"]
+        if saved is not None:
+            kinds.append("restore")
+        event = data.draw(st.sampled_from(kinds))
+        args: tuple = ()
+        if event == "complete":
+            group_id = data.draw(st.sampled_from(sorted(running)))
+            first = running.pop(group_id)
+            args = (group_id, first, data.draw(st.integers(first, runtime.published)))
+        elif event == "lose":
+            lost = data.draw(st.lists(st.sampled_from(sorted(running)), min_size=1, unique=True))
+            for group_id in lost:
+                del running[group_id]
+            args = (lost, "preempted")
+        elif event == "restore":
+            void = [(g, v) for g, v in running.items() if v > saved]
+            for group_id, _ in void:
+                del running[group_id]
+            args = (saved, void)
+        outcomes = [getattr(side, event)(*args) for side in (runtime, simulated)]
+        done.append((event, args))
+        assert outcomes[0] == outcomes[1], done
+        assert runtime.snapshot() == simulated.snapshot(), done
+        if event == "start":
+            running.update((group_id, runtime.published) for group_id in outcomes[0])
+        elif event == "save":
+            saved = runtime.version
+    runtime.buffer.check(runtime.next_id)
+    simulated.buffer.ledger.check(runtime.next_id)
