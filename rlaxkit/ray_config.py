@@ -106,6 +106,11 @@ class RayConfig:
             steps increasing; when the trainer finishes ``step`` the fleet is scaled to
             ``workers`` (as ``exp.scale_workers``). E.g. ``[[100, 8], [300, 4]]``;
             from the CLI ``--set 'ray.worker_schedule=[[100, 8]]'``.
+        check_resources: before any actor starts, refuse a trainer, worker or
+            parameter-server request that no node of the cluster can hold
+            (``infeasible_requests``): Ray would keep that actor pending for ever, and
+            the run would wait on it. Turn it off on a cluster that adds nodes on
+            demand (an autoscaler), where such a request starts a node.
     """
 
     address: str | None = None
@@ -125,6 +130,7 @@ class RayConfig:
     trainer_placement: PlacementStrategy = "SPREAD"
     trainer_coordinator_port: int | None = None
     worker_schedule: tuple[tuple[int, int], ...] = ()
+    check_resources: bool = True
 
     def __post_init__(self) -> None:
         schedule = self.worker_schedule
@@ -189,6 +195,50 @@ class RayConfig:
             raise ValueError(
                 f"trainer_coordinator_port: must be a port in 1..65535 or None, got {port!r}"
             )
+
+
+def infeasible_requests(config: RayConfig, nodes: list[dict[str, float]]) -> list[str]:
+    """What no node among ``nodes`` (each node's total resources, as ``ray.nodes()``
+    gives them: ``{"CPU": 8.0, "GPU": 1.0, "TPU": 4.0, ...}``) can hold: one line per
+    actor kind, naming the field and what the nodes offer. Empty when every request
+    fits some node.
+
+    >>> infeasible_requests(RayConfig(), [{"CPU": 8.0}])
+    []
+    >>> infeasible_requests(RayConfig(worker=ActorResources(resources={"TPU": 4})),
+    ...                     [{"CPU": 8.0}])  # doctest: +ELLIPSIS
+    ["ray.worker.resources: no node has 'TPU' (the nodes have ['CPU'])..."]
+    """
+    problems = []
+    # The parameter server is an actor with the object store only; it asks for no GPU.
+    kinds = ("trainer", "worker", "param_server")[
+        : 3 if config.weight_store == "object_store" else 2
+    ]
+    for name in kinds:
+        asked: ActorResources = getattr(config, name)
+        gpus = 0.0 if name == "param_server" else asked.num_gpus
+        request = {"CPU": asked.num_cpus, "GPU": gpus, **asked.resources}
+        request = {key: amount for key, amount in request.items() if amount > 0}
+        if not request or any(
+            all(node.get(k, 0.0) >= v for k, v in request.items()) for node in nodes
+        ):
+            continue
+        known = sorted({key for node in nodes for key in node})
+        shown = [k for k in known if not k.startswith("node:") and "memory" not in k]
+        missing = [key for key in request if key not in known]
+        if missing:
+            field_ = {"CPU": "num_cpus", "GPU": "num_gpus"}.get(missing[0], "resources")
+            problems.append(
+                f"ray.{name}.{field_}: no node has {missing[0]!r} (the nodes have "
+                f"{shown}); Ray would keep the {name} actor pending for ever"
+            )
+            continue
+        largest = {key: max(node.get(key, 0.0) for node in nodes) for key in request}
+        problems.append(
+            f"ray.{name}: one actor asks for {request}, more than any node holds (the "
+            f"largest offer {largest}); Ray would keep it pending for ever"
+        )
+    return problems
 
 
 def scheduled_workers(config: RayConfig, step: int) -> int | None:

@@ -222,6 +222,34 @@ def test_bad_ray_settings_fail_early():
         Experiment(small_run_config(*SMALL, "runtime.backend=ray", "runtime.mode=concurrent"))
 
 
+def test_a_request_no_node_can_hold_is_refused_naming_the_field():
+    """Ray keeps an actor whose request no node holds pending for ever: a trainer asking
+    for 1 000 CPUs waited without end, and workers asking for a resource no node has
+    waited ``worker_start_wait_s`` (300 s) before the loop called itself stalled."""
+    from rlaxkit.ray_config import infeasible_requests
+
+    nodes = [{"CPU": 8.0, "node:10.0.0.1": 1.0, "memory": 1e9}, {"CPU": 4.0, "GPU": 1.0}]
+    assert infeasible_requests(RayConfig(trainer=ActorResources(num_gpus=1)), nodes) == []
+    assert infeasible_requests(RayConfig(worker=ActorResources(resources={"TPU": 4})), nodes) == [
+        "ray.worker.resources: no node has 'TPU' (the nodes have ['CPU', 'GPU']); Ray would "
+        "keep the worker actor pending for ever"
+    ]
+    (trainer,) = infeasible_requests(
+        RayConfig(trainer=ActorResources(num_cpus=6, num_gpus=1)), nodes
+    )  # 6 CPUs on one node, a GPU on another: no node holds both
+    assert trainer.startswith("ray.trainer: one actor asks for {'CPU': 6, 'GPU': 1}")
+    tensorstore = RayConfig(weight_store="tensorstore", param_server=ActorResources(num_cpus=99))
+    assert infeasible_requests(tensorstore, nodes) == []  # no parameter-server actor then
+
+
+def test_the_ray_placement_refuses_an_infeasible_request_before_any_actor(ray_cluster, cache):
+    config = small_run_config(*SMALL, "runtime.backend=ray", "steps=1")
+    bad = ray_config(worker=ActorResources(num_cpus=0.25, resources={"bogus": 1}))
+    with pytest.raises(ValueError, match=r"ray\.worker\.resources: no node has 'bogus'"):
+        Experiment(config, cache_dir=cache, ray_config=bad)
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if "rlaxkit" in a]
+
+
 # Actors that fit the 2-CPU test cluster, set in the run config itself.
 SMALL_ACTORS = ("ray.trainer.num_cpus=0.25", "ray.worker.num_cpus=0.25")
 

@@ -34,7 +34,7 @@ from rlaxkit.checkpoint import abstract_tree
 from rlaxkit.config import RunConfig
 from rlaxkit.param_server import layout
 from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG, parameter_server_actor
-from rlaxkit.ray_config import RayConfig, scheduled_workers
+from rlaxkit.ray_config import RayConfig, infeasible_requests, scheduled_workers
 from rlaxkit.runtime.books import RunBooks
 from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.common import RunTrace
@@ -183,6 +183,13 @@ def start_ray(
         ray.init(address=rc.address, include_dashboard=False, **system)
         parts.teardown.append(ray.shutdown)
     try:
+        if rc.check_resources:
+            nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+            if problems := infeasible_requests(rc, nodes):
+                raise ValueError(
+                    "; ".join(problems) + ". Lower the request, start nodes that hold it, "
+                    "or set ray.check_resources=false on a cluster that adds nodes on demand"
+                )
         _place(parts, config, rc, trace, clock, books, run_dir, cache_dir, worker_ids)
     except BaseException:
         parts.close()  # A failed start leaves no actors behind.
