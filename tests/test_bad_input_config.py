@@ -190,10 +190,12 @@ def test_a_staleness_bound_admission_or_pulls_cannot_meet_is_refused_as_in_the_s
         ("sft.learning_rate=inf", r"config\.sft: learning_rate must be a finite"),
         ("sft.weight_decay=-1", r"config\.sft: weight_decay: must be a finite number >= 0"),
         ("sft.weight_decay=nan", r"config\.sft: weight_decay: must be a finite number >= 0"),
-        # The fault clock is rounds · round_s: NaN at round 0, so no timed fault fired.
+        # The fault clock is rounds · round_s: NaN at round 0 and infinite after, so every
+        # timed fault of a plan fired at once in the first rounds.
         ("runtime.round_s=inf", r"config\.runtime: round_s must be a finite number > 0"),
         ("model.config.rms_norm_eps=inf", r"config\.model\.config: rms_norm_eps must be a fin"),
-        # Zero samples made pass@1 a division by zero; -1 problems evaluated all but one.
+        # 0 samples failed inside the evaluation ("ks must be in [1, n=0]"), 0 problems
+        # reported a pass@1 of 0.0 over nothing, -1 asked the task for -1 problems.
         ("eval.samples=0", r"config\.eval: samples: must be an integer >= 1, got 0"),
         ("eval.num_problems=-1", r"config\.eval: num_problems: must be an integer >= 1"),
         ("eval.every_steps=-1", r"config\.eval: every_steps: must be an integer >= 0"),
@@ -203,9 +205,9 @@ def test_a_staleness_bound_admission_or_pulls_cannot_meet_is_refused_as_in_the_s
     ],
 )
 def test_values_a_run_cannot_use_are_refused_when_the_config_is_read(override, message):
-    """Each was accepted before, and the run then crashed later, stalled, or trained
-    on NaN: a sweep of odd values over every field of the small run's config found
-    them."""
+    """Each was accepted before, and the run then failed later, stalled, trained on NaN
+    or reported a figure over nothing: a sweep of odd values over every field of the
+    small run's config found them."""
     with pytest.raises(ValueError, match=message):
         small_run_config(override)
 
