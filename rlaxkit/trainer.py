@@ -641,6 +641,20 @@ def _batch_shards(mesh: Mesh) -> int:
     return math.prod(sizes.get(a, 1) for a in BATCH_AXES)
 
 
+def check_finite(step: int, metrics: dict[str, float]) -> None:
+    """Raises ``FloatingPointError`` when train step ``step``'s loss or gradient norm is
+    not finite: the update has made (or found) the weights non-finite, and every later
+    step would train and publish NaN. The runtime calls it before the step's push."""
+    bad = {k: metrics[k] for k in ("loss", "grad_norm") if not math.isfinite(metrics.get(k, 0.0))}
+    if bad:
+        raise FloatingPointError(
+            f"train step {step}: {', '.join(f'{k} is {v}' for k, v in bad.items())}; the "
+            "weights are no longer finite (an update too large for them: check "
+            "optimizer.learning_rate and max_grad_norm). The run stops before publishing "
+            "them; it resumes from its last checkpoint"
+        )
+
+
 def make_train_step(
     cfg: TrainConfig,
     graphdef: nnx.GraphDef,

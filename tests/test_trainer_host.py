@@ -1,6 +1,10 @@
-"""The trainer host compiles the first train step while the workers start."""
+"""The trainer host compiles the first train step while the workers start, and stops the
+run at a step whose loss or gradient norm is not finite."""
+
+import re
 
 import jax
+import pytest
 
 from rlaxkit.batch import collate
 from rlaxkit.checkpoint import abstract_tree
@@ -38,3 +42,17 @@ def test_no_guess_for_an_episodic_task():
     task = build_task(config)
     assert isinstance(task, EpisodicTask)
     assert first_batch(config, task, CharTokenizer(task_alphabet(task))) is None
+
+
+def test_a_step_whose_loss_is_not_finite_stops_the_run_before_its_push(cache):
+    """A step size of 1e30 passes the config (it is a finite number), makes the weights
+    overflow on the first update, and the next step's gradient norm is NaN: the run stops
+    there, naming the step, instead of training and publishing NaN for the rest of it."""
+    config = small_run_config("steps=4", "optimizer.learning_rate=1e30", "optimizer.warmup_steps=0")
+    with Experiment(config, cache_dir=cache) as exp:
+        with pytest.raises(
+            FloatingPointError, match=r"train step \d+: (loss|grad_norm) is (nan|inf)"
+        ) as caught:
+            exp.run()
+        failed = int(re.search(r"train step (\d+)", str(caught.value)).group(1))
+        assert failed >= 2 and exp.parts.store.latest_version() == failed - 1

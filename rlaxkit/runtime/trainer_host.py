@@ -32,7 +32,7 @@ from rlaxkit.runtime.build import (
 from rlaxkit.runtime.common import TRAIN_BUCKETS
 from rlaxkit.runtime.hosts import TrainerRestartedError, WeightStore, configure_jax, drain
 from rlaxkit.trace import MemoryTrace, TraceEvent
-from rlaxkit.trainer import create_train_state, make_train_step
+from rlaxkit.trainer import check_finite, create_train_state, make_train_step
 
 
 def first_batch(config: RunConfig, task: Any, tokenizer: Any) -> TrainBatch | None:
@@ -311,6 +311,7 @@ class TrainerHost:
         self.state, step_metrics = self.train_step(self.state, self._place_batch(batch))
         self._version = step
         metrics = {k: float(v) for k, v in self._host(step_metrics).items()}
+        check_finite(step, metrics)
         duration_s = self.clock() - start
         if self.config.weight_sync.should_push(self.version):
             if push:
