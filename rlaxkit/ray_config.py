@@ -201,7 +201,7 @@ def infeasible_requests(config: RayConfig, nodes: list[dict[str, float]]) -> lis
     """What no node among ``nodes`` (each node's total resources, as ``ray.nodes()``
     gives them: ``{"CPU": 8.0, "GPU": 1.0, "TPU": 4.0, ...}``) can hold: one line per
     actor kind, naming the field and what the nodes offer. Empty when every request
-    fits some node.
+    fits some node, or when ``nodes`` is empty (nothing known to check against).
 
     >>> infeasible_requests(RayConfig(), [{"CPU": 8.0}])
     []
@@ -209,7 +209,9 @@ def infeasible_requests(config: RayConfig, nodes: list[dict[str, float]]) -> lis
     ...                     [{"CPU": 8.0}])  # doctest: +ELLIPSIS
     ["ray.worker.resources: no node has 'TPU' (the nodes have ['CPU'])..."]
     """
-    problems = []
+    problems: list[str] = []
+    if not nodes:
+        return problems
     # The parameter server is an actor with the object store only; it asks for no GPU.
     kinds = ("trainer", "worker", "param_server")[
         : 3 if config.weight_store == "object_store" else 2

@@ -240,6 +240,7 @@ def test_a_request_no_node_can_hold_is_refused_naming_the_field():
     assert trainer.startswith("ray.trainer: one actor asks for {'CPU': 6, 'GPU': 1}")
     tensorstore = RayConfig(weight_store="tensorstore", param_server=ActorResources(num_cpus=99))
     assert infeasible_requests(tensorstore, nodes) == []  # no parameter-server actor then
+    assert infeasible_requests(RayConfig(trainer=ActorResources(num_cpus=99)), []) == []
 
 
 def test_the_ray_placement_refuses_an_infeasible_request_before_any_actor(ray_cluster, cache):

@@ -184,7 +184,7 @@ def start_ray(
         parts.teardown.append(ray.shutdown)
     try:
         if rc.check_resources:
-            nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+            nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
             if problems := infeasible_requests(rc, nodes):
                 raise ValueError(
                     "; ".join(problems) + ". Lower the request, start nodes that hold it, "
