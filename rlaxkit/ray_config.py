@@ -213,9 +213,9 @@ def infeasible_requests(config: RayConfig, nodes: list[dict[str, float]]) -> lis
     if not nodes:
         return problems
     # The parameter server is an actor with the object store only; it asks for no GPU.
-    kinds = ("trainer", "worker", "param_server")[
-        : 3 if config.weight_store == "object_store" else 2
-    ]
+    kinds = ["trainer", "worker"]
+    if config.weight_store == "object_store":
+        kinds.append("param_server")
     for name in kinds:
         asked: ActorResources = getattr(config, name)
         gpus = 0.0 if name == "param_server" else asked.num_gpus

@@ -263,7 +263,7 @@ class SimParameterServer:
 
         finished = [t for t in self._transfers if done(t)]
         if finished:
-            self._transfers = [t for t in self._transfers if not done(t)]
+            self._transfers = [t for t in self._transfers if t not in finished]
             for transfer in finished:
                 transfer.event.succeed(True)
 
