@@ -13,11 +13,11 @@ import jax
 import numpy as np
 
 from rlaxkit.inference import programs
+from rlaxkit.inference.chunks import ChunkLayout, run_chunks
 from rlaxkit.inference.config import (
     MIN_LENGTH_BUCKET,
     SamplingConfig,
     bucket_length,
-    bucket_rows,
 )
 from rlaxkit.inference.results import (
     GenerationResult,
@@ -88,6 +88,7 @@ def generate(
     max_new_tokens: int | Sequence[int] | None = None,
     tiered: bool = False,
     min_prompt_width: int = MIN_LENGTH_BUCKET,
+    chunks: int | None = None,
 ) -> GenerationResult:
     """Samples ``config.n`` completions of every prompt with a KV cache.
 
@@ -120,6 +121,11 @@ def generate(
             length in one; a caller whose prompts all have the same few tokens can pass
             their length, and then neither prefills nor caches padding (4-token prompts
             padded to 16 spend three quarters of the prefill on it).
+        chunks: split the ``B * n`` rows into this many batches of the same shape
+            (``ChunkLayout``) that decode side by side, each in a thread of its own;
+            default ``default_chunks``: on a CPU backend about one per core. The tokens
+            do not depend on it; the log-probs agree to a float32 ulp or two (the
+            matmuls' batch differs).
 
     Returns:
         A ``GenerationResult`` of ``[B, n, config.max_new_tokens]`` arrays.
@@ -138,51 +144,49 @@ def generate(
     budget = budgets(max_new_tokens, num_prompts, config)
     keys = prompt_keys(rng, num_prompts)
 
-    num_rows = num_prompts * n
-    rows = bucket_rows(num_rows)
-    padded_prompts = bucket_rows(num_prompts)
     width = bucket_length(max(len(p) for p in prompt_arrays), minimum=min_prompt_width)
-    tokens = np.zeros((padded_prompts, width), np.int32)
-    lengths = np.ones((padded_prompts,), np.int32)
-    for i, prompt in enumerate(prompt_arrays):
-        tokens[i, : len(prompt)] = prompt
-        lengths[i] = len(prompt)
-    row = np.arange(rows)
-    source = np.minimum(row // n, num_prompts - 1).astype(np.int32)
-    dest = np.where(row < num_rows, row, rows).astype(np.int32)  # >= rows: padding, dropped
-
-    state = (programs.tiered_begin_rows if tiered else programs.begin_rows)(
-        graphdef,
-        params,
-        tokens,
-        lengths,
-        dest,
-        source,
-        keys[source],
-        (row % n).astype(np.int32),
-        budget[source],
-        model_config=model_config,
-        config=config,
-        rows=rows,
-    )
+    layout = ChunkLayout.of(num_prompts, n, chunks)
     # Row ``b`` writes cache slots ``len_b - 1 .. len_b + budget_b - 2``: the views from
     # the first up to one holding every row's last write.
-    needed = int((lengths[:num_prompts] - 1 + budget).max())
-    for view in decode_views(width, state.cache.slots):
-        state, _ = programs.decode_steps(
+    needed = max(len(p) - 1 + int(b) for p, b in zip(prompt_arrays, budget, strict=True))
+    begin = programs.tiered_begin_rows if tiered else programs.begin_rows
+
+    def run(chunk: tuple[int, int]) -> tuple[np.ndarray, ...]:
+        start, stop = chunk
+        tokens, lengths, dest, source, prompt, sample = layout.inputs(chunk, prompt_arrays, width)
+        state = begin(
             graphdef,
             params,
-            state,
-            np.int32(version),
-            np.int32(config.max_new_tokens),
-            np.int32(rows + 1),
+            tokens,
+            lengths,
+            dest,
+            source,
+            keys[prompt],
+            sample,
+            budget[prompt],
+            model_config=model_config,
             config=config,
-            view=view,
-            tiered=tiered,
+            rows=layout.rows,
         )
-        if view >= needed:
-            break
-    return collect_result(state.rows, prompt_arrays, config)
+        for view in decode_views(width, state.cache.slots):
+            state, _ = programs.decode_steps(
+                graphdef,
+                params,
+                state,
+                np.int32(version),
+                np.int32(config.max_new_tokens),
+                np.int32(layout.rows + 1),
+                config=config,
+                view=view,
+                tiered=tiered,
+            )
+            if view >= needed:
+                break
+        return fetch_rows(state.rows, stop - start)
+
+    parts = run_chunks(run, layout.chunks)
+    fetched = tuple(np.concatenate(x) for x in zip(*parts, strict=True))
+    return as_result(fetched, prompt_arrays, config)
 
 
 MIN_VIEW = 32
@@ -219,6 +223,7 @@ def compile_generate(
     max_prompt_len: int,
     tiered: bool = False,
     min_prompt_width: int = MIN_LENGTH_BUCKET,
+    chunks: int | None = None,
 ) -> list[threading.Thread]:
     """Starts compiling ``generate``'s programs for one batch shape, one thread each.
 
@@ -228,12 +233,13 @@ def compile_generate(
     alongside whatever the caller does next (e.g. compiling a train step). Join the
     returned threads to wait; a compile error surfaces when ``generate`` is called.
     ``tiered`` compiles the quick programs of ``generate(..., tiered=True)``'s first call,
-    ``min_prompt_width`` those of ``generate`` called with the same.
+    ``min_prompt_width`` and ``chunks`` those of ``generate`` called with the same.
     """
     check_int("min_prompt_width", min_prompt_width, minimum=1, numpy=True)
     graphdef, params = split_model(model)
     model_config = graphdef.model_config(params)
-    rows, padded_prompts = bucket_rows(num_prompts * config.n), bucket_rows(num_prompts)
+    layout = ChunkLayout.of(num_prompts, config.n, chunks)
+    rows, padded_prompts = layout.rows, layout.prompts
     width = bucket_length(max_prompt_len, minimum=min_prompt_width)
     spec = jax.ShapeDtypeStruct
     abstract = packed(jax.tree.map(lambda x: spec(x.shape, x.dtype), params))
@@ -278,8 +284,12 @@ def collect_result(
     rows: Rows, prompts: list[np.ndarray], config: SamplingConfig
 ) -> GenerationResult:
     """The first ``len(prompts) * n`` rows as a ``GenerationResult`` (one device fetch)."""
-    num_prompts, n = len(prompts), config.n
-    num_rows = num_prompts * n
+    return as_result(fetch_rows(rows, len(prompts) * config.n), prompts, config)
+
+
+def fetch_rows(rows: Rows, count: int) -> tuple[np.ndarray, ...]:
+    """The first ``count`` rows' tokens, log-probs, plain log-probs, versions, lengths and
+    finish codes, fetched from the device in one transfer."""
     fetched = jax.device_get(
         (
             rows.tokens,
@@ -290,7 +300,15 @@ def collect_result(
             rows.finish,
         )
     )
-    tokens, logprobs, plain, versions, generated, finish = (x[:num_rows] for x in fetched)
+    return tuple(x[:count] for x in fetched)
+
+
+def as_result(
+    fetched: tuple[np.ndarray, ...], prompts: list[np.ndarray], config: SamplingConfig
+) -> GenerationResult:
+    """``fetch_rows``' arrays of ``len(prompts) * n`` rows as a ``GenerationResult``."""
+    num_prompts, n = len(prompts), config.n
+    tokens, logprobs, plain, versions, generated, finish = fetched
     shape = (num_prompts, n, config.max_new_tokens)
     lengths = generated.reshape(num_prompts, n)
     return GenerationResult(

@@ -1,0 +1,124 @@
+"""``generate`` splits its rows into batches that decode side by side (``chunks``): the
+same tokens as one batch, log-probs to a float32 ulp or two, every row placed once, and
+``compile_generate`` compiles what a chunked call runs."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlaxkit.inference import SamplingConfig, compile_generate, generate
+from rlaxkit.inference import chunks as chunk_module
+from rlaxkit.inference.chunks import ChunkLayout
+from rlaxkit.jaxutil import count_compilations
+
+# Ragged prompts and budgets, a stop token: rows end at different steps in every chunk.
+PROMPTS = [[1, 7, 9], [4], [2, 2, 8, 31, 5, 6, 7, 60], [11, 3], [9, 9, 9, 9, 9], [40], [3, 33]]
+BUDGETS = [12, 3, 7, 12, 1, 5, 9]
+
+
+def assert_same(a, b):
+    for field in ("tokens", "versions", "mask", "lengths"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+    for field in ("logprobs", "plain_logprobs"):
+        np.testing.assert_allclose(
+            getattr(a, field), getattr(b, field), rtol=1e-5, atol=1e-5, err_msg=field
+        )
+    assert a.finish_reasons == b.finish_reasons
+    assert all(np.array_equal(p, q) for p, q in zip(a.prompts, b.prompts, strict=True))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_chunks_sample_what_one_batch_samples(tiny_model, n):
+    config = SamplingConfig(temperature=1.0, max_new_tokens=12, n=n, stop_tokens=(5,))
+    one = generate(tiny_model, PROMPTS, config, 3, max_new_tokens=BUDGETS, chunks=1)
+    assert one.tokens.shape == (7, n, 12)
+    # 2: a prompt's samples split across chunks when n = 3; 7 * n: one row a chunk.
+    for chunks in (2, 3, 7 * n):
+        split = generate(tiny_model, PROMPTS, config, 3, max_new_tokens=BUDGETS, chunks=chunks)
+        assert_same(split, one)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_prompts=st.integers(1, 40),
+    n=st.integers(1, 6),
+    chunks=st.integers(1, 12),
+    seed=st.integers(0, 99),
+)
+def test_every_row_is_placed_once_with_its_prompt_and_sample(num_prompts, n, chunks, seed):
+    rng = np.random.RandomState(seed)
+    prompts = [rng.randint(1, 50, rng.randint(1, 6)).astype(np.int32) for _ in range(num_prompts)]
+    layout = ChunkLayout.of(num_prompts, n, chunks)
+    assert layout.rows & (layout.rows - 1) == 0 and layout.prompts & (layout.prompts - 1) == 0
+    # Padding at most doubles the rows, as for one batch.
+    assert layout.rows * len(layout.chunks) <= 2 * num_prompts * n
+    assert len(layout.chunks) <= chunks
+    seen = []
+    for start, stop in layout.chunks:
+        assert 0 < stop - start <= layout.rows
+        tokens, lengths, dest, source, prompt, sample = layout.inputs((start, stop), prompts, 8)
+        assert tokens.shape == (layout.prompts, 8) and dest.shape == (layout.rows,)
+        real = dest < layout.rows
+        assert real.sum() == stop - start and (dest[~real] == layout.rows).all()
+        assert sorted(dest[real]) == list(range(stop - start))
+        for r in np.flatnonzero(real):
+            row = start + dest[r]
+            seen.append(row)
+            assert prompt[r] == row // n and sample[r] == row % n
+            # The row prefills its own prompt from the chunk's prompt table.
+            assert lengths[source[r]] == len(prompts[row // n])
+            np.testing.assert_array_equal(
+                tokens[source[r], : lengths[source[r]]], prompts[row // n]
+            )
+        assert (source >= 0).all() and (source < layout.prompts).all()
+    assert sorted(seen) == list(range(num_prompts * n))
+
+
+def test_default_is_one_chunk_a_core_on_cpu_and_one_elsewhere(monkeypatch):
+    default = chunk_module.default_chunks
+    monkeypatch.setattr(chunk_module, "_cores", lambda: 2)
+    assert [default(r) for r in (1, 8, 15, 16, 64, 4096)] == [1, 1, 1, 2, 2, 2]
+    monkeypatch.setattr(chunk_module, "_cores", lambda: 3)
+    assert default(64) == 2  # a power of two: the chunks split a padded batch evenly
+    monkeypatch.setattr(chunk_module, "_cores", lambda: 16)
+    assert [default(r) for r in (16, 64, 4096)] == [2, 8, 16]
+    monkeypatch.setattr(chunk_module.jax, "default_backend", lambda: "gpu")
+    assert default(4096) == 1
+
+
+def test_compile_generate_covers_a_chunked_call(tiny_model, no_persistent_cache):
+    config = SamplingConfig(temperature=1.0, max_new_tokens=8, n=2)
+    for thread in compile_generate(tiny_model, config, 7, 8, chunks=2):
+        thread.join()
+    with count_compilations() as compiles:
+        result = generate(tiny_model, PROMPTS, config, 0, chunks=2)
+    assert compiles.count == 0
+    assert result.tokens.shape == (7, 2, 8)
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 1.5, "2"])
+def test_bad_chunks_are_refused(tiny_model, chunks):
+    with pytest.raises((ValueError, TypeError), match="chunks"):
+        generate(tiny_model, PROMPTS, SamplingConfig(max_new_tokens=4), 0, chunks=chunks)
+
+
+def test_chunks_run_side_by_side_and_leave_no_thread_behind():
+    import threading
+
+    chunks = [(0, 1), (1, 2), (2, 3)]
+    barrier = threading.Barrier(len(chunks), timeout=30)
+
+    def run(chunk, fail=None):
+        barrier.wait()  # passes only once every chunk runs at the same time
+        if chunk == fail:
+            raise KeyError(f"chunk {chunk}")
+        return chunk
+
+    before = threading.active_count()
+    assert chunk_module.run_chunks(run, chunks) == chunks
+    barrier.reset()
+    with pytest.raises(KeyError, match=r"chunk \(1, 2\)"):
+        chunk_module.run_chunks(lambda chunk: run(chunk, fail=(1, 2)), chunks)
+    assert threading.active_count() == before
+    assert chunk_module.run_chunks(lambda chunk: chunk, [(0, 4)]) == [(0, 4)]
