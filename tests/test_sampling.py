@@ -231,6 +231,39 @@ def test_inverse_cdf_sampling_draws_the_softmax_distribution_and_skips_masked_to
     np.testing.assert_allclose(frequencies, [0.1, 0.2, 0.3, 0.0, 0.4], atol=0.012)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    vocab=st.sampled_from([1, 7, 8, 9, 64, 65, 300, 2048]),
+    rows=st.integers(1, 6),
+    masked=st.floats(0.0, 0.95),
+    scale=st.floats(0.1, 20.0),
+    seed=st.integers(0, 10_000),
+)
+def test_inverse_cdf_sampling_inverts_the_cdf_over_blocks(vocab, rows, masked, scale, seed):
+    """The two-level search picks, for each row's uniform ``u``, the token where the
+    cumulative weight (in float64) crosses ``u · Σ w``: to float32 rounding, whatever
+    block the crossing lies in, and never a masked token (whole masked blocks
+    included)."""
+    rng = np.random.RandomState(seed)
+    logits = rng.randn(rows, vocab).astype(np.float32) * scale
+    mask = rng.rand(rows, vocab) < masked
+    if vocab > 16:  # a run of masked blocks
+        mask[:, vocab // 4 : vocab // 2] = True
+    mask[np.arange(rows), rng.randint(0, vocab, rows)] = False
+    logits = np.where(mask, -np.inf, logits)
+    keys = jax.random.split(jax.random.key(seed), rows)
+    tokens = np.asarray(jax.jit(inverse_cdf_sample)(keys, jnp.asarray(logits)))
+    uniform = np.asarray(jax.vmap(jax.random.uniform)(keys), np.float64)
+    weights = np.exp(logits.astype(np.float64) - logits.max(axis=-1, keepdims=True))
+    cdf = np.cumsum(weights, axis=-1)
+    for b, token in enumerate(tokens):
+        assert np.isfinite(logits[b, token])
+        target = uniform[b] * cdf[b, -1]
+        slack = 1e-5 * cdf[b, -1]
+        assert cdf[b, token] - weights[b, token] <= target + slack
+        assert cdf[b, token] >= target - slack
+
+
 # --- generation: equivalence and parity -----------------------------------------------
 # Most tests share BASE (temperature 1, 16 new tokens), 4 decode rows and prompt width 16,
 # so they share compiled programs.

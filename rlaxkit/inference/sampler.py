@@ -4,6 +4,8 @@ log-probs the trainer needs. Pure functions on arrays, jit-able.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -58,13 +60,22 @@ def kept_tokens(
 def inverse_cdf_sample(keys: jax.Array, scaled_logits: jax.Array) -> jax.Array:
     """One token per row drawn from ``softmax(scaled_logits)`` by inverting its CDF.
 
-    With ``w = exp(z - max z)`` and ``c = cumsum(w)``, row ``b`` takes the first token
-    ``i`` with ``c_i > u_b · c_V`` for one uniform ``u_b ~ U[0, 1)`` drawn with
-    ``keys[b]``: token ``i`` is chosen with probability ``w_i / Σ w``, exactly the
-    categorical distribution. Tokens with ``z = -inf`` (truncated away) have ``w = 0``
-    and are never chosen. Compared with the Gumbel-max trick (``jax.random.categorical``)
-    this draws one random number per row instead of one per vocabulary entry, which is
-    most of a CPU decode step's sampling time.
+    With ``w = exp(z - max z)``, row ``b`` takes the first token ``i`` whose cumulative
+    weight ``w_0 + ... + w_i`` exceeds ``u_b · Σ w`` for one uniform ``u_b ~ U[0, 1)``
+    drawn with ``keys[b]``: token ``i`` is chosen with probability ``w_i / Σ w``, exactly
+    the categorical distribution. Tokens with ``z = -inf`` (truncated away) have
+    ``w = 0`` and are never chosen. Compared with the Gumbel-max trick
+    (``jax.random.categorical``) this draws one random number per row instead of one
+    per vocabulary entry, which is most of a CPU decode step's sampling time.
+
+    The search runs in two levels: the vocabulary in blocks of ``vocab_block(V)``
+    tokens (about ``sqrt(V)``), a cumulative sum over the blocks' weights finds the
+    block, one over that block's weights the token. XLA lowers a cumulative sum to a
+    ``reduce_window``; over a whole vocabulary of 2 048 that took 443-569 us a step for
+    32 rows on a 2-core CPU, the two levels 143-188 us; at 151 936 tokens (Qwen's),
+    6.2 ms against 0.74-0.79 ms for 8 rows. The partial sums are rounded differently than one sum
+    over the vocabulary, so a ``u_b`` within float32 rounding of a token's boundary may
+    pick its neighbour (1 of 40 rows at 151 936 tokens, none of 5 600 at 512-2 048).
 
     Args:
         keys: ``[rows]`` PRNG keys.
@@ -74,13 +85,38 @@ def inverse_cdf_sample(keys: jax.Array, scaled_logits: jax.Array) -> jax.Array:
     Returns:
         ``[rows]`` int32 token ids.
     """
+    rows, vocab = scaled_logits.shape
     weights = jnp.exp(scaled_logits - jnp.max(scaled_logits, axis=-1, keepdims=True))
-    cdf = jnp.cumsum(weights, axis=-1)
+    block = vocab_block(vocab)
+    blocks = -(-vocab // block)
+    padded = jnp.pad(weights, ((0, 0), (0, blocks * block - vocab)))
+    by_block = padded.reshape(rows, blocks, block)
+    sums = jnp.sum(by_block, axis=-1)
+    cdf = jnp.cumsum(sums, axis=-1)
     uniform = jax.vmap(jax.random.uniform)(keys)
-    tokens = jnp.sum(cdf <= (uniform[:, None] * cdf[:, -1:]), axis=-1)
-    # u · c_V rounds to at most c_V; never step past the last token with weight.
-    last = weights.shape[-1] - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)
-    return jnp.minimum(tokens, last).astype(jnp.int32)
+    target = (uniform * cdf[:, -1])[:, None]
+    # The first block whose cumulative weight passes the target; u · Σ w can round to the
+    # total, so never past the last block with weight.
+    j = jnp.minimum(jnp.sum(cdf <= target, axis=-1), _last_positive(sums))
+    # The weight before block j, the same float the search compared (<= target).
+    before = jnp.take_along_axis(cdf, jnp.maximum(j - 1, 0)[:, None], axis=-1)
+    before = jnp.where(j[:, None] > 0, before, 0.0)
+    inside = jnp.take_along_axis(by_block, j[:, None, None], axis=1)[:, 0]
+    i = jnp.sum(before + jnp.cumsum(inside, axis=-1) <= target, axis=-1)
+    # Past the block's end only by rounding: its last token with weight.
+    return (j * block + jnp.minimum(i, _last_positive(inside))).astype(jnp.int32)
+
+
+def vocab_block(vocab: int) -> int:
+    """Tokens per block of ``inverse_cdf_sample``'s search: the power of two at or above
+    ``sqrt(vocab)``, at least 8."""
+    root = math.isqrt(vocab - 1) + 1 if vocab > 1 else 1
+    return max(8, 1 << (root - 1).bit_length())
+
+
+def _last_positive(weights: jax.Array) -> jax.Array:
+    """``[rows]`` the index of each row's last entry above 0."""
+    return weights.shape[-1] - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)
 
 
 def sample_tokens(
