@@ -61,10 +61,16 @@ SCRIPT = textwrap.dedent(
 
 def run_on_forced_devices(script: str, devices: int = 4) -> dict:
     """Runs ``script`` in a fresh Python whose JAX sees ``devices`` CPU devices (XLA
-    fixes the count when JAX starts); returns the JSON object of its last line."""
+    fixes the count when JAX starts); returns the JSON object of its last line.
+
+    XLA:CPU ends the process when a device's thread reaches a collective more than 40 s
+    after the others (by default); on a loaded 2-core machine running the suite in two
+    workers that happened once, so the subprocess waits up to 240 s."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+        env.get("XLA_FLAGS", "")
+        + f" --xla_force_host_platform_device_count={devices}"
+        + " --xla_cpu_collective_call_terminate_timeout_seconds=240"
     ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     here = os.path.dirname(os.path.abspath(__file__))
