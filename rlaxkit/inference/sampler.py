@@ -73,9 +73,9 @@ def inverse_cdf_sample(keys: jax.Array, scaled_logits: jax.Array) -> jax.Array:
     block, one over that block's weights the token. XLA lowers a cumulative sum to a
     ``reduce_window``; over a whole vocabulary of 2 048 that took 443-569 us a step for
     32 rows on a 2-core CPU, the two levels 143-188 us; at 151 936 tokens (Qwen's),
-    6.2 ms against 0.74-0.79 ms for 8 rows. The partial sums are rounded differently than one sum
-    over the vocabulary, so a ``u_b`` within float32 rounding of a token's boundary may
-    pick its neighbour (1 of 40 rows at 151 936 tokens, none of 5 600 at 512-2 048).
+    6.2 ms against 0.74-0.79 ms for 8 rows. The partial sums round differently from one
+    sum over the vocabulary, so a ``u_b`` within float32 rounding of a token's boundary
+    may pick its neighbour (1 of 40 rows at 151 936 tokens, none of 5 600 at 512-2 048).
 
     Args:
         keys: ``[rows]`` PRNG keys.
