@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_decode_views import assert_same
 
 from rlaxkit.inference import SamplingConfig, compile_generate, generate
 from rlaxkit.inference import chunks as chunk_module
@@ -17,17 +18,6 @@ PROMPTS = [[1, 7, 9], [4], [2, 2, 8, 31, 5, 6, 7, 60], [11, 3], [9, 9, 9, 9, 9],
 BUDGETS = [12, 3, 7, 12, 1, 5, 9]
 
 
-def assert_same(a, b):
-    for field in ("tokens", "versions", "mask", "lengths"):
-        np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
-    for field in ("logprobs", "plain_logprobs"):
-        np.testing.assert_allclose(
-            getattr(a, field), getattr(b, field), rtol=1e-5, atol=1e-5, err_msg=field
-        )
-    assert a.finish_reasons == b.finish_reasons
-    assert all(np.array_equal(p, q) for p, q in zip(a.prompts, b.prompts, strict=True))
-
-
 @pytest.mark.parametrize("n", [1, 3])
 def test_chunks_sample_what_one_batch_samples(tiny_model, n):
     config = SamplingConfig(temperature=1.0, max_new_tokens=12, n=n, stop_tokens=(5,))
@@ -37,6 +27,7 @@ def test_chunks_sample_what_one_batch_samples(tiny_model, n):
     for chunks in (2, 3, 7 * n):
         split = generate(tiny_model, PROMPTS, config, 3, max_new_tokens=BUDGETS, chunks=chunks)
         assert_same(split, one)
+        assert all(np.array_equal(p, q) for p, q in zip(split.prompts, one.prompts, strict=True))
 
 
 @settings(max_examples=200, deadline=None)
