@@ -182,6 +182,43 @@ def test_training_gradient_evaluates_each_rope_table_once():
     assert len(re.findall(r"\bcosine\(", hlo)) == 1
 
 
+def test_layers_share_one_traced_block_and_compute_what_direct_calls_do():
+    """Every layer's call is one nested program traced once (``call_block``); the
+    forward, the decode and the gradient are bit for bit those of calling the blocks
+    directly."""
+    model = make("qwen3", num_layers=3)
+    graphdef, state = nnx.split(model)
+    tokens = tokens_of((2, 6))
+    positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
+
+    def loss(state):
+        return jnp.sum(nnx.merge(graphdef, state)(tokens, positions) ** 2)
+
+    calls = [e for e in jax.make_jaxpr(loss)(state).eqns if e.params.get("name") == "_run_block"]
+    assert len(calls) == 3
+    assert all(e.params["jaxpr"] is calls[0].params["jaxpr"] for e in calls)
+
+    def direct(block, *args):
+        return block(*args)
+
+    def both(fn):
+        shared = fn()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("rlaxkit.models.transformer.call_block", direct)
+            return shared, fn()
+
+    # A fresh jit each time: a cached trace would not see the patch.
+    shared, plain = both(lambda: jax.jit(jax.value_and_grad(loss))(state))
+    jax.tree.map(np.testing.assert_array_equal, shared, plain)
+    cache = KVCache.zeros(model.config, batch=2, slots=8)
+
+    def prefill():
+        return jax.jit(lambda s: nnx.merge(graphdef, s).decode(tokens, positions, cache))(state)
+
+    shared, plain = both(prefill)
+    jax.tree.map(np.testing.assert_array_equal, shared, plain)
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [

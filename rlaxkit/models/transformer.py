@@ -294,6 +294,27 @@ class Block(nnx.Module):
         return x.reshape(b, t, h), new_kv
 
 
+def _run_block(graphdef: nnx.GraphDef, state: Any, *args: Any) -> Any:
+    return nnx.merge(graphdef, state)(*args)
+
+
+_block_program = jax.jit(_run_block, static_argnums=0)
+
+
+def call_block(block: Block, *args: Any) -> Any:
+    """``block(*args)`` as a nested ``jax.jit`` call keyed by the block's graph.
+
+    The layers of a model share one graph and one set of shapes, so tracing the first
+    layer serves the others: JAX reuses its jaxpr, its linearisation and its lowering
+    (one function that the program calls once per layer, which XLA inlines before it
+    optimises). A train step traces and lowers about a quarter of a second sooner on
+    a 4-layer model; the compiled program, and every number it computes, are those of
+    calling the blocks directly.
+    """
+    graphdef, state = nnx.split(block)
+    return _block_program(graphdef, state, *args)
+
+
 class Transformer(nnx.Module):
     """Decoder-only language model of the Qwen2 / Qwen3 / Llama-3 family.
 
@@ -375,7 +396,7 @@ class Transformer(nnx.Module):
             x, _ = jax.lax.scan(_rematted(scan_step, remat, in_scan=True), x, stacked)
         elif remat == "none":
             for layer in self.layers:
-                x, _ = layer(x, rope, mask)
+                x, _ = call_block(layer, x, rope, mask)
         else:
             for layer in self.layers:
                 graphdef, layer_state = nnx.split(layer)
@@ -432,7 +453,7 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens)
         ks, vs = [], []
         for layer, k, v in zip(self.blocks(), cache.k, cache.v, strict=True):
-            x, (k, v) = layer(x, rope, mask, (k, v, start))
+            x, (k, v) = call_block(layer, x, rope, mask, (k, v, start))
             ks.append(k)
             vs.append(v)
         logits = self.unembed(self.norm(x))
