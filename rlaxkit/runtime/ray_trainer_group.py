@@ -174,8 +174,7 @@ class TrainerProcessActor(TrainerHost):
     def _host(self, tree):
         return distributed.gather_to_host(tree)
 
-    def _for_push(self, params):
-        return distributed.gather_to_host(params)
+    _for_push = _host
 
     def _publishable(self, params):
         gathered = distributed.gather_to_host(params)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
@@ -81,6 +81,14 @@ def compile_first_step(host: TrainerHost, config: RunConfig, task: Any) -> threa
     return thread
 
 
+class Pending(NamedTuple):
+    """A version to publish when the store lacks it (``merged``: a LoRA run's full weights)."""
+
+    version: int
+    params: Any
+    merged: bool = False
+
+
 class TrainerHost:
     """The trainer: owns the train state, steps on batches, pushes, checkpoints.
 
@@ -97,19 +105,17 @@ class TrainerHost:
         config: the run configuration.
         store: the parameter server.
         cache_dir: where the warm start is cached (shared with the driver's host).
-        checkpoint_dir: where train-state checkpoints go (``None``: none; a restart then
-            replays from step 0).
+        checkpoint_dir: where train-state checkpoints go (``None``: a restart replays
+            from step 0).
         clock: the run's clock (``WallClock`` in an actor).
         jax_options: ``jax.config`` values to apply first.
-        trace: where events go (default: kept in memory and handed back with each
-            reply; in this process, the run's trace itself).
+        trace: where events go (default: in memory, handed back with each reply).
     """
 
-    # A one-process trainer: no mesh, arrays on this process's default device, and
-    # this process pushes. ``TrainerProcessActor`` (``ray_trainer_group``) overrides
-    # these for one process of a multi-process trainer.
+    # One process: no mesh (its default device), and it pushes to the parameter server.
+    # ``TrainerProcessActor`` (``ray_trainer_group``) sets both per process of a group.
     mesh: Any = None
-    pushes: bool = True  # This process talks to the parameter server.
+    pushes: bool = True
 
     def __init__(
         self,
@@ -134,7 +140,6 @@ class TrainerHost:
         trace: Any = None,
     ) -> None:
         self.config, self.clock = config, clock
-        self.in_process = store.in_process
         self.trace = trace or MemoryTrace()
         self.task = task = build_task(config)
         cache = Path(cache_dir) if cache_dir else None
@@ -150,18 +155,15 @@ class TrainerHost:
         state = create_train_state(train_config, params, seed=config.seed, ref_params=ref)
         self.state = self._place_state(state)
         self._version = 0
-        self._merged = False  # _to_publish holds a LoRA run's merged weights
         # In this process the step keeps its parameters (it donates every other buffer),
         # so the in-process store holds each pushed version without a copy.
         self.train_step = make_train_step(
-            train_config, graphdef, mesh=self.mesh, keep_params=self.in_process
+            train_config, graphdef, mesh=self.mesh, keep_params=store.in_process
         )
         # A trainer group's step compiles at its first batch (its shardings are the
         # mesh's); one process compiles it now, while the workers start.
         self.compiling = None if self.mesh else compile_first_step(self, config, task)
         self.store_kind = store.kind
-        # A LoRA run publishes the frozen base once and then the adapters alone.
-        self.lora = train_config.lora
         # Every process of a trainer group gathers the base (a collective).
         base = None if self.lora is None else self._host(self.state.base_params)
         self.param_server = None
@@ -178,11 +180,17 @@ class TrainerHost:
             self.checkpoints = CheckpointManager(
                 checkpoint_dir, max_to_keep=config.checkpoint.keep, async_save=self.in_process
             )
-        # (version, host params) to publish when the store lacks the newest version.
-        self._to_publish: tuple[int, Any] | None = (
-            0,
-            self._publishable(self._published(self.state)),
-        )
+        self._to_publish: Pending | None = self._newest()
+
+    @property
+    def in_process(self) -> bool:
+        """The store lives in this process (the step keeps its parameters for it)."""
+        return self.store_kind == "inprocess"
+
+    @property
+    def lora(self) -> Any:
+        """A LoRA run publishes its frozen base once, then its adapters alone."""
+        return self.config.trainer.lora
 
     # -- where arrays live (overridden by a multi-process trainer) -------------------
     def _warm_start(self, config, task, model, tokenizer, cache_dir):
@@ -209,9 +217,12 @@ class TrainerHost:
         kept parameters themselves (adapters are copied: the step donates them)."""
         return params if self.in_process and self.lora is None else self._host(params)
 
-    def _published(self, state: Any) -> Any:
-        """What a push publishes of ``state``: the params, or a LoRA run's adapters."""
-        return state.params if self.lora is None else state.adapters
+    def _published(self) -> Any:
+        """What a push publishes: the params, or a LoRA run's adapters."""
+        return self.state.params if self.lora is None else self.state.adapters
+
+    def _newest(self) -> Pending:
+        return Pending(self.version, self._publishable(self._published()))
 
     def _on_transfer(self, kind: str, version: int | None, **fields: Any) -> None:
         if kind == "push":
@@ -234,6 +245,12 @@ class TrainerHost:
             )
 
     # -- checkpoints -----------------------------------------------------------------
+    def _timed(self, kind: str, start: float) -> None:
+        now, version = self.clock(), self.version
+        self.trace.record(
+            now, kind, "trainer", version, step=version, duration_s=self.clock() - start
+        )
+
     def _save(self, json: dict[str, Any] | None, weights: dict[str, Any] | None, wait: bool) -> int:
         start = self.clock()
         # Numpy leaves (the weights) are written by process 0 alone; every process
@@ -243,14 +260,7 @@ class TrainerHost:
         save_train_state(self.checkpoints, self.state, json=json, pytrees=pytrees, force=True)
         if wait:
             self.checkpoints.wait()
-        self.trace.record(
-            self.clock(),
-            "checkpoint_save",
-            "trainer",
-            self.version,
-            step=self.version,
-            duration_s=self.clock() - start,
-        )
+        self._timed("checkpoint_save", start)
         return self.version
 
     def restore(self, max_step: int, published: tuple[int, Any] | None = None) -> int:
@@ -259,10 +269,9 @@ class TrainerHost:
 
         Args:
             max_step: the newest step the driver knows was taken.
-            published: ``(version, host params)`` that :meth:`publish` pushes next, when
-                that is not the restored step's own (a resumed run whose newest
-                published version is older than its checkpoint: pushes every ``k``
-                steps); ``None``: the restored state's params.
+            published: ``(version, host params)`` for :meth:`publish` to push next when
+                a resumed run's newest published version is older than its checkpoint
+                (``None``: the restored state's params).
         """
         if self.checkpoints:
             self.checkpoints.wait()  # a save still being written in the background
@@ -273,19 +282,12 @@ class TrainerHost:
             start = self.clock()
             self.state = restore_train_state(self.checkpoints, self.state, step=max(steps))
             self._version = int(self.state.step)
-            self.trace.record(
-                self.clock(),
-                "checkpoint_restore",
-                "trainer",
-                self.version,
-                step=self.version,
-                duration_s=self.clock() - start,
-            )
+            self._timed("checkpoint_restore", start)
         if published is not None and published[0] != self.version:
-            self._to_publish = published if self.pushes else None
-            self._merged = self.lora is not None  # full weights, not adapters
+            # A LoRA run's checkpoint holds full weights, not adapters.
+            self._to_publish = Pending(*published, self.lora is not None) if self.pushes else None
         else:
-            self._to_publish = (self.version, self._publishable(self._published(self.state)))
+            self._to_publish = self._newest()
         return self.version
 
     # -- training --------------------------------------------------------------------
@@ -315,12 +317,12 @@ class TrainerHost:
         duration_s = self.clock() - start
         if self.config.weight_sync.should_push(self.version):
             if push:
-                params = self._for_push(self._published(self.state))
+                params = self._for_push(self._published())
                 if self.param_server is not None:  # process 0 of a trainer group pushes
                     self.param_server.push(self.version, params)
                 self._to_publish = None
             else:
-                self._to_publish = (self.version, self._publishable(self._published(self.state)))
+                self._to_publish = self._newest()
         return TrainResult(metrics, duration_s, self._drain())
 
     def publish(self, step: int, reset: bool = False) -> PublishReply:
@@ -340,8 +342,8 @@ class TrainerHost:
         if self._to_publish is not None and (
             reset or latest is None or latest < self._to_publish[0]
         ):
-            version, params = self._to_publish
-            if self._merged:  # a LoRA run resumed at a version older than its state
+            version, params, merged = self._to_publish
+            if merged:  # a LoRA run resumed at a version older than its state
                 store.push_merged(
                     version, params, reset=reset and self.store_kind == "object_store"
                 )
@@ -351,7 +353,7 @@ class TrainerHost:
                 store.rollback(version, params)  # a fault plan's store: a new lineage
             elif latest is None or latest < version:
                 store.push(version, params)
-            self._to_publish, self._merged = None, False
+            self._to_publish = None
         elif self.store_kind == "object_store" and (latest is None or reset):
             store.republish()
         return PublishReply(store.latest_version(), self._drain())
@@ -375,8 +377,7 @@ class TrainerHost:
             step: the step the state must be at.
             json: JSON items (name -> value) saved with the train state.
             weights: the ``weights`` item (``{"v<N>": host params}``), or ``None``.
-            wait: block until it is written (in this process saves go on in the
-                background otherwise; an actor always waits).
+            wait: block until it is written (an actor always waits).
 
         Raises:
             TrainerRestartedError: the state is not at ``step``.
