@@ -181,6 +181,7 @@ class GRPOLoop:
         self.tiered = tiered
         self.train_step = make_train_step(self.train_config, self.graphdef, tiered=tiered)
         self._compiling: threading.Thread | None = None
+        self._sampler_threads: list[threading.Thread] = []
         self._stepped = False
 
     def batch_shape(self) -> TrainBatch:
@@ -238,6 +239,11 @@ class GRPOLoop:
         index = [(i * s.prompts + k) % len(self.prompts) for k in range(s.prompts)]
         prompts = [self.prompts[k] for k in index]
         version = int(self.state.step)
+        # The sampler's programs, compiled ahead: waiting for them here costs nothing (the
+        # call needs them), where calling while they still trace traces them again.
+        for thread in self._sampler_threads:
+            thread.join()
+        self._sampler_threads = []
         result = generate(
             (self.graphdef, self.state.packed("params")),
             prompts,
