@@ -49,10 +49,9 @@ def batch_metrics(
         "batch/equal_reward_groups": sum(
             1 for g in groups if len(g.rollouts) > 1 and np.all(g.rewards == g.rewards[0])
         ),
-        "buffer/in_flight": buffer_counts["in_flight"],
-        "buffer/buffered": buffer_counts["buffered"],
-        "buffer/trained": buffer_counts["trained"],
-        "buffer/dropped": buffer_counts["dropped"],
+        **{
+            f"buffer/{k}": buffer_counts[k] for k in ("in_flight", "buffered", "trained", "dropped")
+        },
         **{f"dropped/{k}": v for k, v in buffer_counts["dropped_by_reason"].items()},
         **{f"train/{k}": v for k, v in train_metrics.items()},
     }
@@ -66,7 +65,7 @@ class RunTrace:
         path: the trace.jsonl to append to, or ``None``.
         written: the events the file already holds (those of a run resumed from).
         lock: taken around every event (the local runtime's concurrent mode records from
-            worker threads); a fresh one by default.
+            worker threads).
         restarts: counts ``restart`` events by actor (``worker`` for any worker) into
             this dict (the run's books).
 
@@ -75,18 +74,14 @@ class RunTrace:
     """
 
     def __init__(
-        self,
-        path: Path | None,
-        written: int = 0,
-        lock: threading.RLock | None = None,
-        restarts: dict[str, int] | None = None,
+        self, path: Path | None, written: int, lock: threading.RLock, restarts: dict[str, int]
     ) -> None:
         self.memory = MemoryTrace()
-        self.restarts = {} if restarts is None else restarts
+        self.restarts = restarts
         self.file = JsonlTraceWriter(path, append=True) if path else None
         self.written = written
         self.offset_s = 0.0
-        self.lock = lock or threading.RLock()
+        self.lock = lock
 
     def record(
         self, t: float, kind: str, actor: str, version: int | None = None, **fields: Any

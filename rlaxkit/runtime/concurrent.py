@@ -61,10 +61,11 @@ def check_supported(config: RunConfig) -> None:
     """Rejects the checkpoint settings concurrent mode cannot honour, naming the fix.
 
     Raises:
-        ValueError: ``checkpoint.every_steps`` / ``checkpoint.every_s`` set.
+        ValueError: ``checkpoint.every_steps`` / ``checkpoint.every_s`` set in
+            concurrent mode.
     """
     for name in ("every_steps", "every_s"):
-        if getattr(config.checkpoint, name) is not None:
+        if config.runtime.mode == "concurrent" and getattr(config.checkpoint, name) is not None:
             raise ValueError(
                 f"checkpoint.{name}: RL-state checkpoints with exact resume need the "
                 "deterministic interleaving; runtime.mode=concurrent does not write them "

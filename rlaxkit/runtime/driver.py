@@ -75,15 +75,9 @@ class Experiment(Loop):
     ):
         self.config = config
         plan = load_plan(faults)
-        self.faults = FaultInjector.for_plan(plan, config)
-        if config.runtime.mode == "concurrent":
-            check_supported(config)
         self.run_dir = Path(run_dir).absolute() if run_dir else None
-        if self.run_dir is None and any(f.kind == "preempt_trainer" for f in plan):
-            raise ValueError(
-                "faults: preempt_trainer restores the last checkpoint; give the Experiment "
-                "a run_dir to write checkpoints to"
-            )
+        self.faults = FaultInjector.for_plan(plan, config, self.run_dir)
+        check_supported(config)
         check_run_dir(config.tracking, self.run_dir)
         check_inputs(config)  # bad data or checkpoint files fail before any work
         point = codec.find_resume_point(self.run_dir, config, plan, resume)
@@ -106,8 +100,9 @@ class Experiment(Loop):
             self.trace.record(0.0, "run_start", "controller", None, config=config.to_dict())
         else:
             self.trace.offset_s = resumed["offset_s"]
+        parts = None  # what a failed start closes
         try:
-            self.parts = start_placement(
+            self.parts = parts = start_placement(
                 config,
                 trace=self.trace,
                 clock=self.clock,
@@ -118,20 +113,16 @@ class Experiment(Loop):
                 ray_config=ray_config,
                 worker_ids=[w["worker_id"] for w in point.items["workers"]] if point else None,
             )
-        except BaseException:
-            self.trace.close()
-            raise
-        self.fleet, self.trainer = self.parts.fleet, self.parts.trainer
-        self.problems = self.parts.task.problems("train", config.task.num_train)
-        self.controller = PromptController(len(self.problems), seed=config.seed)
-        self.buffer = RolloutBuffer(
-            config.staleness, config.group_size, config.batching, config.recovery
-        )
-        self.buffer.ledger.on_drop = self.drop_event
-        self.published = 0  # the newest version the trainer published
-        self.last_batch: dict[str, Any] | None = None
-        self.closed = False
-        try:
+            self.fleet, self.trainer = parts.fleet, parts.trainer
+            self.problems = parts.task.problems("train", config.task.num_train)
+            self.controller = PromptController(len(self.problems), seed=config.seed)
+            self.buffer = RolloutBuffer(
+                config.staleness, config.group_size, config.batching, config.recovery
+            )
+            self.buffer.ledger.on_drop = self.drop_event
+            self.published = 0  # the newest version the trainer published
+            self.last_batch: dict[str, Any] | None = None
+            self.closed = False
             if point is not None:
                 self.trace.record(
                     0.0,
@@ -148,11 +139,6 @@ class Experiment(Loop):
                     config.checkpoint.every_steps or config.checkpoint.every_s or len(plan)
                 ):
                     self.save_checkpoint()  # step 0: what a restore falls back to
-        except BaseException:
-            self.parts.close()
-            self.trace.close()
-            raise
-        try:
             self.logger = open_trackers(
                 config.tracking,
                 self.run_dir,
@@ -162,7 +148,8 @@ class Experiment(Loop):
                 progress=progress,
             )
         except BaseException:
-            self.parts.close()
+            if parts is not None:
+                parts.close()
             self.trace.close()
             raise
         self.window = Window(self.clock(), self.fleet.generated_tokens())

@@ -44,6 +44,8 @@ from rlaxkit.faults import Fault, FaultPlan
 from rlaxkit.runtime.faulty_store import UnreliableParameterServer
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from rlaxkit.config import RunConfig
     from rlaxkit.runtime.loop import Loop as Experiment
 
@@ -76,20 +78,15 @@ PREEMPTION_KINDS = {
 }
 
 # Kinds a Ray placement injects; the others reach inside a worker's process.
-RAY_KINDS = (
-    "preempt_worker",
-    "preempt_slice",
-    "preempt_trainer",
-    "kill_param_server",
-    "slow_worker",
-)
+RAY_KINDS = (*PREEMPTION_KINDS, "slow_worker")
 
 
-def check_plan_supported(plan: FaultPlan, config: RunConfig) -> None:
+def check_plan_supported(plan: FaultPlan, config: RunConfig, run_dir: Path | None) -> None:
     """Refuses, naming the fix, a plan the placement cannot inject.
 
     Raises:
-        ValueError: a plan in concurrent mode, or a kind Ray does not inject.
+        ValueError: a plan in concurrent mode, a kind Ray does not inject, or a
+            ``preempt_trainer`` fault without a ``run_dir`` to checkpoint to.
     """
     if not len(plan):
         return
@@ -111,6 +108,11 @@ def check_plan_supported(plan: FaultPlan, config: RunConfig) -> None:
                     f"faults[{index}].kind: {fault.kind!r} reaches inside a worker's process "
                     f"and is injected by runtime.backend=local only; on ray use {RAY_KINDS}"
                 )
+    if run_dir is None and any(f.kind == "preempt_trainer" for f in plan):
+        raise ValueError(
+            "faults: preempt_trainer restores the last checkpoint; give the Experiment "
+            "a run_dir to write checkpoints to"
+        )
 
 
 class NoFaults:
@@ -171,10 +173,10 @@ class FaultInjector(NoFaults):
         self.store = store
 
     @staticmethod
-    def for_plan(plan: FaultPlan, config: RunConfig) -> NoFaults:
+    def for_plan(plan: FaultPlan, config: RunConfig, run_dir: Path | None) -> NoFaults:
         """``NO_FAULTS`` for an empty plan, else an injector (its store is set by the
-        placement)."""
-        check_plan_supported(plan, config)
+        placement); ``check_plan_supported`` first."""
+        check_plan_supported(plan, config, run_dir)
         if not len(plan):
             return NO_FAULTS
         runtime = config.runtime

@@ -162,3 +162,15 @@ def read_published(store: Any, lora: Any) -> tuple[int, Any]:
 
         store = AdapterParameterServer(store)
     return store.pull()
+
+
+def published_params(store: Any, lora: Any, version: int) -> Any:
+    """The full weights of ``version``, which must be the newest in ``store`` (a
+    checkpoint keeps the published version's weights)."""
+    pulled, params = read_published(store, lora)
+    if pulled != version:
+        raise RuntimeError(
+            f"the parameter server holds version {pulled}, the driver published "
+            f"{version}: cannot checkpoint the published weights"
+        )
+    return params

@@ -22,7 +22,7 @@ from rlaxkit.runtime.concurrent import ConcurrentCollector
 from rlaxkit.runtime.faults import FaultInjector, NoFaults
 from rlaxkit.runtime.faulty_store import UnreliableParameterServer
 from rlaxkit.runtime.fleet import Fleet, InProcess
-from rlaxkit.runtime.hosts import WeightStore, read_published
+from rlaxkit.runtime.hosts import WeightStore, published_params, read_published
 from rlaxkit.runtime.placement import Parts
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
 from rlaxkit.runtime.trainer_client import InProcessTrainer, TrainerClient
@@ -89,12 +89,6 @@ def start_local(
     fleet.scale(config.runtime.num_workers)
     concurrent = config.runtime.mode == "concurrent"
 
-    def published_weights(version: int) -> Any:
-        inner = store.store if isinstance(store, UnreliableParameterServer) else store
-        pulled, params = read_published(inner, config.trainer.lora)
-        assert pulled == version, (pulled, version)
-        return params
-
     params = host.state.params
     return Parts(
         task=host.task,
@@ -112,7 +106,11 @@ def start_local(
             if concurrent
             else None
         ),
-        published_weights=published_weights,
+        published_weights=lambda version: published_params(
+            store.store if isinstance(store, UnreliableParameterServer) else store,
+            config.trainer.lora,
+            version,
+        ),
         teardown=[scorer.close, trainer.close, fleet.close],
     )
 

@@ -24,13 +24,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class Parts:
-    """A placement's parts, as the driver uses them.
+    """A placement's parts, as the driver uses them (the Ray placement fills them in as
+    it starts each).
 
     Attributes:
         task, tokenizer, graphdef: the run's task, tokenizer and model graph.
         warm_start: what the warm start did (``cached``, ``steps``, ...).
-        fleet: the inference workers (``rlaxkit.api.Fleet``).
-        trainer: the trainer client (``rlaxkit.api.TrainerClient``).
+        fleet, trainer: the inference workers (``rlaxkit.api.Fleet``) and the trainer
+            client (``rlaxkit.api.TrainerClient``).
         store: the driver's parameter-server client (it reads ``latest_version``).
         scorer: a ``RewardRunner`` in this process (evaluation; local scoring).
         shapes: ``param_shapes`` of the params (checked against a checkpoint's).
@@ -43,15 +44,15 @@ class Parts:
     """
 
     task: Any
-    tokenizer: Any
-    graphdef: Any
-    warm_start: dict[str, Any]
-    fleet: Any
-    trainer: Any
-    store: Any
-    scorer: Any
-    shapes: dict[str, list]
-    template: Any
+    tokenizer: Any = None
+    graphdef: Any = None
+    warm_start: dict[str, Any] = field(default_factory=dict)
+    fleet: Any = None
+    trainer: Any = None
+    store: Any = None
+    scorer: Any = None
+    shapes: dict[str, list] = field(default_factory=dict)
+    template: Any = None
     collector: Any = None
     published_weights: Callable[[int], Any] = lambda version: None
     schedule: Callable[[int], int | None] = lambda step: None

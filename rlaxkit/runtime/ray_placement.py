@@ -39,7 +39,7 @@ from rlaxkit.runtime.books import RunBooks
 from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.fleet import Fleet
-from rlaxkit.runtime.hosts import WallClock, WeightStore, driver_jax_options, read_published
+from rlaxkit.runtime.hosts import WallClock, WeightStore, driver_jax_options, published_params
 from rlaxkit.runtime.placement import Parts
 from rlaxkit.runtime.ray_trainer_group import TrainerGroup, remote, stop_actor
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
@@ -164,18 +164,7 @@ def start_ray(
             "unset release_after_s"
         )
     rc = ray_config or config.ray
-    parts = Parts(
-        task=build_task(config),
-        tokenizer=None,
-        graphdef=None,
-        warm_start={},
-        fleet=None,
-        trainer=None,
-        store=None,
-        scorer=None,
-        shapes={},
-        template=None,
-    )
+    parts = Parts(task=build_task(config))  # the rest once each is started
     if not ray.is_initialized():
         # A cluster this run starts frees evicted weight versions at once, so pushes
         # reuse warm shared memory (see rlaxkit.param_server.ray_store).
@@ -286,14 +275,6 @@ def _place(
     parts.scorer = RewardRunner.for_task(parts.task).start()
     parts.teardown.append(parts.scorer.close)
     parts.schedule = lambda step: scheduled_workers(rc, step)
-
-    def published_weights(version: int) -> Any:
-        pulled, params = read_published(parts.store, config.trainer.lora)
-        if pulled != version:
-            raise RuntimeError(
-                f"the parameter server holds version {pulled}, the driver published "
-                f"{version}: cannot checkpoint the published weights"
-            )
-        return jax.device_get(params)
-
-    parts.published_weights = published_weights
+    parts.published_weights = lambda version: jax.device_get(
+        published_params(parts.store, config.trainer.lora, version)
+    )

@@ -46,12 +46,10 @@ from rlaxkit.runtime.books import RunBooks
 FORMAT = 2
 PYTREE_ITEMS = ("train_state", "weights")
 JSON_ITEMS = ("meta", "controller", "buffer", "workers", "fleet", "faults", "history", "extra")
-# Fields that may change between a save and a resume: how long to run, how to evaluate,
-# when to checkpoint, where Ray would place actors (the local backend ignores it).
-# Everything else shapes the RL state and must match.
-# Config sections a run may change when it resumes: they change where it goes and what
-# it records, not what it computes (tracking: a checkpoint written before it existed, or
-# another list of trackers, resumes).
+# Config sections a run may change when it resumes: how long to run, how to evaluate,
+# when to checkpoint, where Ray places actors (the local backend ignores it), what it
+# records (tracking: a checkpoint written before it existed, or another list of trackers,
+# resumes). Everything else shapes the RL state and must match.
 RESUMABLE_FIELDS = ("steps", "eval", "checkpoint", "ray", "tracking")
 
 
@@ -131,50 +129,6 @@ def weights_key(version: int) -> str:
     return f"v{version}"
 
 
-def continue_trace(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """Cuts the trace file ``path`` back to checkpoint ``meta`` for a resumed run.
-
-    Keeps the ``meta["trace_events"]`` events written up to the checkpoint, the
-    trainer's ``checkpoint_save`` of its step and the stopped run's ``run_end`` (its
-    summary, when it stopped cleanly); the other events after the checkpoint go, since
-    the resumed run takes those steps again. The file is replaced atomically.
-
-    Returns ``offset_s`` (where the resumed run's clock starts: after the last event of
-    the run that stopped, so the lost time shows as a gap), ``lost_steps`` and
-    ``lost_train_s`` (the train steps taken after the checkpoint) and ``events`` (the
-    trace's length now).
-    """
-    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    count = meta.get("trace_events", len(lines))
-    kept = lines[:count]
-    offset_s, lost_steps, lost_train_s = meta["clock_s"], 0, 0.0
-    for line in lines[count:]:
-        try:
-            event = json.loads(line)
-            offset_s = max(offset_s, float(event["t"]))
-        except (ValueError, KeyError, TypeError):
-            continue  # A line cut short when the process died.
-        kind = event.get("kind")
-        if kind == "run_end" or (kind == "checkpoint_save" and event.get("step") == meta["step"]):
-            kept.append(line)
-        elif kind == "train_step":
-            lost_steps += 1
-            lost_train_s += float(event.get("duration_s", 0.0))
-    if len(kept) != len(lines):
-        replace_lines(path, kept)
-    return {
-        "offset_s": offset_s,
-        "lost_steps": lost_steps,
-        "lost_train_s": lost_train_s,
-        "events": len(kept),
-    }
-
-
-def read_meta(manager: Any, step: int | None = None) -> dict[str, Any]:
-    """The ``meta`` item of checkpoint ``step`` (default: the latest)."""
-    return manager.restore(step, json=["meta"])["meta"]
-
-
 def checkpoint_dir(run_dir: Path) -> Path:
     """Where a run's checkpoints live."""
     return run_dir / "checkpoints"
@@ -191,13 +145,6 @@ class ResumePoint:
     @property
     def step(self) -> int:
         return self.meta["step"]
-
-
-def _holds_run(run_dir: Path) -> bool:
-    checkpoints = checkpoint_dir(run_dir)
-    return (run_dir / "trace.jsonl").exists() or (
-        checkpoints.is_dir() and any(checkpoints.iterdir())
-    )
 
 
 def find_resume_point(
@@ -221,7 +168,7 @@ def find_resume_point(
             steps = manager.all_steps()
             if steps and resume:
                 try:
-                    meta = read_meta(manager, steps[-1])
+                    meta = manager.restore(steps[-1], json=["meta"])["meta"]
                 except FileNotFoundError as error:
                     raise ValueError(
                         f"checkpoint {steps[-1]} in {directory} has no meta item, so the run "
@@ -237,7 +184,10 @@ def find_resume_point(
                 names = [n for n in JSON_ITEMS if n != "meta"]
                 items = manager.restore(steps[-1], json=names)
     if not steps or not resume:
-        if resume or not _holds_run(run_dir):
+        holds_run = (run_dir / "trace.jsonl").exists() or (
+            directory.is_dir() and any(directory.iterdir())
+        )
+        if resume or not holds_run:
             return None
         raise ValueError(
             f"run_dir {run_dir} already holds a run and resume=False: give a new run "
@@ -255,11 +205,45 @@ def find_resume_point(
 
 
 def continue_files(run_dir: Path, point: ResumePoint) -> dict[str, Any]:
-    """Cuts trace.jsonl back to the checkpoint (:func:`continue_trace`, whose figures it
-    returns) and rewrites metrics.jsonl from its history, atomically."""
-    resumed = continue_trace(run_dir / "trace.jsonl", point.meta)
+    """Cuts trace.jsonl back to checkpoint ``point`` for a resumed run and rewrites
+    metrics.jsonl from its history, atomically.
+
+    The trace keeps the ``meta["trace_events"]`` events written up to the checkpoint, the
+    trainer's ``checkpoint_save`` of its step and the stopped run's ``run_end`` (its
+    summary, when it stopped cleanly); the other events after the checkpoint go, since
+    the resumed run takes those steps again.
+
+    Returns ``offset_s`` (where the resumed run's clock starts: after the last event of
+    the run that stopped, so the lost time shows as a gap), ``lost_steps`` and
+    ``lost_train_s`` (the train steps taken after the checkpoint) and ``events`` (the
+    trace's length now).
+    """
+    meta, path = point.meta, run_dir / "trace.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    count = meta.get("trace_events", len(lines))
+    kept = lines[:count]
+    offset_s, lost_steps, lost_train_s = meta["clock_s"], 0, 0.0
+    for line in lines[count:]:
+        try:
+            event = json.loads(line)
+            offset_s = max(offset_s, float(event["t"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # A line cut short when the process died.
+        kind = event.get("kind")
+        if kind == "run_end" or (kind == "checkpoint_save" and event.get("step") == meta["step"]):
+            kept.append(line)
+        elif kind == "train_step":
+            lost_steps += 1
+            lost_train_s += float(event.get("duration_s", 0.0))
+    if len(kept) != len(lines):
+        replace_lines(path, kept)
     replace_lines(run_dir / "metrics.jsonl", [json.dumps(row) for row in point.items["history"]])
-    return resumed
+    return {
+        "offset_s": offset_s,
+        "lost_steps": lost_steps,
+        "lost_train_s": lost_train_s,
+        "events": len(kept),
+    }
 
 
 def encode(

@@ -29,8 +29,7 @@ class InProcessTrainer:
     def preempt(self) -> None:
         """Nothing dies in this process: the state is void until the restore."""
 
-    def restart(self) -> None:
-        pass
+    restart = preempt
 
     def stop(self, timeout_s: float = 0.0) -> None:
         self.leader.close()
