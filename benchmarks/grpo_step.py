@@ -182,6 +182,7 @@ class GRPOLoop:
         self.train_step = make_train_step(self.train_config, self.graphdef, tiered=tiered)
         self._compiling: threading.Thread | None = None
         self._sampler_threads: list[threading.Thread] = []
+        self._sampler_started: threading.Event | None = None
         self._stepped = False
 
     def batch_shape(self) -> TrainBatch:
@@ -203,25 +204,39 @@ class GRPOLoop:
     def start_compiling(self) -> None:
         """Compiles the train step and the sampler's programs on background threads: the
         shapes are known before any batch exists, and XLA compiles without holding the
-        GIL, so the programs compile side by side."""
+        GIL, so the programs compile side by side.
+
+        The train step traces and lowers first, and the sampler's programs start once it
+        compiles: tracing holds the GIL, so programs traced side by side all start
+        compiling late, and the train step's compile is the longest. A large first step
+        took 3.09-3.22 s this way against 3.34-3.50 s with all three traced at once
+        (docs/performance.md, "The first step's order")."""
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state)
         batch = self.batch_shape()
+        longest = max(len(p) for p in self.prompts)
+        started = self._sampler_started = threading.Event()
 
-        def compile_step() -> None:  # the step's call finds the executable
-            self.train_step.lower(state, batch).compile()
+        def compile_step() -> None:  # the calls find the executables
+            try:
+                lowered = self.train_step.lower(state, batch)
+            except Exception:  # raised again when the step's call traces it
+                lowered = None
+            try:
+                self._sampler_threads = compile_generate(
+                    (self.graphdef, self.state.params),
+                    self.sampling,
+                    self.setting.prompts,
+                    longest,
+                    tiered=self.tiered,
+                    min_prompt_width=self.min_prompt_width,
+                )
+            finally:
+                started.set()
+            if lowered is not None:
+                lowered.compile()
 
         self._compiling = threading.Thread(target=compile_step, name="compile-train-step")
         self._compiling.start()
-        # The sampler's programs too, side by side (their calls find the executables).
-        longest = max(len(p) for p in self.prompts)
-        self._sampler_threads = compile_generate(
-            (self.graphdef, self.state.params),
-            self.sampling,
-            self.setting.prompts,
-            longest,
-            tiered=self.tiered,
-            min_prompt_width=self.min_prompt_width,
-        )
 
     def step(self, i: int) -> dict[str, float]:
         """Iteration ``i`` (its own prompts and seed); returns phase timings and metrics.
@@ -241,6 +256,9 @@ class GRPOLoop:
         version = int(self.state.step)
         # The sampler's programs, compiled ahead: waiting for them here costs nothing (the
         # call needs them), where calling while they still trace traces them again.
+        if self._sampler_started is not None:
+            self._sampler_started.wait()
+            self._sampler_started = None
         for thread in self._sampler_threads:
             thread.join()
         self._sampler_threads = []

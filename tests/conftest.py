@@ -9,10 +9,16 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # does (``rlaxkit.jaxutil.QUICK_COMPILER_OPTIONS``): LLVM at -O0 took about a quarter
 # off the suite, and XLA:CPU's loop emitters for fusions instead of its MLIR emitters
 # took a further 23-36 % off six compile-heavy modules from an empty cache (95-97 s
-# against 123-152 s). The tiny models run a little slower. The processes tests start
-# inherit the flags; runs outside the tests use XLA's defaults.
+# against 123-152 s). Each LLVM module compiles whole rather than split for a thread
+# pool, whose parts only add work when two workers compile at once: the model,
+# sampling, engine and chunked-generation modules took 33.8-34.3 s against
+# 39.2-42.2 s (59 s of CPU against 68-71 s) on two workers from an empty cache. The
+# tiny models run a little slower. The processes tests start inherit the flags; runs
+# outside the tests use XLA's defaults.
 os.environ.setdefault(
-    "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    "XLA_FLAGS",
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    " --xla_cpu_parallel_codegen_split_count=1",
 )
 
 import pytest  # noqa: E402
