@@ -63,8 +63,9 @@ class RuntimeSide:
     def restore(self, step, void):
         self.version, self.published = step, min(self.published, step)
         self.buffer.rollback(step)
-        # The loop: workers holding weights newer than ``step`` lose their prompts.
-        self.lose([group_id for group_id, _ in void], "rolled_back")
+        # The loop: workers holding weights newer than ``step`` lose their prompts, which
+        # go back in id order.
+        self.lose(sorted(group_id for group_id, _ in void), "rolled_back")
 
     def snapshot(self):
         ledger = self.buffer.ledger

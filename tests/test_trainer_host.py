@@ -47,8 +47,15 @@ def test_no_guess_for_an_episodic_task():
 def test_a_step_whose_loss_is_not_finite_stops_the_run_before_its_push(cache):
     """A step size of 1e30 passes the config (it is a finite number), makes the weights
     overflow on the first update, and the next step's gradient norm is NaN: the run stops
-    there, naming the step, instead of training and publishing NaN for the rest of it."""
-    config = small_run_config("steps=4", "optimizer.learning_rate=1e30", "optimizer.warmup_steps=0")
+    there, naming the step, instead of training and publishing NaN for the rest of it.
+    Groups whose rewards are all equal are kept: the overflowed policy may sample alike
+    completions, and dropping their groups would leave the next step without a batch."""
+    config = small_run_config(
+        "steps=4",
+        "optimizer.learning_rate=1e30",
+        "optimizer.warmup_steps=0",
+        "batching.equal_rewards=keep",
+    )
     with Experiment(config, cache_dir=cache) as exp:
         with pytest.raises(
             FloatingPointError, match=r"train step \d+: (loss|grad_norm) is (nan|inf)"

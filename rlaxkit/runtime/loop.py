@@ -173,9 +173,14 @@ class Loop:
         self.logger.roll_back(step, self.books.history)
         self.trace.discard_steps(discarded)
         self.buffer.rollback(step)
-        for worker_id, version in self.fleet.versions().items():
-            if version is not None and version > step:  # weights of a void branch
-                self.requeue(self.fleet.drop_weights(worker_id), reason="rolled_back")
+        void = [  # sampled from weights of the discarded branch
+            issue
+            for worker_id, version in self.fleet.versions().items()
+            if version is not None and version > step
+            for issue in self.fleet.drop_weights(worker_id)
+        ]
+        # In id order, as the simulator requeues them (``sim.buffer.SimBuffer.on_restore``).
+        self.requeue(sorted(void, key=lambda issue: issue.group_id), reason="rolled_back")
 
     def lose_worker(self, worker_id: str, lost: list[Issue], **fields: Any) -> None:
         """A worker left the fleet or went down: its prompts are re-issued (or dropped,
