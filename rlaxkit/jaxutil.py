@@ -14,6 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from rlaxkit import hostmem
+
+# Before any program runs: XLA:CPU then keeps its freed buffers (``rlaxkit.hostmem``).
+hostmem.keep()
+
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _lock = threading.Lock()
 _compiles = 0

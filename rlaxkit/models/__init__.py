@@ -1,5 +1,6 @@
 """The Qwen2 / Qwen3 / Llama-3 decoder, its KV cache, checkpoints and tokenizers."""
 
+from rlaxkit import hostmem
 from rlaxkit.models.config import ModelConfig, RopeScaling
 from rlaxkit.models.hf import (
     abstract_model,
@@ -28,6 +29,9 @@ from rlaxkit.models.transformer import (
     Transformer,
     positions_from_mask,
 )
+
+# Before any program runs: XLA:CPU then keeps its freed buffers (``rlaxkit.hostmem``).
+hostmem.keep()
 
 __all__ = [
     "CharTokenizer",

@@ -1,0 +1,100 @@
+"""XLA:CPU's temporary buffers without a page fault on every call.
+
+Each call of a compiled program on XLA:CPU allocates the program's temporary buffer,
+runs, and frees it: 208 MB for the peer benchmark's large GRPO train step. glibc's
+``malloc`` serves a block that large with a fresh ``mmap`` and returns it with
+``munmap``, so every call touches every page of it anew: about 53 000 page faults a
+large step, and 225 ms for its train call where the same program takes 185 ms once its
+memory stays mapped (``docs/performance.md``, "Host memory").
+
+:func:`keep` makes freed host memory stay in the process for the next call:
+
+* glibc's ``mallopt``: ``M_MMAP_MAX = 0`` (the main heap serves large blocks too) and
+  ``M_TRIM_THRESHOLD`` at its largest (freed memory at the heap's top is kept, up to
+  2 GiB of it);
+* ``jax_cpu_enable_async_dispatch = False``: XLA:CPU runs a program on the thread that
+  calls it. With asynchronous dispatch it runs on a pool thread, whose glibc arena maps
+  large blocks with ``mmap`` whatever ``M_MMAP_MAX`` says; only the main heap keeps them.
+
+What it costs: the process's heap stays at its high-water mark (freed memory is reused,
+not handed back to the system), and host code after a CPU call no longer runs while the
+call does. It applies only where it helps: Linux with glibc, JAX on its CPU backend (no
+accelerator platform asked for or installed), and before JAX has created its backends,
+since the dispatch mode is fixed then. rlaxkit calls :func:`keep` when
+``rlaxkit.models`` or ``rlaxkit.jaxutil`` is first imported; set
+``RLAXKIT_HOST_MEMORY=default`` before that to leave both settings alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.util
+import os
+import platform
+
+ENV = "RLAXKIT_HOST_MEMORY"
+CHOICES = ("keep", "default")
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+# Where JAX finds GPU plugins (jax-cuda12-plugin, ...) and the TPU runtime.
+_ACCELERATOR_MODULES = ("jax_plugins", "libtpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemory:
+    """What :func:`keep` did: ``kept`` is whether both settings apply in this process,
+    ``reason`` says why or why not."""
+
+    kept: bool
+    reason: str
+
+
+_STATE: HostMemory | None = None
+
+
+def status() -> HostMemory | None:
+    """What :func:`keep` did in this process, or ``None`` before it ran."""
+    return _STATE
+
+
+def keep() -> HostMemory:
+    """Keep freed host memory for XLA:CPU's next call, where that helps (module
+    docstring); the first call decides, later calls return its result."""
+    global _STATE
+    if _STATE is None:
+        _STATE = _decide()
+    return _STATE
+
+
+def _decide() -> HostMemory:
+    choice = os.environ.get(ENV, "keep")
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV}={choice!r}: choose one of {', '.join(CHOICES)}")
+    if choice == "default":
+        return HostMemory(False, f"{ENV}=default")
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return HostMemory(False, "not Linux with glibc")
+    import jax
+    from jax._src import xla_bridge
+
+    platforms = getattr(jax.config, "jax_platforms", None)
+    if platforms:
+        if platforms.split(",")[0].strip() != "cpu":
+            return HostMemory(False, f"JAX runs on {platforms}")
+    elif _accelerator_installed():
+        return HostMemory(False, "an accelerator plugin for JAX is installed")
+    if xla_bridge.backends_are_initialized():
+        return HostMemory(
+            False, "JAX created its backends before rlaxkit was imported; import rlaxkit first"
+        )
+    libc = ctypes.CDLL(None)
+    if not (libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)):
+        return HostMemory(False, "glibc refused mallopt")
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    return HostMemory(True, "large blocks from the main heap, calls on the calling thread")
+
+
+def _accelerator_installed() -> bool:
+    return any(importlib.util.find_spec(name) is not None for name in _ACCELERATOR_MODULES)

@@ -1,0 +1,93 @@
+"""``rlaxkit.hostmem``: XLA:CPU keeps its freed buffers, so a call does not fault its
+output's pages in again; each condition that leaves the settings alone says why."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+# Eight calls of a program whose 64 MiB output is dropped after each: the page faults
+# the eight calls take, and what rlaxkit.hostmem decided.
+FAULTS = """
+import json, resource
+import rlaxkit.jaxutil
+import jax, jax.numpy as jnp
+from jax._src import xla_bridge
+from rlaxkit import hostmem
+f = jax.jit(lambda x: jnp.sin(x) * 2.0)
+x = jnp.ones((16 * 1024 * 1024,), jnp.float32)
+for _ in range(3):
+    f(x).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(CALLS):
+    f(x).block_until_ready()
+print(json.dumps({
+    "kept": hostmem.status().kept,
+    "reason": hostmem.status().reason,
+    "async_dispatch": xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value,
+    "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before,
+}))
+"""
+
+CALLS = 8
+PAGES_PER_CALL = 16 * 1024 * 1024 * 4 // 4096
+FAULTS = FAULTS.replace("CALLS", str(CALLS))
+
+
+def run(script: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    environ.pop("RLAXKIT_HOST_MEMORY", None)
+    environ.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", script], env=environ, capture_output=True, text=True, timeout=120
+    )
+
+
+def report(script: str, **env: str) -> dict:
+    done = run(script, **env)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not GLIBC, reason="rlaxkit.hostmem acts on glibc only")
+def test_kept_memory_spares_each_call_its_page_faults():
+    kept = report(FAULTS)
+    default = report(FAULTS, RLAXKIT_HOST_MEMORY="default")
+    assert kept["kept"] and not kept["async_dispatch"]
+    assert not default["kept"] and default["reason"] == "RLAXKIT_HOST_MEMORY=default"
+    assert default["async_dispatch"]
+    # glibc maps each 64 MiB output anew: its pages fault again on every call. Kept,
+    # the heap grows at most once more (an output allocated before the last is freed).
+    assert default["faults"] >= (CALLS - 1) * PAGES_PER_CALL
+    assert kept["faults"] <= 1.5 * PAGES_PER_CALL
+
+
+def test_settings_are_left_alone_for_an_accelerator_platform():
+    decided = report(
+        "import json; from rlaxkit import hostmem; s = hostmem.keep();"
+        "print(json.dumps({'kept': s.kept, 'reason': s.reason}))",
+        JAX_PLATFORMS="cuda",
+    )
+    assert decided == {"kept": False, "reason": "JAX runs on cuda"}
+
+
+@pytest.mark.skipif(not GLIBC, reason="rlaxkit.hostmem acts on glibc only")
+def test_a_backend_created_first_is_named():
+    decided = report(
+        "import json; import jax.numpy as jnp; jnp.ones(2); import rlaxkit.models;"
+        "from rlaxkit import hostmem; s = hostmem.status();"
+        "print(json.dumps({'kept': s.kept, 'reason': s.reason}))"
+    )
+    assert not decided["kept"]
+    assert "import rlaxkit first" in decided["reason"]
+
+
+def test_an_unknown_choice_names_the_variable_and_the_choices():
+    done = run("import rlaxkit.models", RLAXKIT_HOST_MEMORY="always")
+    assert done.returncode != 0
+    assert "RLAXKIT_HOST_MEMORY='always': choose one of keep, default" in done.stderr
