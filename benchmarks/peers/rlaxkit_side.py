@@ -39,6 +39,7 @@ import workloads  # noqa: E402
 from flax import nnx  # noqa: E402
 from grpo_step import GRPOLoop, Setting, qwen3, timed_steps  # noqa: E402
 
+from rlaxkit import hostmem  # noqa: E402
 from rlaxkit.inference import SamplingConfig, generate  # noqa: E402
 from rlaxkit.jaxutil import Packed, count_compilations, matmul_peak_flops  # noqa: E402
 from rlaxkit.models import ModelConfig, Transformer  # noqa: E402
@@ -175,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         report = {"floor_s": floors(args.floors)}
     else:
         report = {"peak_flops": matmul_peak_flops()}
+    # Whether XLA:CPU kept its freed buffers in this process (``rlaxkit.hostmem``).
+    kept = hostmem.status()
     report.update(side="rlaxkit", work=args.work, setting=args.setting)
+    report.update(host_memory_kept=kept is not None and kept.kept)
     print(json.dumps(report), flush=True)
     # Background compiles (the train step's optimised tier) finish before the
     # interpreter exits: XLA aborts the process if it is torn down under them.

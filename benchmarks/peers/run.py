@@ -105,6 +105,11 @@ def summarise(
     sides = sorted({side for side, _, _ in results})
     for (side, work, setting), runs in sorted(results.items()):
         report[f"{side}_{work}_{setting}_params"] = runs[0]["params"]
+        if "host_memory_kept" in runs[0]:  # rlaxkit's side: every run kept its buffers?
+            kept = all(run["host_memory_kept"] for run in runs)
+            report[f"{side}_host_memory_kept"] = (
+                report.get(f"{side}_host_memory_kept", True) and kept
+            )
         if work == "step":
             seconds = statistics.median(s for run in runs for s in run["step_s"])
             report[f"{side}_step_{setting}_s"] = seconds
