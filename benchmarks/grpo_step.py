@@ -209,9 +209,8 @@ class GRPOLoop:
         The train step traces and lowers first, and the sampler's programs start tracing
         once it is lowered, as it starts compiling: tracing holds the GIL, so programs
         traced side by side all start compiling late, and the train step's compile is
-        the longest. A large first step
-        took 3.09-3.22 s this way against 3.34-3.50 s with all three traced at once
-        (docs/performance.md, "The first step's order")."""
+        the longest. A large first step took 3.09-3.22 s this way against 3.34-3.50 s
+        with all three traced at once (docs/performance.md, "The first step's order")."""
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state)
         batch = self.batch_shape()
         longest = max(len(p) for p in self.prompts)

@@ -176,10 +176,13 @@ def main(argv: list[str] | None = None) -> int:
         report = {"floor_s": floors(args.floors)}
     else:
         report = {"peak_flops": matmul_peak_flops()}
-    # Whether XLA:CPU kept its freed buffers in this process (``rlaxkit.hostmem``).
-    kept = hostmem.status()
-    report.update(side="rlaxkit", work=args.work, setting=args.setting)
-    report.update(host_memory_kept=kept is not None and kept.kept)
+    kept = hostmem.status()  # whether XLA:CPU kept its freed buffers in this process
+    report.update(
+        side="rlaxkit",
+        work=args.work,
+        setting=args.setting,
+        host_memory_kept=kept is not None and kept.kept,
+    )
     print(json.dumps(report), flush=True)
     # Background compiles (the train step's optimised tier) finish before the
     # interpreter exits: XLA aborts the process if it is torn down under them.
