@@ -631,6 +631,9 @@ def _build(
         metrics["grad_norm"] = optax.global_norm(grads)
         metrics["learning_rate"] = opt_state[1].hyperparams["learning_rate"]
         updates, opt_state = tx.update(grads, opt_state, trainable)
+        # An update that overflows makes the weights non-finite while this step's loss and
+        # gradients, taken before it, are finite: ``check_finite`` reads this norm.
+        metrics["update_norm"] = optax.global_norm(updates)
         return (optax.apply_updates(trainable, updates), opt_state), metrics
 
     return prepare, minibatch_gradients, update, tx, policy_of
@@ -642,14 +645,18 @@ def _batch_shards(mesh: Mesh) -> int:
 
 
 def check_finite(step: int, metrics: dict[str, float]) -> None:
-    """Raises ``FloatingPointError`` when train step ``step``'s loss or gradient norm is
-    not finite: the update has made (or found) the weights non-finite, and every later
-    step would train and publish NaN. The runtime calls it before the step's push."""
-    bad = {k: metrics[k] for k in ("loss", "grad_norm") if not math.isfinite(metrics.get(k, 0.0))}
+    """Raises ``FloatingPointError`` when train step ``step``'s loss, gradient norm or
+    update norm is not finite: the step found the weights non-finite, or its update made
+    them so (the update's norm overflows first: float32 squares overflow from about
+    1e19), and every later step would train and publish NaN. The runtime calls it
+    before the step's push, so overflowed weights never reach a worker."""
+    keys = ("loss", "grad_norm", "update_norm")
+    bad = {k: metrics[k] for k in keys if not math.isfinite(metrics.get(k, 0.0))}
     if bad:
         raise FloatingPointError(
             f"train step {step}: {', '.join(f'{k} is {v}' for k, v in bad.items())}; the "
-            "weights are no longer finite (an update too large for them: check "
+            "weights are, or this update makes them, no longer finite (an update too large "
+            "for them: check "
             "optimizer.learning_rate and max_grad_norm). The run stops before publishing "
             "them; it resumes from its last checkpoint"
         )
@@ -686,7 +693,8 @@ def make_train_step(
 
     Metrics (scalars): ``loss``, ``pg_loss``, ``clip_fraction``, ``ratio_mean``,
     ``ratio_max``, ``kl_old`` (to the trust-region centre), ``kl_ref`` (when a reference
-    is used), ``entropy``, ``grad_norm``, ``learning_rate``, ``tokens``, ``sequences``,
+    is used), ``entropy``, ``grad_norm``, ``update_norm`` (the optimizer's update, the
+    global norm), ``learning_rate``, ``tokens``, ``sequences``,
     ``reward_mean``, ``staleness_mean``/``_max`` and the loss's extras. Per-update
     metrics are averaged over the updates of the step (maxima for ``*_max``).
     """

@@ -357,7 +357,31 @@ def check_drops(exp: Loop, dropped_before: int) -> None:
         f"({exp.buffer.counts()['dropped_by_reason']}) without one batch: with "
         "'filtered', the policy always or never solves the task; warm start longer "
         "(sft.steps), pick an easier task, keep them (batching.equal_rewards=keep), or "
-        "with 'stale', raise staleness.max_staleness"
+        "with 'stale', raise staleness.max_staleness" + _since_last_step(exp)
+    )
+
+
+def _since_last_step(exp: Loop) -> str:
+    """What the drops' error adds when the trainer has stepped: the drops in a row all
+    came after its last step, and a policy that solved some problems before an update
+    and none after was broken by it (its weights still finite, or ``check_finite``
+    would have stopped the run)."""
+    if not exp.books.history:
+        return ""
+    last = exp.books.history[-1]
+    figures = ", ".join(
+        f"{name} {last[key]:.3g}"
+        for name, key in (
+            ("pass rate", "reward/pass_rate"),
+            ("update norm", "train/update_norm"),
+            ("learning rate", "train/learning_rate"),
+        )
+        if isinstance(last.get(key), int | float)
+    )
+    return (
+        f". Those in a row all came after train step {last['step']} ({figures}): if the "
+        "policy solved problems before it and none since, that update broke the policy; "
+        "lower optimizer.learning_rate"
     )
 
 
