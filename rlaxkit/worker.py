@@ -284,8 +284,9 @@ class InferenceWorker:
         return self.score(self.fetch())
 
     def launch(self) -> None:
-        """Resolves the episodes' tool steps due, then dispatches one chunk without
-        waiting for it (JAX runs it asynchronously)."""
+        """Resolves the episodes' tool steps due, then dispatches one chunk; ``fetch``
+        waits for it. With asynchronous dispatch this returns before the chunk has run;
+        XLA:CPU under ``rlaxkit.hostmem`` runs it on this thread first."""
         self._launched = None
         if self.engine is None:
             return

@@ -384,9 +384,10 @@ class InferenceEngine:
 
     def launch(self) -> bool:
         """The first half of ``step``: prefills resumed rows' observations, refills free
-        rows and dispatches one chunk of decode steps without waiting for it (JAX runs it
-        asynchronously). Returns whether a chunk runs; ``finish`` waits for it. Another
-        engine's chunk, or host work, can run in between."""
+        rows and dispatches one chunk of decode steps. Returns whether a chunk runs;
+        ``finish`` waits for it. With asynchronous dispatch (accelerators) this returns
+        before the chunk has run, and another engine's chunk, or host work, runs in
+        between; XLA:CPU under ``rlaxkit.hostmem`` runs the chunk on this thread first."""
         self._extend()
         self._refill()
         self._launched = bool(self.num_running)

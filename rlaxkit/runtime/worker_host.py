@@ -56,8 +56,9 @@ class WorkerHost:
     The fleet calls :meth:`sync` (pull if the staleness policy says so; report free
     room) and then :meth:`submit_and_step` (start the prompts it was given, decode one
     chunk, return finished rollouts), every worker once per round. In this process the
-    fleet calls its three parts (:meth:`launch`, :meth:`fetch`, :meth:`score`) so that a
-    worker's chunk decodes while the previous worker's results are scored.
+    fleet calls its three parts (:meth:`launch`, :meth:`fetch`, :meth:`score`) so that,
+    with asynchronous dispatch, a worker's chunk decodes while the previous worker's
+    results are scored.
 
     Args:
         worker_id: the worker's name in the trace.
@@ -170,7 +171,8 @@ class WorkerHost:
             self.worker.submit(issue, problem)
 
     def launch(self, decode: bool = True) -> None:
-        """Dispatches one chunk without waiting for it (none when ``decode`` is False)."""
+        """Dispatches one chunk (none when ``decode`` is False); :meth:`fetch` waits for
+        it."""
         self._decoding = decode
         if decode:
             self.worker.launch()
