@@ -631,8 +631,8 @@ def _build(
         metrics["grad_norm"] = optax.global_norm(grads)
         metrics["learning_rate"] = opt_state[1].hyperparams["learning_rate"]
         updates, opt_state = tx.update(grads, opt_state, trainable)
-        # An update that overflows makes the weights non-finite while this step's loss and
-        # gradients, taken before it, are finite: ``check_finite`` reads this norm.
+        # An update that overflows the weights (or the next forward pass) leaves this step's
+        # loss and gradients, taken before it, finite: ``check_finite`` reads this norm.
         metrics["update_norm"] = optax.global_norm(updates)
         return (optax.apply_updates(trainable, updates), opt_state), metrics
 
@@ -646,19 +646,19 @@ def _batch_shards(mesh: Mesh) -> int:
 
 def check_finite(step: int, metrics: dict[str, float]) -> None:
     """Raises ``FloatingPointError`` when train step ``step``'s loss, gradient norm or
-    update norm is not finite: the step found the weights non-finite, or its update made
-    them so (the update's norm overflows first: float32 squares overflow from about
-    1e19), and every later step would train and publish NaN. The runtime calls it
-    before the step's push, so overflowed weights never reach a worker."""
+    update norm is not finite: the step found the weights non-finite, or its update
+    overflows them or the next forward pass (the update's norm overflows from entries of
+    about 1e19, where float32 squares do; products of such weights overflow too), and
+    every later step would train and publish NaN. The runtime calls it before the step's
+    push, so such weights never reach a worker."""
     keys = ("loss", "grad_norm", "update_norm")
     bad = {k: metrics[k] for k in keys if not math.isfinite(metrics.get(k, 0.0))}
     if bad:
         raise FloatingPointError(
             f"train step {step}: {', '.join(f'{k} is {v}' for k, v in bad.items())}; the "
             "weights are, or this update makes them, no longer finite (an update too large "
-            "for them: check "
-            "optimizer.learning_rate and max_grad_norm). The run stops before publishing "
-            "them; it resumes from its last checkpoint"
+            "for them: check optimizer.learning_rate and max_grad_norm). The run stops "
+            "before publishing them; it resumes from its last checkpoint"
         )
 
 

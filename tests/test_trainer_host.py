@@ -1,5 +1,5 @@
 """The trainer host compiles the first train step while the workers start, and stops the
-run at a step whose loss or gradient norm is not finite."""
+run at a step whose loss, gradient norm or update norm is not finite."""
 
 import math
 
@@ -47,10 +47,11 @@ def test_no_guess_for_an_episodic_task():
 
 def test_an_update_that_overflows_the_weights_stops_the_run_before_its_push(cache):
     """A step size of 1e30 passes the config (it is a finite number). The first update
-    overflows the weights while that step's loss and gradient norm, taken before it, are
-    finite; its update norm is not. The run stops at that step, naming it, and the
-    overflowed weights reach neither the store (it still holds the initial version) nor
-    a worker. Groups whose rewards are all equal are kept, so that the first batch does
+    moves every weight by about 1e30: still finite, but the next forward pass overflows.
+    That step's loss and gradient norm, taken before the update, are finite; its update
+    norm is not (its squares overflow). The run stops at that step, naming it, and the
+    new weights reach neither the store (it still holds the initial version) nor a
+    worker. Groups whose rewards are all equal are kept, so that the first batch does
     not wait on the initial policy solving some problems."""
     config = small_run_config(
         "steps=4",
