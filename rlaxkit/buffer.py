@@ -37,6 +37,8 @@ class RolloutBuffer:
             dropped as ``filtered`` (the default, as DAPO's dynamic sampling and AReaL's
             filtering do).
         recovery: what a lost worker or a trainer restore does to work.
+        restorable: whether a trainer restore may go back over steps
+            (``GroupLedger``): only then are trained groups kept until a checkpoint.
     """
 
     def __init__(
@@ -45,12 +47,14 @@ class RolloutBuffer:
         group_size: int,
         batching: BatchPolicy | None = None,
         recovery: RecoveryPolicy | None = None,
+        *,
+        restorable: bool = True,
     ):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         self.policy = policy
         self.group_size = group_size
-        self.ledger = GroupLedger(policy, batching, recovery)
+        self.ledger = GroupLedger(policy, batching, recovery, restorable=restorable)
         self._pending: dict[int, _Pending] = {}
 
     # -- the controller's side -------------------------------------------------------

@@ -157,6 +157,10 @@ class RuntimeConfig:
             fault gives no ``restart_after_s`` (seconds of the fault clock).
         workers_per_slice: workers that share one slice (``slice-i`` holds workers
             ``i·k .. i·k+k-1``); ``preempt_slice`` takes all of them down together.
+        trace_memory: with a run directory, about how many of the newest trace events
+            ``Experiment.trace.memory`` keeps (a step writes two per sample; the oldest
+            go first, and trace.jsonl keeps every one: ``rlaxkit.trace.read_trace``).
+            ``None`` keeps all. Without a run directory memory keeps every event.
     """
 
     backend: Literal["local", "ray"] = "local"
@@ -169,6 +173,7 @@ class RuntimeConfig:
     round_s: float = 1.0
     restart_s: float = 5.0
     workers_per_slice: int = 1
+    trace_memory: int | None = 100_000
 
     def __post_init__(self) -> None:
         for name in (
@@ -180,6 +185,10 @@ class RuntimeConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.trace_memory is not None:
+            check_int(
+                "trace_memory", self.trace_memory, minimum=1, allowed="an integer >= 1 or null"
+            )
         if self.keep_versions < 2:
             raise ValueError(f"keep_versions must be >= 2, got {self.keep_versions}")
         if not (self.round_s > 0 and math.isfinite(self.round_s)):  # 0 rounds · inf is NaN

@@ -68,6 +68,10 @@ class GroupLedger:
         staleness: η, the batch size (in groups) and admission.
         batching: the order of batches and the equal-rewards filter.
         recovery: what a lost worker or a trainer restore does to work.
+        restorable: whether a trainer restore may go back over steps (a fault plan can
+            preempt the trainer). Only then are the groups of each step kept until a
+            checkpoint covers it, for ``roll_back`` to requeue; a run without one would
+            otherwise hold every trained group until its end.
 
     ``on_drop(group_id, reason, first_version)`` is called for every drop (the version
     is ``None`` for a group that never finished): the runtime traces it, the simulator
@@ -86,6 +90,8 @@ class GroupLedger:
         staleness: StalenessPolicy,
         batching: BatchPolicy | None = None,
         recovery: RecoveryPolicy | None = None,
+        *,
+        restorable: bool = True,
     ):
         self.staleness = staleness
         self.batching = batching or BatchPolicy()
@@ -95,7 +101,9 @@ class GroupLedger:
         self.trained: set[int] = set()
         self.dropped: dict[int, str] = {}
         self.admitted: set[int] = set()
+        self.restorable = restorable
         self._since_save: dict[int, list[Ready]] = {}  # step -> its batch, until a save
+        self._last_step = 0  # the step of the newest batch taken
         self.on_drop: Callable[[int, str, int | None], None] = _ignore
 
     # -- the controller's side ---------------------------------------------------------
@@ -181,7 +189,9 @@ class GroupLedger:
         for group in batch:
             del self.ready[group.group_id]
             self.trained.add(group.group_id)
-        self._since_save[step] = batch
+        if self.restorable:
+            self._since_save[step] = batch
+        self._last_step = step
         return [group.payload for group in batch]
 
     def saved(self, step: int) -> None:
@@ -196,7 +206,16 @@ class GroupLedger:
         ready queue at its end) or dropped, per ``RecoveryPolicy.trainer_lost``; then
         every ready group with a token sampled from weights newer than ``step`` came from
         the discarded branch and is dropped as ``rolled_back``.
+
+        Raises:
+            RuntimeError: the ledger was built with ``restorable=False`` and ``step`` is
+                before its newest batch: the groups of the steps after it were not kept.
         """
+        if not self.restorable and step < self._last_step:
+            raise RuntimeError(
+                f"roll_back({step}): this ledger keeps no trained groups "
+                f"(restorable=False), and steps {step + 1}..{self._last_step} were taken"
+            )
         dropped = []
         for taken in sorted(s for s in self._since_save if s > step):
             for group in self._since_save.pop(taken):

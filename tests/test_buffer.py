@@ -140,3 +140,34 @@ def test_controller_is_a_pure_function_of_seed_and_issue_number():
     assert c.next_issues(2) == a.next_issues(2)
     with pytest.raises(ValueError, match="another dataset or seed"):
         PromptController(8, seed=3).load_state_dict(a.state_dict())
+
+
+def test_a_buffer_no_restore_can_reach_keeps_no_trained_group():
+    """Without a trainer restore in the run (no fault plan), a trained group is let go
+    with its batch; a roll-back over taken steps is then refused, not half done."""
+
+    def trained(restorable):
+        buf = RolloutBuffer(
+            StalenessPolicy(max_staleness=1, batch_size=1),
+            group_size=2,
+            restorable=restorable,
+        )
+        batches = []
+        for g in range(3):
+            buf.issue(g, f"p{g}")
+            buf.add(rollout(g, 0, 1.0, version=g), g)
+            buf.add(rollout(g, 1, 0.0, version=g), g)
+            batches.append(buf.take_batch(trainer_version=g))
+        return buf, batches
+
+    kept, kept_batches = trained(True)
+    light, light_batches = trained(False)
+    assert [[g.group_id for g in b] for b in light_batches] == [[0], [1], [2]]
+    assert light.counts() == kept.counts()
+    light.check(issued=3)
+    # Steps 2 and 3 requeued; group 2, sampled from weights of step 2, is dropped.
+    assert kept.rollback(1) == [2] and kept.counts()["buffered"] == 1
+    light.rollback(3)  # nothing after step 3 to requeue
+    with pytest.raises(RuntimeError, match=r"restorable=False.*steps 2\.\.3"):
+        light.rollback(1)
+    light.check(issued=3)

@@ -133,3 +133,57 @@ def test_reissued_prompts_need_no_admission_room(cache):
         assert issued[: len(held)] == sorted(held)  # the same ids, first
         assert len(issued) == len(held) + max(capacity, 0)
         assert exp.buffer.in_flight == in_flight + max(capacity, 0)
+
+
+def test_run_trace_keeps_the_newest_events_in_memory_and_every_event_in_its_file(tmp_path):
+    import threading
+
+    from rlaxkit.runtime.common import RunTrace
+    from rlaxkit.trace import read_trace
+
+    def fill(path, limit):
+        trace = RunTrace(path, 0, threading.RLock(), {}, memory_limit=limit)
+        for step in range(1, 301):
+            trace.record(
+                float(step), "train_step", "trainer", step, step=step, samples=4, duration_s=0.1
+            )
+        trace.discard_steps({299, 300})
+        trace.close()
+        return trace
+
+    bounded = fill(tmp_path / "trace.jsonl", 100)
+    steps = [e["step"] for e in bounded.memory]
+    assert 100 <= len(steps) <= 125 and steps == list(range(301 - len(steps), 301))
+    assert bounded.let_go + len(steps) == 300
+    on_disk = read_trace(tmp_path / "trace.jsonl")
+    assert [e["step"] for e in on_disk] == list(range(1, 301))
+    assert [e["step"] for e in on_disk if e.discarded] == [299, 300]
+    assert [e["step"] for e in bounded.memory if e.discarded] == [299, 300]
+    # Without a file, memory is the only copy: every event stays.
+    assert len(fill(None, 100).memory) == 300
+
+
+def test_a_long_run_holds_neither_its_trained_rollouts_nor_its_whole_trace(cache, tmp_path):
+    """A run without a fault plan keeps no trained group for a roll-back, and with a run
+    directory only the newest ``runtime.trace_memory`` events stay in memory: what a
+    process holds does not grow with the steps it has taken."""
+    import gc
+
+    from rlaxkit.rollout import Rollout
+    from rlaxkit.trace import read_trace
+
+    config = small_run_config(*SMALL, "runtime.trace_memory=60")
+    with Experiment(config, run_dir=tmp_path / "run", cache_dir=cache) as exp:
+        exp.run(6)
+        gc.collect()
+        alive = sum(isinstance(o, Rollout) for o in gc.get_objects())
+        counts = exp.buffer.counts()
+        # Rollouts still wanted: those of groups waiting or in flight, and the last batch.
+        wanted = config.group_size * (
+            counts["buffered"] + counts["in_flight"] + len(exp.last_batch["groups"])
+        )
+        assert counts["trained"] > len(exp.last_batch["groups"]) and alive <= wanted
+        memory = len(exp.trace.memory)
+        assert 60 <= memory <= 75 and exp.trace.let_go > 0
+        assert exp.trace.let_go + memory == exp.trace.written
+    assert len(read_trace(tmp_path / "run" / "trace.jsonl")) == exp.trace.written

@@ -58,8 +58,8 @@ def batch_metrics(
 
 
 class RunTrace:
-    """A run's trace: every event in memory (``memory``) and, with a run directory,
-    appended to its trace.jsonl.
+    """A run's trace: this process's events in memory (``memory``) and, with a run
+    directory, every event appended to its trace.jsonl.
 
     Args:
         path: the trace.jsonl to append to, or ``None``.
@@ -68,15 +68,26 @@ class RunTrace:
             worker threads).
         restarts: counts ``restart`` events by actor (``worker`` for any worker) into
             this dict (the run's books).
+        memory_limit: with a ``path``, keep about this many of the newest events in
+            memory (``RuntimeConfig.trace_memory``): a long run writes two events per
+            sample, and the file holds them all. Without a file, memory keeps every event.
 
     ``written`` counts the file's events; ``offset_s`` is added to every recorded time
-    (a resumed run's clock goes on from the stopped run's).
+    (a resumed run's clock goes on from the stopped run's); ``let_go`` counts the events
+    no longer in memory (the oldest first).
     """
 
     def __init__(
-        self, path: Path | None, written: int, lock: threading.RLock, restarts: dict[str, int]
+        self,
+        path: Path | None,
+        written: int,
+        lock: threading.RLock,
+        restarts: dict[str, int],
+        memory_limit: int | None = None,
     ) -> None:
         self.memory = MemoryTrace()
+        self.memory_limit = memory_limit if path else None
+        self.let_go = 0
         self.restarts = restarts
         self.file = JsonlTraceWriter(path, append=True) if path else None
         self.written = written
@@ -93,6 +104,12 @@ class RunTrace:
         """Records an already-built event."""
         with self.lock:
             self.memory.emit(event)
+            limit = self.memory_limit
+            if limit is not None and len(self.memory.events) >= limit + limit // 4 + 1:
+                # In batches (a quarter of the limit): one slice deletion, not one a call.
+                excess = len(self.memory.events) - limit
+                del self.memory.events[:excess]
+                self.let_go += excess
             if event.kind == "restart":
                 actor = "worker" if event.actor.startswith("worker-") else event.actor
                 self.restarts[actor] = self.restarts.get(actor, 0) + 1

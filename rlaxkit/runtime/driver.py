@@ -31,7 +31,7 @@ from rlaxkit.runtime.books import RunBooks, Window
 from rlaxkit.runtime.build import check_inputs
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.concurrent import check_supported
-from rlaxkit.runtime.faults import FaultInjector, load_plan
+from rlaxkit.runtime.faults import NO_FAULTS, FaultInjector, load_plan
 from rlaxkit.runtime.loop import Loop
 from rlaxkit.runtime.placement import start_placement
 from rlaxkit.tasks import CodeTask, isolation_mode
@@ -95,7 +95,13 @@ class Experiment(Loop):
             lost_train_s=resumed["lost_train_s"] if resumed else 0.0,
         )
         events = resumed["events"] if resumed else 0
-        self.trace = RunTrace(trace_path, events, self.lock, restarts=self.books.restarts)
+        self.trace = RunTrace(
+            trace_path,
+            events,
+            self.lock,
+            restarts=self.books.restarts,
+            memory_limit=config.runtime.trace_memory,
+        )
         if resumed is None:
             self.trace.record(0.0, "run_start", "controller", None, config=config.to_dict())
         else:
@@ -116,8 +122,14 @@ class Experiment(Loop):
             self.fleet, self.trainer = parts.fleet, parts.trainer
             self.problems = parts.task.problems("train", config.task.num_train)
             self.controller = PromptController(len(self.problems), seed=config.seed)
+            # Only a fault plan restores the trainer in the run: without one, trained
+            # groups are not kept for a roll-back.
             self.buffer = RolloutBuffer(
-                config.staleness, config.group_size, config.batching, config.recovery
+                config.staleness,
+                config.group_size,
+                config.batching,
+                config.recovery,
+                restorable=self.faults is not NO_FAULTS,
             )
             self.buffer.ledger.on_drop = self.drop_event
             self.published = 0  # the newest version the trainer published
