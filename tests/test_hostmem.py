@@ -91,3 +91,38 @@ def test_an_unknown_choice_names_the_variable_and_the_choices():
     done = run("import rlaxkit.models", RLAXKIT_HOST_MEMORY="always")
     assert done.returncode != 0
     assert "RLAXKIT_HOST_MEMORY='always': choose one of keep, default" in done.stderr
+
+
+def test_long_lived_objects_leave_full_collections_after_the_first_one():
+    import gc
+    import weakref
+
+    from rlaxkit.hostmem import FreezeAfterFullCollection
+
+    class Node:
+        pass
+
+    assert gc.get_freeze_count() == 0
+    freezer = FreezeAfterFullCollection()
+    try:
+        gc.collect(1)  # not a full collection: nothing is frozen yet
+        freezer.step_done()
+        assert not freezer.frozen and gc.get_freeze_count() == 0
+        gc.collect()
+        held, dropped = Node(), Node()
+        cycle = Node()
+        cycle.self = cycle
+        freezer.step_done()
+        assert freezer.frozen and gc.get_freeze_count() > 0
+        assert freezer._on_collection not in gc.callbacks
+        # A frozen object still goes with its last reference; a frozen cycle waits.
+        gone, cyclic = weakref.ref(dropped), weakref.ref(cycle)
+        del dropped, cycle
+        gc.collect()
+        assert gone() is None and cyclic() is not None and held is not None
+    finally:
+        freezer.close()
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert cyclic() is None
+    freezer.close()  # idempotent

@@ -187,3 +187,4 @@ def test_a_long_run_holds_neither_its_trained_rollouts_nor_its_whole_trace(cache
         assert 60 <= memory <= 75 and exp.trace.let_go > 0
         assert exp.trace.let_go + memory == exp.trace.written
     assert len(read_trace(tmp_path / "run" / "trace.jsonl")) == exp.trace.written
+    assert gc.get_freeze_count() == 0  # what the run froze is the collector's again

@@ -26,6 +26,7 @@ from rlaxkit.config import RunConfig
 from rlaxkit.controller import PromptController
 from rlaxkit.evaluation import EvalReport, evaluate_model
 from rlaxkit.faults import FaultPlan
+from rlaxkit.hostmem import FreezeAfterFullCollection
 from rlaxkit.runtime import state as codec
 from rlaxkit.runtime.books import RunBooks, Window
 from rlaxkit.runtime.build import check_inputs
@@ -165,6 +166,14 @@ class Experiment(Loop):
             self.trace.close()
             raise
         self.window = Window(self.clock(), self.fleet.generated_tokens())
+        self.collections = FreezeAfterFullCollection()
+
+    def step(self) -> dict[str, Any]:
+        """``Loop.step``; after it, once, Python's full collections leave the run's
+        long-lived objects alone (``rlaxkit.hostmem.FreezeAfterFullCollection``)."""
+        metrics = super().step()
+        self.collections.step_done()
+        return metrics
 
     # -- names a notebook reaches for --------------------------------------------------
     @property
@@ -346,6 +355,7 @@ class Experiment(Loop):
         if self.closed:
             return
         self.closed = True
+        self.collections.close()
         if self.parts.collector is not None:
             self.parts.collector.close()
         summary = self.summary()
