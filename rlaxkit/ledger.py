@@ -103,7 +103,6 @@ class GroupLedger:
         self.admitted: set[int] = set()
         self.restorable = restorable
         self._since_save: dict[int, list[Ready]] = {}  # step -> its batch, until a save
-        self._last_step = 0  # the step of the newest batch taken
         self.on_drop: Callable[[int, str, int | None], None] = _ignore
 
     # -- the controller's side ---------------------------------------------------------
@@ -191,7 +190,6 @@ class GroupLedger:
             self.trained.add(group.group_id)
         if self.restorable:
             self._since_save[step] = batch
-        self._last_step = step
         return [group.payload for group in batch]
 
     def saved(self, step: int) -> None:
@@ -208,13 +206,13 @@ class GroupLedger:
         the discarded branch and is dropped as ``rolled_back``.
 
         Raises:
-            RuntimeError: the ledger was built with ``restorable=False`` and ``step`` is
-                before its newest batch: the groups of the steps after it were not kept.
+            RuntimeError: the ledger was built with ``restorable=False``: it kept no
+                trained groups to requeue.
         """
-        if not self.restorable and step < self._last_step:
+        if not self.restorable:
             raise RuntimeError(
                 f"roll_back({step}): this ledger keeps no trained groups "
-                f"(restorable=False), and steps {step + 1}..{self._last_step} were taken"
+                "(restorable=False); build it restorable where the trainer can be restored"
             )
         dropped = []
         for taken in sorted(s for s in self._since_save if s > step):
