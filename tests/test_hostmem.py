@@ -62,9 +62,11 @@ def test_kept_memory_spares_each_call_its_page_faults():
     assert not default["kept"] and default["reason"] == "RLAXKIT_HOST_MEMORY=default"
     assert default["async_dispatch"]
     # glibc maps each 64 MiB output anew: its pages fault again on every call. Kept,
-    # the heap grows at most once more (an output allocated before the last is freed).
+    # the heap grows only when an output is allocated before the previous one is
+    # freed: one call's worth of faults or none on an idle machine, two in 1 of 8
+    # processes run beside a busy one. At most three calls' worth, against seven.
     assert default["faults"] >= (CALLS - 1) * PAGES_PER_CALL
-    assert kept["faults"] <= 1.5 * PAGES_PER_CALL
+    assert kept["faults"] <= 3 * PAGES_PER_CALL
 
 
 def test_settings_are_left_alone_for_an_accelerator_platform():
