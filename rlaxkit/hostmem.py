@@ -105,42 +105,60 @@ def _accelerator_installed() -> bool:
 
 
 class FreezeAfterFullCollection:
-    """Python's full garbage collections, kept off the objects a loop holds for good.
+    """Python's full garbage collections, kept off the objects a running loop holds.
 
     Once a run's programs have compiled, its process holds about 250 000 objects that
     Python's collector tracks (JAX's and Flax's, the model's graph, compiled
     functions), and each full collection walks every one: about 0.1 s, once every 30 or
-    so steps of the demo run, 3.6 ms a step on average. After the first full
-    collection, the first :meth:`step_done` moves every object then tracked to the
-    collector's permanent generation (``gc.freeze``), which later collections skip;
-    :meth:`close` moves them back (``gc.unfreeze``). A frozen object is still freed when
-    its last reference goes; only a reference cycle among frozen objects waits for
-    ``close``. The collector's callback holds this object, never the run.
+    so steps of the demo run, 3.6 ms a step on average. Inside ``with freezer:`` (the
+    loop running), the first :meth:`step_done` after a full collection moves every
+    object then tracked to the collector's permanent generation (``gc.freeze``), which
+    later collections skip; leaving the block moves them back (``gc.unfreeze``), and the
+    next block waits for a new full collection. A frozen object is still freed when its
+    last reference goes; a reference cycle among frozen objects waits for the block's
+    end, so nothing a notebook drops between two runs stays frozen. The collector's
+    callback holds this object, never the run.
     """
 
     def __init__(self) -> None:
         self.full_collections = 0
         self.frozen = False
+        self._depth = 0
         gc.callbacks.append(self._on_collection)
 
     def _on_collection(self, phase: str, info: dict[str, int]) -> None:
         if phase == "stop" and info["generation"] == 2:
             self.full_collections += 1
 
+    def __enter__(self) -> FreezeAfterFullCollection:
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._depth -= 1
+        if not self._depth:
+            self._thaw()
+
     def step_done(self) -> None:
-        """A loop step ended: freezes what is tracked, once a full collection has run
-        (everything older than it was then still reachable)."""
-        if self.full_collections and not self.frozen:
+        """A loop step ended: inside the block, freezes what is tracked, once a full
+        collection has run (everything older than it was then still reachable)."""
+        if self._depth and self.full_collections and not self.frozen:
             self._unhook()
             gc.freeze()
             self.frozen = True
 
     def close(self) -> None:
-        """Unfreezes (idempotent)."""
+        """Unfreezes and lets go of the collector's callback (idempotent)."""
+        self._depth = 0
+        self._thaw()
         self._unhook()
+
+    def _thaw(self) -> None:
         if self.frozen:
             self.frozen = False
             gc.unfreeze()
+            self.full_collections = 0
+            gc.callbacks.append(self._on_collection)
 
     def _unhook(self) -> None:
         if self._on_collection in gc.callbacks:

@@ -95,7 +95,7 @@ def test_an_unknown_choice_names_the_variable_and_the_choices():
     assert "RLAXKIT_HOST_MEMORY='always': choose one of keep, default" in done.stderr
 
 
-def test_long_lived_objects_leave_full_collections_after_the_first_one():
+def test_long_lived_objects_leave_full_collections_while_the_loop_runs():
     import gc
     import weakref
 
@@ -107,24 +107,32 @@ def test_long_lived_objects_leave_full_collections_after_the_first_one():
     before = gc.get_freeze_count()  # 0 unless an earlier test left a run open
     freezer = FreezeAfterFullCollection()
     try:
-        gc.collect(1)  # not a full collection: nothing is frozen yet
-        freezer.step_done()
+        gc.collect()
+        freezer.step_done()  # outside the loop: nothing is frozen
         assert not freezer.frozen and gc.get_freeze_count() == before
-        gc.collect()
-        held, dropped = Node(), Node()
-        cycle = Node()
-        cycle.self = cycle
-        freezer.step_done()
-        assert freezer.frozen and gc.get_freeze_count() > 0
-        assert freezer._on_collection not in gc.callbacks
-        # A frozen object still goes with its last reference; a frozen cycle waits.
-        gone, cyclic = weakref.ref(dropped), weakref.ref(cycle)
-        del dropped, cycle
-        gc.collect()
-        assert gone() is None and cyclic() is not None and held is not None
+        with freezer:
+            held, dropped = Node(), Node()
+            cycle = Node()
+            cycle.self = cycle
+            freezer.step_done()  # a full collection ran before: freeze
+            assert freezer.frozen and gc.get_freeze_count() > before
+            assert freezer._on_collection not in gc.callbacks
+            # A frozen object still goes with its last reference; a frozen cycle waits.
+            gone, cyclic = weakref.ref(dropped), weakref.ref(cycle)
+            del dropped, cycle
+            gc.collect()
+            assert gone() is None and cyclic() is not None and held is not None
+        # The loop's end unfreezes; the next loop waits for a full collection of its own.
+        assert not freezer.frozen and gc.get_freeze_count() == 0
+        with freezer:
+            gc.collect(1)
+            freezer.step_done()
+            assert not freezer.frozen
+            gc.collect()  # the cycle goes with it
+            assert cyclic() is None
+            freezer.step_done()
+            assert freezer.frozen
     finally:
         freezer.close()
-    assert gc.get_freeze_count() == 0
-    gc.collect()
-    assert cyclic() is None
+    assert gc.get_freeze_count() == 0 and freezer._on_collection not in gc.callbacks
     freezer.close()  # idempotent

@@ -174,17 +174,23 @@ def test_a_long_run_holds_neither_its_trained_rollouts_nor_its_whole_trace(cache
 
     config = small_run_config(*SMALL, "runtime.trace_memory=60")
     with Experiment(config, run_dir=tmp_path / "run", cache_dir=cache) as exp:
-        exp.run(3)
-        gc.collect()  # a full collection: the next step freezes the long-lived objects
-        exp.run(3)
-        assert exp.collections.frozen and gc.get_freeze_count() > 0
+        train, frozen = exp.trainer.train, []
+
+        def train_and_look(*args):
+            if len(frozen) == 2:
+                gc.collect()  # a full collection: this step's end freezes
+            frozen.append(gc.get_freeze_count())
+            return train(*args)
+
+        exp.trainer.train = train_and_look
+        exp.run(6)
+        assert frozen[0] == 0 and min(frozen[3:]) > 0  # frozen by step 3's end at the latest
+        assert gc.get_freeze_count() == 0  # the run's end gives them back
         memory = len(exp.trace.memory)
         assert 60 <= memory <= 75 and exp.trace.let_go > 0
         assert exp.trace.let_go + memory == exp.trace.written
     assert len(read_trace(tmp_path / "run" / "trace.jsonl")) == exp.trace.written
-    assert gc.get_freeze_count() == 0  # what the run froze is the collector's again
-    # Counted once nothing is frozen (the collector lists no frozen object).
-    gc.collect()
+    gc.collect()  # nothing is frozen now (the collector lists no frozen object)
     alive = sum(isinstance(o, Rollout) for o in gc.get_objects())
     counts = exp.buffer.counts()
     # Rollouts still wanted: those of groups waiting or in flight, and the last batch.

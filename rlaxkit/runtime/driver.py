@@ -168,9 +168,15 @@ class Experiment(Loop):
         self.window = Window(self.clock(), self.fleet.generated_tokens())
         self.collections = FreezeAfterFullCollection()
 
+    def run(self, steps: int | None = None) -> list[dict[str, Any]]:
+        """``Loop.run``; while it runs, Python's full collections leave the objects the
+        run holds alone from the first step after one of them on
+        (``rlaxkit.hostmem.FreezeAfterFullCollection``)."""
+        with self.collections:
+            return super().run(steps)
+
     def step(self) -> dict[str, Any]:
-        """``Loop.step``; after it, once, Python's full collections leave the run's
-        long-lived objects alone (``rlaxkit.hostmem.FreezeAfterFullCollection``)."""
+        """``Loop.step``, then ``FreezeAfterFullCollection.step_done``."""
         metrics = super().step()
         self.collections.step_done()
         return metrics
