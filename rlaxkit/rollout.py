@@ -21,6 +21,28 @@ import numpy as np
 ENVIRONMENT_VERSION = -1  # the ``versions`` entry of a token the environment wrote
 # The default ``policy_mask`` (compared by identity): every token is the policy's.
 _ALL_POLICY = np.ones(0, bool)
+_ALL_POLICY_BY_LENGTH: dict[int, np.ndarray] = {}
+
+
+def _all_policy(n: int) -> np.ndarray:
+    """A read-only all-True mask of ``n`` tokens, one array per length for every rollout."""
+    mask = _ALL_POLICY_BY_LENGTH.get(n)
+    if mask is None:
+        mask = np.ones(n, bool)
+        mask.flags.writeable = False
+        mask = _ALL_POLICY_BY_LENGTH.setdefault(n, mask)
+    return mask
+
+
+def _bounds(versions: np.ndarray) -> tuple[int, int]:
+    """``(min, max)`` of ``versions``, ``(-1, -1)`` when empty. A short array's as a list:
+    0.8 us against 4 us for NumPy's two reductions (a run builds one per sample)."""
+    if not len(versions):
+        return -1, -1
+    if len(versions) <= 256:
+        values = versions.tolist()
+        return min(values), max(values)
+    return int(versions.min()), int(versions.max())
 
 
 @dataclass(frozen=True)
@@ -76,7 +98,7 @@ class Rollout:
                 "must have one entry per completion token"
             )
         if self.policy_mask is _ALL_POLICY:
-            object.__setattr__(self, "policy_mask", np.ones(n, bool))
+            object.__setattr__(self, "policy_mask", _all_policy(n))
             versions = self.versions
         else:
             mask = np.asarray(self.policy_mask, bool)
@@ -98,9 +120,9 @@ class Rollout:
         # The buffer, the trace and the metrics ask for these several times per rollout.
         # Computed once here: Python 3.11's cached_property takes a lock on every first
         # access, which cost more than the reduction.
-        empty = not len(versions)
-        object.__setattr__(self, "first_version", -1 if empty else int(versions.min()))
-        object.__setattr__(self, "last_version", -1 if empty else int(versions.max()))
+        first, last = _bounds(versions)
+        object.__setattr__(self, "first_version", first)
+        object.__setattr__(self, "last_version", last)
 
     @property
     def sample_id(self) -> str:

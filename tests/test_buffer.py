@@ -170,3 +170,40 @@ def test_a_buffer_no_restore_can_reach_keeps_no_trained_group():
     with pytest.raises(RuntimeError, match=r"roll_back\(1\).*restorable=False"):
         light.rollback(1)
     light.check(issued=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    versions=st.lists(st.integers(-1, 50), max_size=400),
+    environment=st.lists(st.booleans(), max_size=400),
+)
+def test_a_rollout_bounds_its_policy_tokens_versions(versions, environment):
+    """``first_version``/``last_version`` are the min and max version of the policy's
+    tokens (short and long completions take different paths), ``-1`` without any."""
+    n = len(versions)
+    mask = np.array([not e for e in (environment + [False] * n)[:n]], bool)
+    values = np.where(mask, np.array(versions, np.int32).reshape(-1), -1).astype(np.int32)
+    r = Rollout(
+        group_id=0,
+        sample_index=0,
+        problem_id="p",
+        prompt_tokens=np.arange(2, dtype=np.int32),
+        completion_tokens=np.zeros(n, np.int32),
+        behaviour_logprobs=np.zeros(n, np.float32),
+        versions=values,
+        reward=0.0,
+        finish_reason="stop",
+        policy_mask=mask,
+    )
+    policy = values[mask]
+    assert r.first_version == (int(policy.min()) if len(policy) else -1)
+    assert r.last_version == (int(policy.max()) if len(policy) else -1)
+    assert type(r.first_version) is int and type(r.last_version) is int
+
+
+def test_rollouts_share_one_read_only_all_policy_mask_per_length():
+    a, b, c = rollout(0, 0, 1.0, n=5), rollout(1, 0, 1.0, n=5), rollout(2, 0, 1.0, n=6)
+    assert a.policy_mask is b.policy_mask and a.policy_mask is not c.policy_mask
+    assert a.policy_mask.tolist() == [True] * 5 and a.num_policy_tokens == 5
+    with pytest.raises(ValueError, match="read-only"):
+        a.policy_mask[0] = False

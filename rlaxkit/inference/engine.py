@@ -368,9 +368,8 @@ class InferenceEngine:
             recompute_cache: rebuild the KV cache of every running or parked row under
                 the new weights (AReaL); otherwise the cached keys and values are kept.
         """
-        params = matching_params(weights, self.graphdef, self.params)
-        self.params, self.version = params, version
-        self._packed = packed(params)
+        self.params, self._packed = matching_params(weights, self.graphdef, self._packed)
+        self.version = version
         if recompute_cache and any(s is not None for s in self._slots):
             # Parked rows go on later: their caches are rebuilt with the running ones'.
             waiting = np.zeros((self.num_slots,), bool)
@@ -558,8 +557,9 @@ class InferenceEngine:
             return []
         index = np.zeros((bucket_rows(len(rows)),), np.int32)
         index[: len(rows)] = rows
-        fetched = jax.device_get(programs.take_rows(self.state.rows, index))
-        tokens, logprobs, plain, versions, generated, finish = fetched
+        # np.asarray per array: jax.device_get walks the tuple as a tree (about 60 us).
+        fetched = programs.take_rows(self.state.rows, index)
+        tokens, logprobs, plain, versions, generated, finish = map(np.asarray, fetched)
         out = []
         for i, row in enumerate(rows):
             sample, length = self._slots[row], int(generated[i])

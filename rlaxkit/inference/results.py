@@ -110,11 +110,13 @@ def packed(params: nnx.State | Packed) -> Packed:
 
 
 def matching_params(
-    weights: ModelLike | nnx.State, graph: StaticGraph, params: nnx.State
-) -> nnx.State:
+    weights: ModelLike | nnx.State, graph: StaticGraph, current: Packed
+) -> tuple[nnx.State, Packed]:
     """The parameters of ``weights`` (a ``Transformer``, ``(graphdef, params)`` or the
     parameters alone), checked to fit a model of graph ``graph`` whose current
-    parameters are ``params``: same architecture, tree structure, shapes and dtypes.
+    parameters are ``current``: same architecture, tree structure, shapes and dtypes.
+    Returns them as a tree and packed (flattened once: a worker takes new weights every
+    step).
 
     Raises:
         ValueError: naming the first mismatch.
@@ -127,18 +129,17 @@ def matching_params(
             raise ValueError("new weights have a different model architecture")
     else:
         new_params = weights
-    # jaxlib's PyTreeDef is a compiled class whose comparisons mypy cannot see.
-    if jax.tree.structure(new_params) != jax.tree.structure(params):  # type: ignore[operator]
+    new = packed(new_params)
+    if new.structure is not current.structure:  # interned: one structure, one object
         raise ValueError("new weights do not have the structure of the current ones")
-    for (path, new), old in zip(
-        jax.tree.leaves_with_path(new_params), jax.tree.leaves(params), strict=True
-    ):
-        if new.shape != old.shape or new.dtype != old.dtype:
+    for i, (leaf, old) in enumerate(zip(new.leaves, current.leaves, strict=True)):
+        if leaf.shape != old.shape or leaf.dtype != old.dtype:
+            path, _ = jax.tree.leaves_with_path(new_params)[i]
             raise ValueError(
-                f"new weight {jax.tree_util.keystr(path)} is {new.dtype}{list(new.shape)}, "
+                f"new weight {jax.tree_util.keystr(path)} is {leaf.dtype}{list(leaf.shape)}, "
                 f"expected {old.dtype}{list(old.shape)}"
             )
-    return new_params
+    return new_params, new
 
 
 def _seed_key_data(seed: int) -> np.ndarray | None:
