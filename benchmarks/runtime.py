@@ -18,26 +18,28 @@ Each runs the deterministic local backend for a few warm-up trainer steps, then 
 group size); ``generated_per_s`` every completion the workers finished meanwhile (with
 η > 0 the two differ by what the buffer holds at the start and the end).
 
-**Compute vs overhead.** After the warm-up, each η times ``--steps`` plain trainer steps
-(the wall clock a user sees), then ``--steps`` instrumented ones: every jitted program
-the loop runs is wrapped (from outside the runtime) in a timer that calls it and then
-``jax.block_until_ready`` on its result: the sampler's ``start_rows`` (prefill),
-``decode_steps``, ``recompute_cache``, ``take_rows``, ``release_rows``, ``init_state``
-and the trainer's ``train_step``. Their summed wall time is the *jitted compute*;
-everything else (Python orchestration: admission, buffer, scoring, tokenising,
-collation, tracing, metrics, weight pushes, and jit dispatch outside those calls) is
-*overhead*. ``overhead_fraction`` = 1 - compute per step (instrumented steps) ÷ wall
-time per step (plain steps): the timers' own blocking stops the loop's asynchronous
-dispatch from overlapping Python with compute, which costs the instrumented steps a
-few percent of wall time that a real run does not pay
-(``instrumented_overhead_fraction`` is the fraction measured inside the instrumented
-steps alone). The timers include each call's own dispatch, so the compute figure is if
-anything an overestimate of device time. Compilations in the plain steps (a new shape
-bucket) are counted with XLA's compile time (``compile_s``);
-``overhead_excluding_compiles`` leaves that time out, for the steady state of a long
-run. Each η builds a fresh ``Experiment``; a temporary persistent compilation cache
-spares the rebuilt, identical programs a second compile. Goal: ``overhead_fraction <=
-0.10`` (the demo run).
+**Compute vs overhead.** After the warm-up, each η times ``--steps`` trainer steps in
+which every jitted program the loop runs is wrapped (from outside the runtime) in a
+timer: the sampler's ``start_rows`` (prefill), ``decode_steps``, ``recompute_cache``,
+``take_rows``, ``release_rows``, ``init_state`` and the trainer's ``train_step``. Their
+summed wall time is the *jitted compute*; everything else (Python orchestration:
+admission, buffer, scoring, tokenising, collation, tracing, metrics, weight pushes, and
+jit dispatch outside those calls) is *overhead*: ``overhead_fraction`` = 1 - compute ÷
+wall time. On XLA:CPU under ``rlaxkit.hostmem`` (the default on a CPU machine) a call
+runs on the calling thread and returns when it is done, so a timer is the call's own
+time and costs the loop nothing: compute and wall time come from the same steps
+(``compute_timed_in_the_same_steps``). With asynchronous dispatch a timer must
+``jax.block_until_ready`` the call's result, which stops the loop from overlapping
+Python with compute; then ``--steps`` plain steps give the wall time and ``--steps``
+instrumented ones after them the compute per trained sample
+(``instrumented_overhead_fraction`` is the fraction inside the instrumented steps alone).
+The timers include each call's own dispatch, so the compute figure is if anything an
+overestimate of device time. Compilations in the timed steps (a new shape bucket) are
+counted (``compile_s``: the timed calls that compiled, or XLA's compile time with
+asynchronous dispatch); ``overhead_excluding_compiles`` leaves that time out, for the
+steady state of a long run. Each η builds a fresh ``Experiment``; a temporary
+persistent compilation cache spares the rebuilt, identical programs a second compile.
+Goal: ``overhead_fraction <= 0.10`` (the demo run).
 
 **Cross-check from XLA's own trace.** The compute figure above comes from other steps
 than the wall time, and from programs timed one at a time. So the demo run at η = 2
@@ -67,6 +69,7 @@ The last line printed is one JSON object with every number.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import functools
 import glob
@@ -84,6 +87,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 from jax.profiler import ProfileData  # noqa: E402
 
+from rlaxkit import hostmem  # noqa: E402
 from rlaxkit.config import RunConfig  # noqa: E402
 from rlaxkit.configio import apply_overrides  # noqa: E402
 from rlaxkit.inference import programs  # noqa: E402
@@ -116,9 +120,11 @@ _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class ComputeClock:
-    """Sums the wall time of jitted calls (each followed by ``block_until_ready``)."""
+    """Sums the wall time of jitted calls (each followed by ``block_until_ready`` unless
+    ``synchronous``: XLA:CPU then runs a call before it returns)."""
 
-    def __init__(self) -> None:
+    def __init__(self, synchronous: bool = False) -> None:
+        self.synchronous = synchronous
         self.seconds: dict[str, float] = {}
         self.compile_s = 0.0
         self.compiles = 0
@@ -136,7 +142,9 @@ class ComputeClock:
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             compiles, start = self.compiles, time.perf_counter()
-            out = jax.block_until_ready(fn(*args, **kwargs))
+            out = fn(*args, **kwargs)
+            if not self.synchronous:
+                out = jax.block_until_ready(out)
             elapsed = time.perf_counter() - start
             if self.compiles != compiles:  # tracing + compiling is not compute
                 self.compile_s += elapsed
@@ -198,27 +206,33 @@ def measure(config: RunConfig, clock: ComputeClock, warmup: int, steps: int, pro
         trained_at = exp.buffer.counts()["trained"]
         generated_before = sum(1 for _ in _completed(exp))
         clock.reset()
-        start = time.perf_counter()
-        if profile is not None:
-            profile.enable()
-        history = exp.run(steps)
-        if profile is not None:
-            profile.disable()
-        wall_s = time.perf_counter() - start
+        with Instrumented(clock, exp) if clock.synchronous else contextlib.nullcontext():
+            start = time.perf_counter()
+            if profile is not None:
+                profile.enable()
+            history = exp.run(steps)
+            if profile is not None:
+                profile.disable()
+            wall_s = time.perf_counter() - start
         samples = sum(1 for _ in _completed(exp)) - generated_before
         trained = (exp.buffer.counts()["trained"] - trained_at) * config.group_size
         trained_at = exp.buffer.counts()["trained"]
-        # Compilations in the plain steps (XLA's time only: tracing is not in the event).
-        compiles, compile_s = clock.compiles, clock.backend_compile_s
-        clock.reset()
-        with Instrumented(clock, exp):
-            start = time.perf_counter()
-            history += exp.run(steps)
-            instrumented_s = time.perf_counter() - start
-        trained_instrumented = (exp.buffer.counts()["trained"] - trained_at) * config.group_size
-    # Compute per trained sample (instrumented steps) against wall time per trained sample
-    # (plain steps): each step trains the same number of samples.
-    compute_s = clock.total_s * trained / trained_instrumented
+        if clock.synchronous:  # compute and wall time of the same steps
+            compiles, compile_s = clock.compiles, clock.compile_s
+            compute_s, instrumented_s = clock.total_s, wall_s
+        else:
+            # Compilations in the plain steps (XLA's time only: tracing is not in the
+            # event).
+            compiles, compile_s = clock.compiles, clock.backend_compile_s
+            clock.reset()
+            with Instrumented(clock, exp):
+                start = time.perf_counter()
+                history += exp.run(steps)
+                instrumented_s = time.perf_counter() - start
+            trained_instrumented = (exp.buffer.counts()["trained"] - trained_at) * config.group_size
+            # Compute per trained sample (instrumented steps) against wall time per
+            # trained sample (plain steps): each step trains the same number of samples.
+            compute_s = clock.total_s * trained / trained_instrumented
     return {
         "wall_s": wall_s,
         "instrumented_wall_s": instrumented_s,
@@ -232,6 +246,7 @@ def measure(config: RunConfig, clock: ComputeClock, warmup: int, steps: int, pro
         "compile_s": compile_s,
         "overhead_fraction": 1.0 - compute_s / wall_s,
         "instrumented_overhead_fraction": 1.0 - clock.total_s / instrumented_s,
+        "same_steps": clock.synchronous,
         "staleness_max": max(m["staleness/max"] for m in history),
     }
 
@@ -362,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="rlaxkit-bench-"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    clock = ComputeClock()
+    kept = hostmem.status()
+    clock = ComputeClock(synchronous=kept is not None and kept.kept)
     print(f"devices: {jax.devices()}")
     results = {
         name: run_etas(name, overrides, clock, warmup, steps, 2 if args.profile else None)
@@ -390,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         "tiny_samples_per_s": tiny["samples_per_s"],
         "tiny": tiny,
         "goal_overhead_fraction": GOAL_OVERHEAD,
+        "compute_timed_in_the_same_steps": clock.synchronous,
     }
     print(
         f"\noverhead (outside jitted compute), demo run: {demo['overhead_fraction']:.2f} of wall "
