@@ -37,7 +37,7 @@ from rlaxkit.sft import SFTConfig
 from rlaxkit.tasks.registry import build_config, task_config_class
 from rlaxkit.tracking import TrackerName, check_tracking
 from rlaxkit.trainer import OptimizerConfig
-from rlaxkit.validation import check_int
+from rlaxkit.validation import check_int, check_number
 
 
 def _tiny_model() -> ModelConfig:
@@ -161,6 +161,13 @@ class RuntimeConfig:
             ``Experiment.trace.memory`` keeps (a step writes two per sample; the oldest
             go first, and trace.jsonl keeps every one: ``rlaxkit.trace.read_trace``).
             ``None`` keeps all. Without a run directory memory keeps every event.
+        trainer_replay_mb: on Ray, how many megabytes of trained batches the driver
+            keeps to heal a trainer process that dies on its own: the trainer restores
+            its newest checkpoint and the driver replays the batches trained since. A
+            checkpoint lets go of the batches it covers; past the bound the oldest go
+            first, and a death that would need one of them stops the run with an error
+            naming ``checkpoint.every_steps``. ``None`` keeps every batch (without
+            checkpoints, all of the run's).
     """
 
     backend: Literal["local", "ray"] = "local"
@@ -174,6 +181,7 @@ class RuntimeConfig:
     restart_s: float = 5.0
     workers_per_slice: int = 1
     trace_memory: int | None = 100_000
+    trainer_replay_mb: float | None = 4096.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -188,6 +196,13 @@ class RuntimeConfig:
         if self.trace_memory is not None:
             check_int(
                 "trace_memory", self.trace_memory, minimum=1, allowed="an integer >= 1 or null"
+            )
+        if self.trainer_replay_mb is not None:
+            check_number(
+                "trainer_replay_mb",
+                self.trainer_replay_mb,
+                minimum=0.0,
+                allowed="a number >= 0 (megabytes) or null",
             )
         if self.keep_versions < 2:
             raise ValueError(f"keep_versions must be >= 2, got {self.keep_versions}")

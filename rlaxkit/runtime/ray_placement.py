@@ -242,7 +242,13 @@ def _place(
     group = TrainerGroup(rc, (*arguments, jax_options))
     parts.teardown.append(lambda: group.stop(timeout_s=60.0))
     parts.trainer = TrainerClient(
-        group, trace, books, clock, rc.trainer_max_restarts, died=(RayActorError,)
+        group,
+        trace,
+        books,
+        clock,
+        rc.trainer_max_restarts,
+        died=(RayActorError,),
+        replay_limit_mb=config.runtime.trainer_replay_mb,
     )
     options = {**rc.worker.options(), "max_restarts": 0, "max_task_retries": 0}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +15,15 @@ from rlaxkit.runtime.hosts import TrainerRestartedError
 from rlaxkit.runtime.trainer_host import TrainerHost
 
 _RECOVERY_WAIT_S = 120.0  # How long a restarting actor may take to answer again.
+logger = logging.getLogger(__name__)
+
+
+def _nbytes(batch: Any) -> int:
+    """The bytes of a batch's arrays (a ``TrainBatch`` or any dataclass of arrays)."""
+    if dataclasses.is_dataclass(batch):
+        values = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+        return sum(int(getattr(v, "nbytes", 0)) for v in values)
+    return int(getattr(batch, "nbytes", 0))
 
 
 class InProcessTrainer:
@@ -48,11 +59,14 @@ class TrainerClient:
     Args:
         group: the trainer host in this process (``InProcessTrainer``) or Ray's
             ``TrainerGroup``.
-        max_restarts: heals in a row before the client gives up.
-        died: the errors that mean the trainer died (Ray's ``RayActorError``).
         trace: the run trace (the trainer's events are written to it).
         books: the run's books (a replayed step is booked as lost compute).
         clock: the run's clock.
+        max_restarts: heals in a row before the client gives up.
+        died: the errors that mean the trainer died (Ray's ``RayActorError``).
+        replay_limit_mb: megabytes of batches kept for a heal
+            (``RuntimeConfig.trainer_replay_mb``); past it the oldest are let go.
+            ``None``: no bound.
     """
 
     def __init__(
@@ -63,12 +77,16 @@ class TrainerClient:
         clock: Callable[[], float],
         max_restarts: int = 0,
         died: tuple[type[BaseException], ...] = (),
+        replay_limit_mb: float | None = None,
     ):
         self.group, self.max_restarts = group, max_restarts
         self.heals = bool(died)  # a trainer in this process does not die on its own
         self.died: tuple[type[BaseException], ...] = (*died, TrainerRestartedError)
         self.trace, self.books, self.clock = trace, books, clock
         self.replay: list[tuple[int, Any]] = []  # (step, batch) since the last checkpoint
+        self.replay_limit_mb = replay_limit_mb
+        self._replay_bytes: list[int] = []  # of each kept batch
+        self.let_go_through = 0  # the newest step whose batch was let go at the bound
         self.saved: set[int] = set()
         self.killed = False
 
@@ -110,6 +128,15 @@ class TrainerClient:
         self.trace.record(self.clock(), "preemption", "trainer", version)
         self.group.restart()  # A group starts anew; one trainer Ray restarts.
         restored = self._call_restarting("restore", version)
+        if restored < self.let_go_through:
+            kept = len(self.replay)
+            raise RuntimeError(
+                f"the trainer died at step {version} and restored step {restored}, but the "
+                f"batches of steps {restored + 1}..{self.let_go_through} were let go: "
+                f"runtime.trainer_replay_mb={self.replay_limit_mb} held {kept} steps of "
+                f"this run. Save checkpoints within that (checkpoint.every_steps <= "
+                f"{max(1, kept)}) or raise runtime.trainer_replay_mb"
+            )
         replay = [(s, b) for s, b in self.replay if restored < s <= version]
         if [s for s, _ in replay] != list(range(restored + 1, version + 1)):
             raise RuntimeError(
@@ -129,10 +156,38 @@ class TrainerClient:
     # -- the client ------------------------------------------------------------------
     def train(self, batch: Any, step: int, push: bool) -> TrainResult:
         if self.heals:
-            self.replay.append((step, batch))  # until a checkpoint covers it
+            self._keep(step, batch)  # until a checkpoint covers it
         result = self.call("train", batch, step, push)
         self.trace.extend(result.events)
         return result
+
+    def _keep(self, step: int, batch: Any) -> None:
+        """Keeps ``batch`` for a heal; past ``replay_limit_mb`` lets the oldest go (the
+        newest batch is always kept)."""
+        self.replay.append((step, batch))
+        self._replay_bytes.append(_nbytes(batch))
+        if self.replay_limit_mb is None:
+            return
+        limit = self.replay_limit_mb * 1e6
+        while len(self.replay) > 1 and sum(self._replay_bytes) > limit:
+            gone, _ = self.replay.pop(0)
+            self._replay_bytes.pop(0)
+            if self.let_go_through == 0:
+                logger.warning(
+                    "the trainer's batches reached runtime.trainer_replay_mb=%s at step %d "
+                    "with no checkpoint since step %d: a trainer process that dies now "
+                    "stops the run. Set checkpoint.every_steps to heal it instead",
+                    self.replay_limit_mb,
+                    step,
+                    gone - 1,
+                )
+            self.let_go_through = gone
+
+    def _forget(self, keep: Callable[[int], bool]) -> None:
+        """Forgets the kept batches of the steps ``keep`` refuses."""
+        kept = [i for i, (s, _) in enumerate(self.replay) if keep(s)]
+        self.replay = [self.replay[i] for i in kept]
+        self._replay_bytes = [self._replay_bytes[i] for i in kept]
 
     def publish(self, step: int, reset: bool = False) -> int | None:
         reply = self.call("publish", step, reset)
@@ -156,7 +211,8 @@ class TrainerClient:
     ) -> bool:
         reply = self.call("save_checkpoint", step, json, weights, wait)
         self.trace.extend(reply.events)
-        self.replay = [(s, b) for s, b in self.replay if s > step]
+        self._forget(lambda s: s > step)
+        self.let_go_through = 0  # a death restores this checkpoint or a newer one
         self.saved.add(step)
         return reply.saved
 
@@ -165,7 +221,8 @@ class TrainerClient:
             self.killed = False
             self.group.restart()  # a group starts anew; one trainer Ray restarts
         step = self._call_restarting("restore", max_step, published)
-        self.replay = [(s, b) for s, b in self.replay if s <= step]
+        self._forget(lambda s: s <= step)
+        self.let_go_through = 0  # a death restores this step's checkpoint or a newer one
         self.saved.add(step)
         return step
 
