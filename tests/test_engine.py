@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from rlaxkit.inference import InferenceEngine, SamplingConfig, generate
+from rlaxkit.inference.results import packed
 from rlaxkit.jaxutil import count_compilations
 from rlaxkit.logprobs import token_logprobs
 from rlaxkit.models import ModelConfig, abstract_model
@@ -249,6 +250,9 @@ def test_bad_requests_and_weights_fail_loudly(models):
     halved = jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(models[1]))
     with pytest.raises(ValueError, match=r"embed_tokens.*is bfloat16\[64, 32\], expected float32"):
         engine.update_weights(halved, 1)
+    # Packed weights (a pytree flattened once) are taken too; the engine keeps the tree.
+    engine.update_weights(packed(nnx.state(models[1])), 1)
+    assert isinstance(engine.params, nnx.State) and engine.version == 1
     with pytest.raises(ValueError, match="num_slots"):
         InferenceEngine(models[0], CONFIG, num_slots=0, max_prompt_len=16)
 

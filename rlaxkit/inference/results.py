@@ -130,6 +130,8 @@ def matching_params(
     else:
         new_params = weights
     new = packed(new_params)
+    if isinstance(new_params, Packed):  # the tree is what the engine keeps as its params
+        new_params = new.tree()
     if new.structure is not current.structure:  # interned: one structure, one object
         raise ValueError("new weights do not have the structure of the current ones")
     for i, (leaf, old) in enumerate(zip(new.leaves, current.leaves, strict=True)):
