@@ -2,8 +2,8 @@
 
 ``VerifiedSamples`` gathers the finished samples of an inference worker's issued
 prompts; once all ``n`` of a prompt are done, a ``RewardRunner`` scores the completions'
-text (the final stop token dropped) and ``verified_rollouts`` joins each sample with its
-``RewardResult`` into a ``Rollout`` (``reward_info``: what the verifier parsed, why it
+text (the final stop token dropped) and ``verified_rollout`` makes each sample and its
+``RewardResult`` a ``Rollout`` (``reward_info``: what the verifier parsed, why it
 scored so, and the failure's detail when the reward itself failed). A multi-turn task's
 episodes are rewarded by their environments instead (``rlaxkit.worker_episodes``).
 """
@@ -11,7 +11,6 @@ episodes are rewarded by their environments instead (``rlaxkit.worker_episodes``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,11 +25,10 @@ from rlaxkit.trace import TraceSink
 
 __all__ = [
     "IssuedPrompt",
-    "Sample",
     "VerifiedSamples",
     "completion_text",
     "record_generation_end",
-    "verified_rollouts",
+    "verified_rollout",
 ]
 
 
@@ -43,19 +41,6 @@ class IssuedPrompt(Protocol):
     issued_s: float
 
 
-@dataclass(frozen=True)
-class Sample:
-    """One finished sample of issued prompt ``group_id``: its problem, its prompt's ids
-    (one array shared by the prompt's samples: nothing writes to it), when the prompt
-    was issued, and the engine's completion."""
-
-    group_id: int
-    problem: Problem
-    prompt_tokens: np.ndarray
-    issued_s: float
-    completion: Completion
-
-
 def completion_text(
     completion: Completion, tokenizer: Tokenizer, stop_tokens: Sequence[int]
 ) -> str:
@@ -66,41 +51,38 @@ def completion_text(
     return tokenizer.decode(tokens)
 
 
-def verified_rollouts(
-    samples: Sequence[Sample],
-    results: Sequence[RewardResult],
+def verified_rollout(
+    prompt: IssuedPrompt,
+    prompt_tokens: np.ndarray,
+    completion: Completion,
+    result: RewardResult,
     *,
     worker_id: str,
     finished_s: float,
-) -> list[Rollout]:
-    """One ``Rollout`` per sample, rewarded with its result (``results[i]`` scores
-    ``samples[i]``), finished at ``finished_s``."""
-    rollouts = []
-    for sample, result in zip(samples, results, strict=True):
-        completion = sample.completion
-        rollouts.append(
-            Rollout(
-                group_id=sample.group_id,
-                sample_index=completion.sample_index,
-                problem_id=sample.problem.id,
-                prompt_tokens=sample.prompt_tokens,
-                completion_tokens=completion.tokens,
-                behaviour_logprobs=completion.logprobs,
-                versions=completion.versions,
-                reward=float(result.score),
-                finish_reason=completion.finish_reason,
-                worker_id=worker_id,
-                reward_info={
-                    "parsed": result.parsed,
-                    "reason": result.reason,
-                    "correct": bool(result.correct),
-                    # Why the reward itself failed, for the run's error message.
-                    **({"detail": result.detail} if result.reason in REWARD_FAILURES else {}),
-                },
-                timings={"issued_s": sample.issued_s, "finished_s": finished_s},
-            )
-        )
-    return rollouts
+) -> Rollout:
+    """The ``Rollout`` of one sample of ``prompt`` (its ids ``prompt_tokens``, one array
+    shared by the prompt's samples: nothing writes to it), rewarded with ``result`` and
+    finished at ``finished_s``."""
+    return Rollout(
+        group_id=prompt.issue.group_id,
+        sample_index=completion.sample_index,
+        problem_id=prompt.problem.id,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion.tokens,
+        behaviour_logprobs=completion.logprobs,
+        versions=completion.versions,
+        reward=float(result.score),
+        finish_reason=completion.finish_reason,
+        worker_id=worker_id,
+        reward_info={
+            "parsed": result.parsed,
+            "reason": result.reason,
+            "correct": bool(result.correct),
+            # Why the reward itself failed, for the run's error message.
+            **({"detail": result.detail} if result.reason in REWARD_FAILURES else {}),
+        },
+        timings={"issued_s": prompt.issued_s, "finished_s": finished_s},
+    )
 
 
 def record_generation_end(
@@ -163,19 +145,22 @@ class VerifiedSamples:
         """Scores the samples of ``prompts`` (all done) with ``scorer`` and forgets them;
         their rollouts, in order, each with its ``generation_end`` event, and one
         ``reward`` event timing the scoring."""
-        samples = []
+        samples = []  # (prompt, its ids, completion), each prompt's in sample order
         for p in prompts:
             tokens = np.asarray(p.prompt_tokens, np.int32)
             done = sorted(self.done.pop(p.issue.group_id), key=lambda c: c.sample_index)
-            samples += [Sample(p.issue.group_id, p.problem, tokens, p.issued_s, c) for c in done]
-        texts = [completion_text(s.completion, self.tokenizer, self.stop_tokens) for s in samples]
+            samples += [(p, tokens, c) for c in done]
+        texts = [completion_text(c, self.tokenizer, self.stop_tokens) for _, _, c in samples]
         start = self.clock()
-        results = scorer.score([s.problem for s in samples], texts)
+        results = scorer.score([p.problem for p, _, _ in samples], texts)
         now = self.clock()
-        rollouts = verified_rollouts(samples, results, worker_id=self.worker_id, finished_s=now)
-        for rollout in rollouts:
-            reason = rollout.reward_info["reason"]
-            failed = {"reward_failure": reason} if reason in REWARD_FAILURES else {}
+        rollouts = []
+        for (p, tokens, completion), result in zip(samples, results, strict=True):
+            rollout = verified_rollout(
+                p, tokens, completion, result, worker_id=self.worker_id, finished_s=now
+            )
+            rollouts.append(rollout)
+            failed = {"reward_failure": result.reason} if result.reason in REWARD_FAILURES else {}
             record_generation_end(self.trace, self.worker_id, now, rollout, **failed)
         self.trace.record(
             now,
@@ -184,6 +169,6 @@ class VerifiedSamples:
             None,
             sample=f"{prompts[0].issue.group_id}",
             duration_s=now - start,
-            samples=len(samples),
+            samples=len(rollouts),
         )
         return rollouts
