@@ -41,9 +41,10 @@ steady state of a long run. Each η builds a fresh ``Experiment``; a temporary
 persistent compilation cache spares the rebuilt, identical programs a second compile.
 Goal: ``overhead_fraction <= 0.10`` (the demo run).
 
-**Cross-check from XLA's own trace.** The compute figure above comes from other steps
-than the wall time, and from programs timed one at a time. So the demo run at η = 2
-is also measured a second way, within one set of plain steps: they run under
+**Cross-check from XLA's own trace.** The compute figure above comes from programs
+timed one at a time, from outside (and with asynchronous dispatch, from other steps
+than the wall time). So the demo run at η = 2 is also measured a second way, within
+one set of plain steps: they run under
 ``jax.profiler`` (Python tracing off), and ``profiled_overhead_fraction`` = 1 - (the
 time at least one XLA program was executing: the union of the execution regions of
 XLA's CPU client threads and of the ops run inline on the host thread) ÷ wall time.
