@@ -4,6 +4,8 @@ for that bounded by ``runtime.trainer_replay_mb``."""
 import logging
 import threading
 
+import jax
+import numpy as np
 import pytest
 
 from rlaxkit.api import PublishReply, SaveReply, TrainResult
@@ -62,11 +64,9 @@ class FakeTrainer:
         pass
 
 
-class Batch:
-    """A dataclass-free batch: its bytes are its ``nbytes``."""
-
-    def __init__(self, mb: float):
-        self.nbytes = int(mb * MB)
+def batch(mb: float) -> jax.ShapeDtypeStruct:
+    """A batch of ``mb`` megabytes, abstract (the client only counts its bytes)."""
+    return jax.ShapeDtypeStruct((int(mb * MB),), np.uint8)
 
 
 def client(limit_mb):
@@ -81,7 +81,7 @@ def client(limit_mb):
 
 def train(kept, books, steps, mb=1.0):
     for step in steps:
-        books.record_step(kept.train(Batch(mb), step, True).duration_s)
+        books.record_step(kept.train(batch(mb), step, True).duration_s)
 
 
 def test_a_dead_trainer_is_healed_from_its_checkpoint_and_the_kept_batches():
@@ -133,11 +133,10 @@ def test_a_checkpoint_after_the_bound_makes_a_death_healable_again():
     assert trainer.trained == list(range(1, 14))
 
 
-def test_dataclass_batches_count_their_arrays():
+def test_a_collated_batch_counts_its_arrays():
     from rlaxkit.batch import Sample, collate
-    from rlaxkit.runtime.trainer_client import _nbytes
 
-    batch = collate(
+    one = collate(
         [
             Sample(
                 prompt_tokens=[1, 2],
@@ -149,18 +148,16 @@ def test_dataclass_batches_count_their_arrays():
             )
         ]
     )
-    assert _nbytes(batch) == sum(
-        a.nbytes for a in (batch.tokens, batch.attention_mask, batch.loss_mask)
-    ) + sum(
-        a.nbytes
-        for a in (
-            batch.behaviour_logprobs,
-            batch.versions,
-            batch.rewards,
-            batch.group_ids,
-            batch.sequence_mask,
-        )
+    nbytes = sum(getattr(one, f).nbytes for f in ("tokens", "attention_mask", "loss_mask"))
+    nbytes += sum(
+        getattr(one, f).nbytes
+        for f in ("behaviour_logprobs", "versions", "rewards", "group_ids", "sequence_mask")
     )
+    # Room for two such batches, not three: the oldest of three is let go.
+    kept, _, books = client(limit_mb=2.5 * nbytes / MB)
+    for step in (1, 2, 3):
+        books.record_step(kept.train(one, step, True).duration_s)
+    assert [s for s, _ in kept.replay] == [2, 3] and kept.let_go_through == 1
 
 
 def test_the_bound_is_a_named_setting():

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from rlaxkit.api import TrainResult
+from rlaxkit.param_server.base import tree_nbytes
 from rlaxkit.runtime.books import RunBooks
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.hosts import TrainerRestartedError
@@ -16,14 +16,6 @@ from rlaxkit.runtime.trainer_host import TrainerHost
 
 _RECOVERY_WAIT_S = 120.0  # How long a restarting actor may take to answer again.
 logger = logging.getLogger(__name__)
-
-
-def _nbytes(batch: Any) -> int:
-    """The bytes of a batch's arrays (a ``TrainBatch`` or any dataclass of arrays)."""
-    if dataclasses.is_dataclass(batch):
-        values = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
-        return sum(int(getattr(v, "nbytes", 0)) for v in values)
-    return int(getattr(batch, "nbytes", 0))
 
 
 class InProcessTrainer:
@@ -85,7 +77,7 @@ class TrainerClient:
         self.trace, self.books, self.clock = trace, books, clock
         self.replay: list[tuple[int, Any]] = []  # (step, batch) since the last checkpoint
         self.replay_limit_mb = replay_limit_mb
-        self._replay_bytes: list[int] = []  # of each kept batch
+        self._kept_bytes = 0  # of the batches in ``replay``
         self.let_go_through = 0  # the newest step whose batch was let go at the bound
         self.saved: set[int] = set()
         self.killed = False
@@ -165,13 +157,13 @@ class TrainerClient:
         """Keeps ``batch`` for a heal; past ``replay_limit_mb`` lets the oldest go (the
         newest batch is always kept)."""
         self.replay.append((step, batch))
-        self._replay_bytes.append(_nbytes(batch))
+        self._kept_bytes += tree_nbytes(batch)
         if self.replay_limit_mb is None:
             return
         limit = self.replay_limit_mb * 1e6
-        while len(self.replay) > 1 and sum(self._replay_bytes) > limit:
-            gone, _ = self.replay.pop(0)
-            self._replay_bytes.pop(0)
+        while len(self.replay) > 1 and self._kept_bytes > limit:
+            gone, oldest = self.replay.pop(0)
+            self._kept_bytes -= tree_nbytes(oldest)
             if self.let_go_through == 0:
                 logger.warning(
                     "the trainer's batches reached runtime.trainer_replay_mb=%s at step %d "
@@ -185,9 +177,8 @@ class TrainerClient:
 
     def _forget(self, keep: Callable[[int], bool]) -> None:
         """Forgets the kept batches of the steps ``keep`` refuses."""
-        kept = [i for i, (s, _) in enumerate(self.replay) if keep(s)]
-        self.replay = [self.replay[i] for i in kept]
-        self._replay_bytes = [self._replay_bytes[i] for i in kept]
+        self.replay = [(s, b) for s, b in self.replay if keep(s)]
+        self._kept_bytes = sum(tree_nbytes(b) for _, b in self.replay)
 
     def publish(self, step: int, reset: bool = False) -> int | None:
         reply = self.call("publish", step, reset)
