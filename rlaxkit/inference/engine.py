@@ -223,10 +223,7 @@ class InferenceEngine:
         ``fold_in(fold_in(rng, j), t)``, so its tokens do not depend on which row or
         chunk generates them: the same as ``generate(model, [prompt], config, [rng])``.
         """
-        if max_new_tokens is None:  # the common case, without budgets' array checks
-            budget = self.config.max_new_tokens
-        else:
-            (budget,) = budgets(max_new_tokens, 1, self.config)
+        (budget,) = budgets(max_new_tokens, 1, self.config)
         (array,) = as_prompts(
             [prompt],
             self.model_config.vocab_size,
@@ -319,10 +316,7 @@ class InferenceEngine:
             raise ValueError(
                 f"observation has token ids outside [0, {self.model_config.vocab_size})"
             )
-        if max_new_tokens is None:  # the common case, without budgets' array checks
-            budget = self.config.max_new_tokens
-        else:
-            (budget,) = budgets(max_new_tokens, 1, self.config)
+        (budget,) = budgets(max_new_tokens, 1, self.config)
         sample = self._slots[row]
         assert sample is not None, f"parked row {row} holds no sample"
         needed = len(sample.prompt) + len(array) + int(budget) - 1

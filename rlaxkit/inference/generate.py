@@ -67,8 +67,8 @@ def budgets(
     max_new_tokens: int | Sequence[int] | None, num_prompts: int, config: SamplingConfig
 ) -> np.ndarray:
     """``[num_prompts]`` int32 per-prompt token budgets, each in ``[1, config.max_new_tokens]``."""
-    if max_new_tokens is None:
-        max_new_tokens = config.max_new_tokens
+    if max_new_tokens is None:  # the config's budget: nothing to check
+        return np.full((num_prompts,), config.max_new_tokens, np.int32)
     values = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (num_prompts,))
     if values.min() < 1 or values.max() > config.max_new_tokens:
         raise ValueError(
