@@ -170,10 +170,6 @@ class TraceEvent:
         )
 
 
-_CORE_KEYS = frozenset(_CORE)
-_REQUIRED_KEYS = {kind: frozenset(keys) for kind, keys in REQUIRED_FIELDS.items()}
-
-
 def _validate(
     t: float,
     kind: str,
@@ -183,17 +179,6 @@ def _validate(
     *,
     where: str,
 ) -> None:
-    # The common case in a few set and type tests: a run records two events a sample.
-    if (
-        type(t) is float
-        and 0.0 <= t < math.inf
-        and type(actor) is str
-        and actor
-        and (version is None or type(version) is int)
-        and _REQUIRED_KEYS.get(kind, _CORE_KEYS) <= fields.keys()
-        and _CORE_KEYS.isdisjoint(fields)
-    ):
-        return
     if not is_number(t) or not math.isfinite(t) or t < 0:
         raise ValueError(f"{where}.t: must be a finite number >= 0, got {t!r}")
     if kind not in KINDS:
