@@ -200,35 +200,36 @@ def collate(
     num_rows = bucket.batch_size_for(len(samples))
     width = bucket.length_for(max(lengths))
     tokens = np.full((num_rows, width), pad_token_id, np.int32)
-    attention_mask = np.zeros((num_rows, width), bool)
-    loss_mask = np.zeros((num_rows, width), np.float32)
     behaviour = np.zeros((num_rows, width), np.float32)
     versions = np.full((num_rows, width), -1, np.int32)
     rewards = np.zeros((num_rows,), np.float32)
     group_ids = np.arange(num_rows, dtype=np.int32)  # padding rows: singleton groups
-    sequence_mask = np.zeros((num_rows,), bool)
+    starts = np.zeros((num_rows, 1), np.int64)  # where each completion starts
+    ends = np.zeros((num_rows, 1), np.int64)  # and ends (0 for padding rows)
     dense_ids: dict[Hashable, int] = {}
+    environment = []  # (row, span, policy mask) of samples with environment tokens
     for row, sample in enumerate(samples):
-        p, n = len(sample.prompt_tokens), len(sample.completion_tokens)
+        p, end = len(sample.prompt_tokens), lengths[row]
         tokens[row, :p] = sample.prompt_tokens
-        tokens[row, p : p + n] = sample.completion_tokens
-        attention_mask[row, : p + n] = True
-        behaviour[row, p : p + n] = sample.behaviour_logprobs
-        versions[row, p : p + n] = sample.versions
+        tokens[row, p:end] = sample.completion_tokens
+        behaviour[row, p:end] = sample.behaviour_logprobs
+        versions[row, p:end] = sample.versions
+        starts[row], ends[row] = p, end
         # An optional attribute: samples of single-turn callers need not carry a mask.
         policy_mask = getattr(sample, "policy_mask", None)
-        policy = None if policy_mask is None else np.asarray(policy_mask, bool)
-        if policy is None or policy.all():
-            loss_mask[row, p : p + n] = 1.0
-        else:
-            loss_mask[row, p : p + n] = policy
-            # Environment tokens were not sampled: no behaviour log-prob, no version.
-            span = slice(p, p + n)
-            behaviour[row, span] = np.where(policy, behaviour[row, span], 0.0)
-            versions[row, span] = np.where(policy, versions[row, span], -1)
+        if policy_mask is not None and np.count_nonzero(policy_mask) < end - p:
+            environment.append((row, slice(p, end), np.asarray(policy_mask, bool)))
         rewards[row] = sample.reward
         group_ids[row] = dense_ids.setdefault(sample.group_id, len(dense_ids))
-        sequence_mask[row] = True
+    position = np.arange(width)
+    attention_mask = position < ends
+    loss_mask = (attention_mask & (position >= starts)).astype(np.float32)
+    for row, span, policy in environment:
+        loss_mask[row, span] = policy
+        # Environment tokens were not sampled: no behaviour log-prob, no version.
+        behaviour[row, span] = np.where(policy, behaviour[row, span], 0.0)
+        versions[row, span] = np.where(policy, versions[row, span], -1)
+    sequence_mask = np.arange(num_rows) < len(samples)
     # Checked on the whole batch at once, which costs less than one check per sample.
     finite = np.isfinite(behaviour).all(axis=1)
     if not finite.all():
