@@ -39,6 +39,10 @@ counted (``compile_s``: the timed calls that compiled, or XLA's compile time wit
 asynchronous dispatch); ``overhead_excluding_compiles`` leaves that time out, for the
 steady state of a long run. Each η builds a fresh ``Experiment``; a temporary
 persistent compilation cache spares the rebuilt, identical programs a second compile.
+A full garbage collection runs before each build: the previous η's ``Experiment`` is
+garbage by then (its parts refer to each other), and its collection is no part of the
+next η's steps. Without it a 189 ms collection fell in the η = 1 run's 8 timed steps
+(its figure 0.23-0.24 against 0.13-0.14 with it).
 Goal: ``overhead_fraction <= 0.10`` (the demo run).
 
 **Cross-check from XLA's own trace.** The compute figure above comes from programs
@@ -73,6 +77,7 @@ import argparse
 import contextlib
 import cProfile
 import functools
+import gc
 import glob
 import io
 import json
@@ -291,6 +296,7 @@ def profiled(config: RunConfig, warmup: int, steps: int) -> dict:
     the share of the traced wall time in which no XLA program was executing."""
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # Python tracing would slow the host far more
+    gc.collect()  # the runs before this one are garbage (``run_etas``)
     with Experiment(config) as exp, tempfile.TemporaryDirectory() as trace_dir:
         exp.run(warmup)
         jax.profiler.start_trace(trace_dir, profiler_options=options)
@@ -322,6 +328,9 @@ def run_etas(name, overrides, clock, warmup, steps, profile_eta=None) -> dict[in
     results = {}
     for eta in ETAS:
         profile = cProfile.Profile() if eta == profile_eta else None
+        # The previous η's Experiment is garbage now (its parts refer to each other):
+        # collected here, not by a full collection inside this η's timed steps.
+        gc.collect()
         r = measure(run_config(overrides, eta, warmup + steps), clock, warmup, steps, profile)
         results[eta] = r
         print(
