@@ -13,6 +13,7 @@ same way to a Ray actor as they pass in-process.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -211,9 +212,17 @@ class TrainerClient(Protocol):
     """The trainer, as the driver sees it (``rlaxkit.runtime.trainer_client``): one host in
     this process, one actor, or a group of trainer processes."""
 
-    def train(self, batch: Any, step: int, push: bool) -> TrainResult:
+    def train(
+        self,
+        batch: Any,
+        step: int,
+        push: bool,
+        during: Callable[[threading.Event], None] | None = None,
+    ) -> TrainResult:
         """Takes train step ``step`` (the state is at ``step - 1``); pushes per the
-        weight-sync policy when ``push``, else holds the version for :meth:`publish`."""
+        weight-sync policy when ``push``, else holds the version for :meth:`publish`.
+        ``during(stop)`` runs while the step does and has returned when this returns;
+        ``stop`` is set if the step fails first."""
         ...
 
     def publish(self, step: int, reset: bool = False) -> int | None:

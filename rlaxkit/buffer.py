@@ -119,6 +119,10 @@ class RolloutBuffer:
         became too stale while waiting are dropped first (``stale``)."""
         return self.ledger.take_batch(trainer_version)
 
+    def batch_ready(self, trainer_version: int) -> bool:
+        """Whether :meth:`take_batch` would yield a batch now (``GroupLedger.batch_ready``)."""
+        return self.ledger.batch_ready(trainer_version)
+
     def saved(self, step: int) -> None:
         """A checkpoint of ``step`` was written."""
         self.ledger.saved(step)

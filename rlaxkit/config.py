@@ -168,6 +168,12 @@ class RuntimeConfig:
             first, and a death that would need one of them stops the run with an error
             naming ``checkpoint.every_steps``. ``None`` keeps every batch (without
             checkpoints, all of the run's).
+        overlap_training: in deterministic mode, the fleet's rounds for the next batch
+            run while the trainer takes a step, on the weights published before it,
+            until the buffer holds that batch (``rlaxkit.runtime.loop``,
+            ``Loop.run_ahead``); the step's push waits for them. A run stays the same
+            run after run, but is not the serial run: its rollouts are up to one
+            version older, so it needs ``staleness.max_staleness >= 1``.
     """
 
     backend: Literal["local", "ray"] = "local"
@@ -182,6 +188,7 @@ class RuntimeConfig:
     workers_per_slice: int = 1
     trace_memory: int | None = 100_000
     trainer_replay_mb: float | None = 4096.0
+    overlap_training: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -206,6 +213,16 @@ class RuntimeConfig:
             )
         if self.keep_versions < 2:
             raise ValueError(f"keep_versions must be >= 2, got {self.keep_versions}")
+        if not isinstance(self.overlap_training, bool):
+            raise ValueError(
+                f"overlap_training must be true or false, got {self.overlap_training!r}"
+            )
+        if self.overlap_training and self.mode == "concurrent":
+            raise ValueError(
+                "overlap_training: the concurrent mode overlaps training with generation "
+                "already (its workers run in threads); it is a setting of "
+                "mode=deterministic: unset one of them"
+            )
         if not (self.round_s > 0 and math.isfinite(self.round_s)):  # 0 rounds · inf is NaN
             raise ValueError(
                 "round_s must be a finite number > 0 (logical seconds per round), "
@@ -283,6 +300,13 @@ class RunConfig:
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
         check_admission(self.staleness, self.weight_sync)
+        if self.runtime.overlap_training and self.staleness.max_staleness < 1:
+            raise ValueError(
+                "runtime.overlap_training needs staleness.max_staleness >= 1, got 0: the "
+                "rollouts generated while the trainer takes step k use the weights before "
+                "it and are trained at step k + 1; raise max_staleness or unset "
+                "overlap_training"
+            )
         if (
             self.param_server.delta
             and self.runtime.keep_versions < self.param_server.snapshot_every

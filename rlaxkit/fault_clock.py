@@ -88,6 +88,13 @@ class FaultState:
                 due.append(fault)
         return due
 
+    def step_pending(self, step: int) -> bool:
+        """Whether a fault of ``step`` has yet to fire (``due_step`` without firing it)."""
+        return any(
+            fault.at_step == step and index not in self.fired
+            for index, fault in enumerate(self.plan)
+        )
+
     def due_step(self, step: int) -> list[Fault]:
         """Step faults for ``step`` not fired yet (each fires once, even if the step is
         reached again after a trainer restore), marked fired."""
@@ -116,6 +123,17 @@ class FaultState:
         taken = credit >= 1.0
         slow[2] = credit - 1.0 if taken else credit
         return taken
+
+    def quiet(self, now_s: float) -> bool:
+        """Nothing is down or slowed and no timed fault is due at ``now_s``: the rounds
+        that run while the trainer steps (``runtime.overlap_training``) run only then,
+        so that every fault fires and acts between train steps, as in the serial loop."""
+        if self.waiting() or self.slow:
+            return False
+        return not any(
+            fault.at_s is not None and index not in self.fired and fault.at_s <= now_s
+            for index, fault in enumerate(self.plan)
+        )
 
     def waiting(self) -> bool:
         """True while something is down and scheduled to come back."""

@@ -169,6 +169,14 @@ class GroupLedger:
         return []
 
     # -- the trainer's side ------------------------------------------------------------
+    def batch_ready(self, trainer_version: int) -> bool:
+        """Whether ``take_batch(trainer_version)`` would yield a batch now (nothing is
+        dropped or taken): the loop that runs rounds while the trainer steps asks it for
+        the version the step will make."""
+        admits = self.staleness.admits
+        ready = sum(1 for g in self.ready.values() if admits(g.first_version, trainer_version))
+        return ready >= self.staleness.batch_size
+
     def take_batch(self, trainer_version: int) -> list[Any] | None:
         """The payloads of ``batch_size`` admitted groups for step ``trainer_version +
         1``, or ``None`` while too few wait. Groups too stale by now are dropped first."""

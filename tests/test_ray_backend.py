@@ -351,3 +351,16 @@ def test_one_fault_plan_runs_on_both_placements_and_loses_nothing_accepted(
         assert summary["restarts"]["param_server"] == 1
     assert {"worker-0", "worker-1", "trainer"} <= preempted
     assert outage["fault"] == "kill_param_server" and 5 in pushes  # served again after it
+
+
+def test_an_overlapped_run_on_ray_is_the_local_one(ray_cluster, cache):
+    # The trainer steps in its own process while the driver runs the next rounds.
+    overlap = [*SMALL, "runtime.overlap_training=true", "staleness.max_staleness=1", "steps=3"]
+    with Experiment(small_run_config(*overlap), cache_dir=cache) as exp:
+        local = learning_metrics(exp.run())
+    config = small_run_config(*overlap, "runtime.backend=ray")
+    with RayExperiment(config, cache_dir=cache, ray_config=ray_config()) as exp:
+        exp.run()
+        exp.check_accounting()
+        assert_same_metrics(exp.history, local)
+        assert all(m["rounds/ahead"] > 0 for m in exp.history)

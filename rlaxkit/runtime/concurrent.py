@@ -47,6 +47,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from rlaxkit.rollout import RolloutGroup
+from rlaxkit.runtime.stalls import check_drops, stalled
 
 if TYPE_CHECKING:
     from rlaxkit.config import RunConfig
@@ -130,8 +131,6 @@ class ConcurrentCollector:
                 collector was closed, the loop can never yield a batch, or too many
                 groups in a row were dropped.
         """
-        from rlaxkit.runtime.loop import check_drops, stalled
-
         if self.cond is None:
             self.exp, self.cond = exp, threading.Condition(exp.lock)
         with self.cond:

@@ -142,6 +142,10 @@ class NoFaults:
     def waiting(self) -> bool:
         return False
 
+    def quiet(self, now_s: float) -> bool:
+        """Nothing is down and nothing is due (``FaultState.quiet``)."""
+        return True
+
     def store_down(self) -> bool:
         """True while an injected parameter-server outage holds pushes back."""
         return False
@@ -212,6 +216,9 @@ class FaultInjector(NoFaults):
 
     def waiting(self) -> bool:
         return self.state.waiting() or self.store_down()
+
+    def quiet(self, now_s: float) -> bool:
+        return self.state.quiet(now_s) and not self.store_down()
 
     def store_down(self) -> bool:
         return self.store is not None and self.store.down_until is not None

@@ -16,6 +16,12 @@ pushes per the ``WeightSyncPolicy`` and the run checkpoints per the
 ``CheckpointPolicy``. In ``deterministic`` mode the order of everything is fixed, so a
 seed fixes every metric except wall-clock timings (``time/*``, ``throughput/*``), on
 either placement. The fault clock is logical there: ``rounds · runtime.round_s``.
+
+With ``runtime.overlap_training`` the rounds of the next batch run while the trainer
+takes a step (``Loop.run_ahead``), on the weights published before it, and the step's
+push waits for them: on the local placement they run on a helper thread beside the
+step, on Ray beside the trainer's processes. Their number is set by the buffer, never
+the clock, so such a run too is the same run after run.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from rlaxkit.runtime.books import RunBooks, Window
 from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
 from rlaxkit.runtime.faults import NoFaults
 from rlaxkit.runtime.placement import Parts
+from rlaxkit.runtime.stalls import check_drops, stalled
 from rlaxkit.tasks import REWARD_FAILURES
 from rlaxkit.tracking import Trackers
 from rlaxkit.validation import is_int
@@ -233,6 +240,24 @@ class Loop:
             if idle_rounds > 2:
                 raise stalled(self)
 
+    def run_ahead(self, step: int, stop: threading.Event) -> int:
+        """With ``runtime.overlap_training``: the rounds that run while the trainer takes
+        ``step``, on the weights published before it (the step's push waits for them).
+        They go on until the buffer holds the batch of step ``step + 1``, a round moves
+        nothing, a fault is due or something is down (faults fire between steps, as in
+        the serial loop), or ``stop`` is set (the step failed). A count ends them, never
+        the clock: the run is the same run after run. Returns how many ran."""
+        rounds = 0
+        while (
+            not stop.is_set()
+            and not self.buffer.batch_ready(step)
+            and self.faults.quiet(self.fault_now())
+        ):
+            rounds += 1
+            if not self.round():
+                break
+        return rounds
+
     def step(self) -> dict[str, Any]:
         """Runs until the trainer has taken one step; returns its metrics."""
         t_start = self.clock()
@@ -243,14 +268,20 @@ class Loop:
         step = self.version + 1
         due = self.faults.due_step(step)
         push = self.config.weight_sync.should_push(step)
-        result = self.trainer.train(batch, step, push and not due)
+        ahead = []  # rounds run while the trainer took the step
+        during = None
+        if self.config.runtime.overlap_training and not due and self.parts.collector is None:
+            during = lambda stop: ahead.append(self.run_ahead(step, stop))  # noqa: E731
+        # Held back while rounds run beside the step: they sample the weights before it.
+        held = bool(due) or during is not None
+        result = self.trainer.train(batch, step, push and not held, during)
         self.books.record_step(result.duration_s)
         t_train = self.clock()
         for fault in due:  # after the step, before its push or save
             self.faults.apply(self, fault)
         trainer_up = not self.faults.trainer_down()
         if push and trainer_up:
-            if due:
+            if held:
                 self.note_published(self.trainer.publish(step))
             elif not self.faults.store_down():  # else an injected outage holds it back
                 self.note_published(step)
@@ -264,6 +295,7 @@ class Loop:
                 **self.window.close(t_train, self.fleet.generated_tokens()),
                 **self.books.counters(),
                 **{f"reward_failures/{k}": n for k, n in self.reward_failures().items()},
+                **({"rounds/ahead": ahead[0]} if ahead else {}),
             }
         staleness = [step - 1 - g.first_version for g in groups]
         self.trace.record(
@@ -334,61 +366,3 @@ class Loop:
                     f"flight, workers hold {sorted(held)[:10]}..., re-issue queue "
                     f"{queued[:10]}"
                 )
-
-
-def check_drops(exp: Loop, dropped_before: int) -> None:
-    """Raises when more than 50 batches' worth of groups in a row were dropped, saying
-    whether the reward is failing (then with its first failure) or the policy."""
-    patience = 50 * exp.config.staleness.batch_size
-    if len(exp.buffer.dropped) - dropped_before <= patience:
-        return
-    failures = exp.reward_failures()
-    scored = exp.fleet.reward_counters().get("scored", 0)
-    if scored and sum(failures.values()) >= scored / 2:
-        raise RuntimeError(
-            f"{patience} prompt groups in a row were dropped and the reward failed on "
-            f"{sum(failures.values())} of {scored} samples ({failures}): the reward "
-            f"function is failing, not the policy. First failure: "
-            f"{exp.books.first_reward_error}. Fix the reward (try it on a few "
-            "completions with rlaxkit.tasks.RewardRunner), or raise its timeout"
-        )
-    raise RuntimeError(
-        f"{patience} prompt groups in a row were dropped "
-        f"({exp.buffer.counts()['dropped_by_reason']}) without one batch: with "
-        "'filtered', the policy always or never solves the task; warm start longer "
-        "(sft.steps), pick an easier task, keep them (batching.equal_rewards=keep), or "
-        "with 'stale', raise staleness.max_staleness" + _since_last_step(exp)
-    )
-
-
-def _since_last_step(exp: Loop) -> str:
-    """What the drops' error adds when the trainer has stepped: the drops in a row all
-    came after its last step, and a policy that solved some problems before an update
-    and none after was broken by it (its weights still finite, or ``check_finite``
-    would have stopped the run)."""
-    if not exp.books.history:
-        return ""
-    last = exp.books.history[-1]
-    figures = ", ".join(
-        f"{name} {last[key]:.3g}"
-        for name, key in (
-            ("pass rate", "reward/pass_rate"),
-            ("update norm", "train/update_norm"),
-            ("learning rate", "train/learning_rate"),
-        )
-        if isinstance(last.get(key), int | float)
-    )
-    return (
-        f". Those in a row all came after train step {last['step']} ({figures}): if the "
-        "policy solved problems before it and none since, that update broke the policy; "
-        "lower optimizer.learning_rate"
-    )
-
-
-def stalled(exp: Loop) -> RuntimeError:
-    """The error of a loop that can never yield a batch."""
-    return RuntimeError(
-        "the loop stalled: no prompt is in flight and no batch is ready "
-        f"(buffer {exp.buffer.counts()}); check staleness.batch_size against "
-        "runtime.num_workers * slots_per_worker / sampling.n"
-    )

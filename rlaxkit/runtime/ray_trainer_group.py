@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -315,8 +316,14 @@ class TrainerGroup:
             RayActorError: a process died (with several, the group is then stopped and
                 the driver restarts it with :meth:`restart`).
         """
+        return self.start(method, *args)()
+
+    def start(self, method: str, *args: Any) -> Callable[[], Any]:
+        """Starts ``method`` on every process; returns the wait for its reply
+        (:meth:`call`'s)."""
         if self.size == 1:
-            return ray.get(getattr(self.leader, method).remote(*args))
+            ref = getattr(self.leader, method).remote(*args)
+            return lambda: ray.get(ref)
         if self._joining:
             joining, self._joining = self._joining, []
             try:
@@ -328,7 +335,8 @@ class TrainerGroup:
         args = tuple(
             a if isinstance(a, int | float | str | bool | type(None)) else ray.put(a) for a in args
         )
-        return self._gather([getattr(h, method).remote(*args) for h in self.handles])[0]
+        refs = [getattr(h, method).remote(*args) for h in self.handles]
+        return lambda: self._gather(refs)[0]
 
     def restart(self) -> None:
         """Stops every process and starts a new group (several processes only; one

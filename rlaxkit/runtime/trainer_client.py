@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +18,35 @@ from rlaxkit.runtime.trainer_host import TrainerHost
 
 _RECOVERY_WAIT_S = 120.0  # How long a restarting actor may take to answer again.
 logger = logging.getLogger(__name__)
+
+
+def beside(
+    main: Callable[[], Any], side: Callable[[threading.Event], None], stop: threading.Event
+) -> Any:
+    """``main()`` on this thread while ``side(stop)`` runs on a helper thread; returns
+    ``main``'s result once both are done. If ``main`` raises, ``stop`` is set (``side``
+    returns early) and the error is raised after the helper is joined; an error of
+    ``side`` is raised after ``main`` has returned."""
+    errors: list[BaseException] = []
+
+    def run_side() -> None:
+        try:
+            side(stop)
+        except BaseException as error:  # raised on the calling thread
+            errors.append(error)
+
+    helper = threading.Thread(target=run_side, name="rounds-ahead", daemon=True)
+    helper.start()
+    try:
+        result = main()
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        helper.join()
+    if errors:
+        raise errors[0]
+    return result
 
 
 class InProcessTrainer:
@@ -146,11 +177,47 @@ class TrainerClient:
         )
 
     # -- the client ------------------------------------------------------------------
-    def train(self, batch: Any, step: int, push: bool) -> TrainResult:
+    def train(
+        self,
+        batch: Any,
+        step: int,
+        push: bool,
+        during: Callable[[threading.Event], None] | None = None,
+    ) -> TrainResult:
         if self.heals:
             self._keep(step, batch)  # until a checkpoint covers it
-        result = self.call("train", batch, step, push)
-        self.trace.extend(result.events)
+        if during is None:
+            result = self.call("train", batch, step, push)
+        else:
+            result = self._train_during(batch, step, push, during)
+        self.trace.extend(result.events)  # after ``during``'s events, in every run
+        return result
+
+    def _train_during(
+        self, batch: Any, step: int, push: bool, during: Callable[[threading.Event], None]
+    ) -> TrainResult:
+        """The step with ``during`` beside it. A trainer in this process steps on this
+        thread (XLA:CPU's buffers stay in the main heap, ``rlaxkit.hostmem``) and
+        ``during`` runs on a helper thread; a Ray trainer steps in its own process(es)
+        while ``during`` runs here. Either way ``during`` has returned, and the step
+        too, before this returns or raises."""
+        stop = threading.Event()
+        start = getattr(self.group, "start", None)
+        if start is None:
+            return beside(lambda: self.call("train", batch, step, push), during, stop)
+        wait: Callable[[], TrainResult] | None = None
+        with contextlib.suppress(*self.died):  # a dead trainer is healed after ``during``
+            wait = start("train", batch, step, push)
+        result: TrainResult | None = None
+        try:
+            during(stop)
+        finally:
+            if wait is not None:  # a failure in ``during`` waits for the step, too
+                with contextlib.suppress(*self.died):
+                    result = wait()
+        if result is None:  # the trainer died: heal it and take the step again
+            self._recover()
+            return self.call("train", batch, step, push)
         return result
 
     def _keep(self, step: int, batch: Any) -> None:
