@@ -134,6 +134,7 @@ def _shape(config: Mapping[str, Any]) -> dict[str, Any]:
             config.get("host_concurrent_chunks", runtime.get("backend") == "ray")
         ),
         "chunk_steps": config.get("chunk_steps", runtime.get("chunk_steps", 1)),
+        "overlap_training": bool(runtime.get("overlap_training", False)),
         "release_after_s": config.get("release_after_s"),
     }
     for key in ("staleness", "num_workers", "slots_per_worker"):
@@ -246,6 +247,14 @@ def fit_scenario(
     plan = _faults(events) if faults is None else faults
     fault_clock: dict[str, Any] = {}
     if executor == "serial":
+        if shape["overlap_training"]:
+            raise ValueError(
+                "trace: the run overlapped training with its rounds "
+                "(runtime.overlap_training), and the serial host's costs are fitted from "
+                "one thread's time line; calibrate on a trace of the same config with "
+                "overlap_training=false, then simulate its scenario with "
+                "host.overlap_training=True (or calibrate with executor='parallel')"
+            )
         host, host_fitted = fit_host(
             events,
             chunk_steps=int(shape["chunk_steps"]),

@@ -144,6 +144,24 @@ class SerialHost:
         """The trainer finished a step (its next chunk starts with cold caches)."""
         self._after_step = True
 
+    def run_ahead(self, step: int) -> ProcessGenerator:
+        """Process body (``HostSpec.overlap_training``): the rounds that run while the
+        trainer computes ``step``, as the runtime's ``Loop.run_ahead`` runs them: until
+        the buffer holds the batch of step ``step + 1`` (``GroupLedger.batch_ready``),
+        a round moves nothing, or a fault is due or active (``FaultState.quiet``).
+        Returns how many ran."""
+        rounds = 0
+        ledger = self.sim.buffer.ledger
+        while not ledger.batch_ready(step) and (
+            self.faults is None or self.faults.quiet(self.now_s)
+        ):
+            rounds += 1
+            moved = yield from self._round(self.now_s, ahead=True)
+            self.rounds += 1
+            if not moved:
+                break
+        return rounds
+
     def round(self):
         """Process body: one round (pulls, issues, one chunk per busy worker).
 
@@ -155,7 +173,10 @@ class SerialHost:
         yield from self._round(self.now_s)
         self.rounds += 1  # the fault clock moves at the end of a round, as the runtime's
 
-    def _round(self, now_s: float) -> ProcessGenerator:
+    def _round(self, now_s: float, ahead: bool = False) -> ProcessGenerator:
+        """One round; returns whether it moved anything (issued or decoded). A round
+        ``ahead`` of the trainer that moves nothing ends those rounds instead of
+        stalling."""
         faults = self.faults
         live = self.workers
         if faults is not None:
@@ -177,8 +198,10 @@ class SerialHost:
             chunked = [w for w in live if faults.takes_chunk(w.name, now_s)]
         busy = [worker for worker in chunked if worker.left]
         if not busy:
+            if ahead:
+                return bool(issued)
             if faults is not None and (faults.waiting() or any(w.left for w in live) or issued):
-                return  # something comes back later, or a slowed worker holds work
+                return bool(issued)  # something comes back later, or a slowed worker holds work
             raise RuntimeError(
                 "the simulated local loop stalled: no sequence runs and admission lets "
                 f"none start (buffer: {len(self.sim.buffer.ready)} ready groups, batch "
@@ -195,7 +218,7 @@ class SerialHost:
         self._after_step = False
         if self.spec.concurrent_chunks:
             yield from self._concurrent_chunks(busy, plans)
-            return
+            return True
         # As the runtime does, each chunk is dispatched when the previous worker's
         # results are fetched, and decodes while the host scores them.
         done = self.env.now + plans[0][0]
@@ -207,6 +230,7 @@ class SerialHost:
             if i + 1 < len(busy):
                 done = self.env.now + plans[i + 1][0]
             yield from self._finish_chunk(worker, plan)
+        return True
 
     def _concurrent_chunks(
         self, busy: list[ChunkWorker], plans: list[_ChunkPlan]

@@ -272,6 +272,13 @@ class HostSpec:
         worker_start_s: Seconds a new worker takes to be up (on Ray: a new actor's
             process, imports and constructor). A worker back from a preemption holds
             up the round in which it first pulls until then.
+        overlap_training: The runtime's ``runtime.overlap_training``: while the
+            trainer computes a step, the rounds of the next batch run beside it (on
+            the weights before the step, until the buffer holds that batch, while no
+            fault is due or active), and the step's push waits for them. The two
+            share nothing in the model: a step lasts as long as the longer of its
+            compute and its rounds (fitted from an overlapped trace, both costs carry
+            what they took from each other there).
     """
 
     executor: Executor = "parallel"
@@ -290,6 +297,7 @@ class HostSpec:
     round_s: float = 1.0  # logical seconds per round (RunConfig's runtime.round_s)
     concurrent_chunks: bool = False
     worker_start_s: float = 0.0
+    overlap_training: bool = False
 
     def __post_init__(self) -> None:
         if self.executor not in get_args(Executor):
@@ -301,8 +309,14 @@ class HostSpec:
             _check(name, getattr(self, name), strict=False)
         _check("round_s", self.round_s)
         _check("worker_start_s", self.worker_start_s, strict=False)
-        if not isinstance(self.concurrent_chunks, bool):
-            raise ValueError(f"concurrent_chunks: must be a bool, got {self.concurrent_chunks!r}")
+        for name in ("concurrent_chunks", "overlap_training"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+        if self.overlap_training and not self.serial:
+            raise ValueError(
+                "overlap_training: a setting of the serial host (executor: serial); the "
+                "parallel fleet overlaps training with generation already"
+            )
 
     @property
     def serial(self) -> bool:

@@ -82,7 +82,18 @@ class Trainer:
         tokens = sum(group.tokens for group in batch)
         samples = sum(len(group.samples) for group in batch)
         compute_s = self.spec.step_s(tokens)
-        if self.spec.pauses_fleet:
+        faults = None if host is None else host.faults
+        if (
+            host is not None
+            and host.spec.overlap_training
+            and (faults is None or not faults.step_pending(self.version + 1))
+        ):
+            # The next batch's rounds beside the compute (``Loop.run_ahead``); the
+            # version moves, and the push goes, once both are done.
+            computed = env.timeout(compute_s)
+            yield from host.run_ahead(self.version + 1)
+            yield computed
+        elif self.spec.pauses_fleet:
             for worker in sim.workers:
                 worker.pause()
             try:

@@ -83,6 +83,33 @@ def test_synchronous_serial_host_exact_timeline():
     assert [e["duration_s"] for e in rewards] == pytest.approx([0.0028] * 3)
 
 
+def test_overlapped_serial_host_exact_timeline():
+    # η = 1. Step 1 as above: its batch at 0.0400, its compute 0.010. Beside it, the
+    # rounds of step 2's batch on version 0: issue 0.0024 and the first chunk 0.018
+    # (t = 0.0604), host 0.0004; the last chunk 0.0136 (t = 0.0744), scoring 0.0028 and
+    # host 0.0008 (t = 0.0780). The step waits for them, then step_s: train_step at
+    # 0.079, push until 0.081. Step 2's batch is ready; beside its compute: the pull
+    # 0.002, issue 0.0024, the first chunk 0.018 + 0.003 after a step (t = 0.1064), then
+    # as before: train_step at 0.125. Each later step adds 0.046 (0.056 serially).
+    trace = MemoryTrace()
+    host = HostSpec(executor="serial", chunk_steps=4, overlap_training=True, **COSTS)
+    result = simulate(_serial(eta=1, target_steps=4, host=host), trace=trace)
+    chunks = [(round(e.t, 9), e.version) for e in trace.events if e.kind == "decode"]
+    assert chunks[:6] == [
+        (0.0224, 0),
+        (0.0364, 0),
+        (0.0604, 0),
+        (0.0744, 0),
+        (0.1064, 1),
+        (0.1204, 1),
+    ]
+    steps = [e.t for e in trace.events if e.kind == "train_step"]
+    assert steps == pytest.approx([0.079, 0.125, 0.171, 0.217])
+    assert result.staleness == {0: 2, 1: 6}  # each later batch sampled a version back
+    with pytest.raises(ValueError, match="overlap_training: a setting of the serial host"):
+        HostSpec(overlap_training=True)
+
+
 def test_fit_recovers_the_serial_host_from_its_own_trace():
     # Two workers at eta = 1 with lengths of 1-12 tokens: chunks start, finish and step
     # in every combination, so every cost is identifiable and the fit is exact.

@@ -10,11 +10,13 @@ one worker of 8 slots (2 groups of 4 samples), 2 groups per step, 4-token prompt
 import statistics
 
 import pytest
+from test_sim_host import COSTS
 from test_sim_host import _serial as serial_scenario
 
 from rlaxkit.faults import Fault, FaultPlan
 from rlaxkit.trace import MemoryTrace, summarize
 from sim import (
+    HostSpec,
     PreemptionSpec,
     Uniform,
     calibrate,
@@ -149,9 +151,10 @@ def test_serial_host_refuses_what_it_does_not_model():
         Simulation(_serial([Fault(kind="preempt_worker", target="worker-5", at_s=1.0)]))
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("pull_mode", ["between_requests", "in_flight"])
 @pytest.mark.parametrize("recovery", ["reissue", "drop"])
-def test_books_balance_under_every_fault(pull_mode, recovery):
+def test_books_balance_under_every_fault(pull_mode, recovery, overlap):
     # Three workers of random lengths, η = 2, checkpoints every 3 steps; the plan takes
     # workers, a slice and the trainer down (timed and at steps), twice the same step.
     plan = [
@@ -176,6 +179,8 @@ def test_books_balance_under_every_fault(pull_mode, recovery):
             "recovery.worker_lost": recovery,
             "recovery.trainer_lost": "requeue" if recovery == "reissue" else "drop",
             "trainer.restart_s": 2.0,
+            # The rounds beside each step run only while no fault is due or active.
+            "host": HostSpec(executor="serial", chunk_steps=4, overlap_training=overlap, **COSTS),
         },
     )
     simulation, result, events = _run(scenario)
