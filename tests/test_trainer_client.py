@@ -165,3 +165,41 @@ def test_the_bound_is_a_named_setting():
     assert RuntimeConfig(trainer_replay_mb=None).trainer_replay_mb is None
     with pytest.raises(ValueError, match=r"trainer_replay_mb: must be a number >= 0"):
         RuntimeConfig(trainer_replay_mb=-1)
+
+
+class StartedTrainer(FakeTrainer):
+    """A fake Ray trainer group: ``start`` sends a call and returns its wait. With
+    ``die_while`` set, the trainer dies while the call runs: the wait raises."""
+
+    die_while = False
+
+    def start(self, method, *args):
+        if self.dead:
+            raise Died(method)
+        if self.die_while:
+            self.die_while, self.dead = False, True
+            return lambda: (_ for _ in ()).throw(Died(method))
+        reply = getattr(self, method)(*args)
+        return lambda: reply
+
+
+@pytest.mark.parametrize("death", ["before", "while"])
+def test_a_trainer_that_dies_beside_the_rounds_is_healed_after_them(death):
+    books = RunBooks()
+    trace = RunTrace(None, 0, threading.RLock(), {})
+    trainer = StartedTrainer()
+    kept = TrainerClient(trainer, trace, books, lambda: 0.0, 2, died=(Died,))
+    rounds = []
+    for step in (1, 2):
+        books.record_step(kept.train(batch(1.0), step, False, rounds.append).duration_s)
+    kept.save(2, {}, None)
+    books.record_step(kept.train(batch(1.0), 3, False, rounds.append).duration_s)
+    if death == "before":
+        trainer.preempt()  # the step's call fails at once
+    else:
+        trainer.die_while = True  # the step's wait fails after the rounds
+    books.record_step(kept.train(batch(1.0), 4, False, rounds.append).duration_s)
+    # The rounds ran once a step; the trainer restored step 2, replayed 3 and took 4.
+    assert len(rounds) == 4 and not any(stop.is_set() for stop in rounds)
+    assert trainer.trained == [1, 2, 3, 4]
+    assert books.preemptions["trainer"] == 1 and books.lost_steps == 1
