@@ -12,6 +12,7 @@ from rlaxkit.config import small_run_config
 from rlaxkit.faults import Fault, FaultPlan
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.trainer_client import beside
+from sim import fit_scenario
 
 OVERLAP = [*SMALL, "runtime.overlap_training=true", "staleness.max_staleness=1"]
 
@@ -45,6 +46,10 @@ def test_an_overlapped_run_repeats_and_trains_on_the_weights_before_each_step(ca
             e.version for e in events if e.kind == "generation_end" and before.t <= e.t <= after.t
         }
         assert sampled <= {before.version}, (before.version, sampled)
+    # The simulator models these rounds, but fits its serial host from one thread's
+    # time line: it refuses such a trace and says what to do instead.
+    with pytest.raises(ValueError, match="overlap_training=false, then simulate"):
+        fit_scenario(events)
 
 
 def test_a_resumed_overlapped_run_is_the_uninterrupted_run(cache, tmp_path):
