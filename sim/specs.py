@@ -277,8 +277,9 @@ class HostSpec:
             the weights before the step, until the buffer holds that batch, while no
             fault is due or active), and the step's push waits for them. The two
             share nothing in the model: a step lasts as long as the longer of its
-            compute and its rounds (fitted from an overlapped trace, both costs carry
-            what they took from each other there).
+            compute and its rounds. On shared cores each slows the other, which costs
+            fitted from a serial run's trace leave out (``calibrate`` refuses an
+            overlapped trace).
     """
 
     executor: Executor = "parallel"
