@@ -32,6 +32,13 @@
 # in a fixed order), so a seed fixes every number except wall time, and η changes
 # *what* is trained, not how many chips work at once: the throughput gains of
 # asynchrony on a real fleet are the simulator's subject (notebooks 03 and 04).
+#
+# One more run, **η=2 · overlapped**, is GRPO at η = 2 with
+# `runtime.overlap_training=true`: while the trainer takes a step, the workers already
+# generate the next batch with the weights from before it (a helper thread here; the
+# trainer's own processes on Ray). A count, not the clock, decides how far they go, so
+# this run too is the same every time; its rollouts are one version older, and its
+# seconds per step show what overlapping the two buys on this machine.
 
 # %% tags=["parameters"]
 import os
@@ -63,12 +70,13 @@ from rlaxkit.trace import staleness_distribution
 SMALL_MODEL = [*SMALL_RUN, "runtime.slots_per_worker=32"]  # config.SMALL_RUN, wider
 
 
-def config_for(eta: int, preset: str) -> RunConfig:
+def config_for(eta: int, preset: str, overlap: bool = False) -> RunConfig:
     overrides = [
         *(SMALL_MODEL if SMALL else []),
         f"steps={STEPS}",
         f"staleness.max_staleness={eta}",
         f"algorithm.preset={preset}",
+        f"runtime.overlap_training={'true' if overlap else 'false'}",
         # metrics.jsonl is always written; TensorBoard too (pip install 'rlaxkit[tensorboard]';
         # wandb and mlflow are the other trackers, see docs/observability.md).
         "tracking=[jsonl,tensorboard]",
@@ -91,46 +99,49 @@ runs_root = Path(tempfile.mkdtemp(prefix="rlaxkit-nb02-runs-"))
 
 # %%
 runs = {}
-for preset in PRESETS:
-    for eta in ETAS:
-        label = f"η={eta} · {'decoupled' if preset == 'decoupled_ppo' else preset}"
-        config, run_dir = config_for(eta, preset), runs_root / f"eta{eta}-{preset}"
-        with Experiment(config, run_dir=run_dir, cache_dir=warm_start_cache) as exp:
-            metrics, step_s = [], []
-            for _ in range(STEPS):
-                start = time.perf_counter()
-                metrics.append(exp.step())
-                step_s.append(time.perf_counter() - start)
-            exp.check_accounting()
-            generate = make_text_generate(exp.current_model(), exp.tokenizer, exp.config.sampling)
-            report = evaluate_policy(
-                exp.task,
-                generate,
-                problems=exp.task.problems("test", EVAL_PROBLEMS),
-                n=EVAL_SAMPLES,
-                ks=[k for k in (1, 2, 4, 8) if k <= EVAL_SAMPLES],
-                runner=exp.parts.scorer,
-            )
-            runs[label] = {
-                "metrics": metrics,
-                "pass_at_k": report.rows,
-                "staleness": staleness_distribution(exp.trace.memory.events),
-                "step_s": float(np.median(step_s[1:])),
-                "wall_s": sum(step_s),
-                "dropped": exp.buffer.counts()["dropped_by_reason"],
-            }
-        print(
-            f"{label:18} wall {sum(step_s):5.1f} s  pass@1 {report.rows[0]['pass@k']:.3f}  "
-            f"mean staleness {np.mean([m['staleness/mean'] for m in metrics]):.2f}  "
-            f"dropped {runs[label]['dropped']}"
+# (η, preset, overlapped): every η with each preset, and GRPO at η = 2 overlapped.
+settings = [(eta, preset, False) for preset in PRESETS for eta in ETAS] + [(2, "grpo", True)]
+for eta, preset, overlap in settings:
+    name = "overlapped" if overlap else "decoupled" if preset == "decoupled_ppo" else preset
+    label = f"η={eta} · {name}"
+    config = config_for(eta, preset, overlap)
+    run_dir = runs_root / f"eta{eta}-{preset}{'-overlapped' if overlap else ''}"
+    with Experiment(config, run_dir=run_dir, cache_dir=warm_start_cache) as exp:
+        metrics, step_s = [], []
+        for _ in range(STEPS):
+            start = time.perf_counter()
+            metrics.append(exp.step())
+            step_s.append(time.perf_counter() - start)
+        exp.check_accounting()
+        generate = make_text_generate(exp.current_model(), exp.tokenizer, exp.config.sampling)
+        report = evaluate_policy(
+            exp.task,
+            generate,
+            problems=exp.task.problems("test", EVAL_PROBLEMS),
+            n=EVAL_SAMPLES,
+            ks=[k for k in (1, 2, 4, 8) if k <= EVAL_SAMPLES],
+            runner=exp.parts.scorer,
         )
+        runs[label] = {
+            "metrics": metrics,
+            "pass_at_k": report.rows,
+            "staleness": staleness_distribution(exp.trace.memory.events),
+            "step_s": float(np.median(step_s[1:])),
+            "wall_s": sum(step_s),
+            "dropped": exp.buffer.counts()["dropped_by_reason"],
+        }
+    print(
+        f"{label:18} wall {sum(step_s):5.1f} s  pass@1 {report.rows[0]['pass@k']:.3f}  "
+        f"mean staleness {np.mean([m['staleness/mean'] for m in metrics]):.2f}  "
+        f"dropped {runs[label]['dropped']}"
+    )
 
 # %% [markdown]
 # ## Looking at the runs: TensorBoard and Perfetto
 #
 # `tracking=[jsonl,tensorboard]` in the config (on the command line:
 # `--set 'tracking=[jsonl,tensorboard]'`) gave every run a `tensorboard/` folder beside
-# its `metrics.jsonl`: `tensorboard --logdir RUNS_ROOT` overlays the eight runs (step
+# its `metrics.jsonl`: `tensorboard --logdir RUNS_ROOT` overlays the nine runs (step
 # metrics, the staleness histogram of each batch, the config and the summary). `wandb`
 # (offline with `WANDB_MODE=offline`) and `mlflow` (a SQLite store in the run directory)
 # take the same list. The Perfetto export (`rlaxkit trace RUN_DIR` from the shell) turns
