@@ -1,6 +1,8 @@
 """One scripted sequence of events fed to the runtime's buffer and to the simulator's
 gives the same decisions, step by step, and so do random sequences of those events:
-admission, drops and their reasons, batch order, re-issued work after a worker
+admission, drops and their reasons, whether a batch is ready (``batch_ready``, which
+the rounds beside a train step ask, agrees with ``take_batch`` on both sides), batch
+order, re-issued work after a worker
 preemption, requeued and dropped groups after a trainer restore. Both keep their books
 in ``rlaxkit.ledger.GroupLedger``; this pins that each side feeds it the same events."""
 
@@ -45,7 +47,9 @@ class RuntimeSide:
             self.buffer.add(_rollout(group_id, index, float(index), versions), self.version)
 
     def take(self):
+        ready = self.buffer.batch_ready(self.version)  # what the rounds beside a step ask
         batch = self.buffer.take_batch(self.version)
+        assert ready == (batch is not None)
         if batch is None:
             return None
         self.version += 1
@@ -95,7 +99,9 @@ class SimSide:
         self.buffer.deliver(group)
 
     def take(self):
+        ready = self.buffer.ledger.batch_ready(self.version)
         batch = self.buffer.take_batch()
+        assert ready == (batch is not None)
         if batch is None:
             return None
         self.version += 1
