@@ -187,7 +187,8 @@ class _Builder:
                 args["mean_staleness"] = sum(staleness) / len(staleness)
                 point = (args["mean_staleness"], float(max(staleness)))
                 self.counters["staleness"].append((t, point))
-            self._span(process, track, t, duration, f"step {step}", STEP_CNAMES[step % 2], args)
+            end = t - float(data.get("after_s", 0.0))  # ``step_span``: the compute's end
+            self._span(process, track, end, duration, f"step {step}", STEP_CNAMES[step % 2], args)
             self._count_waiting(t, -int(data["samples"]))
         elif kind in ("push", "pull", "checkpoint_save", "decode") or (
             kind == "checkpoint_restore" and duration is not None

@@ -35,7 +35,9 @@ Per kind, the keys this module's helpers read (others are free):
   sequences, prompt and completion: the work of the step's forward and backward
   passes), optional ``completion_tokens`` (the tokens trained on), ``duration_s``
   (compute), and ``staleness`` (list: trainer version minus oldest version, per
-  rollout trained).
+  rollout trained); with ``runtime.overlap_training``, ``after_s``: seconds from the
+  compute's end to the event (the rounds beside the step outlasted it, then the push
+  and the step's books), so the compute ran over ``step_span``'s interval.
 - ``push`` / ``pull``: ``duration_s``, optional ``bytes``.
 - ``checkpoint_save`` / ``checkpoint_restore``: ``step``, ``duration_s``.
 - ``preemption`` / ``restart``: optional ``lost_steps`` (trainer).
@@ -84,6 +86,7 @@ __all__ = [
     "iter_trace",
     "read_trace",
     "staleness_distribution",
+    "step_span",
     "summarize",
 ]
 
@@ -346,6 +349,13 @@ def staleness_distribution(events: Iterable[TraceEvent]) -> dict[int, int]:
 def drop_counts(events: Iterable[TraceEvent]) -> dict[str, int]:
     """Number of ``drop`` events per reason."""
     return dict(Counter(str(e["reason"]) for e in events if e.kind == "drop"))
+
+
+def step_span(event: TraceEvent) -> tuple[float, float]:
+    """``(start, end)`` of a ``train_step`` event's compute: ``duration_s`` ending
+    ``after_s`` (0 without it) before the event."""
+    end = event.t - float(event.get("after_s", 0.0))
+    return end - float(event["duration_s"]), end
 
 
 def durations(events: Iterable[TraceEvent], kind: str) -> list[float]:

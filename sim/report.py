@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator, MultipleLocator
 
-from rlaxkit.trace import GenerationRecord, TraceEvent, generation_records
+from rlaxkit.trace import GenerationRecord, TraceEvent, generation_records, step_span
 
 from .metrics import SimResult
 from .studies import CheckpointStudy, EtaPoint
@@ -103,14 +103,14 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
     pixels_per_s = figure.get_figwidth() * figure.dpi * 0.8 / max(end_s, 1e-9)
     step_px = float(np.median([e["duration_s"] for e in steps])) * pixels_per_s if steps else 0
     axes.broken_barh(
-        [(e.t - e["duration_s"], e["duration_s"]) for e in steps],
+        [(step_span(e)[0], e["duration_s"]) for e in steps],
         (row - height / 2, height),
         facecolors=[colours(norm(e.version or 0)) for e in steps],
         edgecolor="white",
         lw=0.8 if step_px >= 4 else 0,
     )
     # Before the first generation or step: setting up (warm start, first compilations).
-    busy = [r.start_s for r in records] + [e.t - e["duration_s"] for e in steps]
+    busy = [r.start_s for r in records] + [step_span(e)[0] for e in steps]
     if busy and min(busy) > 0.05 * end_s:
         axes.axvspan(
             0,

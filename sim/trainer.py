@@ -83,6 +83,7 @@ class Trainer:
         samples = sum(len(group.samples) for group in batch)
         compute_s = self.spec.step_s(tokens)
         faults = None if host is None else host.faults
+        computed_at = None  # with rounds beside the compute: when it ended
         if (
             host is not None
             and host.spec.overlap_training
@@ -91,6 +92,7 @@ class Trainer:
             # The next batch's rounds beside the compute (``Loop.run_ahead``); the
             # version moves, and the push goes, once both are done.
             computed = env.timeout(compute_s)
+            computed_at = env.now + compute_s
             yield from host.run_ahead(self.version + 1)
             yield computed
         elif self.spec.pauses_fleet:
@@ -120,6 +122,7 @@ class Trainer:
             tokens=tokens,
             duration_s=compute_s,
             staleness=staleness,
+            **({} if computed_at is None else {"after_s": env.now - computed_at}),
         )
         buffer.on_step(self.version)
         up = True

@@ -10,8 +10,10 @@ from test_runtime import SMALL, learning_metrics
 
 from rlaxkit.config import small_run_config
 from rlaxkit.faults import Fault, FaultPlan
+from rlaxkit.perfetto import trace_event_format
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.trainer_client import beside
+from rlaxkit.trace import MemoryTrace, step_span
 from sim import fit_scenario
 
 OVERLAP = [*SMALL, "runtime.overlap_training=true", "staleness.max_staleness=1"]
@@ -32,8 +34,11 @@ def test_an_overlapped_run_repeats_and_trains_on_the_weights_before_each_step(ca
     first, events = run_steps(config, 4, cache_dir=cache)
     again, _ = run_steps(config, 4, cache_dir=cache)
     assert first == again  # a count ends the rounds ahead, never the clock
-    serial, _ = run_steps(small_run_config(*SMALL, "staleness.max_staleness=1"), 4, cache_dir=cache)
+    serial, serial_events = run_steps(
+        small_run_config(*SMALL, "staleness.max_staleness=1"), 4, cache_dir=cache
+    )
     assert first != serial
+    assert not any("after_s" in e.fields for e in serial_events if e.kind == "train_step")
     # Every step after the first trains a batch generated while the step before it ran.
     assert all(m["rounds/ahead"] > 0 for m in first)
     assert [m["staleness/max"] for m in first[1:]] == [1, 1, 1]
@@ -46,6 +51,17 @@ def test_an_overlapped_run_repeats_and_trains_on_the_weights_before_each_step(ca
             e.version for e in events if e.kind == "generation_end" and before.t <= e.t <= after.t
         }
         assert sampled <= {before.version}, (before.version, sampled)
+    # Each step's compute ran after the previous step's event and before its own, which
+    # says how long after the compute it came (``after_s``); a serial step says nothing.
+    steps = [e for e in events if e.kind == "train_step"]
+    for before, step in zip(steps, steps[1:], strict=False):
+        start, end = step_span(step)
+        assert before.t <= start < end <= step.t and step["after_s"] >= 0
+    # A timeline draws the compute there, not at the event.
+    trace = MemoryTrace()
+    trace.record(5.0, "train_step", "trainer", 1, step=1, samples=1, duration_s=1.5, after_s=2.0)
+    (span,) = [e for e in trace_event_format(trace)["traceEvents"] if e["ph"] == "X"]
+    assert (span["ts"], span["dur"]) == (1_500_000, 1_500_000)
     # The simulator models these rounds, but fits its serial host from one thread's
     # time line: it refuses such a trace and says what to do instead.
     with pytest.raises(ValueError, match="overlap_training=false, then simulate"):

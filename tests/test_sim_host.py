@@ -3,7 +3,7 @@
 import pytest
 
 from rlaxkit.faults import Fault, FaultPlan
-from rlaxkit.trace import MemoryTrace
+from rlaxkit.trace import MemoryTrace, step_span
 from sim import (
     Constant,
     HostSpec,
@@ -103,9 +103,14 @@ def test_overlapped_serial_host_exact_timeline():
         (0.1064, 1),
         (0.1204, 1),
     ]
-    steps = [e.t for e in trace.events if e.kind == "train_step"]
-    assert steps == pytest.approx([0.079, 0.125, 0.171, 0.217])
+    steps = [e for e in trace.events if e.kind == "train_step"]
+    assert [e.t for e in steps] == pytest.approx([0.079, 0.125, 0.171, 0.217])
     assert result.staleness == {0: 2, 1: 6}  # each later batch sampled a version back
+    # The event comes after the rounds and step_s; the compute ran beside the rounds.
+    assert [step_span(e) for e in steps[:2]] == [
+        pytest.approx((0.040, 0.050)),
+        pytest.approx((0.081, 0.091)),
+    ]
     with pytest.raises(ValueError, match="overlap_training: a setting of the serial host"):
         HostSpec(overlap_training=True)
 

@@ -274,6 +274,7 @@ class Loop:
             during = lambda stop: ahead.append(self.run_ahead(step, stop))  # noqa: E731
         # Held back while rounds run beside the step: they sample the weights before it.
         held = bool(due) or during is not None
+        t_call = self.clock()
         result = self.trainer.train(batch, step, push and not held, during)
         self.books.record_step(result.duration_s)
         t_train = self.clock()
@@ -298,8 +299,12 @@ class Loop:
                 **({"rounds/ahead": ahead[0]} if ahead else {}),
             }
         staleness = [step - 1 - g.first_version for g in groups]
+        now = self.clock()
+        # Beside rounds the event comes after them, the push and the books: how long
+        # after the compute's end (``rlaxkit.trace.step_span``).
+        after = {"after_s": max(0.0, now - t_call - result.duration_s)} if ahead else {}
         self.trace.record(
-            self.clock(),
+            now,
             "train_step",
             "trainer",
             step,
@@ -311,6 +316,7 @@ class Loop:
             completion_tokens=int(np.asarray(batch.loss_mask).sum()),
             duration_s=result.duration_s,
             staleness=staleness,
+            **after,
         )
         self.last_batch = {"groups": groups, "batch": batch, "metrics": metrics}
         self.books.history.append(metrics)
