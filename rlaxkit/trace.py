@@ -36,8 +36,9 @@ Per kind, the keys this module's helpers read (others are free):
   passes), optional ``completion_tokens`` (the tokens trained on), ``duration_s``
   (compute), and ``staleness`` (list: trainer version minus oldest version, per
   rollout trained); with ``runtime.overlap_training``, ``after_s``: seconds from the
-  compute's end to the event (the rounds beside the step outlasted it, then the push
-  and the step's books), so the compute ran over ``step_span``'s interval.
+  compute's end to the event (the wait for the rounds beside the step if they
+  outlasted it, then the push and the step's books), so the compute ran over
+  ``step_span``'s interval.
 - ``push`` / ``pull``: ``duration_s``, optional ``bytes``.
 - ``checkpoint_save`` / ``checkpoint_restore``: ``step``, ``duration_s``.
 - ``preemption`` / ``restart``: optional ``lost_steps`` (trainer).
