@@ -79,31 +79,40 @@ class FaultState:
     def trainer_down(self) -> bool:
         return self.trainer_down_until is not None
 
+    def _timed(self, now_s: float) -> list[tuple[int, Fault]]:
+        """The timed faults whose time has come and that have not fired, with their
+        plan indices, in plan time order."""
+        due = [
+            (i, fault)
+            for i, fault in enumerate(self.plan)
+            if fault.at_s is not None and fault.at_s <= now_s and i not in self.fired
+        ]
+        return sorted(due, key=lambda x: (x[1].at_s or 0, x[0]))
+
+    def _at_step(self, step: int) -> list[tuple[int, Fault]]:
+        """The faults of ``step`` that have not fired, with their plan indices."""
+        return [
+            (i, fault)
+            for i, fault in enumerate(self.plan)
+            if fault.at_step == step and i not in self.fired
+        ]
+
+    def _fire(self, due: list[tuple[int, Fault]]) -> list[Fault]:
+        self.fired.update(i for i, _ in due)
+        return [fault for _, fault in due]
+
     def due_timed(self, now_s: float) -> list[Fault]:
         """Timed faults whose time has come, marked fired, in plan time order."""
-        due = []
-        for index, fault in sorted(enumerate(self.plan), key=lambda x: (x[1].at_s or 0, x[0])):
-            if fault.at_s is not None and index not in self.fired and fault.at_s <= now_s:
-                self.fired.add(index)
-                due.append(fault)
-        return due
+        return self._fire(self._timed(now_s))
 
     def step_pending(self, step: int) -> bool:
         """Whether a fault of ``step`` has yet to fire (``due_step`` without firing it)."""
-        return any(
-            fault.at_step == step and index not in self.fired
-            for index, fault in enumerate(self.plan)
-        )
+        return bool(self._at_step(step))
 
     def due_step(self, step: int) -> list[Fault]:
         """Step faults for ``step`` not fired yet (each fires once, even if the step is
         reached again after a trainer restore), marked fired."""
-        due = []
-        for index, fault in enumerate(self.plan):
-            if fault.at_step == step and index not in self.fired:
-                self.fired.add(index)
-                due.append(fault)
-        return due
+        return self._fire(self._at_step(step))
 
     def targets(self, fault: Fault) -> list[str]:
         """Worker names a worker or slice fault applies to."""
@@ -128,12 +137,7 @@ class FaultState:
         """Nothing is down or slowed and no timed fault is due at ``now_s``: the rounds
         that run while the trainer steps (``runtime.overlap_training``) run only then,
         so that every fault fires and acts between train steps, as in the serial loop."""
-        if self.waiting() or self.slow:
-            return False
-        return not any(
-            fault.at_s is not None and index not in self.fired and fault.at_s <= now_s
-            for index, fault in enumerate(self.plan)
-        )
+        return not (self.waiting() or self.slow or self._timed(now_s))
 
     def waiting(self) -> bool:
         """True while something is down and scheduled to come back."""
