@@ -178,7 +178,11 @@ class StartedTrainer(FakeTrainer):
             raise Died(method)
         if self.die_while:
             self.die_while, self.dead = False, True
-            return lambda: (_ for _ in ()).throw(Died(method))
+
+            def died():
+                raise Died(method)
+
+            return died
         reply = getattr(self, method)(*args)
         return lambda: reply
 
