@@ -52,7 +52,8 @@ from rlaxkit.config import small_run_config  # noqa: E402
 from rlaxkit.runtime.record import record_local_run  # noqa: E402
 from sim.calibrate import window_summary  # noqa: E402
 
-BASE = ("staleness.max_staleness=1",)
+# On the CPU clock (the default) the threads' seconds add up: one chunk after another.
+BASE = ("staleness.max_staleness=1", "runtime.threaded_chunks=false")
 # name -> (runtime overrides of the base run, simulator overrides of its fit)
 TARGETS = {
     "self": ((), {}),

@@ -62,6 +62,8 @@ BASE = (
     "staleness.max_staleness=1",
     f"checkpoint.every_steps={CHECKPOINT_EVERY}",
     "runtime.workers_per_slice=2",
+    # On the CPU clock the threads' seconds add up: one chunk after another.
+    "runtime.threaded_chunks=false",
 )
 # Times are logical seconds (rounds of runtime.round_s = 1 s; about 1.6 rounds per step
 # here), all after the warm-up steps. ``none`` is a second fault-free run: the spread

@@ -174,6 +174,12 @@ class RuntimeConfig:
             ``Loop.run_ahead``); the step's push waits for them. A run stays the same
             run after run, but is not the serial run: its rollouts are up to one
             version older, so it needs ``staleness.max_staleness >= 1``.
+        threaded_chunks: on the local placement in deterministic mode, the busy
+            workers' chunks of a round decode at once, each on a thread of its own;
+            their results are then fetched and scored in worker order on the driver's
+            thread, so a run gives the same metrics either way. On XLA:CPU a worker's
+            chunk runs on one core, so this uses a core a worker. ``false``: one chunk
+            after another. (On Ray every worker is a process and decodes at once.)
     """
 
     backend: Literal["local", "ray"] = "local"
@@ -189,6 +195,7 @@ class RuntimeConfig:
     trace_memory: int | None = 100_000
     trainer_replay_mb: float | None = 4096.0
     overlap_training: bool = False
+    threaded_chunks: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -217,6 +224,8 @@ class RuntimeConfig:
             raise ValueError(
                 f"overlap_training must be true or false, got {self.overlap_training!r}"
             )
+        if not isinstance(self.threaded_chunks, bool):
+            raise ValueError(f"threaded_chunks must be true or false, got {self.threaded_chunks!r}")
         if self.overlap_training and self.mode == "concurrent":
             raise ValueError(
                 "overlap_training: the concurrent mode overlaps training with generation "

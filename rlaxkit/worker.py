@@ -307,14 +307,16 @@ class InferenceWorker:
             for group_id in self.turns.advance(self._engine, self.replay_log):
                 self._ended.append(self.requests.pop(group_id))
 
-    def fetch(self, *, pipelined: bool = False) -> list[_Request]:
+    def fetch(self, *, pipelined: bool = False, waited_s: float | None = None) -> list[_Request]:
         """Waits for the launched chunk, records its ``decode`` event and returns the
         prompts it completed (for ``score``).
 
-        The event's ``duration_s`` is the launch plus the wait and fetch, the host's
-        two pieces of time on the chunk. ``pipelined``: the caller did other work (it
-        scored another worker's prompts) between the two, while the chunk ran; the
+        The event's ``duration_s`` is the caller's time on the chunk: the launch plus
+        the wait and fetch. ``pipelined``: the caller did other work (it scored another
+        worker's prompts, or decoded another worker's chunk) while the chunk ran; the
         event says so, for its duration is then less than the chunk's cost.
+        ``waited_s``: the launch ran on another thread, and the caller waited this long
+        for it; it replaces the launch's time in the event.
         """
         launched, self._launched = self._launched, None
         ended, self._ended = self._ended, []
@@ -340,7 +342,7 @@ class InferenceWorker:
             "decode",
             self.worker_id,
             self.version,
-            duration_s=launched.launch_s + end - start,
+            duration_s=(launched.launch_s if waited_s is None else waited_s) + end - start,
             rows=launched.rows,
             started=launched.started,
             finished=len(finished),

@@ -29,7 +29,10 @@ simulator trace calibrate the same way:
 workers in one thread, round by round, decoding in chunks: the *serial host*
 (:mod:`sim.host`), fitted from the trace's ``decode`` events and the untimed host time
 between chunks (:mod:`sim.calibrate_host`); on the Ray placement the same rounds run
-every busy worker's chunk at once (``HostSpec.concurrent_chunks``). The trace's config
+every busy worker's chunk at once (``HostSpec.concurrent_chunks``), and on the local
+placement they decode at once too, with ``runtime.threaded_chunks``
+(``HostSpec.threaded_chunks``: the costs are fitted the same way, from the host's
+thread). The trace's config
 picks one (``runtime.mode: deterministic`` on either backend is the serial host), or
 ``executor=`` does.
 
@@ -135,6 +138,10 @@ def _shape(config: Mapping[str, Any]) -> dict[str, Any]:
         ),
         "chunk_steps": config.get("chunk_steps", runtime.get("chunk_steps", 1)),
         "overlap_training": bool(runtime.get("overlap_training", False)),
+        # A trace written before the setting existed decoded one chunk after another.
+        "threaded_chunks": bool(
+            config.get("host_threaded_chunks", local and runtime.get("threaded_chunks", False))
+        ),
         "release_after_s": config.get("release_after_s"),
     }
     for key in ("staleness", "num_workers", "slots_per_worker"):
@@ -260,6 +267,7 @@ def fit_scenario(
             chunk_steps=int(shape["chunk_steps"]),
             start_s=start_s,
             concurrent=bool(shape["concurrent_chunks"]),
+            threaded=shape["threaded_chunks"],
         )
         plan, fault_clock = serial_fault_settings(events, config, faults)
     turns = fit_turns(events)

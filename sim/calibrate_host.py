@@ -178,12 +178,18 @@ def fit_host(
     chunk_steps: int,
     start_s: float = float("-inf"),
     concurrent: bool = False,
+    threaded: bool = False,
 ) -> tuple[HostSpec, dict[str, float]]:
     """A serial :class:`HostSpec` fitted to the events after ``start_s``;
     ``concurrent``: the workers decode at once (the Ray placement's rounds,
-    :attr:`HostSpec.concurrent_chunks`). ``worker_start_s`` is the median of the
-    trace's :func:`restart_costs`, or without a restart of its ``worker_start`` events
-    (0 without any: the local placement's workers start in no time).
+    :attr:`HostSpec.concurrent_chunks`); ``threaded``: they decode at once on the
+    local placement (:attr:`HostSpec.threaded_chunks`). The local placement's costs
+    are fitted the same way either way: a chunk after a round's first is ``pipelined``
+    and its event times only the host thread's wait and fetch.
+
+    ``worker_start_s`` is the median of the trace's :func:`restart_costs`, or without a
+    restart of its ``worker_start`` events (0 without any: the local placement's
+    workers start in no time).
 
     Raises:
         ValueError: the trace has no ``decode`` events (only the deterministic local
@@ -254,6 +260,7 @@ def fit_host(
         issue_s_per_seq=float(host[2]),
         step_s=float(host[3]),
         concurrent_chunks=concurrent,
+        threaded_chunks=threaded,
         worker_start_s=float(np.median(starts)) if starts else 0.0,
     )
     fitted = {f"host_{name}": float(getattr(spec, name)) for name in HOST_COSTS}

@@ -230,6 +230,7 @@ def run_config(scenario: Scenario) -> dict[str, Any]:
         "trainer_pauses_fleet": scenario.trainer.pauses_fleet,
         "host_executor": scenario.host.executor,
         "host_concurrent_chunks": scenario.host.concurrent_chunks,
+        "host_threaded_chunks": scenario.host.threaded_chunks,
         "chunk_steps": scenario.host.chunk_steps,
         "target_steps": scenario.target_steps,
     }

@@ -15,9 +15,12 @@ worker in one thread, in a fixed order. Until the buffer yields a full batch it 
    finished is scored at once and goes to the buffer.
 
 Then the trainer takes its step (compute, push, bookkeeping) and the rounds go on.
-One thing overlaps, as in the runtime: in step 3 each worker's chunk is dispatched as
-soon as the previous worker's results are fetched, so it decodes while the host scores
-those. Everything else is serial, each part costed by :class:`~sim.specs.HostSpec`.
+One thing overlaps, as in the runtime: in step 3 the workers' chunks decode at once
+(``HostSpec.threaded_chunks``, the runtime's ``runtime.threaded_chunks``: a thread and
+a core each), or else each worker's chunk is dispatched as soon as the previous
+worker's results are fetched, so it decodes while the host scores those; either way
+the host fetches and scores the chunks in worker order. Everything else is serial,
+each part costed by :class:`~sim.specs.HostSpec`.
 A sequence of ``t`` completion tokens takes ``t`` decode steps, all rows of a worker
 step together, and rows start at chunk boundaries.
 
@@ -210,25 +213,28 @@ class SerialHost:
             )
         # The first chunk after a train step starts with cold caches: each worker's
         # when they decode at once, the first one's when they take turns.
-        first = self._after_step
+        first, spec = self._after_step, self.spec
+        threaded = spec.threaded_chunks
         plans = [
-            self._plan_chunk(worker, first and (i == 0 or self.spec.concurrent_chunks))
+            self._plan_chunk(worker, first and (i == 0 or spec.concurrent_chunks or threaded))
             for i, worker in enumerate(busy)
         ]
         self._after_step = False
         if self.spec.concurrent_chunks:
             yield from self._concurrent_chunks(busy, plans)
             return True
-        # As the runtime does, each chunk is dispatched when the previous worker's
-        # results are fetched, and decodes while the host scores them.
-        done = self.env.now + plans[0][0]
+        # As the runtime does: threaded, every chunk starts now; else each is
+        # dispatched when the previous worker's results are fetched, and decodes while
+        # the host scores them.
+        start = self.env.now
+        done = start + plans[0][0]
         for i, (worker, plan) in enumerate(zip(busy, plans, strict=True)):
             waited_from = self.env.now
             if done > self.env.now:
                 yield self.env.timeout(done - self.env.now)
             self._record_chunk(worker, plan, self.env.now - waited_from, pipelined=i > 0)
             if i + 1 < len(busy):
-                done = self.env.now + plans[i + 1][0]
+                done = (start if threaded else self.env.now) + plans[i + 1][0]
             yield from self._finish_chunk(worker, plan)
         return True
 

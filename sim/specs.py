@@ -269,6 +269,12 @@ class HostSpec:
             the same time, and the workers pull at the same time, so a round lasts
             as long as its slowest worker; ``chunk_host_s`` is then paid once per
             round (the driver's calls and books) instead of once per chunk.
+        threaded_chunks: The rounds of the deterministic loop on the local placement
+            with ``runtime.threaded_chunks``: every busy worker's chunk starts
+            decoding at once (each on a thread, a core each), and the host fetches and
+            scores them in worker order, waiting for each that is still decoding.
+            Off: each chunk is dispatched when the previous worker's results are
+            fetched.
         worker_start_s: Seconds a new worker takes to be up (on Ray: a new actor's
             process, imports and constructor). A worker back from a preemption holds
             up the round in which it first pulls until then.
@@ -299,6 +305,7 @@ class HostSpec:
     concurrent_chunks: bool = False
     worker_start_s: float = 0.0
     overlap_training: bool = False
+    threaded_chunks: bool = False
 
     def __post_init__(self) -> None:
         if self.executor not in get_args(Executor):
@@ -310,9 +317,15 @@ class HostSpec:
             _check(name, getattr(self, name), strict=False)
         _check("round_s", self.round_s)
         _check("worker_start_s", self.worker_start_s, strict=False)
-        for name in ("concurrent_chunks", "overlap_training"):
+        for name in ("concurrent_chunks", "overlap_training", "threaded_chunks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+        if self.threaded_chunks and self.concurrent_chunks:
+            raise ValueError(
+                "threaded_chunks: a setting of the local placement's rounds; "
+                "concurrent_chunks (the Ray placement's) decodes every chunk at once "
+                "already: unset one of them"
+            )
         if self.overlap_training and not self.serial:
             raise ValueError(
                 "overlap_training: a setting of the serial host (executor: serial); the "

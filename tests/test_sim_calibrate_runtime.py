@@ -50,7 +50,8 @@ WARMUP_STEPS = 3  # the first train step compiles; so may the first chunks of a 
 def _run(cache, steps: int, *overrides: str) -> list[TraceEvent]:
     """A run's trace on the CPU clock (``sim.calibrate.record_local_run``: run again if
     its window compiled a program)."""
-    config = small_run_config(*overrides)
+    # The CPU clock adds up the threads' seconds: chunks one after another.
+    config = small_run_config("runtime.threaded_chunks=false", *overrides)
     events, _ = record_local_run(
         config, steps, warmup_steps=WARMUP_STEPS, clock="cpu", cache_dir=cache
     )

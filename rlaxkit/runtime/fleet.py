@@ -2,9 +2,9 @@
 
 The fleet knows which prompts each worker holds (``WorkerSlot.in_flight``), so losing a
 worker costs nothing accepted: its prompts go back to the driver (same ids and seeds).
-How the fleet reaches its hosts is its transport: ``InProcess`` calls them in this
-process (with asynchronous dispatch, each worker's chunk decodes while the previous
-worker's results are scored);
+How the fleet reaches its hosts is its transport: ``rlaxkit.runtime.local.InProcess``
+calls them in this process (the busy workers' chunks of a round decode at once, each on
+a thread of its own, with ``runtime.threaded_chunks``);
 the Ray placement's transport calls actors, all at once, and finds a dead one when a
 call fails, after which the worker leaves the fleet (``take_lost``) and a new actor
 takes its place (``RayConfig.replace_dead_workers``). A preemption from a fault plan
@@ -47,48 +47,6 @@ class Transport(Protocol):
         """Seconds the host behind ``handle`` took to start, once known (``None``: not
         known yet, told already, or started in no time worth a trace event)."""
         ...
-
-
-class InProcess:
-    """Hosts in this process: calls are method calls, and no host dies on its own."""
-
-    def call(self, calls: Calls) -> tuple[dict[str, Any], list[Any]]:
-        return {slot.worker_id: getattr(slot.handle, m)(*args) for slot, m, args in calls}, []
-
-    def step(self, calls: Calls) -> tuple[dict[str, Any], list[Any]]:
-        """Each worker's chunk is dispatched as soon as the previous worker's results
-        are fetched, so that with asynchronous dispatch (accelerators) it decodes while
-        the host scores them. XLA runs one chunk after the other either way; what the
-        host does with the results, and in which order, is that of plain calls.
-
-        On XLA:CPU, ``rlaxkit.hostmem`` runs each program on the calling thread, so a
-        launch returns when its chunk has run. Launching the next chunk from a thread
-        instead, to score meanwhile, was slower: 134.8-140.4 ms a step of the demo
-        configuration at η = 2 against 132.4-134.4 ms (three fresh-process pairs)."""
-        replies = {}
-        for slot, _, (work, decode) in calls:
-            slot.handle.submit(work)
-            if not decode:
-                slot.handle.launch(decode=False)
-                replies[slot.worker_id] = slot.handle.score()
-        decoding = [slot for slot, _, (_, decode) in calls if decode]
-        if decoding:
-            decoding[0].handle.launch()
-        for i, slot in enumerate(decoding):
-            slot.handle.fetch(pipelined=i > 0)
-            if i + 1 < len(decoding):
-                decoding[i + 1].handle.launch()  # asynchronous: decodes while this one is scored
-            replies[slot.worker_id] = slot.handle.score()
-        return {slot.worker_id: replies[slot.worker_id] for slot, _, _ in calls}, []
-
-    def kill(self, handle: Any) -> None:
-        handle.close()
-
-    def stop(self, handle: Any) -> None:
-        handle.close()
-
-    def start_seconds(self, handle: Any) -> float | None:
-        return None  # built in this process before its first round
 
 
 @dataclass

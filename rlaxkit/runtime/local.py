@@ -5,12 +5,14 @@ in this process: the driver's loop, the trainer's step and every worker's decodi
 the same code on both placements. The parameter server is an in-process store (wrapped
 to inject a fault plan's outages and failing pulls when a plan is given). In concurrent
 mode each worker's ``InferenceWorker`` runs in a thread of its own
-(``rlaxkit.runtime.concurrent``).
+(``rlaxkit.runtime.concurrent``). The fleet calls its hosts through ``InProcess``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.concurrent import ConcurrentCollector
 from rlaxkit.runtime.faults import FaultInjector, NoFaults
 from rlaxkit.runtime.faulty_store import UnreliableParameterServer
-from rlaxkit.runtime.fleet import Fleet, InProcess
+from rlaxkit.runtime.fleet import Calls, Fleet
 from rlaxkit.runtime.hosts import WeightStore, published_params, read_published
 from rlaxkit.runtime.placement import Parts
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
@@ -29,6 +31,92 @@ from rlaxkit.runtime.trainer_client import InProcessTrainer, TrainerClient
 from rlaxkit.runtime.trainer_host import TrainerHost
 from rlaxkit.runtime.worker_host import WorkerHost
 from rlaxkit.tasks import RewardRunner
+
+
+class InProcess:
+    """Hosts in this process: calls are method calls, and no host dies on its own.
+
+    Args:
+        threaded: decode the busy workers' chunks at once, each on its own thread
+            (``runtime.threaded_chunks``); else one after another.
+    """
+
+    def __init__(self, threaded: bool = False) -> None:
+        self.threaded = threaded
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+
+    def call(self, calls: Calls) -> tuple[dict[str, Any], list[Any]]:
+        return {slot.worker_id: getattr(slot.handle, m)(*args) for slot, m, args in calls}, []
+
+    def step(self, calls: Calls) -> tuple[dict[str, Any], list[Any]]:
+        """Threaded: every busy worker's chunk is launched at once, the first on this
+        thread and each other on a thread of its own. Else each worker's chunk is
+        dispatched as soon as the previous worker's results are fetched, so that with
+        asynchronous dispatch (accelerators) it decodes while the host scores them.
+        Either way the results are fetched and scored on this thread, in worker order,
+        so the run is the same run.
+
+        On XLA:CPU, ``rlaxkit.hostmem`` runs each program on the calling thread and a
+        chunk of the workers' engines runs on one core, so on a machine with a core per
+        worker the threaded chunks decode side by side: 115.2-115.3 ms a step of the
+        demo configuration at η = 2 against 129.1-130.0 ms one after another (two
+        fresh-process pairs, identical metrics). The results stay on this thread:
+        launching the next chunk from a thread to score meanwhile instead was slower,
+        134.8-140.4 ms against 132.4-134.4 ms."""
+        replies = {}
+        for slot, _, (work, decode) in calls:
+            slot.handle.submit(work)
+            if not decode:
+                slot.handle.launch(decode=False)
+                replies[slot.worker_id] = slot.handle.score()
+        decoding = [slot for slot, _, (_, decode) in calls if decode]
+        if self.threaded and len(decoding) > 1:
+            self._threaded(decoding, replies)
+        elif decoding:
+            decoding[0].handle.launch()
+            for i, slot in enumerate(decoding):
+                slot.handle.fetch(pipelined=i > 0)
+                if i + 1 < len(decoding):
+                    decoding[i + 1].handle.launch()  # asynchronous: decodes meanwhile
+                replies[slot.worker_id] = slot.handle.score()
+        return {slot.worker_id: replies[slot.worker_id] for slot, _, _ in calls}, []
+
+    def _threaded(self, decoding: list[Any], replies: dict[str, Any]) -> None:
+        if self._pool_size < len(decoding) - 1:  # a thread for each worker after the first
+            self.close()
+            self._pool_size = len(decoding) - 1
+            self._pool = ThreadPoolExecutor(self._pool_size, "rlaxkit-chunk")
+        assert self._pool is not None
+        launches = [self._pool.submit(slot.handle.launch) for slot in decoding[1:]]
+        try:
+            decoding[0].handle.launch()
+        finally:  # the other launches end before anything else touches their workers
+            wait(launches)
+        for i, slot in enumerate(decoding):
+            if i:
+                start = time.perf_counter()
+                launches[i - 1].result()
+                # The decode event times this thread's part: the wait and the fetch.
+                slot.handle.fetch(pipelined=True, waited_s=time.perf_counter() - start)
+            else:
+                slot.handle.fetch()
+            replies[slot.worker_id] = slot.handle.score()
+
+    def close(self) -> None:
+        """Stops the chunks' threads (a later round starts new ones)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+        self._pool, self._pool_size = None, 0
+
+    def kill(self, handle: Any) -> None:
+        handle.close()
+
+    def stop(self, handle: Any) -> None:
+        handle.close()
+
+    def start_seconds(self, handle: Any) -> float | None:
+        return None  # built in this process before its first round
 
 
 def start_local(
@@ -85,7 +173,8 @@ def start_local(
             trace=trace,
         )
 
-    fleet = Fleet(start_host, InProcess(), trace, clock, False, 0, scorer=scorer)
+    transport = InProcess(threaded=config.runtime.threaded_chunks)
+    fleet = Fleet(start_host, transport, trace, clock, False, 0, scorer=scorer)
     fleet.scale(config.runtime.num_workers)
     concurrent = config.runtime.mode == "concurrent"
 
@@ -111,7 +200,7 @@ def start_local(
             config.trainer.lora,
             version,
         ),
-        teardown=[scorer.close, trainer.close, fleet.close],
+        teardown=[scorer.close, trainer.close, transport.close, fleet.close],
     )
 
 

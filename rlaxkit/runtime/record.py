@@ -29,8 +29,9 @@ def record_local_run(
     """Runs the deterministic local runtime (``rlaxkit.runtime.Experiment``) for
     ``steps`` train steps and returns its trace, to calibrate on or compare with.
 
-    ``clock="cpu"`` times the run by the CPU seconds of its process (all threads)
-    instead of the wall clock: a window lasts a few tenths of a second, and on a machine
+    ``clock="cpu"`` times the run by the CPU seconds of its process (all threads; so
+    it needs ``runtime.threaded_chunks=false`` with more than one worker) instead of
+    the wall clock: a window lasts a few tenths of a second, and on a machine
     shared with other jobs its wall time says more about them than about the run. The
     objects that exist before the run are frozen (``gc.freeze``), so that a full
     collection of a large heap (~100 ms) does not land in the window at random; the
@@ -49,6 +50,13 @@ def record_local_run(
 
     if clock not in ("wall", "cpu"):
         raise ValueError(f"clock: must be 'wall' or 'cpu', got {clock!r}")
+    runtime = config.runtime
+    if clock == "cpu" and runtime.threaded_chunks and runtime.num_workers > 1:
+        raise ValueError(
+            "clock='cpu' adds up the seconds of every thread, so the workers' chunks "
+            "that decode side by side (runtime.threaded_chunks) would not overlap on "
+            "it: record with runtime.threaded_chunks=false, or with clock='wall'"
+        )
     experiment = CpuClockExperiment if clock == "cpu" else Experiment
     runs = 0
     while True:

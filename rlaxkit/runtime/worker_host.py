@@ -177,10 +177,13 @@ class WorkerHost:
         if decode:
             self.worker.launch()
 
-    def fetch(self, pipelined: bool = False) -> None:
-        """Waits for the launched chunk (``pipelined``: another worker's results were
-        scored meanwhile)."""
-        self._complete = self.worker.fetch(pipelined=pipelined) if self._decoding else []
+    def fetch(self, pipelined: bool = False, waited_s: float | None = None) -> None:
+        """Waits for the launched chunk (``pipelined``, ``waited_s``: as
+        ``InferenceWorker.fetch``)."""
+        if not self._decoding:
+            self._complete = []
+            return
+        self._complete = self.worker.fetch(pipelined=pipelined, waited_s=waited_s)
 
     def score(self) -> ChunkReply:
         """Scores the fetched chunk's finished prompts; replies with their rollouts."""
