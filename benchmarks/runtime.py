@@ -53,6 +53,14 @@ beside the train step, where timers around programs on two threads do not add up
 a share of wall time; XLA's trace of both threads does (``overlap_profiled_*``, as
 the cross-check below).
 
+**Threaded chunks.** Every run above decodes its workers' chunks one after another
+(``runtime.threaded_chunks=false``): the loop on one thread, as the goal was set. The
+demo run at η = 2 also runs with the default, ``runtime.threaded_chunks``, where the
+chunks of a round decode at once on threads of their own: ``threaded_speedup`` is the
+serial η = 2 run's wall time a step over the threaded run's, and
+``threaded_profiled_overhead_fraction`` the share of its wall time in which no XLA
+program executed on any thread (XLA's trace, below).
+
 **Cross-check from XLA's own trace.** The compute figure above comes from programs
 timed one at a time, from outside (and with asynchronous dispatch, from other steps
 than the wall time). So the demo run at η = 2 is also measured a second way, within
@@ -186,6 +194,9 @@ def run_config(overrides: list[str], eta: int, steps: int) -> RunConfig:
                 f"staleness.max_staleness={eta}",
                 f"steps={steps}",
                 "batching.equal_rewards=keep",
+                # The loop on one thread, where timers around programs add up: the
+                # threaded chunks are measured on their own (``threaded``).
+                "runtime.threaded_chunks=false",
             ],
         )
     )
@@ -323,19 +334,25 @@ def profiled(config: RunConfig, warmup: int, steps: int) -> dict:
     }
 
 
-def with_overlap(config: RunConfig) -> RunConfig:
-    """``config`` with ``runtime.overlap_training``."""
+def with_runtime(config: RunConfig, **fields: bool) -> RunConfig:
+    """``config`` with ``runtime.<field>`` set to each of ``fields``."""
     data = config.to_dict()
-    data["runtime"]["overlap_training"] = True
+    data["runtime"].update(fields)
     return RunConfig.from_dict(data)
 
 
-def overlapped(config: RunConfig, warmup: int, steps: int) -> dict:
-    """``steps`` plain steps of ``config`` with ``runtime.overlap_training``: the wall
-    time a step (its rounds run on a helper thread beside the train step, so timers
-    around programs on two threads would not add up to a share of the wall time)."""
+def with_overlap(config: RunConfig) -> RunConfig:
+    """``config`` with ``runtime.overlap_training``."""
+    return with_runtime(config, overlap_training=True)
+
+
+def plain(config: RunConfig, warmup: int, steps: int) -> dict:
+    """``steps`` plain steps of ``config``: the wall time a step. For the runs whose
+    programs run on two threads at once (``runtime.overlap_training``: the rounds beside
+    the train step; ``runtime.threaded_chunks``: two workers' chunks), where timers
+    around programs would not add up to a share of the wall time."""
     gc.collect()  # the runs before this one are garbage (``run_etas``)
-    with Experiment(with_overlap(config)) as exp:
+    with Experiment(config) as exp:
         exp.run(warmup)
         start = time.perf_counter()
         history = exp.run(steps)
@@ -343,7 +360,7 @@ def overlapped(config: RunConfig, warmup: int, steps: int) -> dict:
     return {
         "wall_s_per_step": wall_s / steps,
         "staleness_max": max(m["staleness/max"] for m in history),
-        "rounds_ahead_per_step": sum(m["rounds/ahead"] for m in history) / steps,
+        "rounds_ahead_per_step": sum(m.get("rounds/ahead", 0) for m in history) / steps,
     }
 
 
@@ -437,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         f"with no XLA op executing); the trace slowed the steps "
         f"{cross_check['profiled_slowdown']:.2f}x"
     )
-    ahead = overlapped(run_config(demo_overrides, 2, demo_steps + warmup), warmup, demo_steps)
+    ahead = plain(
+        with_overlap(run_config(demo_overrides, 2, demo_steps + warmup)), warmup, demo_steps
+    )
     serial_s = results["demo"][2]["wall_s"] / demo_steps
     speedup = serial_s / ahead["wall_s_per_step"]
     print(
@@ -457,6 +476,20 @@ def main(argv: list[str] | None = None) -> int:
         f"executing on either thread (the trace slowed the steps "
         f"{ahead_check['profiled_slowdown']:.2f}x)"
     )
+    threaded_config = with_runtime(
+        run_config(demo_overrides, 2, 2 * demo_steps + warmup), threaded_chunks=True
+    )
+    threaded = plain(threaded_config, warmup, demo_steps)
+    threaded_speedup = serial_s / threaded["wall_s_per_step"]
+    threaded_check = profiled(threaded_config, warmup, demo_steps)
+    print(
+        f"\ndemo, η = 2, runtime.threaded_chunks: {threaded['wall_s_per_step'] * 1e3:.1f} ms a "
+        f"step against {serial_s * 1e3:.1f} ms one chunk after another "
+        f"({threaded_speedup:.2f}x); from XLA's trace, "
+        f"{threaded_check['profiled_overhead_fraction']:.2f} of wall time with no XLA program "
+        f"executing on any thread (the trace slowed the steps "
+        f"{threaded_check['profiled_slowdown']:.2f}x)"
+    )
     report = {
         "quick": args.quick,
         "smoke": args.smoke,
@@ -469,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
         "overlap_staleness_max": ahead["staleness_max"],
         "overlap_rounds_ahead_per_step": ahead["rounds_ahead_per_step"],
         **{f"overlap_{k}": v for k, v in ahead_check.items()},
+        "threaded_wall_s_per_step": threaded["wall_s_per_step"],
+        "threaded_speedup": threaded_speedup,
+        **{f"threaded_{k}": v for k, v in threaded_check.items()},
         "tiny_overhead_fraction": tiny["overhead_fraction"],
         "tiny_overhead_excluding_compiles": tiny["overhead_excluding_compiles"],
         "tiny_samples_per_s": tiny["samples_per_s"],
