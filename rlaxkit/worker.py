@@ -283,14 +283,22 @@ class InferenceWorker:
         self.launch()
         return self.score(self.fetch())
 
-    def launch(self) -> None:
-        """Resolves the episodes' tool steps due, then dispatches one chunk; ``fetch``
-        waits for it. With asynchronous dispatch this returns before the chunk has run;
-        XLA:CPU under ``rlaxkit.hostmem`` runs it on this thread first."""
+    def advance(self) -> None:
+        """Resolves the episodes' tool steps due (a multi-turn task's; nothing to do
+        otherwise); the prompts whose episodes all ended wait for ``fetch``."""
+        if self.engine is not None:
+            self._advance_turns()
+
+    def launch(self, *, advanced: bool = False) -> None:
+        """Resolves the episodes' tool steps due (unless the caller did: ``advanced``),
+        then dispatches one chunk; ``fetch`` waits for it. With asynchronous dispatch
+        this returns before the chunk has run; XLA:CPU under ``rlaxkit.hostmem`` runs it
+        on this thread first."""
         self._launched = None
         if self.engine is None:
             return
-        self._advance_turns()
+        if not advanced:
+            self._advance_turns()
         if not self.requests:
             return
         started = sum(self.sampling.n for r in self.requests.values() if r.chunks == 0)

@@ -1,7 +1,8 @@
 """``runtime.threaded_chunks``: the busy workers' chunks of a round decode at once, each
 on a thread of its own, and the driver fetches and scores them in worker order. The
 run is the run whose chunks decode one after another (the same metrics, the same
-events in the same order, a fault plan replayed the same way), and the simulator's
+events in the same order, multi-turn episodes included, a fault plan replayed the same
+way), and the simulator's
 serial host schedules its rounds the same way (``HostSpec.threaded_chunks``)."""
 
 import threading
@@ -9,8 +10,9 @@ import threading
 import pytest
 from test_runtime import SMALL, learning_metrics
 from test_sim_host import COSTS, _serial
+from test_worker_multiturn import RUN as MULTI_TURN
 
-from rlaxkit.config import RuntimeConfig, small_run_config
+from rlaxkit.config import RunConfig, RuntimeConfig, small_run_config
 from rlaxkit.faults import Fault, FaultPlan
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.record import record_local_run
@@ -46,10 +48,10 @@ def test_threaded_chunks_are_the_same_run(cache, monkeypatch):
     launched = []  # (worker, on the calling thread)
     launch = WorkerHost.launch
 
-    def recording_launch(self, decode=True):
+    def recording_launch(self, *args, **kwargs):
         on_main = threading.current_thread() is threading.main_thread()
         launched.append((self.worker.worker_id, on_main))
-        return launch(self, decode)
+        return launch(self, *args, **kwargs)
 
     monkeypatch.setattr(WorkerHost, "launch", recording_launch)
     threaded, threaded_events, _ = _run("true", 4, cache_dir=cache)
@@ -64,6 +66,22 @@ def test_threaded_chunks_are_the_same_run(cache, monkeypatch):
     # After a round's first chunk, an event times only the driver's wait and fetch.
     decodes = [e for e in threaded_events if e.kind == "decode"]
     assert {e.actor for e in decodes if e.get("pipelined")} == {"worker-1"}
+
+
+def test_multi_turn_episodes_are_the_same_run_with_threaded_chunks(cache):
+    # The tool steps due are resolved on the driver's thread, in worker order, before
+    # the chunks launch: their ``tool_call`` events come in the same order either way.
+    runs = {}
+    for threaded in ("true", "false"):
+        config = RunConfig.from_overrides(
+            [*MULTI_TURN, "staleness.max_staleness=1", f"runtime.threaded_chunks={threaded}"]
+        )
+        with Experiment(config, cache_dir=cache) as exp:
+            exp.run(3)
+            exp.check_accounting()
+            runs[threaded] = learning_metrics(exp.history), _untimed(exp.trace.memory.events)
+    assert runs["true"] == runs["false"]
+    assert any(event[0] == "tool_call" for event in runs["true"][1])
 
 
 def test_a_fault_plan_replays_the_same_with_threaded_chunks(cache, tmp_path):

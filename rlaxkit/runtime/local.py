@@ -72,14 +72,18 @@ class InProcess:
                 slot.handle.launch(decode=False)
                 replies[slot.worker_id] = slot.handle.score()
         decoding = [slot for slot, _, (_, decode) in calls if decode]
+        # A multi-turn task's tool steps first, on this thread and in worker order: their
+        # trace events come in the same order either way.
+        for slot in decoding:
+            slot.handle.advance()
         if self.threaded and len(decoding) > 1:
             self._threaded(decoding, replies)
         elif decoding:
-            decoding[0].handle.launch()
+            decoding[0].handle.launch(advanced=True)
             for i, slot in enumerate(decoding):
                 slot.handle.fetch(pipelined=i > 0)
-                if i + 1 < len(decoding):
-                    decoding[i + 1].handle.launch()  # asynchronous: decodes meanwhile
+                if i + 1 < len(decoding):  # asynchronous: decodes meanwhile
+                    decoding[i + 1].handle.launch(advanced=True)
                 replies[slot.worker_id] = slot.handle.score()
         return {slot.worker_id: replies[slot.worker_id] for slot, _, _ in calls}, []
 
@@ -89,9 +93,9 @@ class InProcess:
             self._pool_size = len(decoding) - 1
             self._pool = ThreadPoolExecutor(self._pool_size, "rlaxkit-chunk")
         assert self._pool is not None
-        launches = [self._pool.submit(slot.handle.launch) for slot in decoding[1:]]
+        launches = [self._pool.submit(slot.handle.launch, True, True) for slot in decoding[1:]]
         try:
-            decoding[0].handle.launch()
+            decoding[0].handle.launch(advanced=True)
         finally:  # the other launches end before anything else touches their workers
             wait(launches)
         for i, slot in enumerate(decoding):

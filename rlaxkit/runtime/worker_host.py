@@ -170,12 +170,17 @@ class WorkerHost:
         for issue, problem in work:
             self.worker.submit(issue, problem)
 
-    def launch(self, decode: bool = True) -> None:
+    def advance(self) -> None:
+        """Resolves the tool steps due of a multi-turn task's episodes
+        (``InferenceWorker.advance``), which :meth:`launch` does first otherwise."""
+        self.worker.advance()
+
+    def launch(self, decode: bool = True, advanced: bool = False) -> None:
         """Dispatches one chunk (none when ``decode`` is False); :meth:`fetch` waits for
-        it."""
+        it. ``advanced``: :meth:`advance` ran since the last chunk."""
         self._decoding = decode
         if decode:
-            self.worker.launch()
+            self.worker.launch(advanced=advanced)
 
     def fetch(self, pipelined: bool = False, waited_s: float | None = None) -> None:
         """Waits for the launched chunk (``pipelined``, ``waited_s``: as
