@@ -77,6 +77,7 @@ from rlaxkit.inference.config import MIN_LENGTH_BUCKET  # noqa: E402
 from rlaxkit.jaxutil import (  # noqa: E402
     count_compilations,
     hold_background_compiles,
+    host_arrays,
 )
 from rlaxkit.models import CharTokenizer, ModelConfig, Transformer  # noqa: E402
 from rlaxkit.tasks.arithmetic import ArithmeticConfig, ArithmeticTask  # noqa: E402
@@ -294,7 +295,7 @@ class GRPOLoop:
             self._compiling.join()
             self._compiling = None
         self.state, metrics = self.train_step(self.state, batch)
-        metrics = jax.device_get(metrics)
+        metrics = host_arrays(metrics)
         t3 = time.perf_counter()
         return {
             "step_s": t3 - t0,

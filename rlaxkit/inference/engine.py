@@ -48,6 +48,7 @@ from rlaxkit.inference.results import (
     split_model,
 )
 from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED, STOP
+from rlaxkit.jaxutil import host_arrays
 
 # Returns ``None`` (no new weights) or ``(weights, version)``; polled between chunks.
 WeightSource = Callable[[], "tuple[ModelLike | nnx.State, int] | None"]
@@ -148,17 +149,12 @@ class InferenceEngine:
         self.refill_rows = max(1, math.ceil(refill_fraction * num_slots))
         # Committed where the weights are: the programs' outputs are, and an uncommitted
         # first state would key a second program of the same shapes (a second compile).
-        device = _device_of(self.params)
         self.state = jax.device_put(
             programs.init_state(
                 self.model_config, config, num_slots, self.prompt_width, self.max_context_len
             ),
-            device,
+            _device_of(self.params),
         )
-        # Off the host, a chunk's rows start their transfers at once before the first
-        # wait; on XLA:CPU they are host memory already, and starting a transfer costs
-        # more than reading them (about 10 us an array).
-        self._host_copies = device.platform != "cpu"
         self._queue: collections.deque[_Sample] = collections.deque()
         self._slots: list[_Sample | None] = [None] * num_slots
         self._parked: dict[tuple[int, int], int] = {}  # (request, sample) -> row
@@ -562,13 +558,8 @@ class InferenceEngine:
             return []
         index = np.zeros((bucket_rows(len(rows)),), np.int32)
         index[: len(rows)] = rows
-        # One np.asarray per array, not jax.device_get of the tuple: 17 us a call of the
-        # demo run against 145-150 us on XLA:CPU.
-        fetched = programs.take_rows(self.state.rows, index)
-        if self._host_copies:
-            for array in fetched:
-                array.copy_to_host_async()
-        tokens, logprobs, plain, versions, generated, finish = (np.asarray(a) for a in fetched)
+        fetched = host_arrays(programs.take_rows(self.state.rows, index))
+        tokens, logprobs, plain, versions, generated, finish = fetched
         out = []
         for i, row in enumerate(rows):
             sample, length = self._slots[row], int(generated[i])

@@ -29,6 +29,7 @@ from rlaxkit.inference.results import (
     split_model,
 )
 from rlaxkit.inference.rows import FINISH_REASONS, Rows
+from rlaxkit.jaxutil import host_arrays
 from rlaxkit.validation import check_int
 
 
@@ -289,8 +290,8 @@ def collect_result(
 
 def fetch_rows(rows: Rows, count: int) -> tuple[np.ndarray, ...]:
     """The first ``count`` rows' tokens, log-probs, plain log-probs, versions, lengths and
-    finish codes, fetched from the device in one transfer."""
-    fetched = jax.device_get(
+    finish codes, on the host (``rlaxkit.jaxutil.host_arrays``)."""
+    fetched = host_arrays(
         (
             rows.tokens,
             rows.logprobs,

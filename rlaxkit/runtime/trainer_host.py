@@ -21,6 +21,7 @@ from rlaxkit.checkpoint import (
 )
 from rlaxkit.config import RunConfig
 from rlaxkit.episodes import EpisodicTask
+from rlaxkit.jaxutil import host_arrays
 from rlaxkit.param_server.adapters import AdapterParameterServer
 from rlaxkit.runtime.build import (
     build_policy,
@@ -66,7 +67,6 @@ def compile_first_step(host: TrainerHost, config: RunConfig, task: Any) -> threa
     without the GIL) and the first step waits for the longer of the two, not their sum.
     The call that finds the program is the same as without it. A guess that misses costs
     one compile on the side; the step compiles its own shape."""
-
     step: Any = host.train_step  # jax.jit's, or make_train_step's keep-params wrapper
     state = abstract_tree(host.state)  # the committed state's shardings key the program
 
@@ -206,7 +206,7 @@ class TrainerHost:
 
     def _host(self, tree: Any) -> Any:
         """Full host copies of ``tree`` (a collective with several processes)."""
-        return jax.device_get(tree)
+        return host_arrays(tree)
 
     def _for_push(self, params: Any) -> Any:
         """What ``push`` is given: device arrays here (the store copies them)."""
