@@ -2,8 +2,8 @@
 on a thread of its own, and the driver fetches and scores them in worker order. The
 run is the run whose chunks decode one after another (the same metrics, the same
 events in the same order, multi-turn episodes included, a fault plan replayed the same
-way), and the simulator's
-serial host schedules its rounds the same way (``HostSpec.threaded_chunks``)."""
+way), and the simulator's serial host schedules its rounds the same way
+(``HostSpec.threaded_chunks``)."""
 
 import threading
 
@@ -34,14 +34,15 @@ def _untimed(events):
     ]
 
 
-def _run(threaded, steps, monkeypatch=None, **kwargs):
+def _run(threaded, steps, **kwargs):
+    """A run's learning metrics and trace events."""
     config = small_run_config(
         *SMALL, "staleness.max_staleness=1", f"runtime.threaded_chunks={threaded}"
     )
     with Experiment(config, **kwargs) as exp:
         exp.run(steps)
         exp.check_accounting()
-        return learning_metrics(exp.history), list(exp.trace.memory.events), exp.summary()
+        return learning_metrics(exp.history), list(exp.trace.memory.events)
 
 
 def test_threaded_chunks_are_the_same_run(cache, monkeypatch):
@@ -54,12 +55,12 @@ def test_threaded_chunks_are_the_same_run(cache, monkeypatch):
         return launch(self, *args, **kwargs)
 
     monkeypatch.setattr(WorkerHost, "launch", recording_launch)
-    threaded, threaded_events, _ = _run("true", 4, cache_dir=cache)
+    threaded, threaded_events = _run("true", 4, cache_dir=cache)
     on_main = {worker for worker, main in launched if main}
     off_main = {worker for worker, main in launched if not main}
     assert on_main == {"worker-0"} and off_main == {"worker-1"}  # worker-1 on its thread
     launched.clear()
-    serial, serial_events, _ = _run("false", 4, cache_dir=cache)
+    serial, serial_events = _run("false", 4, cache_dir=cache)
     assert all(main for _, main in launched)
     assert threaded == serial
     assert _untimed(threaded_events) == _untimed(serial_events)
@@ -151,7 +152,7 @@ def test_fit_recovers_the_threaded_serial_host_from_its_own_trace():
     )
     trace = MemoryTrace()
     simulate(truth, trace=trace)
-    scenario, fitted = fit_scenario(trace.events)
+    scenario, _ = fit_scenario(trace.events)
     assert scenario.host.serial and scenario.host.threaded_chunks
     for name in HOST_COSTS:
         assert getattr(scenario.host, name) == pytest.approx(COSTS[name], abs=1e-9), name
