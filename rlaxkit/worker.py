@@ -286,8 +286,9 @@ class InferenceWorker:
     def advance(self) -> None:
         """Resolves the episodes' tool steps due (a multi-turn task's; nothing to do
         otherwise); the prompts whose episodes all ended wait for ``fetch``."""
-        if self.engine is not None:
-            self._advance_turns()
+        if self.turns is not None and self.engine is not None:
+            for group_id in self.turns.advance(self._engine, self.replay_log):
+                self._ended.append(self.requests.pop(group_id))
 
     def launch(self, *, advanced: bool = False) -> None:
         """Resolves the episodes' tool steps due (unless the caller did: ``advanced``),
@@ -298,7 +299,7 @@ class InferenceWorker:
         if self.engine is None:
             return
         if not advanced:
-            self._advance_turns()
+            self.advance()
         if not self.requests:
             return
         started = sum(self.sampling.n for r in self.requests.values() if r.chunks == 0)
@@ -307,13 +308,6 @@ class InferenceWorker:
         if self.engine.launch():  # none while every row waits for a tool
             rows = self.engine.num_running
             self._launched = _Launched(rows, started, chunks_before, self.clock() - start)
-
-    def _advance_turns(self) -> None:
-        """Resolves the tool steps due; the prompts whose episodes all ended wait for
-        ``fetch``."""
-        if self.turns is not None:
-            for group_id in self.turns.advance(self._engine, self.replay_log):
-                self._ended.append(self.requests.pop(group_id))
 
     def fetch(self, *, pipelined: bool = False, waited_s: float | None = None) -> list[_Request]:
         """Waits for the launched chunk, records its ``decode`` event and returns the
@@ -460,7 +454,7 @@ class InferenceWorker:
                 self._start(issue, problem, self._prompt(problem), issued.get(group_id, 0.0))
 
             def decode() -> None:  # the steps the worker resolved before the chunk, too
-                self._advance_turns()
+                self.advance()
                 self._engine.launch()
                 self._decode()
 

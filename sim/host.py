@@ -220,7 +220,7 @@ class SerialHost:
             for i, worker in enumerate(busy)
         ]
         self._after_step = False
-        if self.spec.concurrent_chunks:
+        if spec.concurrent_chunks:
             yield from self._concurrent_chunks(busy, plans)
             return True
         # As the runtime does: threaded, every chunk starts now; else each is
