@@ -196,40 +196,54 @@ def collate(
     if not samples:
         raise ValueError("samples: collate needs at least one sample")
     bucket = bucket or BucketSpec()
-    lengths = [_check_sample(i, s) for i, s in enumerate(samples)]
-    num_rows = bucket.batch_size_for(len(samples))
-    width = bucket.length_for(max(lengths))
-    tokens = np.full((num_rows, width), pad_token_id, np.int32)
-    behaviour = np.zeros((num_rows, width), np.float32)
-    versions = np.full((num_rows, width), -1, np.int32)
-    rewards = np.zeros((num_rows,), np.float32)
-    group_ids = np.arange(num_rows, dtype=np.int32)  # padding rows: singleton groups
+    count = len(samples)
+    prompt_lengths, completion_lengths = _checked_lengths(samples)
+    num_rows = bucket.batch_size_for(count)
     starts = np.zeros((num_rows, 1), np.int64)  # where each completion starts
     ends = np.zeros((num_rows, 1), np.int64)  # and ends (0 for padding rows)
-    dense_ids: dict[Hashable, int] = {}
-    environment = []  # (row, span, policy mask) of samples with environment tokens
-    for row, sample in enumerate(samples):
-        p, end = len(sample.prompt_tokens), lengths[row]
-        tokens[row, :p] = sample.prompt_tokens
-        tokens[row, p:end] = sample.completion_tokens
-        behaviour[row, p:end] = sample.behaviour_logprobs
-        versions[row, p:end] = sample.versions
-        starts[row], ends[row] = p, end
-        # An optional attribute: samples of single-turn callers need not carry a mask.
-        policy_mask = getattr(sample, "policy_mask", None)
-        if policy_mask is not None and np.count_nonzero(policy_mask) < end - p:
-            environment.append((row, slice(p, end), np.asarray(policy_mask, bool)))
-        rewards[row] = sample.reward
-        group_ids[row] = dense_ids.setdefault(sample.group_id, len(dense_ids))
+    starts[:count, 0] = prompt_lengths
+    ends[:count, 0] = starts[:count, 0] + completion_lengths
+    width = bucket.length_for(int(ends.max()))
     position = np.arange(width)
     attention_mask = position < ends
-    loss_mask = (attention_mask & (position >= starts)).astype(np.float32)
-    for row, span, policy in environment:
-        loss_mask[row, span] = policy
-        # Environment tokens were not sampled: no behaviour log-prob, no version.
-        behaviour[row, span] = np.where(policy, behaviour[row, span], 0.0)
-        versions[row, span] = np.where(policy, versions[row, span], -1)
-    sequence_mask = np.arange(num_rows) < len(samples)
+    completion = attention_mask & (position >= starts)
+    # Every row's tokens in one assignment: a boolean mask fills its True entries in row
+    # order, which is the order of the concatenated sequences (0.2 ms against 0.9 ms
+    # row by row for the demo's 256 samples).
+    tokens = np.full((num_rows, width), pad_token_id, np.int32)
+    tokens[attention_mask] = np.concatenate(
+        [part for s in samples for part in (s.prompt_tokens, s.completion_tokens)]
+    )
+    behaviour = np.zeros((num_rows, width), np.float32)
+    behaviour[completion] = np.concatenate([s.behaviour_logprobs for s in samples])
+    versions = np.full((num_rows, width), -1, np.int32)
+    versions[completion] = np.concatenate(
+        [_per_token(s.versions, n) for s, n in zip(samples, completion_lengths, strict=True)]
+    )
+    loss_mask = completion.astype(np.float32)
+    # An optional attribute: samples of single-turn callers need not carry a mask.
+    masks = [getattr(s, "policy_mask", None) for s in samples]
+    if any(m is not None for m in masks):
+        policy = np.concatenate(
+            [
+                np.ones(n, bool) if m is None else np.asarray(m, bool)
+                for m, n in zip(masks, completion_lengths, strict=True)
+            ]
+        )
+        if not policy.all():
+            # Environment tokens are context: not trained on, no behaviour log-prob, no
+            # version (they were not sampled).
+            environment = completion.copy()
+            environment[completion] = ~policy
+            loss_mask[environment] = 0.0
+            behaviour[environment] = 0.0
+            versions[environment] = -1
+    rewards = np.zeros((num_rows,), np.float32)
+    rewards[:count] = [s.reward for s in samples]
+    group_ids = np.arange(num_rows, dtype=np.int32)  # padding rows: singleton groups
+    dense_ids: dict[Hashable, int] = {}
+    group_ids[:count] = [dense_ids.setdefault(s.group_id, len(dense_ids)) for s in samples]
+    sequence_mask = np.arange(num_rows) < count
     # Checked on the whole batch at once, which costs less than one check per sample.
     finite = np.isfinite(behaviour).all(axis=1)
     if not finite.all():
@@ -244,6 +258,46 @@ def collate(
         group_ids=group_ids,
         sequence_mask=sequence_mask,
     )
+
+
+def _per_token(versions: Any, n: int) -> Any:
+    """A sample's versions, one per completion token (a single version repeated)."""
+    return np.full(n, versions, np.int32) if _entries(versions) is None else versions
+
+
+def _entries(values: Any) -> int | None:
+    """How many entries ``values`` has; ``None`` for a scalar (NumPy's arrays without
+    ``np.ndim``'s and ``np.size``'s dispatch: 0.1 us against 0.6 us, twice a sample)."""
+    if type(values) is np.ndarray:
+        return values.size if values.ndim else None
+    return int(np.size(values)) if np.ndim(values) else None
+
+
+def _checked_lengths(samples: Sequence[SampleLike]) -> tuple[list[int], list[int]]:
+    """The samples' prompt and completion lengths, after the checks of
+    ``_check_sample``; the first sample that fails one raises its error."""
+    try:
+        prompts = [len(s.prompt_tokens) for s in samples]
+        completions = [len(s.completion_tokens) for s in samples]
+        if (
+            0 not in prompts
+            and [len(s.behaviour_logprobs) for s in samples] == completions
+            and all(
+                _entries(s.versions) in (None, n) for s, n in zip(samples, completions, strict=True)
+            )
+            and all(
+                (m := getattr(s, "policy_mask", None)) is None
+                or (m.size if type(m) is np.ndarray else np.size(m)) == n
+                for s, n in zip(samples, completions, strict=True)
+            )
+            and np.isfinite(np.array([float(s.reward) for s in samples])).all()
+        ):
+            return prompts, completions
+    except (TypeError, ValueError):
+        pass
+    for index, sample in enumerate(samples):  # the first sample that fails raises
+        _check_sample(index, sample)
+    return [len(s.prompt_tokens) for s in samples], [len(s.completion_tokens) for s in samples]
 
 
 def _check_sample(index: int, sample: SampleLike) -> int:

@@ -14,6 +14,18 @@ from typing import Any
 
 import numpy as np
 
+_MASK64 = 2**64 - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's output function of ``x + golden gamma``: a bijection of 64-bit
+    integers whose outputs of consecutive inputs look independent. Deriving a prompt's
+    seed with it takes about 1 us; seeding a NumPy generator to draw one took 14 us."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
 
 @dataclass(frozen=True)
 class Issue:
@@ -63,7 +75,7 @@ class PromptController:
         """The issue numbered ``group_id`` (pure function of seed and id)."""
         epoch, offset = divmod(group_id, self.num_problems)
         problem = int(self._order(epoch)[offset])
-        seed = int(np.random.default_rng([self.seed, group_id, 0xC0FFEE]).integers(2**31 - 1))
+        seed = _mix64((_mix64(self.seed & _MASK64) + group_id) & _MASK64) % (2**31 - 1)
         return Issue(group_id, problem, seed)
 
     def next_issues(self, count: int) -> list[Issue]:

@@ -174,6 +174,11 @@ class TraceEvent:
         )
 
 
+# Per kind, its required keys as a set: the common event's checks are two set tests.
+_REQUIRED_SETS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in REQUIRED_FIELDS.items()}
+_CORE_SET = frozenset(_CORE)
+
+
 def _validate(
     t: float,
     kind: str,
@@ -183,6 +188,21 @@ def _validate(
     *,
     where: str,
 ) -> None:
+    # The common case in a few type tests (a run validates two events a sample: about
+    # 0.4 us here against 1.0 us for the checks below); anything else, errors included,
+    # goes through the checks that name the field.
+    required = _REQUIRED_SETS.get(kind)
+    if (
+        required is not None
+        and type(t) is float
+        and 0.0 <= t < math.inf
+        and type(actor) is str
+        and actor
+        and (version is None or type(version) is int)
+        and required <= fields.keys()
+        and _CORE_SET.isdisjoint(fields)
+    ):
+        return
     if not is_number(t) or not math.isfinite(t) or t < 0:
         raise ValueError(f"{where}.t: must be a finite number >= 0, got {t!r}")
     if kind not in KINDS:

@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlaxkit.batch import BucketSpec, Sample, TrainBatch, collate
 from rlaxkit.logprobs import token_logprobs
@@ -113,3 +115,74 @@ def test_bad_samples_fail_loudly_naming_sample_and_field(bad, message):
         collate([sample([1], [2]), bad])
     with pytest.raises(ValueError, match="at least one sample"):
         collate([])
+
+
+def _collate_row_by_row(samples, bucket, pad):
+    """The layout written out one row at a time: what ``collate`` must equal."""
+    ends = [len(s.prompt_tokens) + len(s.completion_tokens) for s in samples]
+    rows, width = bucket.batch_size_for(len(samples)), bucket.length_for(max(ends))
+    out = {
+        "tokens": np.full((rows, width), pad, np.int32),
+        "behaviour_logprobs": np.zeros((rows, width), np.float32),
+        "versions": np.full((rows, width), -1, np.int32),
+        "loss_mask": np.zeros((rows, width), np.float32),
+        "attention_mask": np.zeros((rows, width), bool),
+        "rewards": np.zeros((rows,), np.float32),
+        "group_ids": np.arange(rows, dtype=np.int32),
+        "sequence_mask": np.arange(rows) < len(samples),
+    }
+    dense = {}
+    for row, s in enumerate(samples):
+        p, end = len(s.prompt_tokens), ends[row]
+        policy = np.ones(end - p, bool) if s.policy_mask is None else np.asarray(s.policy_mask)
+        versions = np.broadcast_to(np.asarray(s.versions), (end - p,))
+        out["tokens"][row, :end] = [*s.prompt_tokens, *s.completion_tokens]
+        out["attention_mask"][row, :end] = True
+        out["loss_mask"][row, p:end] = policy
+        out["behaviour_logprobs"][row, p:end] = np.where(policy, s.behaviour_logprobs, 0.0)
+        out["versions"][row, p:end] = np.where(policy, versions, -1)
+        out["rewards"][row] = s.reward
+        out["group_ids"][row] = dense.setdefault(s.group_id, len(dense))
+    return out
+
+
+_token = st.integers(0, 50)
+
+
+@st.composite
+def _samples(draw):
+    n = draw(st.integers(0, 6))
+    completion = draw(st.lists(_token, min_size=n, max_size=n))
+    masked = draw(st.booleans())
+    return Sample(
+        prompt_tokens=draw(st.lists(_token, min_size=1, max_size=5)),
+        completion_tokens=np.array(completion, np.int32) if draw(st.booleans()) else completion,
+        behaviour_logprobs=draw(st.lists(st.floats(-5, 0, width=32), min_size=n, max_size=n)),
+        versions=draw(st.integers(0, 3) | st.lists(st.integers(0, 3), min_size=n, max_size=n)),
+        reward=draw(st.floats(0, 1)),
+        group_id=draw(st.sampled_from("abc")),
+        policy_mask=draw(st.lists(st.booleans(), min_size=n, max_size=n)) if masked else None,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_samples(), min_size=1, max_size=7), st.sampled_from([None, (4, 8, 16)]))
+def test_collate_equals_the_row_by_row_layout(samples, lengths):
+    bucket = BucketSpec() if lengths is None else BucketSpec(lengths=lengths)
+    batch = collate(samples, bucket=bucket, pad_token_id=7)
+    for name, expected in _collate_row_by_row(samples, bucket, 7).items():
+        np.testing.assert_array_equal(getattr(batch, name), expected, err_msg=name)
+
+
+def test_policy_mask_of_the_wrong_length_names_the_sample():
+    bad = Sample(
+        prompt_tokens=[1],
+        completion_tokens=[2, 3],
+        behaviour_logprobs=[-1.0, 0.0],
+        versions=0,
+        reward=1.0,
+        group_id="a",
+        policy_mask=[True],
+    )
+    with pytest.raises(ValueError, match="sample 1: policy_mask has 1 entries"):
+        collate([sample([1], [2]), bad])

@@ -142,6 +142,16 @@ def test_controller_is_a_pure_function_of_seed_and_issue_number():
         PromptController(8, seed=3).load_state_dict(a.state_dict())
 
 
+def test_issue_seeds_differ_by_issue_and_by_run_seed():
+    seeds = {
+        (run, g): PromptController(7, seed=run).issue_for(g).seed
+        for run in (0, 1, 2**40)
+        for g in range(500)
+    }
+    assert all(0 <= s < 2**31 - 1 for s in seeds.values())
+    assert len(set(seeds.values())) == len(seeds)  # no two issues share a stream
+
+
 def test_a_buffer_no_restore_can_reach_keeps_no_trained_group():
     """Without a trainer restore in the run (no fault plan), a trained group is let go
     with its batch; a roll-back is then refused, not half done."""

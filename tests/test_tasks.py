@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -206,3 +207,12 @@ def test_arithmetic_reward_is_in_range(completion):
     assert result.score in (0.0, 1.0)
     assert (result.reason is None) == (result.score == 1.0)
     assert math.isfinite(result.score)
+
+
+def test_char_tokenizer_decode_drops_special_and_unknown_ids():
+    tokenizer = CharTokenizer("ab")
+    ids = [tokenizer.pad_id, 3, tokenizer.eos_id, 4, 99, -1, np.int64(3)]
+    assert tokenizer.decode(ids) == "aba"
+    assert tokenizer.decode(np.array([3, 4, 1])) == "ab"
+    shown = [tokenizer.pad_id, 3, tokenizer.eos_id, 4, 99]
+    assert tokenizer.decode(shown, skip_special_tokens=False) == "<pad>a<eos>b"

@@ -560,13 +560,14 @@ class InferenceEngine:
         index[: len(rows)] = rows
         fetched = host_arrays(programs.take_rows(self.state.rows, index))
         tokens, logprobs, plain, versions, generated, finish = fetched
+        lengths, codes = generated.tolist(), finish.tolist()  # Python ints, once
         out = []
         for i, row in enumerate(rows):
-            sample, length = self._slots[row], int(generated[i])
+            sample, length = self._slots[row], lengths[i]
             assert sample is not None, f"row {row} holds no sample"  # callers pass busy rows
-            code = INTERRUPTED if interrupted and finish[i] == 0 else int(finish[i])
+            code = INTERRUPTED if interrupted and codes[i] == 0 else codes[i]
             completion = tokens[i, :length]
-            parked = not interrupted and self._parks(sample, code, completion)
+            parked = sample.hold and not interrupted and self._parks(sample, code, completion)
             if parked:
                 history = np.concatenate([sample.prompt, completion])
                 self._slots[row] = dataclasses.replace(sample, prompt=history)

@@ -59,6 +59,10 @@ class CharTokenizer:
         self._special = (self.PAD, self.EOS, self.UNK)
         self._index = {ch: i + len(self._special) for i, ch in enumerate(alphabet)}
         self.vocab_size = len(alphabet) + len(self._special)
+        # Id -> text when special tokens are skipped (they read as "").
+        self._text = {i: "" for i in range(len(self._special))} | {
+            i: ch for ch, i in self._index.items()
+        }
 
     def encode(self, text: str) -> list[int]:
         """One id per character; a character outside the alphabet is ``<unk>``."""
@@ -67,6 +71,11 @@ class CharTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids``; special tokens are dropped unless
         ``skip_special_tokens`` is false, and ids past the vocabulary are dropped."""
+        if skip_special_tokens:
+            try:  # one lookup a token (a run decodes every completion)
+                return "".join([self._text[i] for i in ids])
+            except (KeyError, TypeError):
+                pass  # an id that is no entry (past the vocabulary, or not whole): below
         out = []
         for i in ids:
             i = int(i)

@@ -46,15 +46,25 @@ def batch_metrics(
         "completion/mean_tokens": float(np.mean([s.num_tokens for s in samples])),
         # Groups whose rewards are all equal (zero group-relative advantage): trained
         # only with batching.equal_rewards=keep.
-        "batch/equal_reward_groups": sum(
-            1 for g in groups if len(g.rollouts) > 1 and np.all(g.rewards == g.rewards[0])
-        ),
+        "batch/equal_reward_groups": _equal_reward_groups(groups),
         **{
             f"buffer/{k}": buffer_counts[k] for k in ("in_flight", "buffered", "trained", "dropped")
         },
         **{f"dropped/{k}": v for k, v in buffer_counts["dropped_by_reason"].items()},
         **{f"train/{k}": v for k, v in train_metrics.items()},
     }
+
+
+def _equal_reward_groups(groups: Sequence[RolloutGroup]) -> int:
+    """How many groups of more than one sample have one reward (as float32, like
+    ``RolloutGroup.rewards``): one reduction over the batch, not two arrays a group."""
+    sizes = np.array([len(g.rollouts) for g in groups])
+    if not len(sizes) or not sizes.all():
+        return sum(1 for g in groups if len(g.rollouts) > 1 and np.all(g.rewards == g.rewards[0]))
+    rewards = np.array([r.reward for g in groups for r in g.rollouts], np.float32)
+    starts = np.cumsum(sizes) - sizes
+    same = np.minimum.reduceat(rewards, starts) == np.maximum.reduceat(rewards, starts)
+    return int(np.count_nonzero(same & (sizes > 1)))
 
 
 class RunTrace:
