@@ -103,6 +103,9 @@ class ArithmeticTask(SeededProblems):
 
     def __init__(self, config: ArithmeticConfig | None = None):
         self.config = config or ArithmeticConfig()
+        prefix, _, suffix = self.config.answer_format.partition("{answer}")
+        # What an answer must start and end with (the frozen config's, read once).
+        self._prefix, self._suffix = prefix.strip(), suffix.strip()
 
     def format_prompt(self, problem: Problem, chat: ChatTemplate | None = None) -> str:
         """The prompt string for ``problem`` (by default just ``"12+7="``)."""
@@ -115,10 +118,10 @@ class ArithmeticTask(SeededProblems):
     def score(self, problem: Problem, completion: str) -> RewardResult:
         """1 when the completion, read up to ``stop``, is exactly the answer's format."""
         text = cut_at_stop(completion, self.config.stop)
-        prefix, _, suffix = self.config.answer_format.partition("{answer}")
-        if not (text.startswith(prefix.strip()) and text.endswith(suffix.strip())):
+        prefix, suffix = self._prefix, self._suffix
+        if not (text.startswith(prefix) and text.endswith(suffix)):
             return RewardResult(0.0, None, NO_ANSWER)
-        core = text[len(prefix.strip()) : len(text) - len(suffix.strip())].strip()
+        core = text[len(prefix) : len(text) - len(suffix)].strip()
         if not _INTEGER.fullmatch(core):
             return RewardResult(0.0, None, NO_ANSWER)
         # No answer has more digits than all operands together; int() of thousands of
