@@ -43,6 +43,14 @@ A full garbage collection runs before each build: the previous η's ``Experiment
 garbage by then (its parts refer to each other), and its collection is no part of the
 next η's steps. Without it a 189 ms collection fell in the η = 1 run's 8 timed steps
 (its figure 0.23-0.24 against 0.13-0.14 with it).
+The warm-up and the timed steps of a run are one block of the run's
+``FreezeAfterFullCollection`` (``with exp.collections``), as one ``exp.run()`` call of
+``make demo`` is: the objects the run holds are frozen after the first full collection
+and stay frozen into the timed steps. A long run's first full collection comes within
+its first 30 or so steps; the warm-up ends with one (``warm_up``), so the timed steps
+start where a long run is after it. Without the block and that collection, a full
+collection of about 0.13 s fell in the timed steps or not by chance (one in 30 steps:
+4.5 ms a step). ``full_collections_in_timed_steps`` counts those that still do.
 Goal: ``overhead_fraction <= 0.10`` (the demo run).
 
 **Overlapped.** The demo run at η = 2 also runs with ``runtime.overlap_training``
@@ -202,6 +210,35 @@ def run_config(overrides: list[str], eta: int, steps: int) -> RunConfig:
     )
 
 
+def warm_up(exp: Experiment, steps: int) -> None:
+    """``steps`` steps, then a full collection: inside ``exp.collections`` the run's
+    objects are frozen at the next step's end, the steady state a long run reaches at
+    its first full collection."""
+    exp.run(steps)
+    gc.collect()
+
+
+class FullCollections:
+    """Counts Python's full garbage collections while active (``count``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            self.count += 1
+
+    def reset(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> FullCollections:
+        gc.callbacks.append(self._on_collection)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        gc.callbacks.remove(self._on_collection)
+
+
 class Instrumented:
     """Wraps the sampler's programs and ``exp``'s train step in ``clock`` while active."""
 
@@ -225,9 +262,10 @@ class Instrumented:
 def measure(config: RunConfig, clock: ComputeClock, warmup: int, steps: int, profile=None):
     """Runs ``warmup`` trainer steps, ``steps`` plain ones (timed: the wall clock a user
     sees), then ``steps`` instrumented ones (the compute); returns their figures."""
-    with Experiment(config) as exp:
+    with Experiment(config) as exp, exp.collections, FullCollections() as full:
         with Instrumented(clock, exp):  # warm-up: compiles, and a compile in a timed
-            exp.run(warmup)  # window below is counted
+            warm_up(exp, warmup)  # window below is counted
+        full.reset()
         trained_at = exp.buffer.counts()["trained"]
         generated_before = sum(1 for _ in _completed(exp))
         clock.reset()
@@ -258,6 +296,7 @@ def measure(config: RunConfig, clock: ComputeClock, warmup: int, steps: int, pro
             # Compute per trained sample (instrumented steps) against wall time per
             # trained sample (plain steps): each step trains the same number of samples.
             compute_s = clock.total_s * trained / trained_instrumented
+        full_collections = full.count
     return {
         "wall_s": wall_s,
         "instrumented_wall_s": instrumented_s,
@@ -272,6 +311,7 @@ def measure(config: RunConfig, clock: ComputeClock, warmup: int, steps: int, pro
         "overhead_fraction": 1.0 - compute_s / wall_s,
         "instrumented_overhead_fraction": 1.0 - clock.total_s / instrumented_s,
         "same_steps": clock.synchronous,
+        "full_collections": full_collections,
         "staleness_max": max(m["staleness/max"] for m in history),
     }
 
@@ -316,8 +356,8 @@ def profiled(config: RunConfig, warmup: int, steps: int) -> dict:
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # Python tracing would slow the host far more
     gc.collect()  # the runs before this one are garbage (``run_etas``)
-    with Experiment(config) as exp, tempfile.TemporaryDirectory() as trace_dir:
-        exp.run(warmup)
+    with Experiment(config) as exp, exp.collections, tempfile.TemporaryDirectory() as trace_dir:
+        warm_up(exp, warmup)
         jax.profiler.start_trace(trace_dir, profiler_options=options)
         start = time.perf_counter()
         exp.run(steps)
@@ -352,8 +392,8 @@ def plain(config: RunConfig, warmup: int, steps: int) -> dict:
     the train step; ``runtime.threaded_chunks``: two workers' chunks), where timers
     around programs would not add up to a share of the wall time."""
     gc.collect()  # the runs before this one are garbage (``run_etas``)
-    with Experiment(config) as exp:
-        exp.run(warmup)
+    with Experiment(config) as exp, exp.collections:
+        warm_up(exp, warmup)
         start = time.perf_counter()
         history = exp.run(steps)
         wall_s = time.perf_counter() - start
@@ -415,6 +455,7 @@ def figures(results: dict[int, dict]) -> dict:
         },
         "compiles_in_timed_steps": sum(r["compiles"] for r in results.values()),
         "compile_s_in_timed_steps": compile_s,
+        "full_collections_in_timed_steps": sum(r["full_collections"] for r in results.values()),
         "staleness_max_by_eta": {str(e): r["staleness_max"] for e, r in results.items()},
     }
 

@@ -10,6 +10,7 @@ episodes are rewarded by their environments instead (``rlaxkit.worker_episodes``
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -30,6 +31,9 @@ __all__ = [
     "record_generation_end",
     "verified_rollout",
 ]
+
+
+_sample_index = operator.attrgetter("sample_index")
 
 
 class IssuedPrompt(Protocol):
@@ -146,13 +150,17 @@ class VerifiedSamples:
         their rollouts, in order, each with its ``generation_end`` event, and one
         ``reward`` event timing the scoring."""
         samples = []  # (prompt, its ids, completion), each prompt's in sample order
+        problems, texts = [], []
         for p in prompts:
             tokens = np.asarray(p.prompt_tokens, np.int32)
-            done = sorted(self.done.pop(p.issue.group_id), key=lambda c: c.sample_index)
-            samples += [(p, tokens, c) for c in done]
-        texts = [completion_text(c, self.tokenizer, self.stop_tokens) for _, _, c in samples]
+            done = self.done.pop(p.issue.group_id)
+            done.sort(key=_sample_index)
+            for c in done:
+                samples.append((p, tokens, c))
+                problems.append(p.problem)
+                texts.append(completion_text(c, self.tokenizer, self.stop_tokens))
         start = self.clock()
-        results = scorer.score([p.problem for p, _, _ in samples], texts)
+        results = scorer.score(problems, texts)
         now = self.clock()
         rollouts = []
         for (p, tokens, completion), result in zip(samples, results, strict=True):
@@ -160,8 +168,12 @@ class VerifiedSamples:
                 p, tokens, completion, result, worker_id=self.worker_id, finished_s=now
             )
             rollouts.append(rollout)
-            failed = {"reward_failure": result.reason} if result.reason in REWARD_FAILURES else {}
-            record_generation_end(self.trace, self.worker_id, now, rollout, **failed)
+            if result.reason in REWARD_FAILURES:
+                record_generation_end(
+                    self.trace, self.worker_id, now, rollout, reward_failure=result.reason
+                )
+            else:
+                record_generation_end(self.trace, self.worker_id, now, rollout)
         self.trace.record(
             now,
             "reward",

