@@ -67,25 +67,23 @@ def verified_rollout(
     """The ``Rollout`` of one sample of ``prompt`` (its ids ``prompt_tokens``, one array
     shared by the prompt's samples: nothing writes to it), rewarded with ``result`` and
     finished at ``finished_s``."""
+    info = {"parsed": result.parsed, "reason": result.reason, "correct": bool(result.correct)}
+    if result.reason in REWARD_FAILURES:
+        info["detail"] = result.detail  # why the reward itself failed, for the run's error
+    # Positional, in the field order (one is built a sample).
     return Rollout(
-        group_id=prompt.issue.group_id,
-        sample_index=completion.sample_index,
-        problem_id=prompt.problem.id,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion.tokens,
-        behaviour_logprobs=completion.logprobs,
-        versions=completion.versions,
-        reward=float(result.score),
-        finish_reason=completion.finish_reason,
-        worker_id=worker_id,
-        reward_info={
-            "parsed": result.parsed,
-            "reason": result.reason,
-            "correct": bool(result.correct),
-            # Why the reward itself failed, for the run's error message.
-            **({"detail": result.detail} if result.reason in REWARD_FAILURES else {}),
-        },
-        timings={"issued_s": prompt.issued_s, "finished_s": finished_s},
+        prompt.issue.group_id,
+        completion.sample_index,
+        prompt.problem.id,
+        prompt_tokens,
+        completion.tokens,
+        completion.logprobs,
+        completion.versions,
+        float(result.score),
+        completion.finish_reason,
+        worker_id,
+        info,
+        {"issued_s": prompt.issued_s, "finished_s": finished_s},
     )
 
 

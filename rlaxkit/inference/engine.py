@@ -173,7 +173,8 @@ class InferenceEngine:
     def num_running(self) -> int:
         """Rows generating. Parked rows are not counted: they hold a row but run no
         decode step (``num_parked``)."""
-        return sum(s is not None for s in self._slots) - len(self._parked) - len(self._resumes)
+        busy = len(self._slots) - self._slots.count(None)
+        return busy - len(self._parked) - len(self._resumes)
 
     @property
     def num_parked(self) -> int:
@@ -575,17 +576,17 @@ class InferenceEngine:
             else:
                 self._slots[row] = None
                 self._release(sample.request_id)
-            out.append(
+            out.append(  # positional, in the field order (one is built a sample)
                 Completion(
-                    request_id=sample.request_id,
-                    sample_index=sample.sample_index,
-                    prompt_tokens=sample.prompt,
-                    tokens=completion,
-                    logprobs=logprobs[i, :length],
-                    plain_logprobs=plain[i, :length],
-                    versions=versions[i, :length],
-                    finish_reason=FINISH_REASONS[code],
-                    parked=parked,
+                    sample.request_id,
+                    sample.sample_index,
+                    sample.prompt,
+                    completion,
+                    logprobs[i, :length],
+                    plain[i, :length],
+                    versions[i, :length],
+                    FINISH_REASONS[code],
+                    parked,
                 )
             )
         return out
