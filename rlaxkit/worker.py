@@ -244,15 +244,16 @@ class InferenceWorker:
             )
         now = self.clock()
         self._start(issue, problem, prompt, now)
+        record, group_id, length = self.trace.record, issue.group_id, len(prompt)
         for j in range(self.sampling.n):
-            self.trace.record(
+            record(
                 now,
                 "generation_start",
                 self.worker_id,
                 self.version,
-                sample=f"{issue.group_id}:{j}",
-                rollout=issue.group_id,
-                prompt_tokens=len(prompt),
+                sample=f"{group_id}:{j}",
+                rollout=group_id,
+                prompt_tokens=length,
             )
 
     def _prompt(self, problem: Problem) -> list[int]:
