@@ -300,8 +300,8 @@ def _checked_lengths(samples: Sequence[SampleLike]) -> tuple[list[int], list[int
     return [len(s.prompt_tokens) for s in samples], [len(s.completion_tokens) for s in samples]
 
 
-def _check_sample(index: int, sample: SampleLike) -> int:
-    """Validates one sample and returns its total length."""
+def _check_sample(index: int, sample: SampleLike) -> None:
+    """Validates one sample; its error names the sample and the field."""
     where = f"sample {index}"
     n = len(sample.completion_tokens)
     if len(sample.prompt_tokens) == 0:
@@ -322,4 +322,3 @@ def _check_sample(index: int, sample: SampleLike) -> int:
         )
     if not math.isfinite(float(sample.reward)):
         raise ValueError(f"{where}: reward must be finite, got {sample.reward!r}")
-    return len(sample.prompt_tokens) + n

@@ -103,15 +103,11 @@ class RolloutBuffer:
             pending.problem_id,
             tuple(pending.samples[i] for i in sorted(pending.samples)),
         )
-        # Equal as float32 (``group.rewards``, what the advantages are computed in):
-        # rounding is monotonic, so all are equal iff the extremes round to one value.
-        rewards = [r.reward for r in group.rollouts]
         return self.ledger.complete(
             group.group_id,
             group.first_version,
             group.last_version,
-            equal_rewards=self.group_size > 1
-            and bool(np.float32(min(rewards)) == np.float32(max(rewards))),
+            equal_rewards=self.group_size > 1 and group.equal_rewards,
             trainer_version=trainer_version,
             payload=group,
         )

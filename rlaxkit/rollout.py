@@ -180,6 +180,13 @@ class RolloutGroup:
     def rewards(self) -> np.ndarray:
         return np.array([r.reward for r in self.rollouts], np.float32)
 
+    @property
+    def equal_rewards(self) -> bool:
+        """Whether every reward is the same as float32 (``rewards``, what the
+        advantages are computed in). Rounding is monotonic, so the extremes decide."""
+        values = [r.reward for r in self.rollouts]
+        return not values or bool(np.float32(min(values)) == np.float32(max(values)))
+
     @functools.cached_property
     def first_version(self) -> int:
         return min(r.first_version for r in self.rollouts)

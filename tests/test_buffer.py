@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from rlaxkit.buffer import RolloutBuffer
 from rlaxkit.controller import PromptController
 from rlaxkit.policies import BatchPolicy, StalenessPolicy
-from rlaxkit.rollout import Rollout
+from rlaxkit.rollout import Rollout, RolloutGroup
 
 
 def rollout(group, index, reward, version=0, n=3):
@@ -217,3 +217,10 @@ def test_rollouts_share_one_read_only_all_policy_mask_per_length():
     assert a.policy_mask.tolist() == [True] * 5 and a.num_policy_tokens == 5
     with pytest.raises(ValueError, match="read-only"):
         a.policy_mask[0] = False
+
+
+@given(st.lists(st.sampled_from([0.0, 0.3, 0.30000000001, 1.0]), max_size=6))
+def test_a_group_has_equal_rewards_when_its_float32_rewards_are_equal(rewards):
+    group = RolloutGroup(0, "p", tuple(rollout(0, i, r) for i, r in enumerate(rewards)))
+    expected = not rewards or bool(np.all(group.rewards == group.rewards[0]))
+    assert group.equal_rewards == expected

@@ -46,25 +46,15 @@ def batch_metrics(
         "completion/mean_tokens": float(np.mean([s.num_tokens for s in samples])),
         # Groups whose rewards are all equal (zero group-relative advantage): trained
         # only with batching.equal_rewards=keep.
-        "batch/equal_reward_groups": _equal_reward_groups(groups),
+        "batch/equal_reward_groups": sum(
+            1 for g in groups if len(g.rollouts) > 1 and g.equal_rewards
+        ),
         **{
             f"buffer/{k}": buffer_counts[k] for k in ("in_flight", "buffered", "trained", "dropped")
         },
         **{f"dropped/{k}": v for k, v in buffer_counts["dropped_by_reason"].items()},
         **{f"train/{k}": v for k, v in train_metrics.items()},
     }
-
-
-def _equal_reward_groups(groups: Sequence[RolloutGroup]) -> int:
-    """How many groups of more than one sample have one reward (as float32, like
-    ``RolloutGroup.rewards``): one reduction over the batch, not two arrays a group."""
-    sizes = np.array([len(g.rollouts) for g in groups])
-    if not len(sizes) or not sizes.all():
-        return sum(1 for g in groups if len(g.rollouts) > 1 and np.all(g.rewards == g.rewards[0]))
-    rewards = np.array([r.reward for g in groups for r in g.rollouts], np.float32)
-    starts = np.cumsum(sizes) - sizes
-    same = np.minimum.reduceat(rewards, starts) == np.maximum.reduceat(rewards, starts)
-    return int(np.count_nonzero(same & (sizes > 1)))
 
 
 class RunTrace:
@@ -108,17 +98,12 @@ class RunTrace:
         self, t: float, kind: str, actor: str, version: int | None = None, **fields: Any
     ) -> None:
         """Validates and records one event at time ``t + offset_s``."""
-        event = TraceEvent(t + self.offset_s, kind, actor, version, fields)
-        if self.file is None and self.memory_limit is None and kind != "restart":
-            with self.lock:  # in memory only: the one append (two events a sample)
-                self.memory.events.append(event)
-        else:
-            self.emit(event)
+        self.emit(TraceEvent(t + self.offset_s, kind, actor, version, fields))
 
     def emit(self, event: TraceEvent) -> None:
         """Records an already-built event."""
         with self.lock:
-            self.memory.emit(event)
+            self.memory.events.append(event)  # two events a sample: no call more
             limit = self.memory_limit
             if limit is not None and len(self.memory.events) >= limit + limit // 4 + 1:
                 # In batches (a quarter of the limit): one slice deletion, not one a call.
