@@ -136,3 +136,33 @@ def test_long_lived_objects_leave_full_collections_while_the_loop_runs():
         freezer.close()
     assert gc.get_freeze_count() == 0 and freezer._on_collection not in gc.callbacks
     freezer.close()  # idempotent
+
+
+def test_young_collections_wait_longer_while_a_loop_runs():
+    import gc
+
+    from rlaxkit.hostmem import YOUNG_THRESHOLD, FreezeAfterFullCollection
+
+    saved = gc.get_threshold()
+    one, two = FreezeAfterFullCollection(), FreezeAfterFullCollection()
+    try:
+        gc.set_threshold(700, 10, 10)
+        with one:
+            assert gc.get_threshold() == (YOUNG_THRESHOLD, 10, 10)
+            with one, two:  # nested blocks, and a second run's, share the raise
+                assert gc.get_threshold()[0] == YOUNG_THRESHOLD
+            two.__enter__()
+        # The first block closed while the second is open: still raised until it closes.
+        assert gc.get_threshold()[0] == YOUNG_THRESHOLD
+        two.close()
+        assert gc.get_threshold() == (700, 10, 10)
+        two.close()  # idempotent
+        assert gc.get_threshold() == (700, 10, 10)
+        gc.set_threshold(0, 10, 10)  # collection switched off stays off
+        with one:
+            assert gc.get_threshold()[0] == 0
+        assert gc.get_threshold()[0] == 0
+    finally:
+        one.close()
+        two.close()
+        gc.set_threshold(*saved)
