@@ -7,6 +7,7 @@ import contextlib
 import inspect
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -327,12 +328,29 @@ class Packed:
 
     @classmethod
     def of(cls, tree: Any) -> Packed:
+        built = _BUILT.get(id(tree))
+        if built is not None and built[0]() is tree:
+            return built[1]
         leaves, treedef = jax.tree.flatten(tree)
         return cls(leaves, _Structure.of(treedef))
 
     def tree(self) -> Any:
-        """The tree, rebuilt from the leaves."""
-        return self.structure.treedef.unflatten(self.leaves)
+        """The tree, rebuilt from the leaves. While it lives, ``Packed.of`` of it is this
+        ``Packed`` (no flatten): a trainer's published params reach each worker's engine
+        packed. Like a ``TrainState``'s fields, such a tree must not change in place."""
+        tree = self.structure.treedef.unflatten(self.leaves)
+        key = id(tree)
+        try:
+            ref = weakref.ref(tree, lambda _, key=key, pop=_BUILT.pop: pop(key, None))
+        except TypeError:  # dicts, lists, tuples: no weak references, not remembered
+            return tree
+        _BUILT[key] = (ref, self)
+        return tree
+
+
+# Trees built by ``Packed.tree``, by id while they live (the reference tells a reused id
+# apart), with the ``Packed`` they came from.
+_BUILT: dict[int, tuple[weakref.ref[Any], Packed]] = {}
 
 
 jax.tree_util.register_pytree_node(

@@ -296,6 +296,30 @@ def test_configs_name_the_bad_field(make, field):
         make()
 
 
+def test_a_tree_rebuilt_from_a_packed_packs_back_to_it_without_a_flatten():
+    # A trainer publishes ``state.params`` (rebuilt from the step's packed state) and
+    # every worker's engine packs it again: while the tree lives, that is the Packed it
+    # came from, with the same leaves a flatten gives.
+    import gc
+
+    from rlaxkit.jaxutil import _BUILT, Packed
+
+    _, params = model_parts()
+    source = Packed.of(params)
+    tree = source.tree()
+    assert Packed.of(tree) is source
+    again = Packed.of(jax.tree.map(lambda x: x, tree))  # an equal tree, not that one
+    assert again is not source and again.structure is source.structure
+    assert all(a is b for a, b in zip(again.leaves, source.leaves, strict=True))
+    assert Packed.of(params) is not source  # a tree the Packed was made from: flattened
+    held = len(_BUILT)
+    del tree
+    gc.collect()
+    assert len(_BUILT) == held - 1  # forgotten with the tree
+    plain = Packed.of({"w": jnp.zeros(2)})
+    assert Packed.of(plain.tree()) is not plain  # dicts take no weak references
+
+
 def test_a_returned_state_is_packed_and_rebuilds_only_the_fields_read():
     # The step hands its state back packed: the next step takes it without a flatten of
     # the nnx trees, a field is rebuilt when first read, and the packed and the eager
