@@ -4,6 +4,7 @@ reading arrays on the host and matmul peak."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 import time
@@ -341,7 +342,7 @@ class Packed:
         tree = self.structure.treedef.unflatten(self.leaves)
         key = id(tree)
         try:
-            ref = weakref.ref(tree, lambda _, key=key, pop=_BUILT.pop: pop(key, None))
+            ref = weakref.ref(tree, functools.partial(_forget, key))
         except TypeError:  # dicts, lists, tuples: no weak references, not remembered
             return tree
         _BUILT[key] = (ref, self)
@@ -351,6 +352,10 @@ class Packed:
 # Trees built by ``Packed.tree``, by id while they live (the reference tells a reused id
 # apart), with the ``Packed`` they came from.
 _BUILT: dict[int, tuple[weakref.ref[Any], Packed]] = {}
+
+
+def _forget(key: int, _: weakref.ref[Any], pop: Callable[..., Any] = _BUILT.pop) -> None:
+    pop(key, None)  # bound at definition: the module's globals may be gone at exit
 
 
 jax.tree_util.register_pytree_node(
