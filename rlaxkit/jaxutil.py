@@ -354,6 +354,15 @@ class Packed:
 _BUILT: dict[int, tuple[weakref.ref[Any], Packed]] = {}
 
 
+def tree_leaves(tree: Any) -> list[Any]:
+    """``jax.tree.leaves(tree)``; for a tree that ``Packed.tree`` built, its ``Packed``'s
+    leaves, without a flatten (e.g. the size of the params a trainer publishes)."""
+    built = _BUILT.get(id(tree))
+    if built is not None and built[0]() is tree:
+        return list(built[1].leaves)
+    return jax.tree.leaves(tree)
+
+
 def _forget(key: int, _: weakref.ref[Any], pop: Callable[..., Any] = _BUILT.pop) -> None:
     pop(key, None)  # bound at definition: the module's globals may be gone at exit
 

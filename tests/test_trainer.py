@@ -302,12 +302,15 @@ def test_a_tree_rebuilt_from_a_packed_packs_back_to_it_without_a_flatten():
     # came from, with the same leaves a flatten gives.
     import gc
 
-    from rlaxkit.jaxutil import _BUILT, Packed
+    from rlaxkit.jaxutil import _BUILT, Packed, tree_leaves
+    from rlaxkit.param_server.base import tree_nbytes
 
     _, params = model_parts()
     source = Packed.of(params)
     tree = source.tree()
     assert Packed.of(tree) is source
+    assert all(a is b for a, b in zip(tree_leaves(tree), source.leaves, strict=True))
+    assert tree_nbytes(tree) == tree_nbytes(params) == sum(x.nbytes for x in source.leaves)
     again = Packed.of(jax.tree.map(lambda x: x, tree))  # an equal tree, not that one
     assert again is not source and again.structure is source.structure
     assert all(a is b for a, b in zip(again.leaves, source.leaves, strict=True))

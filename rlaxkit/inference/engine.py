@@ -225,12 +225,16 @@ class InferenceEngine:
         ``fold_in(fold_in(rng, j), t)``, so its tokens do not depend on which row or
         chunk generates them: the same as ``generate(model, [prompt], config, [rng])``.
         """
-        (budget,) = budgets(max_new_tokens, 1, self.config)
+        budget = (
+            self.config.max_new_tokens
+            if max_new_tokens is None  # nothing to check
+            else int(budgets(max_new_tokens, 1, self.config)[0])
+        )
         (array,) = as_prompts(
             [prompt],
             self.model_config.vocab_size,
             self.model_config.max_position_embeddings,
-            self.config.max_new_tokens if sample_index is None else int(budget),
+            self.config.max_new_tokens if sample_index is None else budget,
         )
         if len(array) > self.prompt_width:
             raise ValueError(
@@ -251,7 +255,7 @@ class InferenceEngine:
                     "running or parked"
                 )
             self._unfinished[request_id] += 1
-            self._queue.append(_Sample(request_id, sample_index, array, data, int(budget), hold))
+            self._queue.append(_Sample(request_id, sample_index, array, data, budget, hold))
             return request_id
         if request_id is None:
             request_id = next(i for i in self._ids if i not in self._unfinished)
@@ -259,7 +263,7 @@ class InferenceEngine:
             raise ValueError(f"request {request_id} is already queued, running or parked")
         self._unfinished[request_id] = self.config.n
         for j in range(self.config.n):
-            self._queue.append(_Sample(request_id, j, array, data, int(budget), hold))
+            self._queue.append(_Sample(request_id, j, array, data, budget, hold))
         return request_id
 
     def _holds(self, key: tuple[int, int]) -> bool:

@@ -150,10 +150,11 @@ def tree_nbytes(tree: Any) -> int:
     >>> tree_nbytes({"w": np.zeros((4, 8), np.float32), "b": np.zeros(8, np.float32)})
     160
     """
-    import jax  # Imported here so the module stays cheap for pure-Python callers.
+    # Imported here so the module stays cheap for pure-Python callers.
+    from rlaxkit.jaxutil import tree_leaves
 
     total = 0
-    for leaf in jax.tree.leaves(tree):
+    for leaf in tree_leaves(tree):
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
             total += math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
         else:
