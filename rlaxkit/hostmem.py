@@ -125,9 +125,9 @@ class FreezeAfterFullCollection:
     ten thousand (a sample's completion, rollout, trace events and their dicts), most of
     them gone by the step's end: with the default, about 30 young and 3 middle
     collections a step walk them and move the survivors on, 0.8-0.9 ms a step; with
-    10 000, 0.2 ms. Garbage in a reference cycle waits that much longer, a few
-    megabytes at most. The threshold goes back when the last open block closes (a
-    threshold of 0, collection switched off, is left alone).
+    10 000, 0.2 ms. An object in a reference cycle, and what it holds, waits that
+    much longer to be freed. The threshold goes back when the last open block closes
+    (a threshold of 0, collection switched off, is left alone).
     """
 
     def __init__(self) -> None:
