@@ -42,9 +42,9 @@ from rlaxkit.checkpoint import CheckpointManager
 from rlaxkit.config import RunConfig
 from rlaxkit.metrics import replace_lines
 from rlaxkit.runtime.books import RunBooks
+from rlaxkit.tracking import flatten
 
 FORMAT = 2
-PYTREE_ITEMS = ("train_state", "weights")
 JSON_ITEMS = ("meta", "controller", "buffer", "workers", "fleet", "faults", "history", "extra")
 # Config sections a run may change when it resumes: how long to run, how to evaluate,
 # when to checkpoint, where Ray places actors (the local backend ignores it), what it
@@ -61,18 +61,9 @@ def param_shapes(tree: Any) -> dict[str, list]:
     }
 
 
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict):
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            out |= _flatten(value, f"{prefix}{key}.")
-        return out
-    return {prefix[:-1]: data}
-
-
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Dotted config fields that differ, ``RESUMABLE_FIELDS`` excepted."""
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten(saved, "."), flatten(current, ".")
     out = []
     for key in sorted(set(old) | set(new)):
         if key.split(".")[0] in RESUMABLE_FIELDS:
