@@ -329,9 +329,9 @@ class Packed:
 
     @classmethod
     def of(cls, tree: Any) -> Packed:
-        built = _BUILT.get(id(tree))
-        if built is not None and built[0]() is tree:
-            return built[1]
+        built = _built(tree)
+        if built is not None:
+            return built
         leaves, treedef = jax.tree.flatten(tree)
         return cls(leaves, _Structure.of(treedef))
 
@@ -357,10 +357,14 @@ _BUILT: dict[int, tuple[weakref.ref[Any], Packed]] = {}
 def tree_leaves(tree: Any) -> list[Any]:
     """``jax.tree.leaves(tree)``; for a tree that ``Packed.tree`` built, its ``Packed``'s
     leaves, without a flatten (e.g. the size of the params a trainer publishes)."""
-    built = _BUILT.get(id(tree))
-    if built is not None and built[0]() is tree:
-        return list(built[1].leaves)
-    return jax.tree.leaves(tree)
+    built = _built(tree)
+    return jax.tree.leaves(tree) if built is None else list(built.leaves)
+
+
+def _built(tree: Any) -> Packed | None:
+    """The ``Packed`` that built ``tree`` (``Packed.tree``), while it lives, else ``None``."""
+    found = _BUILT.get(id(tree))
+    return found[1] if found is not None and found[0]() is tree else None
 
 
 def _forget(key: int, _: weakref.ref[Any], pop: Callable[..., Any] = _BUILT.pop) -> None:
