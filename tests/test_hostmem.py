@@ -69,6 +69,38 @@ def test_kept_memory_spares_each_call_its_page_faults():
     assert kept["faults"] <= 3 * PAGES_PER_CALL
 
 
+# Small blocks malloc'd and every other one freed, from this thread and no Python
+# allocation between the frees: how many sit in glibc's fast bins. A fast bin holds a
+# freed block until a later large malloc sweeps the whole bin at once; in a small GRPO
+# step that sweep took 30-40 ms of one step in ten (docs/performance.md).
+FAST_BINS = """
+import ctypes, json
+import rlaxkit.models
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd",
+        "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+malloc, free, mallinfo2 = libc.malloc, libc.free, libc.mallinfo2
+malloc.restype = ctypes.c_void_p
+free.argtypes = [ctypes.c_void_p]
+mallinfo2.restype = MallInfo2
+blocks = [malloc(48) for _ in range(1000)]
+i = 0
+while i < 1000:
+    free(blocks[i])
+    i += 2
+print(json.dumps({"fast_blocks": mallinfo2().smblks}))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="rlaxkit.hostmem acts on glibc only")
+def test_kept_memory_has_no_fast_bins_to_sweep():
+    assert report(FAST_BINS)["fast_blocks"] == 0
+    # glibc's default, for contrast: what seven per-thread cache slots do not hold.
+    assert report(FAST_BINS, RLAXKIT_HOST_MEMORY="default")["fast_blocks"] > 400
+
+
 def test_settings_are_left_alone_for_an_accelerator_platform():
     decided = report(
         "import json; from rlaxkit import hostmem; s = hostmem.keep();"
