@@ -19,12 +19,15 @@ memory stays mapped (``docs/performance.md``, "Host memory").
   large blocks with ``mmap`` whatever ``M_MMAP_MAX`` says; only the main heap keeps them.
 
 What it costs: the process's heap stays at its high-water mark (freed memory is reused,
-not handed back to the system), and host code after a CPU call no longer runs while the
-call does. It applies only where it helps: Linux with glibc, JAX on its CPU backend (no
+not handed back to the system), host code after a CPU call no longer runs while the
+call does, and each free of a small block merges it with its neighbours then (no step
+measured slower for it: ``docs/performance.md``, "glibc's fast bins").
+
+It applies only where it helps: Linux with glibc, JAX on its CPU backend (no
 accelerator platform asked for or installed), and before JAX has created its backends,
 since the dispatch mode is fixed then. rlaxkit calls :func:`keep` when
 ``rlaxkit.models`` or ``rlaxkit.jaxutil`` is first imported; set
-``RLAXKIT_HOST_MEMORY=default`` before that to leave both settings alone.
+``RLAXKIT_HOST_MEMORY=default`` before that to leave all of them alone.
 
 :class:`FreezeAfterFullCollection` keeps Python's full garbage collections off a run's
 long-lived objects, and its young collections rarer, while the run's loop runs (the
@@ -52,7 +55,7 @@ _ACCELERATOR_MODULES = ("jax_plugins", "libtpu")
 
 @dataclasses.dataclass(frozen=True)
 class HostMemory:
-    """What :func:`keep` did: ``kept`` is whether both settings apply in this process,
+    """What :func:`keep` did: ``kept`` is whether its settings apply in this process,
     ``reason`` says why or why not."""
 
     kept: bool
@@ -105,7 +108,9 @@ def _decide() -> HostMemory:
     ):
         return HostMemory(False, "glibc refused mallopt")
     jax.config.update("jax_cpu_enable_async_dispatch", False)
-    return HostMemory(True, "large blocks from the main heap, calls on the calling thread")
+    return HostMemory(
+        True, "large blocks from the main heap, no fast bins, calls on the calling thread"
+    )
 
 
 def _accelerator_installed() -> bool:
