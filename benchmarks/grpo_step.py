@@ -177,6 +177,9 @@ class GRPOLoop:
         self.train_config = TrainConfig(
             algorithm=algorithm("grpo", loss={"kl_coef": 0.0, "proximal": "recompute"}),
             optimizer=OptimizerConfig(learning_rate=1e-4),
+            # Nothing here reads it (the loop publishes no weights, so calls no
+            # ``check_finite``), and the peer's GRPO step computes no update norm.
+            update_norm=False,
         )
         self.state = create_train_state(self.train_config, params, seed=seed)
         self.tiered = tiered

@@ -279,6 +279,32 @@ def test_weight_decay_skips_vectors_and_clipping_bounds_the_update():
     np.testing.assert_array_equal(updates["bias"], 0.0)  # never decayed
 
 
+def test_a_step_without_the_update_norm_trains_the_same_weights():
+    # ``update_norm=False`` drops one metric and nothing else: every other metric and
+    # every trained number is that of the step that reports the norm.
+    graphdef, params = model_parts()
+    batches = [batch_of(seed=s) for s in (4, 5)]
+
+    def run(update_norm):
+        cfg = TrainConfig(
+            algorithm=algorithm("grpo", loss={"kl_coef": 0.0}),
+            optimizer=OPTIMIZER,
+            update_norm=update_norm,
+        )
+        state, history = create_train_state(cfg, jax.tree.map(jnp.copy, params)), []
+        step = make_train_step(cfg, graphdef)
+        for batch in batches:
+            state, metrics = step(state, batch)
+            history.append({k: float(v) for k, v in metrics.items()})
+        return jax.device_get(state.params), jax.device_get(state.opt_state), history
+
+    with_norm, without = run(True), run(False)
+    assert all(np.isfinite(m["update_norm"]) and m["update_norm"] > 0 for m in with_norm[2])
+    assert [{k: v for k, v in m.items() if k != "update_norm"} for m in with_norm[2]] == without[2]
+    assert relative_error(with_norm[0], without[0]) == 0.0
+    assert relative_error(with_norm[1], without[1]) == 0.0
+
+
 @pytest.mark.parametrize(
     "make, field",
     [
@@ -289,6 +315,7 @@ def test_weight_decay_skips_vectors_and_clipping_bounds_the_update():
         (lambda: TrainConfig(algorithm=algorithm("dapo"), micro_batches=0), "micro_batches"),
         (lambda: TrainConfig(algorithm=algorithm("dapo"), temperature=0.0), "temperature"),
         (lambda: TrainConfig(algorithm=algorithm("dapo"), compute_dtype="fp8"), "compute_dtype"),
+        (lambda: TrainConfig(algorithm=algorithm("dapo"), update_norm=1), "update_norm"),
     ],
 )
 def test_configs_name_the_bad_field(make, field):
