@@ -94,7 +94,7 @@ def test_bad_chunks_are_refused(tiny_model, chunks):
         generate(tiny_model, PROMPTS, SamplingConfig(max_new_tokens=4), 0, chunks=chunks)
 
 
-def test_chunks_run_side_by_side_and_leave_no_thread_behind():
+def test_chunks_run_side_by_side_on_helper_threads_that_later_calls_reuse():
     import threading
 
     chunks = [(0, 1), (1, 2), (2, 3)]
@@ -106,10 +106,50 @@ def test_chunks_run_side_by_side_and_leave_no_thread_behind():
             raise KeyError(f"chunk {chunk}")
         return chunk
 
-    before = threading.active_count()
     assert chunk_module.run_chunks(run, chunks) == chunks
+    threads = threading.active_count()
     barrier.reset()
     with pytest.raises(KeyError, match=r"chunk \(1, 2\)"):
         chunk_module.run_chunks(lambda chunk: run(chunk, fail=(1, 2)), chunks)
-    assert threading.active_count() == before
+    barrier.reset()
+    assert chunk_module.run_chunks(run, chunks) == chunks
+    assert threading.active_count() == threads  # the helpers of the first call, again
     assert chunk_module.run_chunks(lambda chunk: chunk, [(0, 4)]) == [(0, 4)]
+
+
+def test_calls_side_by_side_take_helpers_of_their_own():
+    # Two callers' chunks all run at once: a helper busy with one call's chunk is not
+    # handed another's, which would wait behind it.
+    import threading
+
+    chunks = [(0, 1), (1, 2)]
+    barrier = threading.Barrier(2 * len(chunks), timeout=30)
+    results = []
+
+    def call():
+        results.append(chunk_module.run_chunks(lambda chunk: (barrier.wait(), chunk)[1], chunks))
+
+    callers = [threading.Thread(target=call) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(timeout=60)
+    assert results == [chunks, chunks]
+
+
+def test_a_forked_child_runs_chunks_on_helpers_of_its_own():
+    # The parent's helper threads do not exist in a forked child: it starts its own.
+    import os
+    import signal
+    import warnings
+
+    chunk_module.run_chunks(lambda chunk: chunk, [(0, 1), (1, 2)])  # the parent has helpers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # JAX warns that a multithreaded process forks
+        pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if both chunks ran, killed if it hangs
+        signal.alarm(30)
+        ok = chunk_module.run_chunks(lambda chunk: chunk, [(0, 1), (1, 2)]) == [(0, 1), (1, 2)]
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
