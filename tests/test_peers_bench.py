@@ -69,3 +69,26 @@ def test_rlaxkit_half_runs_and_summarises_on_tiny_shapes(drivers):
     results[("tunix", "step", "small")] = [dict(step, params=step["params"] + 1)]
     with pytest.raises(RuntimeError, match="parameter counts differ"):
         run.summarise(results, peak_flops=1e11)
+
+
+def test_the_rlaxkit_side_exits_with_generate_helpers_waiting():
+    # The driver joins its threads before exiting, so that no background compile is
+    # torn down; ``generate``'s helper threads wait for work for the life of the
+    # process, and joining one would never return.
+    import subprocess
+
+    script = (
+        "import sys; sys.path[:0] = sys.argv[1:3]\n"
+        "from rlaxkit.inference import chunks\n"
+        "chunks.run_chunks(lambda chunk: chunk, [(0, 1), (1, 2)])  # starts a helper\n"
+        "import rlaxkit_side\n"
+        "sys.exit(rlaxkit_side.main(['--work', 'floor']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(PEERS), str(PEERS.parent)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '"side": "rlaxkit"' in done.stdout

@@ -41,6 +41,7 @@ from grpo_step import GRPOLoop, Setting, qwen3, timed_steps  # noqa: E402
 
 from rlaxkit import hostmem  # noqa: E402
 from rlaxkit.inference import SamplingConfig, generate  # noqa: E402
+from rlaxkit.inference.chunks import HELPER_THREAD_NAME  # noqa: E402
 from rlaxkit.jaxutil import Packed, count_compilations, matmul_peak_flops  # noqa: E402
 from rlaxkit.models import ModelConfig, Transformer  # noqa: E402
 
@@ -186,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report), flush=True)
     # Background compiles (the train step's optimised tier) finish before the
     # interpreter exits: XLA aborts the process if it is torn down under them.
+    # ``generate``'s helper threads wait for work until the process ends.
     for thread in threading.enumerate():
-        if thread is not threading.main_thread():
+        if thread is not threading.main_thread() and thread.name != HELPER_THREAD_NAME:
             thread.join()
     return 0
 

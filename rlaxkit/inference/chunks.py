@@ -102,12 +102,17 @@ class ChunkLayout:
         )
 
 
+# The name of ``run_chunks``' helper threads: daemon threads that wait for work for
+# the life of the process (a program that joins its threads before exiting skips them).
+HELPER_THREAD_NAME = "generate-helper"
+
+
 class _Helper:
     """A daemon thread that runs the jobs put to it, one after another."""
 
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="generate", daemon=True).start()
+        threading.Thread(target=self._serve, name=HELPER_THREAD_NAME, daemon=True).start()
 
     def _serve(self) -> None:
         while True:
