@@ -137,6 +137,33 @@ def test_calls_side_by_side_take_helpers_of_their_own():
     assert results == [chunks, chunks]
 
 
+def test_a_helper_is_idle_again_when_its_chunk_ends_not_when_the_caller_returns():
+    # So a caller interrupted while it waits for its helpers (Ctrl-C in a notebook) does
+    # not keep them out of use: each puts itself back once its chunk is done.
+    import threading
+    import time
+
+    ended = threading.Event()
+    seen = []
+
+    def run(chunk):
+        if chunk == (1, 2):  # on a helper
+            seen.append(threading.current_thread())
+            ended.set()
+            return chunk
+        assert ended.wait(timeout=30)  # the caller's chunk, still running
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with chunk_module._idle_lock:
+                idle = [helper for helper in chunk_module._idle if helper.thread is seen[0]]
+            if idle:
+                return chunk
+            time.sleep(0.001)
+        raise AssertionError("the helper was not idle while its caller still ran")
+
+    assert chunk_module.run_chunks(run, [(0, 1), (1, 2)]) == [(0, 1), (1, 2)]
+
+
 def test_a_forked_child_runs_chunks_on_helpers_of_its_own():
     # The parent's helper threads do not exist in a forked child: it starts its own.
     import os

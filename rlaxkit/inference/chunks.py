@@ -112,7 +112,8 @@ class _Helper:
 
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name=HELPER_THREAD_NAME, daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, name=HELPER_THREAD_NAME, daemon=True)
+        self.thread.start()
 
     def _serve(self) -> None:
         while True:
@@ -143,8 +144,12 @@ def run_chunks(run: Callable[[tuple[int, int]], T], chunks: Sequence[tuple[int, 
         except BaseException as error:  # re-raised in the caller's thread
             errors[i] = error
 
-    def job(i: int, done: threading.Event) -> None:
+    def job(i: int, helper: _Helper, done: threading.Event) -> None:
         target(i)
+        # Idle again as its chunk ends, not when the caller returns: a caller interrupted
+        # while it waits (Ctrl-C in a notebook) does not keep its helpers out of use.
+        with _idle_lock:
+            _idle.append(helper)
         done.set()
 
     with _idle_lock:
@@ -152,12 +157,10 @@ def run_chunks(run: Callable[[tuple[int, int]], T], chunks: Sequence[tuple[int, 
     helpers = taken + [_Helper() for _ in range(len(chunks) - 1 - len(taken))]
     finished = [threading.Event() for _ in helpers]
     for i, (helper, done) in enumerate(zip(helpers, finished, strict=True), start=1):
-        helper.jobs.put(functools.partial(job, i, done))
+        helper.jobs.put(functools.partial(job, i, helper, done))
     target(0)
     for done in finished:
         done.wait()
-    with _idle_lock:
-        _idle.extend(helpers)
     if errors:
         raise errors[min(errors)]
     return results
