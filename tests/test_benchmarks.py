@@ -82,3 +82,11 @@ def test_first_step_benchmark_reports_the_start_of_fresh_processes(capsys):
     for key in ("build_s", "first_step_s", "second_step_s", "train_s", "generate_s"):
         assert finite(report[key]) and report[key] > 0, key
     assert report["start_s"] == report["build_s"] + report["first_step_s"]
+
+
+def test_engine_views_benchmark_compares_the_engine_on_views_with_the_whole_cache(capsys):
+    assert load("engine_views").main(["--smoke"]) == 0
+    report = last_json(capsys)  # the benchmark checks that both sampled the same tokens
+    assert finite(report["engine_views_speedup"]) and report["engine_views_speedup"] > 0
+    assert report["same_chunks"] and report["cache_slots"] == 64 + 128
+    assert len(report["chunks_by_view"]) > 1  # the chunks ran on more than one view

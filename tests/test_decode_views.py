@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from rlaxkit.inference import SamplingConfig, compile_generate, generate, programs
+from rlaxkit.inference.engine import engine_views
 from rlaxkit.inference.results import key_data, split_model
 from rlaxkit.jaxutil import count_compilations
 
@@ -52,6 +53,14 @@ def test_views_are_powers_of_two_then_the_cache_for_long_decodes():
     assert views(64, 192) == (64, 128, 192)  # every prompt fills more than 32 slots
     # 4-token prompts, 128 new tokens: the 128-slot view would leave a 4-step segment.
     assert views(4, 132) == (32, 64, 132)
+
+
+def test_engine_views_are_eighths_of_the_cache():
+    assert engine_views(16, 24) == (24,)  # the demo's 8 new tokens: one program
+    assert engine_views(16, 128) == (16, 32, 48, 64, 80, 96, 112, 128)
+    assert engine_views(64, 576) == (80, 160, 240, 320, 400, 480, 560, 576)
+    assert engine_views(16, 144) == (32, 64, 96, 128, 144)  # none 16 slots short of it
+    assert engine_views(512, 16896)[:2] == (2112, 4224) and len(engine_views(512, 16896)) == 8
 
 
 def test_short_prompts_padded_to_their_own_width_sample_the_same(tiny_model):
@@ -168,3 +177,96 @@ def test_a_view_must_be_positive(tiny_model):
     state = programs.init_state(tiny_model.config, CONFIG, 2, 16)
     with pytest.raises(ValueError, match="view must be a positive"):
         programs.decode_steps(graphdef, params, state, 0, 1, 1, config=CONFIG, view=0)
+
+
+def engine_run(monkeypatch, model, requests, views=True, resume=None, **options):
+    """Completions of ``requests`` (``(prompt, rng, options)``) on an engine, and the
+    view of every chunk it ran. ``resume(engine, completions)`` resumes parked turns."""
+    from rlaxkit.inference import InferenceEngine
+
+    chunks, shortest = [], []
+    decode_steps = programs.decode_steps
+
+    def recorded(graphdef, params, state, version, max_steps, *args, **kwargs):
+        # The shortest view (of the engine's, or the cache) that holds every generating
+        # row's next ``max_steps`` writes.
+        end = np.asarray(state.cache.end)[np.asarray(state.rows.active)]
+        needed = int(end.max()) + int(max_steps)
+        shortest.append(min(v for v in engine_views(16, state.cache.slots) if v >= needed))
+        chunks.append(kwargs["view"])
+        return decode_steps(graphdef, params, state, version, max_steps, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(programs, "decode_steps", recorded)
+        engine = InferenceEngine(model, cache_views=views, **options)
+        for prompt, rng, kwargs in requests:
+            engine.submit(prompt, rng, **kwargs)
+        completions = engine.run()
+        if resume is not None:
+            resume(engine, completions)
+            completions += engine.run()
+    if views:
+        assert chunks == shortest  # the view each chunk ran on was the shortest to hold it
+    return completions, chunks
+
+
+def assert_same_completions(a, b):
+    assert [(c.request_id, c.sample_index, c.parked) for c in a] == [
+        (c.request_id, c.sample_index, c.parked) for c in b
+    ]
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x.tokens, y.tokens)
+        np.testing.assert_array_equal(x.versions, y.versions)
+        np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(x.plain_logprobs, y.plain_logprobs, rtol=1e-6, atol=1e-6)
+        assert x.finish_reason == y.finish_reason
+
+
+def test_the_engine_decodes_on_views_with_the_whole_caches_tokens(tiny_model, monkeypatch):
+    """Continuous batching with refills: every chunk runs on the shortest view that holds
+    its rows' next writes, and the completions are those of the whole cache, chunk for
+    chunk (no view stops a chunk early)."""
+    model = nnx.split(tiny_model)
+    config = dataclasses.replace(CONFIG, n=2, stop_tokens=(3,))
+    budgets = [112, 9, 60, 30, 112, 5, 80, 20]
+    batch = prompts([1, 5, 16, 7, 12, 3, 9, 14], seed=4)
+    requests = [
+        (p, i, {"max_new_tokens": b}) for i, (p, b) in enumerate(zip(batch, budgets, strict=True))
+    ]
+    options = {"config": config, "num_slots": 4, "max_prompt_len": 16, "chunk_steps": 8}
+    viewed, views = engine_run(monkeypatch, model, requests, **options)
+    whole, chunks = engine_run(monkeypatch, model, requests, views=False, **options)
+    assert_same_completions(viewed, whole)
+    assert len(views) == len(chunks) and set(chunks) == {128}
+    assert len(set(views)) >= 6  # 16 + 112 slots: views every 16 slots
+
+
+def test_a_resumed_multi_turn_row_decodes_on_views(monkeypatch):
+    """A row parked at a tool call keeps its cache past the view a later chunk runs on;
+    its resumed turn decodes on views from its own offset, as over the whole cache."""
+    from test_engine_multiturn import peaked_model, tool_call
+
+    model, prompt = peaked_model(0), [5, 17, 2, 40, 33]
+    config = SamplingConfig(temperature=1.0, max_new_tokens=48)
+    pair = tool_call(model, prompt, config, at=20)
+    config = dataclasses.replace(config, stop_sequences=(pair,))
+    requests = [(prompt, 0, {"hold": True}), ([9, 4, 4, 1], 1, {})]
+
+    def resume(engine, completions):
+        (turn1,) = [c for c in completions if c.parked]
+        # 30 tokens: the resumed row's writes start past the view its old offset needed.
+        engine.resume(turn1.request_id, list(range(10, 40)), 2)
+
+    options = {
+        "config": config,
+        "num_slots": 2,
+        "max_prompt_len": 16,
+        "max_context_len": 144,
+        "chunk_steps": 4,
+    }
+    viewed, views = engine_run(monkeypatch, model, requests, resume=resume, **options)
+    whole, chunks = engine_run(monkeypatch, model, requests, views=False, resume=resume, **options)
+    assert_same_completions(viewed, whole)
+    assert len(views) == len(chunks)
+    assert [c.parked for c in viewed] == [True, False, False]
+    assert min(views) == 32 and 64 in views  # the second turn starts past the first views
