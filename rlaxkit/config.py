@@ -180,6 +180,11 @@ class RuntimeConfig:
             thread, so a run gives the same metrics either way. On XLA:CPU a worker's
             chunk runs on one core, so this uses a core a worker. ``false``: one chunk
             after another. (On Ray every worker is a process and decodes at once.)
+        cache_views: each worker's engine decodes a chunk on the shortest of eight
+            cache prefixes that holds its rows' next writes, when a row's cache holds
+            64 new tokens or more (``rlaxkit.inference.engine.engine_views``): the
+            same tokens, attention over fewer slots while the rows are short, and up to
+            eight decode programs to compile instead of one. ``false``: the whole cache.
     """
 
     backend: Literal["local", "ray"] = "local"
@@ -196,6 +201,7 @@ class RuntimeConfig:
     trainer_replay_mb: float | None = 4096.0
     overlap_training: bool = False
     threaded_chunks: bool = True
+    cache_views: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -226,6 +232,8 @@ class RuntimeConfig:
             )
         if not isinstance(self.threaded_chunks, bool):
             raise ValueError(f"threaded_chunks must be true or false, got {self.threaded_chunks!r}")
+        if not isinstance(self.cache_views, bool):
+            raise ValueError(f"cache_views must be true or false, got {self.cache_views!r}")
         if self.overlap_training and self.mode == "concurrent":
             raise ValueError(
                 "overlap_training: the concurrent mode overlaps training with generation "

@@ -93,6 +93,8 @@ class InferenceWorker:
         free_running: resolve the tool steps that are done and leave the others parked
             (``runtime.mode=concurrent``); otherwise every step is resolved before the
             next chunk, in order, so the run is reproducible and its replay log exact.
+        cache_views: the engine decodes on cache views (``InferenceEngine``'s
+            ``cache_views``; ``runtime.cache_views``).
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class InferenceWorker:
         max_prompt_tokens: int,
         episodes: EpisodeConfig | None = None,
         free_running: bool = False,
+        cache_views: bool = True,
     ):
         stop = tuple(dict.fromkeys((*sampling.stop_tokens, tokenizer.eos_id)))
         self.sampling = dataclasses.replace(sampling, stop_tokens=stop)
@@ -142,7 +145,7 @@ class InferenceWorker:
         self.staleness, self.weight_sync = staleness, weight_sync
         self.trace, self.clock = trace, clock
         self.num_slots, self.chunk_steps = num_slots, chunk_steps
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_tokens, self.cache_views = max_prompt_tokens, cache_views
         self.capacity = max(1, num_slots // self.sampling.n)
         self.engine: InferenceEngine | None = None
         self.version: int | None = None
@@ -212,6 +215,7 @@ class InferenceWorker:
             max_context_len=self.turns.max_context_len if self.turns else None,
             version=version,
             chunk_steps=self.chunk_steps,
+            cache_views=self.cache_views,
         )
 
     def _take_weights(self, version: int, params: nnx.State, *, recompute_cache: bool) -> None:

@@ -270,3 +270,43 @@ def test_a_resumed_multi_turn_row_decodes_on_views(monkeypatch):
     assert len(views) == len(chunks)
     assert [c.parked for c in viewed] == [True, False, False]
     assert min(views) == 32 and 64 in views  # the second turn starts past the first views
+
+
+def test_runtime_cache_views_is_the_same_run_on_fewer_slots(cache, monkeypatch):
+    """``runtime.cache_views`` reaches every worker's engine; with views the run is the
+    run over the whole cache (log-prob metrics to float32 ulps)."""
+    from test_runtime import SMALL, learning_metrics
+
+    from rlaxkit.config import RuntimeConfig, small_run_config
+    from rlaxkit.runtime import Experiment
+
+    decode_steps = programs.decode_steps
+    runs = {}
+    for views in ("true", "false"):
+        seen = []
+
+        def recorded(*args, seen=seen, **kwargs):
+            seen.append((kwargs["view"], args[2].cache.slots))
+            return decode_steps(*args, **kwargs)
+
+        monkeypatch.setattr(programs, "decode_steps", recorded)
+        # 64 new tokens on a 16-token prompt width: 80 slots, views every 16.
+        config = small_run_config(
+            *SMALL,
+            "model.config.max_position_embeddings=128",
+            "sampling.max_new_tokens=64",
+            f"runtime.cache_views={views}",
+        )
+        with Experiment(config, cache_dir=cache) as exp:
+            exp.run(2)
+            runs[views] = learning_metrics(exp.history)
+        if views == "true":
+            assert {view for view, _ in seen} - {80} and {slots for _, slots in seen} == {80}
+        else:
+            assert {view for view, _ in seen} == {80}
+    for viewed, whole in zip(runs["true"], runs["false"], strict=True):
+        assert viewed.keys() == whole.keys()
+        for key, value in whole.items():
+            assert viewed[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    with pytest.raises(ValueError, match="cache_views must be true or false"):
+        RuntimeConfig(cache_views=1)

@@ -122,6 +122,7 @@ class WorkerHost:
             episodes=config.episodes,
             # Concurrent mode's threads leave a slow tool's row parked and decode on.
             free_running=config.runtime.mode == "concurrent",
+            cache_views=config.runtime.cache_views,
         )
 
     def _drain(self) -> list[TraceEvent]:
