@@ -10,7 +10,7 @@ and must give the same tokens.
 
 Workload: ``--requests`` prompts of 8-48 tokens (a 64-token prompt width), budgets drawn
 uniformly from ``[--new-tokens / 8, --new-tokens]`` (the random model never stops early),
-through an engine of ``--slots`` rows taking new weights every ``chunk_steps`` steps.
+through an engine of ``--slots`` rows decoding chunks of ``--chunk-steps`` steps.
 The ratio is of tokens/s, best of ``--repeats``.
 
 Usage::
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {'views' if views else 'whole cache'}: {seconds:.2f} s", flush=True)
             results[views] = chunks
             tokens_of[views] = [c.tokens.tolist() for c in done]
+            assert sum(c.num_tokens for c in done) == sum(r[2] for r in requests)
         if tokens_of[True] != tokens_of[False]:
             raise AssertionError("the engine on views sampled other tokens than on the cache")
     tokens = sum(r[2] for r in requests)
