@@ -1,5 +1,7 @@
 """``generate`` decodes in growing cache prefixes (views): the same tokens, log-probs and
-cache as decoding over the whole cache, and ``compile_generate`` covers every view."""
+cache as decoding over the whole cache, and ``compile_generate`` covers every view. The
+continuous-batching engine decodes each chunk on the shortest view that holds it: the
+chunks and tokens of the whole cache, in a run too (``runtime.cache_views``)."""
 
 import dataclasses
 import sys
@@ -59,7 +61,7 @@ def test_engine_views_are_eighths_of_the_cache():
     assert engine_views(16, 24) == (24,)  # the demo's 8 new tokens: one program
     assert engine_views(16, 128) == (16, 32, 48, 64, 80, 96, 112, 128)
     assert engine_views(64, 576) == (80, 160, 240, 320, 400, 480, 560, 576)
-    assert engine_views(16, 144) == (32, 64, 96, 128, 144)  # none 16 slots short of it
+    assert engine_views(16, 144) == (32, 64, 96, 128, 144)  # 144 / 8 = 18 slots, rounded up to 32
     assert engine_views(512, 16896)[:2] == (2112, 4224) and len(engine_views(512, 16896)) == 8
 
 
