@@ -462,9 +462,11 @@ class InferenceEngine:
         if not self._launched:
             return []
         self._launched = False
-        active = np.asarray(self.state.rows.active)
-        if len(self._views) > 1:
-            self._ends = np.array(self.state.cache.end, np.int64)
+        if len(self._views) > 1:  # the offsets too, in the same read (``host_arrays``)
+            active, ends = host_arrays((self.state.rows.active, self.state.cache.end))
+            self._ends = ends.astype(np.int64)  # a copy: the next chunk donates the state
+        else:
+            active = np.asarray(self.state.rows.active)
         waiting = set(self._waiting_rows())
         done = [
             r
