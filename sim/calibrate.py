@@ -72,7 +72,7 @@ from rlaxkit.trace import (
 )
 from rlaxkit.validation import check_int
 
-from .calibrate_fits import compiled, fit_decode, fit_trainer
+from .calibrate_fits import compiled, fit_decode, fit_group_lengths, fit_trainer
 from .calibrate_host import fault_figures, fit_host, serial_fault_settings
 from .calibrate_turns import fit_turns
 from .distributions import Constant, Empirical
@@ -277,6 +277,14 @@ def fit_scenario(
     trainer = fit_trainer(events, start_s)
     records = generation_records(events)
     lengths = turns.response_tokens or Empirical(values=tuple(r.tokens for r in records))
+    # Single-turn groups: a group draws one length and its samples spread around it, so
+    # a preempted worker's groups hold the work real ones do (multi-turn episodes keep
+    # per-turn draws, fitted by fit_turns).
+    within_group_sigma = None
+    grouped = None if turns.response_tokens else fit_group_lengths(records)
+    if grouped is not None and int(shape["group_size"]) > 1:
+        group_means, within_group_sigma = grouped
+        lengths = Empirical(values=tuple(group_means))
     prompts = [r.prompt_tokens for r in records if r.prompt_tokens is not None]
     # Transfer and reward times from the window too (a first push or pull may
     # compile); checkpoints are rare, so all of them count.
@@ -306,6 +314,7 @@ def fit_scenario(
         "step_overhead_s": trainer["step_overhead_s"],
         "trainer_compiling_steps": trainer["compiling_steps"],
         "mean_response_tokens": lengths.mean(),
+        **({} if within_group_sigma is None else {"within_group_sigma": within_group_sigma}),
         "reward_s": _mean(rewards, 0.0),
         "push_s": _mean(pushes, 0.0),
         "pull_s": _mean(pulls, 0.0),
@@ -344,6 +353,7 @@ def fit_scenario(
             group_size=int(shape["group_size"]),
             prompt_tokens=Empirical(values=tuple(prompts)) if prompts else Constant(value=0.0),
             response_tokens=lengths,
+            within_group_sigma=within_group_sigma,
             max_response_tokens=shape["max_response_tokens"],
             filtered_fraction=filtered_fraction,
             turns=turns.turns,

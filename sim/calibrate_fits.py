@@ -3,6 +3,7 @@ trainer's step time (see :mod:`sim.calibrate` for what each reads from a trace).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -14,10 +15,16 @@ __all__ = [
     "COMPILE_FACTOR",
     "compiled",
     "fit_decode",
+    "fit_group_lengths",
     "fit_trainer",
     "nonnegative_lstsq",
     "pause_overlap",
 ]
+
+# Fewest groups with two or more finished samples that fit a within-group spread;
+# with fewer, calibration keeps independent lengths.
+MIN_GROUPS_FOR_SPREAD = 4
+_SAMPLE_NAME = re.compile(r"^(.+)[:/]\d+$")
 
 # A chunk or train step over this many times the median of its kind compiled a program
 # for a shape not seen before: it happens once per shape and process, so fits leave
@@ -149,3 +156,43 @@ def fit_trainer(events: list[TraceEvent], start_s: float = float("-inf")) -> dic
         "step_overhead_s": float(overhead),
         "compiling_steps": proportional["compiling_steps"],
     }
+
+
+def fit_group_lengths(records: Sequence[GenerationRecord]) -> tuple[list[float], float] | None:
+    """Group lengths and the within-group spread of a trace's completions.
+
+    Samples are named ``"<group>:<index>"`` in the runtime's traces and
+    ``"<group>/<index>"`` in the simulator's. For each group with two or
+    more finished samples: its mean length ``L`` and the logs of its samples' lengths.
+    ``σ`` is the pooled standard deviation of ``log(length)`` within groups (each group's
+    variance with one degree of freedom taken out, weighted by its degrees of freedom),
+    the spread of :attr:`sim.specs.WorkloadSpec.within_group_sigma`.
+
+    >>> from rlaxkit.trace import GenerationRecord
+    >>> def record(sample, tokens):
+    ...     return GenerationRecord("w0", sample, 0.0, 1.0, tokens, 4, 1, 0, 0)
+    >>> lengths = [("0:0", 10), ("0:1", 10), ("1:0", 40), ("1:1", 40)] * 2
+    >>> fit_group_lengths([record(f"{g}{i}", n) for i, (g, n) in enumerate(lengths)])
+    >>> records = [record(f"{g}:{i}", n) for g in range(4) for i, n in enumerate((8, 12))]
+    >>> means, sigma = fit_group_lengths(records)
+    >>> means, round(sigma, 3)
+    ([10.0, 10.0, 10.0, 10.0], 0.287)
+
+    Returns:
+        ``(group mean lengths, σ)``, or ``None`` when fewer than
+        ``MIN_GROUPS_FOR_SPREAD`` groups have two finished samples (or samples are not
+        named by group).
+    """
+    groups: dict[str, list[int]] = {}
+    for record in records:
+        named = _SAMPLE_NAME.match(record.sample)
+        if named is None or record.tokens < 1:
+            continue
+        groups.setdefault(named.group(1), []).append(record.tokens)
+    full = [tokens for tokens in groups.values() if len(tokens) >= 2]
+    if len(full) < MIN_GROUPS_FOR_SPREAD:
+        return None
+    squares = sum(float(np.var(np.log(tokens)) * len(tokens)) for tokens in full)
+    dof = sum(len(tokens) - 1 for tokens in full)
+    means = [float(np.mean(tokens)) for tokens in full]
+    return means, float(np.sqrt(squares / dof))
