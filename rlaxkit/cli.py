@@ -12,6 +12,7 @@ rlaxkit plot RUN_DIR --compare SIM_RUN_DIR    # ... and the two traces overlaid
 rlaxkit trace RUN_DIR -o run.perfetto.json    # the trace for ui.perfetto.dev
 rlaxkit simulate configs/sim/toy.yaml --set fleet.num_workers=4   # a simulated run dir
 rlaxkit plan configs/plan/qwen25_7b_v5p.yaml --set remat=full   # memory and FLOPs per chip
+rlaxkit tune configs/sim/rlax_like_1024.yaml --chips 1280   # settings the simulator advises
 """
 
 from __future__ import annotations
@@ -358,6 +359,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_sim.add_argument("--run-dir", default=None, help="output directory")
     p_sim.add_argument("--no-progress", action="store_true")
+    p_tune = sub.add_parser("tune", help="search a scenario's settings in the simulator")
+    p_tune.add_argument("scenario", help="scenario YAML, e.g. configs/sim/rlax_like_1024.yaml")
+    p_tune.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a field"
+    )
+    p_tune.add_argument("--chips", type=int, default=None, help="chip budget to split")
+    p_tune.add_argument("--seeds", type=int, default=2, help="seeds per setting (default 2)")
+    p_tune.add_argument("--max-mean-staleness", type=float, default=None)
+    p_tune.add_argument("--min-goodput", type=float, default=None)
+    p_tune.add_argument("--json", action="store_true", help="print the result as JSON")
     p_plan = sub.add_parser("plan", help="compile a run's programs for a mesh: memory, FLOPs")
     p_plan.add_argument("config", nargs="?", help="plan YAML (rlaxkit.planning.PlanConfig)")
     p_plan.add_argument(
@@ -413,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             scenario = load_scenario_with_overrides(args.scenario, args.set)
             run_dir = args.run_dir or f"runs/sim-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
             simulate_job(scenario, run_dir, progress=not args.no_progress)
+        elif args.command == "tune":
+            _tune(args)
         elif args.command == "plan":
             from rlaxkit.planning import load_plan_config, plan
 
@@ -422,6 +435,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlaxkit {args.command}: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _tune(args: argparse.Namespace) -> None:
+    from sim.tune import tune
+
+    if args.seeds < 1:
+        raise ValueError(f"--seeds: must be at least 1, got {args.seeds}")
+    scenario = load_scenario_with_overrides(args.scenario, args.set)
+    result = tune(
+        scenario,
+        chips=args.chips,
+        seeds=range(args.seeds),
+        max_mean_staleness=args.max_mean_staleness,
+        min_goodput=args.min_goodput,
+    )
+    if args.json:
+        summary = {
+            "default": result.default.row(),
+            "tuned": result.best.row(),
+            "predicted_gain": result.predicted_gain,
+            "uncertainty": result.uncertainty,
+            "settings_simulated": len(result.evaluated),
+            "skipped": result.skipped,
+        }
+        print(json.dumps(summary))
+    else:
+        print(result.table())
 
 
 def _eval(run_dir: Path, samples: int | None) -> None:

@@ -58,6 +58,7 @@ from .studies import (
     young_daly_interval_s,
 )
 from .sweep import SweepPoint, format_table, sweep
+from .tune import TunePoint, TuneResult, TuneSpace, tune
 
 __all__ = [
     "Calibration",
@@ -77,6 +78,9 @@ __all__ = [
     "Simulation",
     "SweepPoint",
     "TrainerCostSpec",
+    "TunePoint",
+    "TuneResult",
+    "TuneSpace",
     "Uniform",
     "VerifierSpec",
     "WorkloadSpec",
@@ -103,6 +107,7 @@ __all__ = [
     "simulate",
     "staleness_figure",
     "sweep",
+    "tune",
     "timeline_figure",
     "toy",
     "utilisation_figure",
