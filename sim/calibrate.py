@@ -52,9 +52,10 @@ exactly as the real one's is.
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
@@ -91,13 +92,17 @@ from .specs import (
 )
 
 __all__ = [
+    "EXTRAPOLATION_FACTOR",
     "Calibration",
     "calibrate",
     "compiled_in_window",
+    "extrapolations",
     "fit_scenario",
     "window_start",
     "window_summary",
 ]
+
+_LOG = logging.getLogger(__name__)
 
 
 def _config(events: list[TraceEvent]) -> dict[str, Any]:
@@ -393,6 +398,7 @@ class Calibration:
     predicted_window: TraceSummary
     measured_figures: dict[str, float] = field(default_factory=dict)
     predicted_figures: dict[str, float] = field(default_factory=dict)
+    extrapolations: tuple[str, ...] = ()
 
     @property
     def measured_mean_staleness(self) -> float:
@@ -434,6 +440,7 @@ class Calibration:
         ]
         lines = [f"{'figure':>16} {'measured':>12} {'predicted':>12}"]
         lines += [f"{label:>16} {a:>12.4g} {b:>12.4g}" for label, a, b in rows]
+        lines += [f"extrapolated: {what}" for what in self.extrapolations]
         chunks = self.fitted.get("host_compiling_chunks", 0)
         steps = self.fitted.get("trainer_compiling_steps", 0)
         if chunks or steps:
@@ -482,10 +489,13 @@ def calibrate(
     """
     events = _load(trace)
     check_int("repeats", repeats, minimum=1)
-    scenario, fitted = fit_scenario(
+    fitted_scenario, fitted = fit_scenario(
         events, warmup_steps=warmup_steps, executor=executor, faults=faults
     )
-    scenario = with_overrides(scenario, {**(overrides or {}), "seed": seed})
+    scenario = with_overrides(fitted_scenario, {**(overrides or {}), "seed": seed})
+    beyond = extrapolations(events, fitted_scenario, scenario)
+    for what in beyond:
+        _LOG.warning("sim.calibrate: the prediction extrapolates: %s", what)
     steps = scenario.target_steps or 0
     if simulated_steps is None:
         floor = 1 if len(scenario.fault_plan) else MIN_SIMULATED_STEPS
@@ -514,7 +524,55 @@ def calibrate(
         predicted_window=window_summary(simulated.events, warmup_steps),
         measured_figures=_figures(events, warmup_steps, group_size),
         predicted_figures={k: statistics.fmean(f[k] for f in figures) for k in figures[0]},
+        extrapolations=tuple(beyond),
     )
+
+
+# A fleet or trainer this many times larger (or smaller) than the calibrated one is
+# named as an extrapolation: contention, collectives and the parameter server's egress
+# were measured at the calibrated size only.
+EXTRAPOLATION_FACTOR = 10.0
+
+
+def extrapolations(
+    events: Sequence[TraceEvent], fitted: Scenario, predicted: Scenario
+) -> list[str]:
+    """What a prediction assumes beyond its calibration run, one sentence each.
+
+    Named: a fault kind the calibration trace never saw fire (its costs, such as restart
+    and restore times, come from the scenario's assumptions, not a measurement), and a
+    fleet, slot count or trainer ``EXTRAPOLATION_FACTOR`` times the calibrated size or
+    more (or as much smaller).
+    """
+    seen = {str(e["fault"]) for e in events if e.kind == "fault" and "fault" in e.fields}
+    for event in events:
+        if event.kind == "preemption":
+            seen.add("preempt_trainer" if event.actor == "trainer" else "preempt_worker")
+    wanted: set[str] = {fault.kind for fault in predicted.fault_plan}
+    random_kinds = {
+        "preempt_worker": predicted.preemptions.worker_mtbf_s,
+        "preempt_slice": predicted.preemptions.slice_mtbf_s,
+        "preempt_trainer": predicted.preemptions.trainer_mtbf_s,
+    }
+    wanted |= {kind for kind, mtbf in random_kinds.items() if mtbf is not None}
+    out = [
+        f"fault kind {kind!r} never fired in the calibration run; its costs (restart, "
+        "restore, lost work) are the scenario's assumptions"
+        for kind in sorted(wanted - seen)
+    ]
+    sizes = {
+        "fleet.num_workers": (fitted.fleet.num_workers, predicted.fleet.num_workers),
+        "fleet.slots_per_worker": (fitted.fleet.slots_per_worker, predicted.fleet.slots_per_worker),
+        "trainer.chips": (fitted.trainer.chips, predicted.trainer.chips),
+    }
+    for name, (calibrated, asked) in sizes.items():
+        ratio = asked / calibrated
+        if ratio >= EXTRAPOLATION_FACTOR or ratio <= 1 / EXTRAPOLATION_FACTOR:
+            out.append(
+                f"{name} = {asked} predicted from a run with {calibrated} ({ratio:.3g}x); "
+                "contention and transfer costs were measured at the calibrated size only"
+            )
+    return out
 
 
 def _figures(events: list[TraceEvent], warmup_steps: int, group_size: int) -> dict[str, float]:
