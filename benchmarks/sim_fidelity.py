@@ -98,10 +98,13 @@ RELATIVE = ("samples_per_s", "goodput", "lost_samples")
 Recorder = Callable[[FaultPlan, int], list[TraceEvent]]
 
 
-def local_recorder(cache: str, clock: str, warmup_steps: int, attempts: int = 3) -> Recorder:
+def local_recorder(
+    cache: str, clock: str, warmup_steps: int, attempts: int = 3, overrides: tuple[str, ...] = ()
+) -> Recorder:
     """Records a run of the deterministic local runtime with a fault plan (a checkpoint
     directory of its own, for trainer restores), as ``record_local_run`` records one
-    without: CPU clock, objects frozen before it, run again if its window compiled."""
+    without: CPU clock, objects frozen before it, run again if its window compiled.
+    ``overrides`` (``"section.field=value"``) change ``BASE``."""
     from rlaxkit.config import small_run_config
     from rlaxkit.runtime.driver import Experiment
 
@@ -111,7 +114,7 @@ def local_recorder(cache: str, clock: str, warmup_steps: int, attempts: int = 3)
             return time.process_time() - origin
 
     experiment = CpuClockExperiment if clock == "cpu" else Experiment
-    config = small_run_config(*BASE)
+    config = small_run_config(*BASE, *overrides)
 
     def record(plan: FaultPlan, steps: int) -> list[TraceEvent]:
         for _ in range(attempts):

@@ -73,7 +73,13 @@ from rlaxkit.trace import (
 )
 from rlaxkit.validation import check_int
 
-from .calibrate_fits import compiled, fit_decode, fit_group_lengths, fit_trainer
+from .calibrate_fits import (
+    compiled,
+    fit_decode,
+    fit_length_correlation,
+    fit_save_cost,
+    fit_trainer,
+)
 from .calibrate_host import fault_figures, fit_host, serial_fault_settings
 from .calibrate_turns import fit_turns
 from .distributions import Constant, Empirical
@@ -282,14 +288,11 @@ def fit_scenario(
     trainer = fit_trainer(events, start_s)
     records = generation_records(events)
     lengths = turns.response_tokens or Empirical(values=tuple(r.tokens for r in records))
-    # Single-turn groups: a group draws one length and its samples spread around it, so
-    # a preempted worker's groups hold the work real ones do (multi-turn episodes keep
+    # Single-turn groups: how alike a group's lengths are (multi-turn episodes keep
     # per-turn draws, fitted by fit_turns).
-    within_group_sigma = None
-    grouped = None if turns.response_tokens else fit_group_lengths(records)
-    if grouped is not None and int(shape["group_size"]) > 1:
-        group_means, within_group_sigma = grouped
-        lengths = Empirical(values=tuple(group_means))
+    length_correlation = None
+    if not turns.response_tokens and int(shape["group_size"]) > 1:
+        length_correlation = fit_length_correlation(records)
     prompts = [r.prompt_tokens for r in records if r.prompt_tokens is not None]
     # Transfer and reward times from the window too (a first push or pull may
     # compile); checkpoints are rare, so all of them count.
@@ -311,16 +314,23 @@ def fit_scenario(
     # Saves in the window (a run's first save, before its loop, costs more); a run
     # without restores is assumed to restore in the time it saves.
     saves = durations(window, "checkpoint_save") or durations(events, "checkpoint_save")
-    save_s = _mean(saves, 0.0)
-    restore_s = _mean(durations(events, "checkpoint_restore"), save_s)
+    blocking_save_s = _mean(saves, 0.0)
+    restore_s = _mean(durations(events, "checkpoint_restore"), blocking_save_s)
+    # What a save costs the run: its blocking part and its background write, which
+    # lands in the steps after it (fit_save_cost); the blocking part where the window
+    # cannot tell.
+    background = fit_save_cost(events, start_s)
+    save_s = blocking_save_s if background is None else max(blocking_save_s, background)
     fitted = {
         **decode,
         "trainer_tokens_per_s": trainer["tokens_per_s"],
         "step_overhead_s": trainer["step_overhead_s"],
         "trainer_compiling_steps": trainer["compiling_steps"],
         "mean_response_tokens": lengths.mean(),
-        **({} if within_group_sigma is None else {"within_group_sigma": within_group_sigma}),
+        **({} if length_correlation is None else {"length_correlation": length_correlation}),
         "reward_s": _mean(rewards, 0.0),
+        "save_s": save_s,
+        "save_blocking_s": blocking_save_s,
         "push_s": _mean(pushes, 0.0),
         "pull_s": _mean(pulls, 0.0),
         "filtered_fraction": filtered_fraction,
@@ -358,7 +368,7 @@ def fit_scenario(
             group_size=int(shape["group_size"]),
             prompt_tokens=Empirical(values=tuple(prompts)) if prompts else Constant(value=0.0),
             response_tokens=lengths,
-            within_group_sigma=within_group_sigma,
+            length_correlation=length_correlation,
             max_response_tokens=shape["max_response_tokens"],
             filtered_fraction=filtered_fraction,
             turns=turns.turns,

@@ -4,6 +4,7 @@ trainer's step time (see :mod:`sim.calibrate` for what each reads from a trace).
 from __future__ import annotations
 
 import re
+import statistics
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -15,7 +16,8 @@ __all__ = [
     "COMPILE_FACTOR",
     "compiled",
     "fit_decode",
-    "fit_group_lengths",
+    "fit_length_correlation",
+    "fit_save_cost",
     "fit_trainer",
     "nonnegative_lstsq",
     "pause_overlap",
@@ -158,41 +160,97 @@ def fit_trainer(events: list[TraceEvent], start_s: float = float("-inf")) -> dic
     }
 
 
-def fit_group_lengths(records: Sequence[GenerationRecord]) -> tuple[list[float], float] | None:
-    """Group lengths and the within-group spread of a trace's completions.
+# Steps after a checkpoint save whose time can hold its background write (an
+# asynchronous save returns once the arrays are copied; the write goes on in a thread).
+SAVE_TAIL_STEPS = 8
+
+
+def fit_save_cost(events: Sequence[TraceEvent], start_s: float = float("-inf")) -> float | None:
+    """What a checkpoint save costs the run, background write included.
+
+    A save's ``duration_s`` is its blocking part: Orbax's asynchronous save returns once
+    the arrays are copied off the device and writes them in a thread, whose time lands
+    in the steps after it (on the process's CPU clock wholly; on the wall clock where it
+    competes for the cores). So the cost is read from the train steps' spacing: for each
+    save after ``start_s``, the interval between train steps that holds it and the
+    ``SAVE_TAIL_STEPS - 1`` after, less the mean interval of the steps away from every
+    save (the mean, not the median: steps come in bursts when rollouts wait, and only
+    the mean of such intervals adds up), summed; the mean over saves.
+
+    Returns:
+        Seconds per save, or ``None`` when the window holds no save or too few steps
+        away from saves to give a baseline.
+    """
+    ends = sorted(
+        e.t for e in events if e.kind == "train_step" and not e.discarded and e.t > start_s
+    )
+    saves = [e.t for e in events if e.kind == "checkpoint_save" and e.t > start_s]
+    if not saves or len(ends) < 2:
+        return None
+    intervals = np.diff(ends)
+    tails = np.zeros(len(intervals), dtype=bool)
+    holding = []
+    for t in saves:
+        first = int(np.searchsorted(ends, t))  # the step after the save ends interval first-1
+        if not 1 <= first < len(ends):
+            continue
+        holding.append(first - 1)
+        tails[first - 1 : first - 1 + SAVE_TAIL_STEPS] = True
+    if not holding or np.count_nonzero(~tails) < SAVE_TAIL_STEPS:
+        return None
+    baseline = float(np.mean(intervals[~tails]))
+    costs = [float(np.sum(intervals[i : i + SAVE_TAIL_STEPS] - baseline)) for i in holding]
+    return max(0.0, statistics.fmean(costs))
+
+
+def fit_length_correlation(records: Sequence[GenerationRecord]) -> float | None:
+    """How alike a group's completion lengths are: ``ρ`` of
+    :attr:`sim.specs.WorkloadSpec.length_correlation`.
 
     Samples are named ``"<group>:<index>"`` in the runtime's traces and
-    ``"<group>/<index>"`` in the simulator's. For each group with two or
-    more finished samples: its mean length ``L`` and the logs of its samples' lengths.
-    ``σ`` is the pooled standard deviation of ``log(length)`` within groups (each group's
-    variance with one degree of freedom taken out, weighted by its degrees of freedom),
-    the spread of :attr:`sim.specs.WorkloadSpec.within_group_sigma`.
+    ``"<group>/<index>"`` in the simulator's. Each length becomes a normal score
+    ``Φ⁻¹(rank / (n + 1))`` over all the trace's lengths (ties share their mean rank), and
+    ``ρ`` is the intraclass correlation of the scores of groups with two or more finished
+    samples (one-way analysis of variance, with the mean group size corrected for
+    unequal groups), clipped to ``[0, 1]``.
 
     >>> from rlaxkit.trace import GenerationRecord
     >>> def record(sample, tokens):
     ...     return GenerationRecord("w0", sample, 0.0, 1.0, tokens, 4, 1, 0, 0)
-    >>> lengths = [("0:0", 10), ("0:1", 10), ("1:0", 40), ("1:1", 40)] * 2
-    >>> fit_group_lengths([record(f"{g}{i}", n) for i, (g, n) in enumerate(lengths)])
-    >>> records = [record(f"{g}:{i}", n) for g in range(4) for i, n in enumerate((8, 12))]
-    >>> means, sigma = fit_group_lengths(records)
-    >>> means, round(sigma, 3)
-    ([10.0, 10.0, 10.0, 10.0], 0.287)
+    >>> alike = [record(f"{g}:{i}", 10 * g + i) for g in range(1, 9) for i in range(2)]
+    >>> round(fit_length_correlation(alike), 2)  # groups far apart, samples alike
+    0.96
 
     Returns:
-        ``(group mean lengths, σ)``, or ``None`` when fewer than
-        ``MIN_GROUPS_FOR_SPREAD`` groups have two finished samples (or samples are not
-        named by group).
+        ``ρ``, or ``None`` when fewer than ``MIN_GROUPS_FOR_SPREAD`` groups have two
+        finished samples (or samples are not named by group).
     """
     groups: dict[str, list[int]] = {}
     for record in records:
         named = _SAMPLE_NAME.match(record.sample)
-        if named is None or record.tokens < 1:
+        if named is None:
             continue
         groups.setdefault(named.group(1), []).append(record.tokens)
     full = [tokens for tokens in groups.values() if len(tokens) >= 2]
     if len(full) < MIN_GROUPS_FOR_SPREAD:
         return None
-    squares = sum(float(np.var(np.log(tokens)) * len(tokens)) for tokens in full)
-    dof = sum(len(tokens) - 1 for tokens in full)
-    means = [float(np.mean(tokens)) for tokens in full]
-    return means, float(np.sqrt(squares / dof))
+    lengths = np.concatenate([np.asarray(tokens, dtype=float) for tokens in full])
+    order = np.argsort(lengths, kind="stable")
+    ranks = np.empty(len(lengths))
+    ranks[order] = np.arange(1, len(lengths) + 1)
+    for value in np.unique(lengths):  # ties: their mean rank
+        tied = lengths == value
+        ranks[tied] = ranks[tied].mean()
+    normal = statistics.NormalDist()
+    scores = np.array([normal.inv_cdf(r / (len(lengths) + 1)) for r in ranks])
+    sizes = np.array([len(tokens) for tokens in full])
+    groups_of_scores = np.split(scores, np.cumsum(sizes)[:-1])
+    means = np.array([g.mean() for g in groups_of_scores])
+    total, count = len(scores), len(full)
+    between = float(np.sum(sizes * (means - scores.mean()) ** 2)) / (count - 1)
+    within = sum(float(np.sum((g - g.mean()) ** 2)) for g in groups_of_scores) / (total - count)
+    size = (total - float(np.sum(sizes**2)) / total) / (count - 1)
+    if between + (size - 1) * within <= 0:
+        return 0.0
+    rho = (between - within) / (between + (size - 1) * within)
+    return float(min(1.0, max(0.0, rho)))

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -18,7 +17,7 @@ from rlaxkit.policies import policy_to_dict
 from rlaxkit.trace import TraceSink
 
 from .buffer import Group, SimBuffer, SimSample
-from .distributions import Lognormal, Stream
+from .distributions import CorrelatedLengths, Stream
 from .host import SerialHost
 from .injector import FaultInjector, plan_for
 from .metrics import Counters, SimResult, build_result
@@ -68,17 +67,13 @@ class Simulation:
         self._observations = Stream(
             workload.observation_tokens, seed=scenario.seed, name="observations"
         )
-        # A group's samples spread around its length (WorkloadSpec.within_group_sigma):
-        # a stream of its own, made only when set, so runs without it keep every draw.
-        sigma = workload.within_group_sigma
-        self._spread = (
+        # A group's lengths coupled by a Gaussian copula (WorkloadSpec.length_correlation):
+        # made only when set, so runs without it keep every draw (and their event logs).
+        rho = workload.length_correlation
+        self._lengths = (
             None
-            if sigma is None or self._multi_turn
-            else Stream(
-                Lognormal(median=math.exp(-0.5 * sigma**2), sigma=sigma),
-                seed=scenario.seed,
-                name="within_group",
-            )
+            if rho is None or self._multi_turn
+            else CorrelatedLengths(workload.response_tokens, rho, seed=scenario.seed)
         )
         self._next_group = 0
         self.record("trainer", "run_start", 0, config=run_config(scenario))
@@ -165,9 +160,8 @@ class Simulation:
         prompt_tokens = max(0, round(self._prompt_lengths.next()))
         cap = workload.max_response_tokens
         draw = self._response_lengths.next
-        if self._spread is not None:
-            spread, group_tokens = self._spread.next, self._response_lengths.next()
-            draw = lambda: group_tokens * spread()
+        if self._lengths is not None:
+            draw = iter(self._lengths.group(workload.group_size)).__next__
         for index in range(workload.group_size):
             if self._multi_turn:
                 group.samples.append(self._episode(group, index, prompt_tokens))

@@ -486,17 +486,18 @@ class WorkloadSpec:
             policy's ``batch_size``).
         group_size: Samples generated per prompt (GRPO's G).
         prompt_tokens: Distribution of prompt lengths, in tokens.
-        response_tokens: Distribution of completion lengths, in tokens: of each
-            sample when ``within_group_sigma`` is ``None``, else of a group's mean.
-        within_group_sigma: How a group's samples spread around their group's length.
-            ``None`` (default): every sample draws its length independently. A number
-            ``σ >= 0``: a group draws one length ``L`` from ``response_tokens`` and each
-            of its samples is ``L · exp(σ·z − σ²/2)`` with ``z`` standard normal, so a
-            group's samples are ``L`` long on average and ``σ`` is the standard
-            deviation of ``log(length)`` within a group. GRPO's samples share a prompt
-            and, with it, mostly a length; drawn independently, a preempted worker's
+        response_tokens: Distribution of completion lengths, in tokens (of every sample,
+            whatever ``length_correlation``).
+        length_correlation: How alike a group's samples are in length. ``None``
+            (default): every sample draws its length independently. A number
+            ``ρ`` in ``[0, 1]``: lengths are coupled by a Gaussian copula, each sample's
+            normal score ``√ρ·z_group + √(1−ρ)·z_own`` mapped through the quantiles of
+            ``response_tokens``, so every sample still has the law ``response_tokens``
+            while two samples of a group correlate by ``ρ`` in normal scores (0:
+            independent; 1: one length per group). GRPO's samples share a prompt and,
+            with it, much of their length; drawn independently, a preempted worker's
             groups hold less work than real ones do. :func:`sim.calibrate.calibrate`
-            fits both from a trace (single-turn runs).
+            fits ``ρ`` from a single-turn trace.
         max_response_tokens: Truncation length (finish reason ``length``); ``None``:
             never truncated.
         filtered_fraction: Share of finished groups that dynamic filtering drops
@@ -519,7 +520,7 @@ class WorkloadSpec:
     group_size: int = 1
     prompt_tokens: Distribution = field(default_factory=lambda: Constant(value=0.0))
     response_tokens: Distribution = field(default_factory=lambda: Constant(value=1.0))
-    within_group_sigma: float | None = None
+    length_correlation: float | None = None
     max_response_tokens: int | None = None
     filtered_fraction: float = 0.0
     turns: Distribution = field(default_factory=lambda: Constant(value=0.0))
@@ -544,11 +545,11 @@ class WorkloadSpec:
             )
         if self.max_response_tokens is not None:
             _check("max_response_tokens", self.max_response_tokens, integer=True)
-        sigma = self.within_group_sigma
-        if sigma is not None and (not is_number(sigma) or not 0 <= sigma < 5):
+        rho = self.length_correlation
+        if rho is not None and (not is_number(rho) or not 0 <= rho <= 1):
             raise ValueError(
-                f"within_group_sigma: must be a number in [0, 5) (the standard deviation of "
-                f"log(length) within a group) or null for independent lengths, got {sigma!r}"
+                f"length_correlation: must be a number in [0, 1] (the correlation of a "
+                f"group's lengths) or null for independent lengths, got {rho!r}"
             )
 
     @property
