@@ -4,15 +4,28 @@ that preempts rows, mid-row weight updates and multi-turn resumes; pages come ba
 rows finish; a pool that cannot run a row is refused, naming the field."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
 import pytest
 from test_engine import CONFIG, assert_same, peaked_model, workload
 from test_engine_multiturn import OBSERVATION, engine_for, first_turn, tool_call
+from test_worker import (
+    PROBLEMS,
+    assert_identical,
+    issue,
+    make_worker,
+    problem_for,
+    run_until_idle,
+    weights,  # noqa: F401 (a fixture)
+)
 
-from rlaxkit.inference import InferenceEngine
+from rlaxkit.config import RunConfig
+from rlaxkit.configio import apply_overrides
+from rlaxkit.inference import InferenceConfig, InferenceEngine
 from rlaxkit.paging import check_pages, rows_that_fit
+from rlaxkit.param_server import InProcessParameterServer
 
 # 4 rows of 16 prompt + 16 new tokens: 32 slots, 8 pages of 4 a row. 20 pages (19 usable,
 # 76 slots) is less than the dense cache's 128 slots: rows are admitted by pages.
@@ -129,3 +142,55 @@ def test_rows_that_fit_follow_the_mean_pages_of_a_row():
     assert rows_that_fit(pool_tokens=32 * 1024, page_size=16, row_tokens=[32 * 1024]) == 1
     assert rows_that_fit(pool_tokens=1024, page_size=16, row_tokens=[16, 48]) == 32
     assert rows_that_fit(pool_tokens=1024, page_size=16, row_tokens=[1], max_rows=8) == 8
+
+
+def test_a_paged_worker_restored_from_its_snapshot_equals_the_dense_worker(weights):  # noqa: F811
+    """A worker on pages, snapshotted with two prompts in flight and a weight update
+    between, restores to the dense worker's rollouts, log-probs and versions."""
+    graphdef, params = weights
+    paged = InferenceConfig(kv_cache="paged", page_size=4)
+
+    def worker_for(server, inference=None):
+        worker = make_worker(graphdef, server)
+        worker.inference = inference or InferenceConfig()  # read at the first pull
+        return worker
+
+    runs = []
+    for inference in (None, paged):
+        server = InProcessParameterServer()
+        server.push(0, params[0])
+        worker = worker_for(server, inference)
+        worker.sync_weights()
+        worker.submit(issue(0), PROBLEMS[0])
+        worker.step()
+        worker.submit(issue(1), PROBLEMS[1])
+        server.push(1, params[1])
+        worker.sync_weights()
+        worker.step()
+        saved = json.loads(json.dumps(worker.snapshot()))
+        replay = worker.replay_weights()
+        restored = worker_for(server, inference)
+        restored.restore(
+            saved, issue_for=issue, problem_for=problem_for, weights_for=replay.__getitem__
+        )
+        runs.append((run_until_idle(worker), run_until_idle(restored)))
+    (dense, _), (paged_run, paged_restored) = runs
+    assert_identical(paged_restored, paged_run)
+    for got, want in zip(paged_run, dense, strict=True):
+        assert got.completion_tokens.tolist() == want.completion_tokens.tolist()
+        assert got.versions.tolist() == want.versions.tolist()
+        np.testing.assert_allclose(got.behaviour_logprobs, want.behaviour_logprobs, atol=1e-5)
+
+
+def test_the_run_config_refuses_a_paged_cache_that_cannot_run_a_row():
+    def load(*overrides):
+        data = apply_overrides(RunConfig().to_dict(), ["inference.kv_cache=paged", *overrides])
+        return RunConfig.from_dict(data)
+
+    assert load().inference.kv_cache == "paged"
+    with pytest.raises(ValueError, match=r"inference\.page_size: 24 does not divide .* is 16"):
+        load("inference.page_size=24")
+    with pytest.raises(ValueError, match=r"inference\.num_pages: 2 .* smallest that works is 3"):
+        load("inference.num_pages=2", "runtime.max_prompt_tokens=32")
+    with pytest.raises(ValueError, match=r"sampling\.max_new_tokens: 40 .* at most 17 fit"):
+        load("inference.num_pages=3", "sampling.max_new_tokens=40")
