@@ -222,7 +222,7 @@ def cpu_tokens_per_s(quick: bool, seed: int) -> dict[str, float]:
 
     sides = {"dense": {}, "paged": {"kv_cache": "paged", "page_size": 16}}
     best, tokens = {}, {}
-    for name, options in sides.items():
+    for options in sides.values():
         run(options)  # compiles
     for _ in range(1 if quick else 3):
         for name, options in sides.items():
