@@ -65,6 +65,7 @@ class _Launched:
     started: int  # rows of prompts that had not run a chunk yet
     chunks_before: dict[int, int]  # group id -> chunks its prompt had run before
     launch_s: float
+    preempted: int = 0  # rows a paged engine sent back to its queue for want of pages
 
 
 class InferenceWorker:
@@ -317,10 +318,13 @@ class InferenceWorker:
             return
         started = sum(self.sampling.n for r in self.requests.values() if r.chunks == 0)
         chunks_before = {g: r.chunks for g, r in self.requests.items()}
-        start = self.clock()
+        start, preempted = self.clock(), self.engine.preemptions
         if self.engine.launch():  # none while every row waits for a tool
             rows = self.engine.num_running
-            self._launched = _Launched(rows, started, chunks_before, self.clock() - start)
+            preempted = self.engine.preemptions - preempted
+            self._launched = _Launched(
+                rows, started, chunks_before, self.clock() - start, preempted
+            )
 
     def fetch(self, *, pipelined: bool = False, waited_s: float | None = None) -> list[_Request]:
         """Waits for the launched chunk, records its ``decode`` event and returns the
@@ -363,6 +367,7 @@ class InferenceWorker:
             finished=len(finished),
             steps=int(steps),
             **({"pipelined": True} if pipelined else {}),
+            **({"preempted": launched.preempted} if launched.preempted else {}),
         )
         if not self.requests:  # the engine drained: a fresh one would be the same
             self.replay_log.reset(self.version, self._engine.params)

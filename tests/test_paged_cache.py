@@ -26,6 +26,7 @@ from rlaxkit.configio import apply_overrides
 from rlaxkit.inference import InferenceConfig, InferenceEngine
 from rlaxkit.paging import check_pages, rows_that_fit
 from rlaxkit.param_server import InProcessParameterServer
+from rlaxkit.trace import MemoryTrace
 
 # 4 rows of 16 prompt + 16 new tokens: 32 slots, 8 pages of 4 a row. 20 pages (19 usable,
 # 76 slots) is less than the dense cache's 128 slots: rows are admitted by pages.
@@ -194,3 +195,25 @@ def test_the_run_config_refuses_a_paged_cache_that_cannot_run_a_row():
         load("inference.num_pages=2", "runtime.max_prompt_tokens=32")
     with pytest.raises(ValueError, match=r"sampling\.max_new_tokens: 40 .* at most 17 fit"):
         load("inference.num_pages=3", "sampling.max_new_tokens=40")
+
+
+def test_a_worker_counts_the_rows_its_pages_preempted_in_the_trace(weights):  # noqa: F811
+    # 6 usable pages of 4 slots: four rows of 4-token prompts start on 2 pages each, so
+    # three start, and one goes back to the queue when the others grow to 3 pages.
+    graphdef, params = weights
+    rollouts, events = [], []
+    for inference in (None, InferenceConfig(kv_cache="paged", page_size=4, num_pages=7)):
+        server, trace = InProcessParameterServer(), MemoryTrace()
+        server.push(0, params[0])
+        worker = make_worker(graphdef, server, trace=trace)
+        worker.inference = inference or InferenceConfig()
+        worker.sync_weights()
+        worker.submit(issue(0), PROBLEMS[0])
+        worker.submit(issue(1), PROBLEMS[1])
+        rollouts.append(run_until_idle(worker))
+        events.append([e for e in trace.events if e.kind == "decode"])
+    assert sum(e.fields.get("preempted", 0) for e in events[1]) >= 1
+    assert not any("preempted" in e.fields for e in events[0])
+    for got, want in zip(*rollouts, strict=True):
+        assert got.completion_tokens.tolist() == want.completion_tokens.tolist()
+        np.testing.assert_allclose(got.behaviour_logprobs, want.behaviour_logprobs, atol=1e-5)
