@@ -354,7 +354,7 @@ class RunConfig:
                 f"completion, so {self.algorithm.preset}'s group-relative advantages are all "
                 "zero and no step learns; sample at a temperature > 0 with top_k 0 or > 1"
             )
-        if self.inference.kv_cache == "paged":
+        if self.inference.kv_cache != "dense":  # ``auto`` is paged on TPU
             self._check_pages()
 
     def _check_pages(self) -> None:

@@ -110,24 +110,25 @@ class InferenceConfig:
     """How a worker's engine holds its KV cache (``inference:`` in a run config).
 
     Attributes:
-        kv_cache: ``dense`` (every row reserves its longest context) or ``paged`` (rows
+        kv_cache: ``dense`` (every row reserves its longest context), ``paged`` (rows
             hold pages of ``page_size`` slots as they grow, a prompt's full pages shared by
-            its samples; ``rlaxkit.inference.engine``). On CPU ``dense`` decodes faster
-            (``benchmarks/paged.py``); on TPU ``paged`` fits several times the rows.
+            its samples; ``rlaxkit.inference.engine``) or ``auto``: ``paged`` on TPU,
+            where it fits several times the rows, ``dense`` elsewhere, where it decodes
+            faster (``benchmarks/paged.py``).
         page_size: slots per page; must divide ``attention_block``.
         num_pages: pages in a worker's pool, the null page included; ``None``: the dense
             cache's slots (``slots_per_worker`` rows of the longest context) plus one.
         attention_block: slots one block of the TPU attention kernel reads.
     """
 
-    kv_cache: Literal["dense", "paged"] = "dense"
+    kv_cache: Literal["auto", "dense", "paged"] = "auto"
     page_size: int = 16
     num_pages: int | None = None
     attention_block: int = 128
 
     def __post_init__(self) -> None:
-        if self.kv_cache not in ("dense", "paged"):
-            raise ValueError(f"kv_cache must be 'dense' or 'paged', got {self.kv_cache!r}")
+        if self.kv_cache not in ("auto", "dense", "paged"):
+            raise ValueError(f"kv_cache must be 'auto', 'dense' or 'paged', got {self.kv_cache!r}")
         for name in ("page_size", "attention_block"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):

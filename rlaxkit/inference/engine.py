@@ -25,9 +25,9 @@ With ``kv_cache="paged"`` the cache is a pool of pages (``rlaxkit.inference.page
 a row takes pages as it grows and gives them back when it finishes, the samples of a
 prompt share its full pages, and a request is admitted when its pages are free, not only
 when a row is. When the pool runs short, the youngest generating row is preempted back to
-the front of the queue (``preemptions`` counts them) and later starts again from its
-prompt: its tokens are drawn with the same keys, so they are the tokens it would have
-had (unless the weights changed in between).
+the front of the queue (``preemptions`` counts them) with the tokens it has, their
+log-probs and versions; it goes on later from its prompt and those tokens, prefilled
+again, drawing its next tokens with their own keys (``rows.Rows.offset``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from rlaxkit.inference.results import (
     packed,
     split_model,
 )
-from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED, STOP
+from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED, NO_TOKEN, STOP
 from rlaxkit.jaxutil import host_arrays
 from rlaxkit.paging import check_pages
 
@@ -84,6 +84,12 @@ def engine_views(prompt_width: int, slots: int) -> tuple[int, ...]:
     step = 16 * -(-slots // (16 * ENGINE_VIEWS))
     views = [step * k for k in range(1, ENGINE_VIEWS) if slots - step * k >= 16]
     return (*views, slots)
+
+
+def _prompt_key(sample: _Sample) -> tuple[int, int]:
+    """Which prefill a sample's row starts from: its request's prompt, shared by the
+    samples ``submit`` queued together (one array)."""
+    return sample.request_id, id(sample.prompt)
 
 
 # Returns ``None`` (no new weights) or ``(weights, version)``; polled between chunks.
@@ -112,6 +118,17 @@ class _Sample(NamedTuple):
     key_data: np.ndarray
     budget: int
     hold: bool = False
+    done: _Done | None = None  # what the sample had when its row was preempted
+
+
+class _Done(NamedTuple):
+    """The tokens a preempted sample had, with their log-probs and versions; its prompt
+    ends with these tokens and its budget is what is left."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    plain_logprobs: np.ndarray
+    versions: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -148,8 +165,9 @@ class InferenceEngine:
             rows' writes (``engine_views``: eighths of the cache), so attention reads
             fewer slots while the rows are short; ``False``: always the whole cache.
             The tokens are the same either way.
-        kv_cache: ``"dense"`` (a row reserves ``max_context_len`` slots) or ``"paged"``
-            (rows hold pages as they grow; see the module docstring).
+        kv_cache: ``"dense"`` (a row reserves ``max_context_len`` slots), ``"paged"``
+            (rows hold pages as they grow; see the module docstring) or ``"auto"``: paged
+            on TPU, dense elsewhere (``benchmarks/paged.py``).
         page_size: slots per page (paged).
         num_pages: pages in the pool, the null page included (paged; default: as many
             as the dense cache's slots, plus the null page).
@@ -170,7 +188,7 @@ class InferenceEngine:
         chunk_steps: int = 32,
         refill_fraction: float = 0.25,
         cache_views: bool = True,
-        kv_cache: Literal["dense", "paged"] = "dense",
+        kv_cache: Literal["auto", "dense", "paged"] = "dense",
         page_size: int = 16,
         num_pages: int | None = None,
         attention: Attention | None = None,
@@ -207,6 +225,8 @@ class InferenceEngine:
         slots = self.max_context_len
         self._pages: RowPages | None = None
         self.preemptions = 0  # rows sent back to the queue for want of pages
+        if kv_cache == "auto":
+            kv_cache = "paged" if self._device.platform == "tpu" else "dense"
         if kv_cache == "paged":
             slots = page_size * -(-slots // page_size)
             if num_pages is None:
@@ -236,7 +256,7 @@ class InferenceEngine:
                 self.model_config, config, num_slots, self.prompt_width, self.max_context_len
             )
         else:
-            raise ValueError(f"kv_cache must be 'dense' or 'paged', got {kv_cache!r}")
+            raise ValueError(f"kv_cache must be 'auto', 'dense' or 'paged', got {kv_cache!r}")
         self.kv_cache = kv_cache
         self.state = jax.device_put(state, self._device)
         self._admitted = np.zeros((num_slots,), np.int64)  # when each row's sample started
@@ -641,11 +661,13 @@ class InferenceEngine:
         admitted = self._admit(free)
         if not admitted:
             return
-        prompt_of: dict[int, int] = {}
+        # Samples of one prompt share its prefill; a preempted sample (its prompt grown
+        # by its tokens) or a resubmitted history is a prompt of its own.
+        prompt_of: dict[tuple[int, int], int] = {}
         for sample in admitted:
-            prompt_of.setdefault(sample.request_id, len(prompt_of))
-        firsts = {s.request_id: s for s in reversed(admitted)}
-        unique = [firsts[rid] for rid in prompt_of]
+            prompt_of.setdefault(_prompt_key(sample), len(prompt_of))
+        firsts = {_prompt_key(s): s for s in reversed(admitted)}
+        unique = [firsts[key] for key in prompt_of]
         # Rows are always padded to ``num_slots`` (copying a prefilled prompt to a row is
         # cheap), so only the number of distinct prompts and their width key programs.
         num_prompts, num_rows = bucket_rows(len(unique)), self.num_slots
@@ -668,7 +690,16 @@ class InferenceEngine:
             self._ends[row] = len(sample.prompt) - 1
             self._admitted[row] = next(self._admissions)
         dest[:count] = rows
-        source[:count] = [prompt_of[s.request_id] for s in admitted]
+        source[:count] = [prompt_of[_prompt_key(s)] for s in admitted]
+        window = self.state.rows.recent.shape[1]
+        offset = np.zeros((num_rows,), np.int32)
+        recent = np.full((num_rows, window), NO_TOKEN, np.int32)
+        for a, sample in enumerate(admitted):
+            if sample.done is not None:
+                offset[a] = len(sample.done.tokens)
+                if window:  # its last tokens, for the stop sequences
+                    tail = sample.done.tokens[-window:]
+                    recent[a, window - len(tail) :] = tail
         sample_index[:count] = [s.sample_index for s in admitted]
         budget[:count] = [s.budget for s in admitted]
         keys[:count] = [s.key_data for s in admitted]
@@ -684,6 +715,8 @@ class InferenceEngine:
             keys,
             sample_index,
             budget,
+            offset,
+            recent,
         )
 
     def _collect(self, rows: list[int], interrupted: bool = False) -> list[Completion]:
@@ -700,11 +733,25 @@ class InferenceEngine:
             sample, length = self._slots[row], lengths[i]
             assert sample is not None, f"row {row} holds no sample"  # callers pass busy rows
             code = INTERRUPTED if interrupted and codes[i] == 0 else codes[i]
-            completion = tokens[i, :length]
-            parked = sample.hold and not interrupted and self._parks(sample, code, completion)
+            parts = (tokens[i, :length], logprobs[i, :length], plain[i, :length])
+            completion, logprob, plain_logprob, version = (*parts, versions[i, :length])
+            prompt, done = sample.prompt, sample.done
+            if done is not None:  # the tokens it had before a preemption come first
+                prompt = prompt[: len(prompt) - len(done.tokens)]
+                completion, logprob, plain_logprob, version = (
+                    np.concatenate([before, after])
+                    for before, after in zip(
+                        done, (completion, logprob, plain_logprob, version), strict=True
+                    )
+                )
+            parked = (
+                sample.hold
+                and not interrupted
+                and self._parks(sample._replace(prompt=prompt), code, completion)
+            )
             if parked:
-                history = np.concatenate([sample.prompt, completion])
-                self._slots[row] = sample._replace(prompt=history)
+                history = np.concatenate([prompt, completion])
+                self._slots[row] = sample._replace(prompt=history, done=None)
                 self._parked[sample.request_id, sample.sample_index] = row
             else:
                 self._slots[row] = None
@@ -714,11 +761,11 @@ class InferenceEngine:
                 Completion(
                     sample.request_id,
                     sample.sample_index,
-                    sample.prompt,
+                    prompt,
                     completion,
-                    logprobs[i, :length],
-                    plain[i, :length],
-                    versions[i, :length],
+                    logprob,
+                    plain_logprob,
+                    version,
                     FINISH_REASONS[code],
                     parked,
                 )
@@ -808,15 +855,37 @@ class InferenceEngine:
 
     def _preempt(self, rows: list[int]) -> None:
         """Rows ``rows`` stop and their samples go back to the front of the queue, oldest
-        first; their pages are free."""
-        for row in sorted(rows, key=lambda r: -self._admitted[r]):
+        first, their pages free. A sample keeps the tokens it has (with their log-probs
+        and versions): it goes on later from its prompt and those tokens, prefilled
+        again, with the keys of its next tokens."""
+        taken = np.zeros((bucket_rows(len(rows)),), np.int32)
+        taken[: len(rows)] = rows
+        fetched = host_arrays(programs.take_rows(self.state.rows, taken))
+        tokens, logprobs, plain, versions, generated, _ = fetched
+        order = sorted(range(len(rows)), key=lambda i: -self._admitted[rows[i]])
+        for i in order:
+            row, length = rows[i], int(generated[i])
             sample = self._slots[row]
             assert sample is not None, f"row {row} holds no sample"
             self._slots[row] = None
             self._free_pages(row)
+            if length:
+                kept = _Done(
+                    tokens[i, :length], logprobs[i, :length], plain[i, :length],
+                    versions[i, :length],
+                )  # fmt: skip
+                if sample.done is not None:
+                    kept = _Done(
+                        *(np.concatenate(pair) for pair in zip(sample.done, kept, strict=True))
+                    )
+                sample = sample._replace(
+                    prompt=np.concatenate([sample.prompt, tokens[i, :length]]),
+                    budget=sample.budget - length,
+                    done=kept,
+                )
             self._queue.appendleft(sample)
             self.preemptions += 1
-        index = np.full((bucket_rows(len(rows)),), self.num_slots, np.int32)
+        index = np.full((len(taken),), self.num_slots, np.int32)
         index[: len(rows)] = rows
         self._sync_pages()
         self.state = programs.release_rows(self.state, index)

@@ -168,6 +168,8 @@ def _start_rows(
     request_key_data: jax.Array,
     sample_index: jax.Array,
     budget: jax.Array,
+    offset: jax.Array | None = None,
+    recent: jax.Array | None = None,
 ) -> DecodeState:
     """Prefills ``U`` prompts once and starts ``A`` rows from them.
 
@@ -181,6 +183,8 @@ def _start_rows(
         dest, source, sample_index, budget: ``[A]`` int32.
         request_key_data: ``[A, ...]`` uint32 key data (``jax.random.key_data``) of the
             requests' PRNG keys.
+        offset, recent: ``Rows.start``'s, for rows that go on from preempted ones (their
+            prompts end with the tokens they had).
     """
     model = graphdef.merge(params)
     num_prompts, width = prompts.shape
@@ -224,7 +228,7 @@ def _start_rows(
         prompt=state.prompt.at[dest].set(stored[source], mode="drop"),
         prompt_len=state.prompt_len.at[dest].set(prompt_len[source], mode="drop"),
         pending=state.pending.at[dest].set(last[source], mode="drop"),
-        rows=state.rows.start(dest, request_keys, sample_index, budget),
+        rows=state.rows.start(dest, request_keys, sample_index, budget, offset, recent),
     )
 
 
