@@ -236,7 +236,8 @@ class InferenceEngine:
                 num_pages=num_pages,
                 attention_block=attention_block,
                 max_prompt_tokens=self.prompt_width,
-                max_new_tokens=config.max_new_tokens,
+                # a multi-turn row grows to the whole context
+                max_new_tokens=self.max_context_len - self.prompt_width,
             )
             attention = attention or default_attention()
             check_attention(attention)
@@ -615,7 +616,20 @@ class InferenceEngine:
         """Prefills the pending resumes' observations into their rows, in one program."""
         if not self._resumes:
             return
-        resumes, self._resumes = self._resumes, []
+        resumes, waiting = self._resumes, []
+        if self._pages is not None:  # each needs its observation's pages; else it waits
+            preempted: list[int] = []  # (resumed rows are waiting rows: never preempted)
+            ready = []
+            for resume in resumes:
+                slots = int(self._ends[resume.row]) + len(resume.observation)
+                taken = self._take_pages(resume.row, slots, preempted)
+                (ready if taken else waiting).append(resume)
+            if preempted:
+                self._preempt(preempted)
+            resumes = ready
+        self._resumes = waiting
+        if not resumes:
+            return
         num_rows = bucket_rows(len(resumes))
         width = bucket_length(max(len(r.observation) for r in resumes), cap=self.max_context_len)
         observations = np.zeros((num_rows, width), np.int32)
@@ -633,8 +647,6 @@ class InferenceEngine:
             observations[a, : len(resume.observation)] = resume.observation
             lengths[a], dest[a] = len(resume.observation), resume.row
             self._ends[resume.row] += len(resume.observation)
-            if self._pages is not None:  # the observation's slots; the chunk's come later
-                self._take_pages(resume.row, int(self._ends[resume.row]))
             sample_index[a], budget[a], keys[a] = (
                 sample.sample_index,
                 sample.budget,
