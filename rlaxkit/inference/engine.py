@@ -616,10 +616,10 @@ class InferenceEngine:
         """Prefills the pending resumes' observations into their rows, in one program."""
         if not self._resumes:
             return
-        resumes, waiting = self._resumes, []
+        resumes, waiting = self._resumes, list[_Resume]()
         if self._pages is not None:  # each needs its observation's pages; else it waits
             preempted: list[int] = []  # (resumed rows are waiting rows: never preempted)
-            ready = []
+            ready: list[_Resume] = []
             for resume in resumes:
                 slots = int(self._ends[resume.row]) + len(resume.observation)
                 taken = self._take_pages(resume.row, slots, preempted)
