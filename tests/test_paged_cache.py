@@ -71,6 +71,24 @@ def test_a_short_pool_preempts_the_youngest_row_and_changes_no_token(models):
     for a, b in zip(dense, paged, strict=True):
         assert_same(b, a)
 
+    # A preempted sample keeps the tokens it had: the first chunk's tokens of the three
+    # rows that started keep version 0 after a version bump (same weights) that comes
+    # before any preemption; regenerated, they would be version 1.
+    engine = InferenceEngine(
+        models[0], CONFIG, num_slots=4, max_prompt_len=16, chunk_steps=4, **PAGED
+    )
+    for prompt, key in zip(prompts, keys, strict=True):
+        engine.submit(prompt, key)
+    assert engine.step() == [] and engine.preemptions == 0 and engine.num_running == 3
+    engine.update_weights(models[0], 1)
+    bumped = sorted(engine.run(), key=lambda c: c.request_id)
+    assert engine.preemptions >= 1
+    for a, b in zip(dense, bumped, strict=True):
+        assert b.tokens.tolist() == a.tokens.tolist()
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+    assert [c.versions[:4].tolist() for c in bumped[:3]] == [[0] * 4] * 3
+    assert bumped[3].versions.tolist() == [1] * 16
+
 
 @pytest.mark.parametrize("recompute_cache", [False, True])
 def test_weights_updated_mid_row_give_the_dense_completions(models, recompute_cache):
