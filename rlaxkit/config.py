@@ -21,8 +21,10 @@ from rlaxkit.algorithms.config import AdvantageConfig, LossConfig
 from rlaxkit.configio import apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
 from rlaxkit.episodes import EpisodeConfig
 from rlaxkit.inference import SamplingConfig
+from rlaxkit.inference.config import InferenceConfig, bucket_length
 from rlaxkit.models.config import ModelConfig
 from rlaxkit.models.lora import LoraConfig
+from rlaxkit.paging import check_pages
 from rlaxkit.param_server import ParamServerConfig
 from rlaxkit.policies import (
     BatchPolicy,
@@ -283,6 +285,8 @@ class RunConfig:
     turns on delta publication (``rlaxkit.param_server.ParamServerConfig``).
     ``episodes`` sets the turns, token budget and tool-step timeout of a multi-turn
     task's episodes (``rlaxkit.episodes.EpisodeConfig``; a single-turn task ignores it).
+    ``inference`` chooses each worker's KV cache, dense or paged
+    (``rlaxkit.inference.InferenceConfig``).
     """
 
     seed: int = 0
@@ -311,6 +315,7 @@ class RunConfig:
     param_server: ParamServerConfig = field(default_factory=ParamServerConfig)
     tracking: tuple[TrackerName, ...] = ("jsonl",)
     episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
 
     def __post_init__(self) -> None:
         check_tracking(self.tracking)  # before any work: a tracker's package is missing
@@ -349,6 +354,23 @@ class RunConfig:
                 f"completion, so {self.algorithm.preset}'s group-relative advantages are all "
                 "zero and no step learns; sample at a temperature > 0 with top_k 0 or > 1"
             )
+        if self.inference.kv_cache != "dense":  # ``auto`` is paged on TPU
+            self._check_pages()
+
+    def _check_pages(self) -> None:
+        """A paged worker's pool runs a row of the longest prompt and its whole budget."""
+        prompt = bucket_length(self.runtime.max_prompt_tokens)  # as the engine rounds it
+        page_size = self.inference.page_size
+        row_pages = -(-(prompt + self.sampling.max_new_tokens) // page_size)
+        check_pages(
+            page_size=page_size,
+            num_pages=self.inference.num_pages or self.runtime.slots_per_worker * row_pages + 1,
+            attention_block=self.inference.attention_block,
+            max_prompt_tokens=prompt,
+            max_new_tokens=self.sampling.max_new_tokens,
+            prefix="inference.",
+            new_tokens_field="sampling.max_new_tokens",
+        )
 
     @property
     def group_size(self) -> int:

@@ -35,7 +35,7 @@ from flax import nnx
 
 from rlaxkit.controller import Issue
 from rlaxkit.episodes import EpisodeConfig, EpisodicTask
-from rlaxkit.inference import InferenceEngine, SamplingConfig
+from rlaxkit.inference import InferenceConfig, InferenceEngine, SamplingConfig
 from rlaxkit.inference.results import Completion
 from rlaxkit.models.tokenizer import Tokenizer
 from rlaxkit.param_server import ParameterServer
@@ -65,6 +65,7 @@ class _Launched:
     started: int  # rows of prompts that had not run a chunk yet
     chunks_before: dict[int, int]  # group id -> chunks its prompt had run before
     launch_s: float
+    preempted: int = 0  # rows a paged engine sent back to its queue for want of pages
 
 
 class InferenceWorker:
@@ -95,6 +96,8 @@ class InferenceWorker:
             next chunk, in order, so the run is reproducible and its replay log exact.
         cache_views: the engine decodes on cache views (``InferenceEngine``'s
             ``cache_views``; ``runtime.cache_views``).
+        inference: the engine's KV cache, dense or paged (``inference`` of the run
+            config); default dense.
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class InferenceWorker:
         episodes: EpisodeConfig | None = None,
         free_running: bool = False,
         cache_views: bool = True,
+        inference: InferenceConfig | None = None,
     ):
         stop = tuple(dict.fromkeys((*sampling.stop_tokens, tokenizer.eos_id)))
         self.sampling = dataclasses.replace(sampling, stop_tokens=stop)
@@ -146,6 +150,7 @@ class InferenceWorker:
         self.trace, self.clock = trace, clock
         self.num_slots, self.chunk_steps = num_slots, chunk_steps
         self.max_prompt_tokens, self.cache_views = max_prompt_tokens, cache_views
+        self.inference = inference or InferenceConfig()
         self.capacity = max(1, num_slots // self.sampling.n)
         self.engine: InferenceEngine | None = None
         self.version: int | None = None
@@ -216,6 +221,10 @@ class InferenceWorker:
             version=version,
             chunk_steps=self.chunk_steps,
             cache_views=self.cache_views,
+            kv_cache=self.inference.kv_cache,
+            page_size=self.inference.page_size,
+            num_pages=self.inference.num_pages,
+            attention_block=self.inference.attention_block,
         )
 
     def _take_weights(self, version: int, params: nnx.State, *, recompute_cache: bool) -> None:
@@ -309,10 +318,13 @@ class InferenceWorker:
             return
         started = sum(self.sampling.n for r in self.requests.values() if r.chunks == 0)
         chunks_before = {g: r.chunks for g, r in self.requests.items()}
-        start = self.clock()
+        start, preempted = self.clock(), self.engine.preemptions
         if self.engine.launch():  # none while every row waits for a tool
             rows = self.engine.num_running
-            self._launched = _Launched(rows, started, chunks_before, self.clock() - start)
+            preempted = self.engine.preemptions - preempted
+            self._launched = _Launched(
+                rows, started, chunks_before, self.clock() - start, preempted
+            )
 
     def fetch(self, *, pipelined: bool = False, waited_s: float | None = None) -> list[_Request]:
         """Waits for the launched chunk, records its ``decode`` event and returns the
@@ -355,6 +367,7 @@ class InferenceWorker:
             finished=len(finished),
             steps=int(steps),
             **({"pipelined": True} if pipelined else {}),
+            **({"preempted": launched.preempted} if launched.preempted else {}),
         )
         if not self.requests:  # the engine drained: a fresh one would be the same
             self.replay_log.reset(self.version, self._engine.params)

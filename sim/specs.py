@@ -171,6 +171,11 @@ class FleetSpec:
             ``submit(hold=True)``) for at most this many seconds; a tool that takes
             longer has the slot released to other work at that point, and the episode
             re-prefills its whole context when it comes back (``None``: always held).
+        kv_pool_tokens: A paged KV cache of this many token slots per worker: a worker
+            decodes as many rows as the pages hold at the workload's lengths
+            (``rlaxkit.paging.rows_that_fit``, the engine's admission rule), at most
+            ``slots_per_worker``. ``None``: a dense cache, ``slots_per_worker`` rows.
+        page_size: Token slots per page of the paged cache.
     """
 
     num_workers: int
@@ -184,9 +189,14 @@ class FleetSpec:
     restart_s: float = 120.0
     pull_retry_s: float = 5.0
     release_after_s: float | None = None
+    kv_pool_tokens: int | None = None
+    page_size: int = 16
 
     def __post_init__(self) -> None:
         _check("num_workers", self.num_workers, integer=True)
+        _check("page_size", self.page_size, integer=True)
+        if self.kv_pool_tokens is not None:
+            _check("kv_pool_tokens", self.kv_pool_tokens, integer=True)
         _check("slots_per_worker", self.slots_per_worker, integer=True)
         _check("decode_s_per_token", self.decode_s_per_token)
         _check("decode_s_per_token_per_seq", self.decode_s_per_token_per_seq, strict=False)

@@ -39,13 +39,17 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, cast
 
+import numpy as np
 import simpy
 from simpy.events import ProcessGenerator
+
+from rlaxkit.paging import rows_that_fit
 
 from .buffer import Group, SimSample
 
 if TYPE_CHECKING:
     from .engine import Simulation
+    from .scenario import Scenario
 
 __all__ = ["HOST_BUSY", "PREEMPTED", "WEIGHT_UPDATE", "SimWorker"]
 
@@ -53,6 +57,30 @@ PREEMPTED = "preempted"
 WEIGHT_UPDATE = "weight_update"
 HOST_BUSY = "host_busy"
 _PAUSES = (WEIGHT_UPDATE, HOST_BUSY)
+
+
+PAGED_LENGTH_DRAWS = 4096  # rows' lengths drawn to apply the page rule (seeded)
+
+
+def paged_rows(scenario: Scenario) -> int:
+    """Rows a worker with a paged KV cache decodes at once: the engine's page rule
+    (``rlaxkit.paging.rows_that_fit``) over the workload's prompt + completion lengths
+    (completions capped at ``max_response_tokens``), at most ``slots_per_worker``."""
+    fleet, workload = scenario.fleet, scenario.workload
+    assert fleet.kv_pool_tokens is not None
+    generator = np.random.default_rng(0)
+    prompts = workload.prompt_tokens.sample_many(generator, PAGED_LENGTH_DRAWS)
+    responses = workload.response_tokens.sample_many(generator, PAGED_LENGTH_DRAWS)
+    if workload.max_response_tokens is not None:
+        responses = np.minimum(responses, workload.max_response_tokens)
+    lengths = np.ceil(prompts + responses).astype(int).tolist()
+    rows = rows_that_fit(
+        pool_tokens=fleet.kv_pool_tokens,
+        page_size=fleet.page_size,
+        row_tokens=lengths,
+        max_rows=fleet.slots_per_worker,
+    )
+    return max(1, rows)
 
 
 class SimWorker:
@@ -87,7 +115,10 @@ class SimWorker:
         self._pull_proc: simpy.Process | None = None
         self._releases = sim.scenario.workload.multi_turn and self.spec.release_after_s is not None
         self._wake_request: simpy.Event | None = None
-        self.slots = [self.env.process(self._slot()) for _ in range(self.spec.slots_per_worker)]
+        self.rows = (
+            paged_rows(sim.scenario) if self.spec.kv_pool_tokens else self.spec.slots_per_worker
+        )
+        self.slots = [self.env.process(self._slot()) for _ in range(self.rows)]
 
     # --- slot processes --------------------------------------------------------------
 

@@ -3,7 +3,12 @@ log-probs and weight versions per token, with continuous batching and interrupti
 generation.
 """
 
-from rlaxkit.inference.config import SamplingConfig, bucket_length, bucket_rows
+from rlaxkit.inference.config import (
+    InferenceConfig,
+    SamplingConfig,
+    bucket_length,
+    bucket_rows,
+)
 from rlaxkit.inference.engine import InferenceEngine
 from rlaxkit.inference.generate import compile_generate, generate
 from rlaxkit.inference.reference import generate_by_recompute
@@ -14,6 +19,7 @@ from rlaxkit.inference.text import make_text_generate
 __all__ = [
     "Completion",
     "GenerationResult",
+    "InferenceConfig",
     "InferenceEngine",
     "SamplingConfig",
     "bucket_length",

@@ -5,6 +5,7 @@ compiled programs small.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 MIN_LENGTH_BUCKET = 16  # shortest prompt width that gets its own program (tokens)
 
@@ -102,3 +103,40 @@ def bucket_length(length: int, cap: int | None = None, minimum: int = MIN_LENGTH
             raise ValueError(f"length {length} exceeds the cap of {cap} tokens")
         width = min(width, cap)
     return width
+
+
+@dataclass(frozen=True, kw_only=True)
+class InferenceConfig:
+    """How a worker's engine holds its KV cache (``inference:`` in a run config).
+
+    Attributes:
+        kv_cache: ``dense`` (every row reserves its longest context), ``paged`` (rows
+            hold pages of ``page_size`` slots as they grow, a prompt's full pages shared by
+            its samples; ``rlaxkit.inference.engine``) or ``auto``: ``paged`` on TPU,
+            where it fits several times the rows, ``dense`` elsewhere, where it decodes
+            faster (``benchmarks/paged.py``).
+        page_size: slots per page; must divide ``attention_block``.
+        num_pages: pages in a worker's pool, the null page included; ``None``: the dense
+            cache's slots (``slots_per_worker`` rows of the longest context) plus one.
+        attention_block: slots one block of the TPU attention kernel reads.
+    """
+
+    kv_cache: Literal["auto", "dense", "paged"] = "auto"
+    page_size: int = 16
+    num_pages: int | None = None
+    attention_block: int = 128
+
+    def __post_init__(self) -> None:
+        if self.kv_cache not in ("auto", "dense", "paged"):
+            raise ValueError(f"kv_cache must be 'auto', 'dense' or 'paged', got {self.kv_cache!r}")
+        for name in ("page_size", "attention_block"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_pages is not None and not (
+            isinstance(self.num_pages, int) and self.num_pages >= 2
+        ):
+            raise ValueError(
+                f"num_pages must be an integer >= 2 (page 0 is the null page) or null, "
+                f"got {self.num_pages!r}"
+            )

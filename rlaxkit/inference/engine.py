@@ -20,16 +20,25 @@ keeping its cache and offset, instead of being freed. ``resume`` prefills the to
 answer into that row at its offset and the next turn decodes from there, without
 prefilling the history again; ``release`` frees a parked row whose tool is slow (its
 episode goes on later as a new request whose prompt is the whole history).
+
+With ``kv_cache="paged"`` the cache is a pool of pages (``rlaxkit.inference.paged``):
+a row takes pages as it grows and gives them back when it finishes, the samples of a
+prompt share its full pages, and a request is admitted when its pages are free, not only
+when a row is. When the pool runs short, the youngest generating row is preempted back to
+the front of the queue (``preemptions`` counts them) with the tokens it has, their
+log-probs and versions; it goes on later from its prompt and those tokens, prefilled
+again, drawing its next tokens with their own keys (``rows.Rows.offset``).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -38,6 +47,8 @@ from flax import nnx
 from rlaxkit.inference import programs
 from rlaxkit.inference.config import SamplingConfig, bucket_length, bucket_rows
 from rlaxkit.inference.generate import MIN_VIEW_TOKENS, as_prompts, budgets
+from rlaxkit.inference.page_table import RowPages
+from rlaxkit.inference.paged import Attention, check_attention, default_attention
 from rlaxkit.inference.results import (
     Completion,
     KeyLike,
@@ -47,8 +58,9 @@ from rlaxkit.inference.results import (
     packed,
     split_model,
 )
-from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED, STOP
+from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED, NO_TOKEN, STOP
 from rlaxkit.jaxutil import host_arrays
+from rlaxkit.paging import check_pages
 
 # A chunk decodes on one of at most this many cache prefixes (the last the whole cache).
 ENGINE_VIEWS = 8
@@ -72,6 +84,12 @@ def engine_views(prompt_width: int, slots: int) -> tuple[int, ...]:
     step = 16 * -(-slots // (16 * ENGINE_VIEWS))
     views = [step * k for k in range(1, ENGINE_VIEWS) if slots - step * k >= 16]
     return (*views, slots)
+
+
+def _prompt_key(sample: _Sample) -> tuple[int, int]:
+    """Which prefill a sample's row starts from: its request's prompt, shared by the
+    samples ``submit`` queued together (one array)."""
+    return sample.request_id, id(sample.prompt)
 
 
 # Returns ``None`` (no new weights) or ``(weights, version)``; polled between chunks.
@@ -100,6 +118,17 @@ class _Sample(NamedTuple):
     key_data: np.ndarray
     budget: int
     hold: bool = False
+    done: _Done | None = None  # what the sample had when its row was preempted
+
+
+class _Done(NamedTuple):
+    """The tokens a preempted sample had, with their log-probs and versions; its prompt
+    ends with these tokens and its budget is what is left."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    plain_logprobs: np.ndarray
+    versions: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -136,6 +165,15 @@ class InferenceEngine:
             rows' writes (``engine_views``: eighths of the cache), so attention reads
             fewer slots while the rows are short; ``False``: always the whole cache.
             The tokens are the same either way.
+        kv_cache: ``"dense"`` (a row reserves ``max_context_len`` slots), ``"paged"``
+            (rows hold pages as they grow; see the module docstring) or ``"auto"``: paged
+            on TPU, dense elsewhere (``benchmarks/paged.py``).
+        page_size: slots per page (paged).
+        num_pages: pages in the pool, the null page included (paged; default: as many
+            as the dense cache's slots, plus the null page).
+        attention: ``"reference"`` (XLA) or ``"kernel"`` (the TPU ragged paged attention
+            kernel); default: the kernel on TPU (paged).
+        attention_block: slots one block of the kernel reads; ``page_size`` divides it.
     """
 
     def __init__(
@@ -150,6 +188,11 @@ class InferenceEngine:
         chunk_steps: int = 32,
         refill_fraction: float = 0.25,
         cache_views: bool = True,
+        kv_cache: Literal["auto", "dense", "paged"] = "dense",
+        page_size: int = 16,
+        num_pages: int | None = None,
+        attention: Attention | None = None,
+        attention_block: int = 128,
     ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -178,12 +221,47 @@ class InferenceEngine:
         self.refill_rows = max(1, math.ceil(refill_fraction * num_slots))
         # Committed where the weights are: the programs' outputs are, and an uncommitted
         # first state would key a second program of the same shapes (a second compile).
-        self.state = jax.device_put(
-            programs.init_state(
+        self._device = _device_of(self.params)
+        slots = self.max_context_len
+        self._pages: RowPages | None = None
+        self.preemptions = 0  # rows sent back to the queue for want of pages
+        if kv_cache == "auto":
+            kv_cache = "paged" if self._device.platform == "tpu" else "dense"
+        if kv_cache == "paged":
+            slots = page_size * -(-slots // page_size)
+            if num_pages is None:
+                num_pages = num_slots * (slots // page_size) + 1
+            check_pages(
+                page_size=page_size,
+                num_pages=num_pages,
+                attention_block=attention_block,
+                max_prompt_tokens=self.prompt_width,
+                # a multi-turn row grows to the whole context
+                max_new_tokens=self.max_context_len - self.prompt_width,
+            )
+            attention = attention or default_attention()
+            check_attention(attention)
+            state = programs.init_paged_state(
+                self.model_config,
+                config,
+                num_slots,
+                slots,
+                num_pages,
+                page_size,
+                attention,
+                attention_block // page_size,
+            )
+            self._pages = RowPages(num_slots, slots, num_pages, page_size)
+        elif kv_cache == "dense":
+            state = programs.init_state(
                 self.model_config, config, num_slots, self.prompt_width, self.max_context_len
-            ),
-            _device_of(self.params),
-        )
+            )
+        else:
+            raise ValueError(f"kv_cache must be 'auto', 'dense' or 'paged', got {kv_cache!r}")
+        self.kv_cache = kv_cache
+        self.state = jax.device_put(state, self._device)
+        self._admitted = np.zeros((num_slots,), np.int64)  # when each row's sample started
+        self._admissions = itertools.count()
         self._queue: collections.deque[_Sample] = collections.deque()
         self._slots: list[_Sample | None] = [None] * num_slots
         self._parked: dict[tuple[int, int], int] = {}  # (request, sample) -> row
@@ -195,8 +273,9 @@ class InferenceEngine:
         # refill or a resume, read back after each chunk. A chunk decodes on the shortest
         # of ``engine_views`` that holds every generating row's writes (``_view``).
         self._ends = np.zeros((num_slots,), np.int64)
-        slots = self.max_context_len
         self._views = engine_views(self.prompt_width, slots) if cache_views else (slots,)
+        if self._pages is not None:  # whole pages: a view is a prefix of the page table
+            self._views = tuple(sorted({page_size * -(-v // page_size) for v in self._views}))
 
     @property
     def num_queued(self) -> int:
@@ -392,7 +471,9 @@ class InferenceEngine:
                 + " has no parked row"
             )
         for k in keys:
-            self._slots[self._parked.pop(k)] = None
+            row = self._parked.pop(k)
+            self._slots[row] = None
+            self._free_pages(row)
             self._release(request_id)
 
     def update_weights(
@@ -414,6 +495,7 @@ class InferenceEngine:
             # Parked rows go on later: their caches are rebuilt with the running ones'.
             waiting = np.zeros((self.num_slots,), bool)
             waiting[self._waiting_rows()] = True
+            self._sync_pages()
             self.state = programs.recompute_cache(self.graphdef, self._packed, self.state, waiting)
 
     def step(self) -> list[Completion]:
@@ -428,9 +510,12 @@ class InferenceEngine:
         before the chunk has run, and another engine's chunk, or host work, runs in
         between; XLA:CPU under ``rlaxkit.hostmem`` runs the chunk on this thread first."""
         self._extend()
+        if self._pages is not None:
+            self._grow()
         self._refill()
         self._launched = bool(self.num_running)
         if self._launched:
+            self._sync_pages()
             self.state, _ = programs.decode_steps(
                 self.graphdef,
                 self._packed,
@@ -462,7 +547,7 @@ class InferenceEngine:
         if not self._launched:
             return []
         self._launched = False
-        if len(self._views) > 1:  # the offsets too, in the same read (``host_arrays``)
+        if len(self._views) > 1 or self._pages is not None:  # offsets in the same read
             active, ends = host_arrays((self.state.rows.active, self.state.cache.end))
             self._ends = ends.astype(np.int64)  # a copy: the next chunk donates the state
         else:
@@ -504,12 +589,14 @@ class InferenceEngine:
             waiting = self._slots[row]
             assert waiting is not None, f"parked row {row} holds no sample"
             self._slots[row] = None
+            self._free_pages(row)
             self._release(waiting.request_id)
         self._parked.clear()
         self._resumes.clear()
         running = [r for r, s in enumerate(self._slots) if s is not None]
         out = self._collect(running, interrupted=True)
         if running:
+            self._sync_pages()
             index = np.full((bucket_rows(len(running)),), self.num_slots, np.int32)
             index[: len(running)] = running
             self.state = programs.release_rows(self.state, index)
@@ -529,7 +616,20 @@ class InferenceEngine:
         """Prefills the pending resumes' observations into their rows, in one program."""
         if not self._resumes:
             return
-        resumes, self._resumes = self._resumes, []
+        resumes, waiting = self._resumes, list[_Resume]()
+        if self._pages is not None:  # each needs its observation's pages; else it waits
+            preempted: list[int] = []  # (resumed rows are waiting rows: never preempted)
+            ready: list[_Resume] = []
+            for resume in resumes:
+                slots = int(self._ends[resume.row]) + len(resume.observation)
+                taken = self._take_pages(resume.row, slots, preempted)
+                (ready if taken else waiting).append(resume)
+            if preempted:
+                self._preempt(preempted)
+            resumes = ready
+        self._resumes = waiting
+        if not resumes:
+            return
         num_rows = bucket_rows(len(resumes))
         width = bucket_length(max(len(r.observation) for r in resumes), cap=self.max_context_len)
         observations = np.zeros((num_rows, width), np.int32)
@@ -552,6 +652,7 @@ class InferenceEngine:
                 sample.budget,
                 sample.key_data,
             )
+        self._sync_pages()
         self.state = programs.extend_rows(
             self.graphdef,
             self._packed,
@@ -569,16 +670,21 @@ class InferenceEngine:
         free = [r for r, s in enumerate(self._slots) if s is None]
         if not free or not self._queue:
             return
-        admitted = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
-        prompt_of: dict[int, int] = {}
+        admitted = self._admit(free)
+        if not admitted:
+            return
+        # Samples of one prompt share its prefill; a preempted sample (its prompt grown
+        # by its tokens) or a resubmitted history is a prompt of its own.
+        prompt_of: dict[tuple[int, int], int] = {}
         for sample in admitted:
-            prompt_of.setdefault(sample.request_id, len(prompt_of))
-        firsts = {s.request_id: s for s in reversed(admitted)}
-        unique = [firsts[rid] for rid in prompt_of]
+            prompt_of.setdefault(_prompt_key(sample), len(prompt_of))
+        firsts = {_prompt_key(s): s for s in reversed(admitted)}
+        unique = [firsts[key] for key in prompt_of]
         # Rows are always padded to ``num_slots`` (copying a prefilled prompt to a row is
         # cheap), so only the number of distinct prompts and their width key programs.
         num_prompts, num_rows = bucket_rows(len(unique)), self.num_slots
-        width = bucket_length(max(len(s.prompt) for s in unique), cap=self.prompt_width)
+        # A preempted multi-turn row's prompt is its history, which may outgrow prompts.
+        width = bucket_length(max(len(s.prompt) for s in unique), cap=self.max_context_len)
         prompts = np.zeros((num_prompts, width), np.int32)
         lengths = np.ones((num_prompts,), np.int32)
         for i, sample in enumerate(unique):
@@ -594,11 +700,22 @@ class InferenceEngine:
         for row, sample in zip(rows, admitted, strict=True):
             self._slots[row] = sample
             self._ends[row] = len(sample.prompt) - 1
+            self._admitted[row] = next(self._admissions)
         dest[:count] = rows
-        source[:count] = [prompt_of[s.request_id] for s in admitted]
+        source[:count] = [prompt_of[_prompt_key(s)] for s in admitted]
+        window = self.state.rows.recent.shape[1]
+        offset = np.zeros((num_rows,), np.int32)
+        recent = np.full((num_rows, window), NO_TOKEN, np.int32)
+        for a, sample in enumerate(admitted):
+            if sample.done is not None:
+                offset[a] = len(sample.done.tokens)
+                if window:  # its last tokens, for the stop sequences
+                    tail = sample.done.tokens[-window:]
+                    recent[a, window - len(tail) :] = tail
         sample_index[:count] = [s.sample_index for s in admitted]
         budget[:count] = [s.budget for s in admitted]
         keys[:count] = [s.key_data for s in admitted]
+        self._sync_pages()
         self.state = programs.start_rows(
             self.graphdef,
             self._packed,
@@ -610,6 +727,8 @@ class InferenceEngine:
             keys,
             sample_index,
             budget,
+            offset,
+            recent,
         )
 
     def _collect(self, rows: list[int], interrupted: bool = False) -> list[Completion]:
@@ -626,24 +745,39 @@ class InferenceEngine:
             sample, length = self._slots[row], lengths[i]
             assert sample is not None, f"row {row} holds no sample"  # callers pass busy rows
             code = INTERRUPTED if interrupted and codes[i] == 0 else codes[i]
-            completion = tokens[i, :length]
-            parked = sample.hold and not interrupted and self._parks(sample, code, completion)
+            parts = (tokens[i, :length], logprobs[i, :length], plain[i, :length])
+            completion, logprob, plain_logprob, version = (*parts, versions[i, :length])
+            prompt, done = sample.prompt, sample.done
+            if done is not None:  # the tokens it had before a preemption come first
+                prompt = prompt[: len(prompt) - len(done.tokens)]
+                completion, logprob, plain_logprob, version = (
+                    np.concatenate([before, after])
+                    for before, after in zip(
+                        done, (completion, logprob, plain_logprob, version), strict=True
+                    )
+                )
+            parked = (
+                sample.hold
+                and not interrupted
+                and self._parks(sample._replace(prompt=prompt), code, completion)
+            )
             if parked:
-                history = np.concatenate([sample.prompt, completion])
-                self._slots[row] = sample._replace(prompt=history)
+                history = np.concatenate([prompt, completion])
+                self._slots[row] = sample._replace(prompt=history, done=None)
                 self._parked[sample.request_id, sample.sample_index] = row
             else:
                 self._slots[row] = None
+                self._free_pages(row)
                 self._release(sample.request_id)
             out.append(  # positional, in the field order (one is built a sample)
                 Completion(
                     sample.request_id,
                     sample.sample_index,
-                    sample.prompt,
+                    prompt,
                     completion,
-                    logprobs[i, :length],
-                    plain[i, :length],
-                    versions[i, :length],
+                    logprob,
+                    plain_logprob,
+                    version,
                     FINISH_REASONS[code],
                     parked,
                 )
@@ -660,3 +794,128 @@ class InferenceEngine:
         if not any(tail[-len(seq) :] == list(seq) for seq in self.config.stop_sequences):
             return False
         return len(sample.prompt) + len(completion) + 1 <= self.max_context_len
+
+    # The paged cache's pages (``kv_cache="paged"``).
+
+    def _admit(self, free: list[int]) -> list[_Sample]:
+        """Queued samples that start now on rows ``free[:k]``, in queue order: as many as
+        there are free rows and, on pages, free pages for their prompts and first chunk
+        (the samples of one prompt started together share its full pages)."""
+        if self._pages is None:
+            return [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+        admitted: list[_Sample] = []
+        first_row: dict[int, int] = {}  # request -> the row holding its prompt's pages
+        while self._queue and len(admitted) < len(free):
+            sample, row = self._queue[0], free[len(admitted)]
+            share = first_row.get(sample.request_id)
+            first = len(sample.prompt) - 1 + min(self.chunk_steps, sample.budget)
+            cost = self._pages.start_cost(len(sample.prompt), first, share is not None)
+            if cost > self._pages.free_pages:
+                break
+            self._pages.start(row, len(sample.prompt), first, share)
+            first_row.setdefault(sample.request_id, row)
+            admitted.append(self._queue.popleft())
+        return admitted
+
+    def _grow(self) -> None:
+        """Every generating row holds the pages of its next chunk, oldest rows first; when
+        the pool runs short the youngest generating row goes back to the queue."""
+        waiting = set(self._waiting_rows())
+        generating = sorted(
+            (r for r, s in enumerate(self._slots) if s is not None and r not in waiting),
+            key=lambda r: self._admitted[r],
+        )
+        preempted: list[int] = []
+        for row in generating:
+            if row in preempted:
+                continue
+            if not self._take_pages(row, self._chunk_slots(row), preempted):
+                preempted.append(row)
+        if preempted:
+            self._preempt(preempted)
+
+    def _chunk_slots(self, row: int) -> int:
+        """Slots row ``row`` writes by the end of the next chunk (at most its budget's)."""
+        sample = self._slots[row]
+        assert sample is not None, f"row {row} holds no sample"
+        last = len(sample.prompt) - 1 + sample.budget
+        return int(min(self._ends[row] + self.chunk_steps, last))
+
+    def _take_pages(self, row: int, slots: int, preempted: list[int] | None = None) -> bool:
+        """Row ``row`` holds the pages of its first ``slots`` slots, younger generating
+        rows preempted (added to ``preempted``) as needed. False: even that was not
+        enough, and ``row`` itself must go."""
+        assert self._pages is not None
+        preempted = [] if preempted is None else preempted
+        waiting = set(self._waiting_rows())
+        while self._pages.grow_cost(row, slots) > self._pages.free_pages:
+            younger = [
+                r
+                for r, s in enumerate(self._slots)
+                if s is not None
+                and r not in waiting
+                and r not in preempted
+                and self._admitted[r] > self._admitted[row]
+            ]
+            if not younger:
+                return False
+            victim = max(younger, key=lambda r: self._admitted[r])
+            self._pages.free(victim)
+            preempted.append(victim)
+        self._pages.grow(row, slots)
+        return True
+
+    def _preempt(self, rows: list[int]) -> None:
+        """Rows ``rows`` stop and their samples go back to the front of the queue, oldest
+        first, their pages free. A sample keeps the tokens it has (with their log-probs
+        and versions): it goes on later from its prompt and those tokens, prefilled
+        again, with the keys of its next tokens."""
+        taken = np.zeros((bucket_rows(len(rows)),), np.int32)
+        taken[: len(rows)] = rows
+        fetched = host_arrays(programs.take_rows(self.state.rows, taken))
+        tokens, logprobs, plain, versions, generated, _ = fetched
+        order = sorted(range(len(rows)), key=lambda i: -self._admitted[rows[i]])
+        for i in order:
+            row, length = rows[i], int(generated[i])
+            sample = self._slots[row]
+            assert sample is not None, f"row {row} holds no sample"
+            self._slots[row] = None
+            self._free_pages(row)
+            if length:
+                kept = _Done(
+                    tokens[i, :length], logprobs[i, :length], plain[i, :length],
+                    versions[i, :length],
+                )  # fmt: skip
+                if sample.done is not None:
+                    kept = _Done(
+                        *(np.concatenate(pair) for pair in zip(sample.done, kept, strict=True))
+                    )
+                sample = sample._replace(
+                    prompt=np.concatenate([sample.prompt, tokens[i, :length]]),
+                    budget=sample.budget - length,
+                    done=kept,
+                )
+            self._queue.appendleft(sample)
+            self.preemptions += 1
+        index = np.full((len(taken),), self.num_slots, np.int32)
+        index[: len(rows)] = rows
+        self._sync_pages()
+        self.state = programs.release_rows(self.state, index)
+
+    def _free_pages(self, row: int) -> None:
+        if self._pages is not None:
+            self._pages.free(row)
+
+    def _sync_pages(self) -> None:
+        """The device's page table is the host's (before a program reads the cache)."""
+        if self._pages is None or not self._pages.dirty:
+            return
+        table = jax.device_put(self._pages.table.copy(), self._device)
+        cache = dataclasses.replace(self.state.cache, page_table=table)
+        self.state = dataclasses.replace(self.state, cache=cache)
+        self._pages.dirty = False
+
+    @property
+    def pages_in_use(self) -> int:
+        """Pages rows hold now (0 on a dense cache)."""
+        return 0 if self._pages is None else self._pages.pool.used_pages

@@ -33,6 +33,13 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from rlaxkit.inference.config import SamplingConfig
+from rlaxkit.inference.paged import (
+    Attention,
+    PagedKVCache,
+    gather_rows,
+    paged_decode,
+    scatter_rows,
+)
 from rlaxkit.inference.results import StaticGraph
 from rlaxkit.inference.rows import Rows, sample_and_record
 from rlaxkit.jaxutil import Packed, TieredJit
@@ -46,7 +53,8 @@ class DecodeState:
 
     Attributes:
         cache: the KV cache, ``slots`` per row (``prompt_width + max_new_tokens`` unless
-            set).
+            set): dense, or in pages (``rlaxkit.inference.paged``; the engine's
+            ``kv_cache="paged"``).
         prompt: ``[R, P]`` int32 prompt tokens, right-padded with 0 (``P`` is the
             prompt width, or ``slots`` where prompts grow by turns).
         prompt_len: ``[R]`` int32.
@@ -55,7 +63,7 @@ class DecodeState:
         rows: the completions so far.
     """
 
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     prompt: jax.Array
     prompt_len: jax.Array
     pending: jax.Array
@@ -90,6 +98,65 @@ def init_state(
     )
 
 
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "model_config",
+        "config",
+        "rows",
+        "slots",
+        "num_pages",
+        "page_size",
+        "attention",
+        "block_pages",
+    ),
+)
+def init_paged_state(
+    model_config: ModelConfig,
+    config: SamplingConfig,
+    rows: int,
+    slots: int,
+    num_pages: int,
+    page_size: int,
+    attention: Attention = "reference",
+    block_pages: int = 8,
+) -> DecodeState:
+    """``init_state(model_config, config, rows, slots, slots)`` with the cache in a pool
+    of ``num_pages`` pages of ``page_size`` slots (every row's pages the null page)."""
+    return DecodeState(
+        cache=PagedKVCache.zeros(
+            model_config,
+            rows,
+            slots,
+            num_pages,
+            page_size,
+            attention=attention,
+            block_pages=block_pages,
+        ),
+        prompt=jnp.zeros((rows, slots), jnp.int32),
+        prompt_len=jnp.ones((rows,), jnp.int32),
+        pending=jnp.zeros((rows,), jnp.int32),
+        rows=Rows.empty(rows, config),
+    )
+
+
+def _decode(
+    model: Transformer,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache | PagedKVCache,
+    token_mask: jax.Array,
+) -> tuple[jax.Array, Any]:
+    """``model.decode`` on a dense cache, ``paged_decode`` on pages."""
+    if isinstance(cache, PagedKVCache):
+        return paged_decode(model, tokens, positions, cache, token_mask)
+    return model.decode(tokens, positions, cache, token_mask)
+
+
+def _cache_dtype(cache: KVCache | PagedKVCache) -> jnp.dtype:
+    return cache.pages[0].dtype if isinstance(cache, PagedKVCache) else cache.k[0].dtype
+
+
 def _start_rows(
     graphdef: StaticGraph,
     params: nnx.State | Packed,
@@ -101,6 +168,8 @@ def _start_rows(
     request_key_data: jax.Array,
     sample_index: jax.Array,
     budget: jax.Array,
+    offset: jax.Array | None = None,
+    recent: jax.Array | None = None,
 ) -> DecodeState:
     """Prefills ``U`` prompts once and starts ``A`` rows from them.
 
@@ -114,6 +183,8 @@ def _start_rows(
         dest, source, sample_index, budget: ``[A]`` int32.
         request_key_data: ``[A, ...]`` uint32 key data (``jax.random.key_data``) of the
             requests' PRNG keys.
+        offset, recent: ``Rows.start``'s, for rows that go on from preempted ones (their
+            prompts end with the tokens they had).
     """
     model = graphdef.merge(params)
     num_prompts, width = prompts.shape
@@ -121,19 +192,34 @@ def _start_rows(
     # Every prompt token but the last goes into the cache; the last is the pending token.
     context_mask = jnp.arange(width)[None] < (prompt_len - 1)[:, None]
     positions = jnp.broadcast_to(jnp.arange(width), prompts.shape)
-    prefill = KVCache.zeros(model.config, num_prompts, width, state.cache.k[0].dtype)
+    prefill = KVCache.zeros(model.config, num_prompts, width, _cache_dtype(state.cache))
     _, prefill = model.decode(prompts, positions, prefill, context_mask)
 
     def copy(full, part):  # cache layout [rows, kv_heads, slots, head_dim]
         return full.at[dest, :, :width].set(part[source], mode="drop")
 
     valid = jnp.pad(prefill.valid[source], ((0, 0), (0, slots - width)))
-    cache = KVCache(
-        k=[copy(f, p) for f, p in zip(state.cache.k, prefill.k, strict=True)],
-        v=[copy(f, p) for f, p in zip(state.cache.v, prefill.v, strict=True)],
-        valid=state.cache.valid.at[dest].set(valid, mode="drop"),
-        end=state.cache.end.at[dest].set(prompt_len[source] - 1, mode="drop"),
-    )
+    valid = state.cache.valid.at[dest].set(valid, mode="drop")
+    end = state.cache.end.at[dest].set(prompt_len[source] - 1, mode="drop")
+    cache: KVCache | PagedKVCache
+    if isinstance(state.cache, PagedKVCache):
+        # Samples of one prompt write its shared full pages with the same values.
+        rows_part = KVCache(
+            k=[p[source] for p in prefill.k],
+            v=[p[source] for p in prefill.v],
+            valid=prefill.valid[source],
+            end=prefill.end[source],
+        )
+        write = jnp.ones((len(dest), width), bool)
+        pages = scatter_rows(state.cache, dest, rows_part, write)
+        cache = dataclasses.replace(state.cache, pages=pages, valid=valid, end=end)
+    else:
+        cache = KVCache(
+            k=[copy(f, p) for f, p in zip(state.cache.k, prefill.k, strict=True)],
+            v=[copy(f, p) for f, p in zip(state.cache.v, prefill.v, strict=True)],
+            valid=valid,
+            end=end,
+        )
     stored = jnp.pad(prompts, ((0, 0), (0, state.prompt.shape[1] - width)))
     last = jnp.take_along_axis(prompts, (prompt_len - 1)[:, None], axis=1)[:, 0]
     request_keys = jax.random.wrap_key_data(request_key_data)
@@ -142,7 +228,7 @@ def _start_rows(
         prompt=state.prompt.at[dest].set(stored[source], mode="drop"),
         prompt_len=state.prompt_len.at[dest].set(prompt_len[source], mode="drop"),
         pending=state.pending.at[dest].set(last[source], mode="drop"),
-        rows=state.rows.start(dest, request_keys, sample_index, budget),
+        rows=state.rows.start(dest, request_keys, sample_index, budget, offset, recent),
     )
 
 
@@ -213,12 +299,22 @@ def extend_rows(
     # ``decode`` writes ``width`` slots from each row's end and a dynamic update slice
     # clamps its start to stay in bounds, which would shift the write back; ``width``
     # spare slots keep every write where it belongs (real tokens fit by the caller).
-    def gather(full):  # [rows, kv_heads, slots, head_dim]
-        return jnp.pad(full[row], ((0, 0), (0, 0), (0, width), (0, 0)))
+    def pad(full):  # [rows, kv_heads, slots, head_dim]
+        return jnp.pad(full, ((0, 0), (0, 0), (0, width), (0, 0)))
 
+    rows_cache = (
+        gather_rows(state.cache, row)
+        if isinstance(state.cache, PagedKVCache)
+        else KVCache(
+            k=[k[row] for k in state.cache.k],
+            v=[v[row] for v in state.cache.v],
+            valid=state.cache.valid[row],
+            end=start,
+        )
+    )
     part = KVCache(
-        k=[gather(k) for k in state.cache.k],
-        v=[gather(v) for v in state.cache.v],
+        k=[pad(k) for k in rows_cache.k],
+        v=[pad(v) for v in rows_cache.v],
         valid=jnp.pad(state.cache.valid[row], ((0, 0), (0, width))),
         end=start,
     )
@@ -227,12 +323,21 @@ def extend_rows(
     def put(full, new):
         return full.at[dest].set(new[:, :, :slots], mode="drop")
 
-    cache = KVCache(
-        k=[put(f, p) for f, p in zip(state.cache.k, part.k, strict=True)],
-        v=[put(f, p) for f, p in zip(state.cache.v, part.v, strict=True)],
-        valid=state.cache.valid.at[dest].set(part.valid[:, :slots], mode="drop"),
-        end=state.cache.end.at[dest].set(start + observation_len, mode="drop"),
-    )
+    valid = state.cache.valid.at[dest].set(part.valid[:, :slots], mode="drop")
+    end = state.cache.end.at[dest].set(start + observation_len, mode="drop")
+    cache: KVCache | PagedKVCache
+    if isinstance(state.cache, PagedKVCache):
+        slot = jnp.arange(slots)[None]
+        new = (slot >= start[:, None]) & (slot < (start + width)[:, None])  # the row's own
+        pages = scatter_rows(state.cache, dest, part, new)
+        cache = dataclasses.replace(state.cache, pages=pages, valid=valid, end=end)
+    else:
+        cache = KVCache(
+            k=[put(f, p) for f, p in zip(state.cache.k, part.k, strict=True)],
+            v=[put(f, p) for f, p in zip(state.cache.v, part.v, strict=True)],
+            valid=valid,
+            end=end,
+        )
     prompt_len, generated = state.prompt_len[row][:, None], state.rows.num_generated[row][:, None]
     index = jnp.arange(state.prompt.shape[1])[None]
     max_new = state.rows.tokens.shape[1]
@@ -268,7 +373,7 @@ def decode_step(
     """One token for every active row: feed ``pending``, sample, record."""
     active = state.rows.active
     positions = state.cache.end[:, None]
-    logits, cache = model.decode(state.pending[:, None], positions, state.cache, active[:, None])
+    logits, cache = _decode(model, state.pending[:, None], positions, state.cache, active[:, None])
     # Rows that are not generating keep their write offset, so they never run off the end.
     cache = dataclasses.replace(cache, end=jnp.where(active, cache.end, state.cache.end))
     rows, tokens = sample_and_record(state.rows, logits[:, 0], version, config)
@@ -398,8 +503,14 @@ _decode_steps = jax.jit(_decode_steps_fn, **_DECODE_STEPS_JIT)
 _tiered_decode_steps = TieredJit(_decode_steps_fn, **_DECODE_STEPS_JIT)
 
 
-def _prefix(cache: KVCache, view: int) -> KVCache:
-    """The first ``view`` slots of every row."""
+def _prefix(cache: KVCache | PagedKVCache, view: int) -> KVCache | PagedKVCache:
+    """The first ``view`` slots of every row (on pages: a multiple of the page size)."""
+    if isinstance(cache, PagedKVCache):
+        return dataclasses.replace(
+            cache,
+            page_table=cache.page_table[:, : view // cache.page_size],
+            valid=cache.valid[:, :view],
+        )
     return KVCache(
         k=[k[:, :, :view] for k in cache.k],
         v=[v[:, :, :view] for v in cache.v],
@@ -408,13 +519,22 @@ def _prefix(cache: KVCache, view: int) -> KVCache:
     )
 
 
-def _write_prefix(full: KVCache, part: KVCache, view: int) -> KVCache:
+def _write_prefix(
+    full: KVCache | PagedKVCache, part: KVCache | PagedKVCache, view: int
+) -> KVCache | PagedKVCache:
     """``full`` with its first ``view`` slots from ``part`` (``_prefix`` after steps).
 
     A row that is not generating still writes (nothing valid) at its ``end``, which the
     prefix clamps to slot ``view - 1`` when ``end >= view``; such rows keep that slot of
-    ``full``, so the prefix changes nothing the whole cache would have kept.
+    ``full``, so the prefix changes nothing the whole cache would have kept. (On pages
+    such writes go to the null page and past-the-view validity is dropped: the pool and
+    the page table are the whole cache's already.)
     """
+    if isinstance(full, PagedKVCache):
+        assert isinstance(part, PagedKVCache)
+        valid = jax.lax.dynamic_update_slice_in_dim(full.valid, part.valid, 0, axis=1)
+        return dataclasses.replace(full, pages=part.pages, valid=valid, end=part.end)
+    assert isinstance(part, KVCache)
     outside = (full.end >= view)[:, None, None]  # [rows, 1, 1]: broadcast over heads, dim
 
     def put(whole: jax.Array, new: jax.Array) -> jax.Array:
@@ -464,10 +584,16 @@ def recompute_cache(
     length = state.prompt_len + state.rows.num_generated - 1
     rebuilt = state.rows.active if keep is None else state.rows.active | keep
     mask = (index < length[:, None]) & rebuilt[:, None]
-    fresh = KVCache.zeros(model.config, rows, slots, state.cache.k[0].dtype)
+    fresh = KVCache.zeros(model.config, rows, slots, _cache_dtype(state.cache))
     positions = jnp.broadcast_to(index, context.shape)
     _, cache = model.decode(context, positions, fresh, mask)
     end = jnp.where(rebuilt, length, state.cache.end)
+    if isinstance(state.cache, PagedKVCache):
+        # Rows sharing a prompt page rebuild it to the same values; rows left out write
+        # nothing (their pages may be another row's now).
+        pages = scatter_rows(state.cache, jnp.arange(rows), cache, mask)
+        paged = dataclasses.replace(state.cache, pages=pages, valid=cache.valid, end=end)
+        return dataclasses.replace(state, cache=paged)
     return dataclasses.replace(state, cache=dataclasses.replace(cache, end=end))
 
 

@@ -40,6 +40,9 @@ class Rows:
         recent: ``[R, L]`` int32, the last ``L`` tokens (``L`` = longest stop sequence).
         active: ``[R]`` bool, still generating.
         finish: ``[R]`` int32 finish code (``RUNNING`` while active or empty).
+        offset: ``[R]`` int32 tokens the row's sample had before this row (a row that
+            goes on from a preempted one: its token ``t`` is the sample's ``offset + t``
+            and draws with key ``fold_in(row_key, offset + t)``); 0 otherwise.
     """
 
     keys: jax.Array
@@ -52,6 +55,7 @@ class Rows:
     recent: jax.Array
     active: jax.Array
     finish: jax.Array
+    offset: jax.Array
 
     @classmethod
     def empty(cls, rows: int, config: SamplingConfig) -> Rows:
@@ -69,6 +73,7 @@ class Rows:
             recent=jnp.full((rows, window), NO_TOKEN, jnp.int32),
             active=jnp.zeros((rows,), bool),
             finish=jnp.zeros((rows,), jnp.int32),
+            offset=jnp.zeros((rows,), jnp.int32),
         )
 
     def start(
@@ -77,6 +82,8 @@ class Rows:
         request_keys: jax.Array,
         sample_index: jax.Array,
         budget: jax.Array,
+        offset: jax.Array | None = None,
+        recent: jax.Array | None = None,
     ) -> Rows:
         """Rows ``dest`` begin new completions; indices ``>= R`` are ignored (padding).
 
@@ -85,6 +92,8 @@ class Rows:
             request_keys: ``[A]`` PRNG keys of the requests.
             sample_index: ``[A]`` int32, which of its request's samples each row is.
             budget: ``[A]`` int32 max new tokens per row.
+            offset: ``[A]`` int32 tokens the samples had already (default 0).
+            recent: ``[A, L]`` int32 their last ``L`` tokens (default none).
         """
         row_keys = jax.vmap(jax.random.fold_in)(request_keys, sample_index)
 
@@ -100,9 +109,10 @@ class Rows:
             logprobs=put(self.logprobs, 0.0),
             plain_logprobs=put(self.plain_logprobs, 0.0),
             versions=put(self.versions, -1),
-            recent=put(self.recent, NO_TOKEN),
+            recent=put(self.recent, NO_TOKEN if recent is None else recent),
             active=put(self.active, True),
             finish=put(self.finish, RUNNING),
+            offset=put(self.offset, 0 if offset is None else offset),
         )
 
 
@@ -129,7 +139,7 @@ def sample_and_record(
         The updated rows and the drawn tokens ``[R]`` (meaningless for inactive rows).
     """
     active = rows.active
-    step_keys = jax.vmap(jax.random.fold_in)(rows.keys, rows.num_generated)
+    step_keys = jax.vmap(jax.random.fold_in)(rows.keys, rows.num_generated + rows.offset)
     tokens, logprobs, plain = sample_tokens(step_keys, logits, config)
     max_new = rows.tokens.shape[1]
     index = jnp.arange(len(active))

@@ -123,6 +123,7 @@ class WorkerHost:
             # Concurrent mode's threads leave a slow tool's row parked and decode on.
             free_running=config.runtime.mode == "concurrent",
             cache_views=config.runtime.cache_views,
+            inference=config.inference,
         )
 
     def _drain(self) -> list[TraceEvent]:
