@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -51,7 +52,8 @@ PLACED = (
     "ray.worker.num_cpus=0.25",
     "ray.worker.resources={inference: 1}",
 )
-RLAXKIT = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "rlaxkit")
+# The command installed next to this interpreter, wherever its venv lives.
+RLAXKIT = str(Path(sys.executable).parent / "rlaxkit")
 
 
 @pytest.fixture(scope="module")
