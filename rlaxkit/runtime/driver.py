@@ -42,9 +42,11 @@ from rlaxkit.tracking import check_run_dir, open_trackers
 class Experiment(Loop):
     """An RL run you can step through, on the backend ``config.runtime.backend`` names.
 
-    >>> exp = Experiment(RunConfig(steps=3))  # doctest: +SKIP
-    >>> metrics = exp.step()                   # doctest: +SKIP
-    >>> exp.last_batch["groups"]               # doctest: +SKIP
+    A literal block, not a doctest (it trains a model; ``tests/test_runtime.py`` runs it)::
+
+        exp = Experiment(RunConfig(steps=3))
+        metrics = exp.step()
+        exp.last_batch["groups"]
 
     Args:
         config: the run configuration.
