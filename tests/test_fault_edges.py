@@ -8,6 +8,7 @@ import logging
 import re
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from rlaxkit.config import small_run_config
 from rlaxkit.faults import FaultPlan
@@ -82,8 +83,13 @@ def every_kind(step: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("at_step", [1, 2], ids=["first_step", "last_step"])
-def test_every_kind_fires_at_the_first_and_the_last_step(cache, tmp_path, caplog, at_step):
-    config = small_run_config(*SMALL)
+def test_every_kind_fires_at_the_first_and_the_last_step(
+    cache, tmp_path, caplog, monkeypatch, at_step
+):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the run directory's store
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    # MLflow cannot un-log: after the restore it must still hold each step once.
+    config = small_run_config(*SMALL, *(["tracking=[jsonl,mlflow]"] if at_step == 2 else []))
     # ... and one the run never reaches, which the summary, log and trace name.
     plan = [*every_kind(at_step), {"kind": "hang_reward", "at_s": 1000.0}]
     with (
@@ -115,6 +121,13 @@ def test_every_kind_fires_at_the_first_and_the_last_step(cache, tmp_path, caplog
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows == json.loads(json.dumps(exp.history))
+    if at_step == 2:
+        client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+        run_id = json.loads((tmp_path / "tracking.json").read_text())["mlflow"]
+        points = client.get_metric_history(run_id, "reward/mean")
+        assert sorted(m.step for m in points) == [1, 2]
+        assert {m.step: m.value for m in points} == {r["step"]: r["reward/mean"] for r in rows}
+        assert client.get_run(run_id).info.status == "FINISHED"
     # The newest checkpoint is the last kept step's, taken after the redo.
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert saved[-1] == 2
