@@ -63,6 +63,10 @@ def test_the_bound_counts_the_plans_downtimes(tmp_path):
         )
 
 
+class Crash(Exception):
+    """An error out of a run's ``with`` block."""
+
+
 def every_kind(step: int) -> list[dict]:
     """One fault of each kind, all after ``step``."""
     return [
@@ -88,17 +92,24 @@ def test_every_kind_fires_at_the_first_and_the_last_step(
 ):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the run directory's store
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
-    # MLflow cannot un-log: after the restore it must still hold each step once.
-    config = small_run_config(*SMALL, *(["tracking=[jsonl,mlflow]"] if at_step == 2 else []))
+    # MLflow cannot un-log: after the restore it must still hold each step once. The
+    # first-step run then crashes (an error out of its ``with``): MLflow marks it failed.
+    config = small_run_config(*SMALL, "tracking=[jsonl,mlflow]")
     # ... and one the run never reaches, which the summary, log and trace name.
     plan = [*every_kind(at_step), {"kind": "hang_reward", "at_s": 1000.0}]
-    with (
-        caplog.at_level(logging.WARNING, logger="rlaxkit.runtime.driver"),
-        Experiment(config, run_dir=tmp_path, cache_dir=cache, faults=plan) as exp,
-    ):
-        exp.run()
-        exp.check_accounting()
-        summary = exp.summary()
+    crash = at_step == 1
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="rlaxkit.runtime.driver"),
+            Experiment(config, run_dir=tmp_path, cache_dir=cache, faults=plan) as exp,
+        ):
+            exp.run()
+            exp.check_accounting()
+            summary = exp.summary()
+            if crash:
+                raise Crash("after the last step")
+    except Crash:
+        assert crash
     faults = summary["faults"]
     assert [f["index"] for f in faults["fired"]] == list(range(7))
     (never,) = faults["not_fired"]
@@ -121,13 +132,12 @@ def test_every_kind_fires_at_the_first_and_the_last_step(
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows == json.loads(json.dumps(exp.history))
-    if at_step == 2:
-        client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-        run_id = json.loads((tmp_path / "tracking.json").read_text())["mlflow"]
-        points = client.get_metric_history(run_id, "reward/mean")
-        assert sorted(m.step for m in points) == [1, 2]
-        assert {m.step: m.value for m in points} == {r["step"]: r["reward/mean"] for r in rows}
-        assert client.get_run(run_id).info.status == "FINISHED"
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = json.loads((tmp_path / "tracking.json").read_text())["mlflow"]
+    points = client.get_metric_history(run_id, "reward/mean")
+    assert sorted(m.step for m in points) == [1, 2]  # both committed by checkpoints
+    assert {m.step: m.value for m in points} == {r["step"]: r["reward/mean"] for r in rows}
+    assert client.get_run(run_id).info.status == ("FAILED" if crash else "FINISHED")
     # The newest checkpoint is the last kept step's, taken after the redo.
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert saved[-1] == 2
