@@ -11,6 +11,7 @@ in its directory (``write_skipped_rows``).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -170,13 +171,20 @@ def load_problems(
     if not problems:
         raise EmptyDatasetError(path, len(errors), errors[0] if errors else None)
     if skipped:
-        _LOGGER.warning(
-            "%s: skipped %d malformed row(s) (on_error=skip), the first: %s",
-            path,
-            len(skipped),
-            "; ".join(f"row {r.row} field {r.field!r}: {r.reason}" for r in skipped[:LOGGED_SKIPS]),
+        first = "; ".join(
+            f"row {r.row} field {r.field!r}: {r.reason}" for r in skipped[:LOGGED_SKIPS]
+        )
+        _log_skipped(
+            f"{path}: skipped {len(skipped)} malformed row(s) (on_error=skip), the first: {first}"
         )
     return LoadedDataset(problems, skipped=len(errors), errors=errors, skipped_rows=tuple(skipped))
+
+
+@functools.cache
+def _log_skipped(message: str) -> None:
+    """Logs ``message`` once per process (a file is read for each split, and again by
+    each process of a run)."""
+    _LOGGER.warning(message)
 
 
 def check_train_split(path: str | Path, selected: int, loaded: int, test_fraction: float) -> None:
