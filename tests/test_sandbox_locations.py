@@ -17,6 +17,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import textwrap
 from collections.abc import Iterator
@@ -163,3 +164,20 @@ def test_sandbox_isolates_from_a_venv_there(place):
         pytest.skip(f"this machine refuses namespaces: {refused}")
     assert report["escapes"] == {name: [] for name in report["escapes"]}
     assert len(report["escapes"]) == 5
+
+
+@pytest.mark.parametrize("prefix", ["/", "/tmp", "/dev", "/proc/self/root/tmp"])
+def test_a_prefix_that_holds_a_mount_point_of_the_sandbox_shows_pythons_directories(
+    monkeypatch, prefix
+):
+    """A Python installed with prefix ``/`` (or ``/tmp``) would show the whole host, or
+    hide the sandbox's own ``/tmp``: its library directories are bound instead."""
+    from rlaxkit.tasks import sandbox
+
+    monkeypatch.setattr(sys, "prefix", prefix)
+    monkeypatch.setattr(sys, "base_prefix", prefix)
+    paths = [path for path, _, _ in sandbox._filesystem_view.__wrapped__()]
+    for mount_point in ("/", "/tmp", "/dev", "/proc"):
+        assert not any(sandbox._within(mount_point, path) for path in paths), paths
+    stdlib = sysconfig.get_paths()["stdlib"]
+    assert any(sandbox._within(stdlib, path) for path in paths), (stdlib, paths)

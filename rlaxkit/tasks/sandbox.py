@@ -486,9 +486,11 @@ def _filesystem_view() -> tuple[tuple[str, str, str], ...]:
     (``sysconfig``'s library paths), a path through ``/proc`` by the path it names, and a
     symlinked prefix is shown with its target.
     """
-    prefixes = {os.path.abspath(sys.base_prefix), os.path.abspath(sys.prefix)}
     candidates: set[str] = set()
-    for prefix in prefixes:
+    for prefix in (sys.base_prefix, sys.prefix):
+        prefix = os.path.abspath(prefix)
+        if _within(prefix, "/proc"):  # /proc/self/root/...: the path it names
+            prefix = os.path.realpath(prefix)
         if any(_within(mount_point, prefix) for mount_point in _SANDBOX_MOUNTS + ("/",)):
             paths = sysconfig.get_paths()
             names = ("stdlib", "platstdlib", "purelib", "platlib")
