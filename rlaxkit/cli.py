@@ -125,7 +125,8 @@ def run_job(
             evals.append({"step": 0, **_row(before, 1)})
             log(f"held-out pass@1 before RL: {evals[0]['pass@1']:.3f}{_extras(before)}")
         every = config.eval.every_steps
-        while exp.version < config.steps and not stop.requested:
+        # more_steps: a trainer preempted at the last step restores and redoes its steps.
+        while not stop.requested and exp.more_steps(config.steps):
             exp.step()
             step = exp.version
             if every and step % every == 0 and step < config.steps:

@@ -8,7 +8,8 @@ keys depend only on a request's seed, sample and token index (``InferenceEngine.
 so replaying the log on a fresh engine with the same weights rebuilds the same rows at
 the same chunk: a restored worker re-issues its in-flight prompts and continues exactly
 where the saved one was. Multi-turn episodes add ``Resume`` (a parked row went on after
-an observation's ids) and ``Release`` (a parked row was freed): a replay steps the
+an observation's ids) and ``Release`` (a parked row was freed, at an episode's end or,
+in concurrent mode, past ``release_after_s``): a replay steps the
 environments again, as the worker did, and checks that it resumes and releases the same
 rows with the same observations (an environment that answers differently, or a step
 that timed out once and not again, makes the replay refuse). The log is short, for the
@@ -95,8 +96,10 @@ class Resume:
 
 @dataclass(frozen=True)
 class Release:
-    """The parked row of sample ``sample_index`` of prompt ``group_id`` was freed (its
-    episode ended at a tool call)."""
+    """The parked row of sample ``sample_index`` of prompt ``group_id`` was freed: its
+    episode ended at a tool call, or (``EpisodeConfig.release_after_s``, concurrent
+    mode) its tool ran too long and the turn goes on later as a request of its whole
+    context."""
 
     group_id: int
     sample_index: int
@@ -195,7 +198,8 @@ class ReplayLog:
         self.ops.append(Resume(group_id, sample_index, observation))
 
     def released(self, group_id: int, sample_index: int) -> None:
-        """Records a parked episode's row freed."""
+        """Records a parked episode's row freed (its episode ended, or its tool ran past
+        ``release_after_s``)."""
         self.ops.append(Release(group_id, sample_index))
 
     def updated(self, version: int, params: Any, *, recompute_cache: bool) -> None:

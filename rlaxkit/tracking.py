@@ -24,10 +24,12 @@ again, and when the trainer restores a checkpoint mid-run (``Loop.roll_back``) t
 after it are too. ``metrics.jsonl`` is rewritten to the surviving steps; of the external
 trackers only TensorBoard can forget: its new event file starts with a ``SessionLog``
 ``START`` at the first re-done step (tensorboardX's ``purge_step``), and TensorBoard
-hides the older events from that step on. W&B and MLflow cannot un-log: the re-done
-steps are logged again, so a step that was taken twice has two points at the same
-``step``, the later one the step the run kept (W&B plots against ``step``, its own
-``_step`` counter keeps growing; MLflow's latest value of a metric is the newest).
+hides the older events from that step on. W&B and MLflow cannot un-log, so in a run that
+checkpoints (or has a fault plan) they get a step only once a checkpoint has committed it
+(``Trackers.commit``; every step at the end of a run that has them all): each step shows
+once, however often it was taken, and they lag the run by at most the steps between
+checkpoints. A crashed run is marked failed (MLflow ``FAILED``, W&B exit code 1, a
+``status`` text in TensorBoard).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import os
 import secrets
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
 
@@ -99,7 +101,11 @@ def check_run_dir(names: Sequence[str], run_dir: Path | None) -> None:
 
 class Tracker(Protocol):
     """An external experiment tracker (``TensorBoardTracker``, ``WandbTracker``,
-    ``MlflowTracker``). ``Trackers`` calls it; steps may come again after ``rewind``."""
+    ``MlflowTracker``). ``Trackers`` calls it; steps may come again after ``rewind`` to
+    one that ``forgets`` (hides what it was given after the rewound step); one that does
+    not is given only the steps a checkpoint has committed."""
+
+    forgets: bool
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
@@ -113,7 +119,8 @@ class Tracker(Protocol):
     def rewind(self, step: int) -> None:
         """The run went back to ``step``: the steps after it will be logged again."""
 
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None:
+        """Ends the tracker's run, marked failed when ``failed`` (the run crashed)."""
 
 
 def flatten(data: Mapping[str, Any], sep: str = "/", prefix: str = "") -> dict[str, Any]:
@@ -146,6 +153,8 @@ def numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
 class TensorBoardTracker:
     """Event files in ``logdir`` (tensorboardX). Every open starts a new event file
     whose first event purges the steps from ``purge_step`` on (TensorBoard hides them)."""
+
+    forgets = True
 
     def __init__(self, logdir: Path, purge_step: int | None = None):
         self.logdir = logdir
@@ -199,7 +208,9 @@ class TensorBoardTracker:
         self._writer.close()
         self._open(purge_step=step + 1)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        if failed:  # TensorBoard has no run status: a text says so
+            self._writer.add_text("status", "failed", self._last_step)
         self._writer.close()
 
 
@@ -208,8 +219,10 @@ class WandbTracker:
 
     ``WANDB_MODE=offline`` keeps it on disk (``wandb sync`` uploads it later);
     ``WANDB_PROJECT`` names the project (default ``rlaxkit``). Every metric is plotted
-    against ``step`` (``define_metric``), so steps logged again after a rewind land on
-    their own step, not at W&B's ever-growing ``_step``."""
+    against ``step`` (``define_metric``). It cannot un-log, so ``Trackers`` gives it
+    only committed steps; a crashed run finishes with exit code 1 (failed)."""
+
+    forgets = False
 
     def __init__(self, run_dir: Path, run_id: str | None, name: str):
         import wandb
@@ -249,10 +262,10 @@ class WandbTracker:
         self._run.summary.update({k: v for k, v in flat.items() if v is not None})
 
     def rewind(self, step: int) -> None:
-        pass  # W&B cannot un-log: the re-done steps are logged again (module docstring)
+        pass  # W&B cannot un-log: it was given no step after the checkpoint (Trackers)
 
-    def close(self) -> None:
-        self._run.finish()
+    def close(self, failed: bool = False) -> None:
+        self._run.finish(exit_code=1 if failed else 0)
 
 
 class MlflowTracker:
@@ -260,7 +273,11 @@ class MlflowTracker:
     ``MLFLOW_TRACKING_URI`` names), continued when ``run_id`` is given.
 
     MLflow has no histogram type: a histogram is logged as ``<name>/count/<value>``
-    metrics. Params cannot change once logged: a resumed run logs only new fields."""
+    metrics. Params cannot change once logged: a resumed run logs only new fields.
+    Metrics cannot be deleted either, so ``Trackers`` gives it only committed steps; a
+    crashed run ends ``FAILED``."""
+
+    forgets = False
 
     def __init__(self, run_dir: Path, run_id: str | None, name: str):
         from mlflow.tracking import MlflowClient
@@ -325,24 +342,64 @@ class MlflowTracker:
                 self._client.set_tag(self.run_id, f"summary/{key}", value)
 
     def rewind(self, step: int) -> None:
-        pass  # MLflow cannot un-log: the re-done steps are logged again (module docstring)
+        pass  # MLflow cannot un-log: it was given no step after the checkpoint (Trackers)
 
-    def close(self) -> None:
-        self._client.set_terminated(self.run_id, "FINISHED")
+    def close(self, failed: bool = False) -> None:
+        self._client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
 
 
 class Trackers:
     """The fan-out the loop logs to: ``metrics.jsonl`` and the progress bar
     (``MetricsLogger``) and each external tracker.
 
+    A run that can go back to a checkpoint (``hold``: it checkpoints, or a fault plan
+    may restore one) gives the trackers that cannot forget (W&B, MLflow) a step only once
+    a checkpoint has committed it (``commit``), so that a re-done step shows once; the
+    rest wait here and are dropped by a ``roll_back`` past them. A run that ends with
+    all its steps gives them everything; one that stops short, or crashes, does not give
+    them what a resume will do again.
+
     Args:
         jsonl: the run's ``MetricsLogger``.
         trackers: the external trackers, by name.
+        hold: whether to hold back uncommitted steps from trackers that cannot forget.
+        committed: the step already committed (the checkpoint a run resumed from).
     """
 
-    def __init__(self, jsonl: MetricsLogger, trackers: Mapping[str, Tracker] | None = None):
+    def __init__(
+        self,
+        jsonl: MetricsLogger,
+        trackers: Mapping[str, Tracker] | None = None,
+        *,
+        hold: bool = False,
+        committed: int = 0,
+    ):
         self.jsonl = jsonl
         self.trackers = dict(trackers or {})
+        self.hold = hold
+        self.committed = committed
+        # Calls waiting for their step's commit: (step, what to call on a tracker).
+        self._held: list[tuple[int, Callable[[Tracker], None]]] = []
+
+    def _send(self, step: int, call: Callable[[Tracker], None]) -> None:
+        """``call`` on every tracker now, except that one that cannot forget waits for
+        ``step``'s commit."""
+        waits = self.hold and step > self.committed
+        for tracker in self.trackers.values():
+            if tracker.forgets or not waits:
+                call(tracker)
+        if waits and any(not tracker.forgets for tracker in self.trackers.values()):
+            self._held.append((step, call))
+
+    def commit(self, step: int) -> None:
+        """A checkpoint of ``step`` is taken: the held calls up to it go out, in order."""
+        self.committed = max(self.committed, step)
+        due = [call for held_step, call in self._held if held_step <= self.committed]
+        self._held = [(s, call) for s, call in self._held if s > self.committed]
+        for call in due:
+            for tracker in self.trackers.values():
+                if not tracker.forgets:
+                    call(tracker)
 
     def log(
         self, metrics: Mapping[str, Any], histograms: Mapping[str, Sequence[int]] | None = None
@@ -356,23 +413,28 @@ class Trackers:
         scalars = numbers(metrics)
         histograms = histograms or {}
         counts = {name: Counter(int(v) for v in values) for name, values in histograms.items()}
-        for tracker in self.trackers.values():
+
+        def call(tracker: Tracker) -> None:
             tracker.log_metrics(step, scalars)
             for name, histogram in counts.items():
                 tracker.log_histogram(step, name, histogram)
 
+        self._send(step, call)
+
     def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
         """A held-out evaluation at ``step``, for the external trackers only
         (``metrics.jsonl`` holds train steps; the job's ``summary.json`` its evaluations)."""
-        for tracker in self.trackers.values():
-            tracker.log_metrics(step, numbers(metrics))
+        scalars = numbers(metrics)
+        self._send(step, lambda tracker: tracker.log_metrics(step, scalars))
 
     def roll_back(self, step: int, rows: list[dict[str, Any]]) -> None:
         """The run went back to ``step``; ``rows`` are the steps it keeps.
 
         ``metrics.jsonl`` is rewritten to ``rows``; TensorBoard hides its events after
-        ``step``; W&B and MLflow keep them and get the re-done steps as second points."""
+        ``step``; W&B and MLflow were given nothing after it (with ``hold``), and what
+        waited for a commit past it is dropped."""
         self.jsonl.rewrite(rows)
+        self._held = [(s, call) for s, call in self._held if s <= step]
         for tracker in self.trackers.values():
             tracker.rewind(step)
 
@@ -384,10 +446,16 @@ class Trackers:
         for tracker in self.trackers.values():
             tracker.log_summary(summary)
 
-    def close(self) -> None:
+    def close(self, finished: bool = True, failed: bool = False) -> None:
+        """Ends every tracker's run. ``finished``: the run has all its steps, so what
+        waits for a commit goes out first (otherwise a resume does those steps again);
+        ``failed``: the run crashed, and the trackers mark their runs failed."""
+        if finished and not failed:
+            self.commit(max([step for step, _ in self._held], default=self.committed))
+        self._held = []
         self.jsonl.close()
         for tracker in self.trackers.values():
-            tracker.close()
+            tracker.close(failed=failed)
         self.trackers = {}
 
 
@@ -399,6 +467,7 @@ def open_trackers(
     resumed_from: int | None = None,
     total_steps: int | None = None,
     progress: bool = False,
+    hold: bool = False,
 ) -> Trackers:
     """``metrics.jsonl`` and the trackers ``names`` lists for the run in ``run_dir``,
     continuing the tracker runs ``tracking.json`` records there; logs ``config``.
@@ -411,6 +480,8 @@ def open_trackers(
         resumed_from: the checkpoint step the run resumed from; TensorBoard hides the
             stopped run's events after it.
         total_steps, progress: the progress bar's.
+        hold: the run can go back to a checkpoint: W&B and MLflow get committed steps
+            only (``Trackers``).
     """
     check_tracking(names)
     check_run_dir(names, run_dir)
@@ -439,9 +510,9 @@ def open_trackers(
                 trackers[name] = mlflow_tracker
         if ids:
             ids_path.write_text(json.dumps(ids, indent=2) + "\n")
-        out = Trackers(jsonl, trackers)
+        out = Trackers(jsonl, trackers, hold=hold, committed=resumed_from or 0)
         out.log_config(config)
     except BaseException:
-        Trackers(jsonl, trackers).close()
+        Trackers(jsonl, trackers).close(failed=True)
         raise
     return out

@@ -232,7 +232,7 @@ class EpisodeTurns:
             keys = sorted(self.waiting)
         ended = [g for key in keys if (g := self._resolve(engine, log, key)) is not None]
         if self.config.release_after_s is not None:
-            self._release_slow(engine)
+            self._release_slow(engine, log)
         return ended
 
     def _wait_for_any(self) -> None:
@@ -248,13 +248,16 @@ class EpisodeTurns:
         futures = [w.step.future for w in self.waiting.values()]
         concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
 
-    def _release_slow(self, engine: InferenceEngine) -> None:
-        """Frees the rows of tools that have run ``release_after_s`` seconds."""
+    def _release_slow(self, engine: InferenceEngine, log: ReplayLog) -> None:
+        """Frees the rows of tools that have run ``release_after_s`` seconds, each
+        recorded in ``log`` as the row of an ended episode is (a timing, not an
+        environment's answer, decided it, so no replay could redo it unrecorded)."""
         assert self.config.release_after_s is not None
         now = time.monotonic()
         for (group_id, j), waiting in sorted(self.waiting.items()):
             if waiting.step.parked and now - waiting.since_s >= self.config.release_after_s:
                 engine.release(group_id, j)
+                log.released(group_id, j)
                 waiting.step.parked = False
                 self.released_rows += 1
 

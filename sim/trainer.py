@@ -55,7 +55,10 @@ class Trainer:
 
     def _run(self):
         target = self.sim.scenario.target_steps
-        while target is None or self.version < target:
+        host = self.sim.host
+        # A trainer preempted after the last step restores and redoes its lost steps, as
+        # the runtime's does (``Loop.more_steps``).
+        while target is None or self.version < target or (host is not None and host.trainer_down):
             try:
                 if self._recovering:
                     yield from self._recover()

@@ -143,3 +143,18 @@ def pytest_configure(config):
     # cache: JAX takes both settings from the environment when it is imported.
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def pytest_report_header(config):
+    """The code sandbox's isolation, at the top of a verbose run."""
+    from sandbox_machine import sandbox_mode_line
+
+    return sandbox_mode_line()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The code sandbox's isolation, at the end of every run (``-q`` shows no header): a
+    limits-only run says why, and whether the machine offers namespaces."""
+    from sandbox_machine import sandbox_mode_line
+
+    terminalreporter.write_line(sandbox_mode_line())

@@ -290,11 +290,10 @@ class NetnsCluster:
         code = (
             "import json, ray\n"
             f"ray.init(address={self.address!r}, log_to_driver=False)\n"
-            "print(json.dumps([{'address': n['NodeManagerAddress'], 'id': n['NodeID'],"
+            "print('rlx:', json.dumps([{'address': n['NodeManagerAddress'], 'id': n['NodeID'],"
             " 'resources': n['Resources']} for n in ray.nodes() if n['Alive']]))\n"
         )
-        lines = self.run(self.head.name, [PYTHON, "-c", code]).strip().splitlines()
-        return json.loads(lines[-1])
+        return _printed(self.run(self.head.name, [PYTHON, "-c", code]))
 
     def wait_for_nodes(self, count: int, timeout_s: float = 120.0) -> list[dict]:
         """Waits until ``count`` nodes are alive; returns them."""
@@ -318,12 +317,11 @@ class NetnsCluster:
             "import json, ray\n"
             "from ray._private import state\n"
             f"ray.init(address={self.address!r}, log_to_driver=False)\n"
-            "print(json.dumps([{'class': a['ActorClassName'], 'state': a['State'],"
+            "print('rlx:', json.dumps([{'class': a['ActorClassName'], 'state': a['State'],"
             " 'job': a['JobID'], 'address': a['Address']['IPAddress']}"
             " for a in state.actors().values()]))\n"
         )
-        lines = self.run(self.head.name, [PYTHON, "-c", code]).strip().splitlines()
-        return json.loads(lines[-1])
+        return _printed(self.run(self.head.name, [PYTHON, "-c", code]))
 
     def pids(self, name: str) -> list[int]:
         """Every process in ``name``'s namespace (as ``ip netns pids``, without
@@ -366,6 +364,15 @@ class NetnsCluster:
         self.nodes[name].up = False
         return len(killed)
 
+    def partition(self, name: str) -> None:
+        """Cuts ``name`` off the network with its processes alive: its ``eth0`` goes
+        down, so nothing reaches it and it reaches nothing (its loopback stays up)."""
+        self._ip("-n", self.nodes[name].namespace, "link", "set", "eth0", "down")
+
+    def heal(self, name: str) -> None:
+        """Ends ``partition(name)``: ``eth0`` up again, with its address and route."""
+        self._ip("-n", self.nodes[name].namespace, "link", "set", "eth0", "up")
+
     def close(self) -> None:
         """Kills every process of every host, deletes the namespaces (and their veth
         links) and the cluster's files."""
@@ -386,6 +393,15 @@ class NetnsCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _printed(output: str) -> list[dict]:
+    """The JSON a probe printed after ``rlx:`` (Ray may print warnings around it, e.g.
+    of a node that missed its health checks)."""
+    lines = [line for line in output.splitlines() if line.startswith("rlx: ")]
+    if not lines:
+        raise RuntimeError(f"the probe printed no `rlx:` line:\n{output[-2000:]}")
+    return json.loads(lines[-1].removeprefix("rlx: "))
 
 
 def leftovers() -> list[str]:

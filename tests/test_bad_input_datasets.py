@@ -1,12 +1,20 @@
 """Bad dataset files get errors naming the file, the row and the fix; skipped rows are
-counted where a run can read them."""
+named where a run can read them: the log names the first few, ``skipped_rows.jsonl``
+all."""
 
 import json
+import logging
 
 import pytest
 
 from rlaxkit.tasks import make_task
-from rlaxkit.tasks.datasets import DatasetError, EmptyDatasetError, load_problems
+from rlaxkit.tasks.datasets import (
+    DatasetError,
+    EmptyDatasetError,
+    SkippedRow,
+    load_problems,
+    write_skipped_rows,
+)
 
 GOOD = {"id": "a", "prompt": "1+1", "answer": "2"}
 
@@ -82,7 +90,37 @@ def test_a_file_task_exposes_its_skipped_rows(tmp_path, name):
     assert task.skipped_rows == {}
     train, test = task.problems("train"), task.problems("test")
     assert len(train) + len(test) == 20
-    assert task.skipped_rows == {str(path): 2}
+    file = str(path)
+    assert task.skipped_rows == {
+        file: (
+            SkippedRow(file, 21, "<json>", "Expecting value"),
+            SkippedRow(file, 22, "id", "id 'p0' repeats row 1"),
+        )
+    }
+
+
+def test_skipped_rows_are_named_in_the_log_and_a_file(tmp_path, caplog):
+    path = _write(
+        tmp_path / "d.jsonl",
+        _row(),
+        *[_row(id=f"e{i}", prompt="") for i in range(4)],  # rows 2-5
+        _row(id="b", answer=None),  # row 6
+    )
+    with caplog.at_level(logging.WARNING, logger="rlaxkit.tasks.datasets"):
+        loaded = load_problems(path, on_error="skip")
+    (message,) = caplog.messages
+    # The first three, by row and field; the file names all five.
+    assert message.startswith(f"{path}: skipped 5 malformed row(s) (on_error=skip), the first:")
+    assert "row 2 field 'prompt'" in message and "row 4 field 'prompt'" in message
+    assert "row 5" not in message and "row 6" not in message
+    out = tmp_path / "skipped_rows.jsonl"
+    assert write_skipped_rows(out, loaded.skipped_rows) == 5
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["file"], r["row"], r["field"]) for r in rows] == [
+        *[(str(path), row, "prompt") for row in (2, 3, 4, 5)],
+        (str(path), 6, "answer"),
+    ]
+    assert rows[0]["reason"].startswith("empty")
 
 
 @pytest.mark.parametrize("name", ["math", "code"])

@@ -167,13 +167,36 @@ def test_bad_lora_config_names_the_field(kwargs, field):
         LoraConfig(**kwargs)
 
 
-def test_peft_features_rlaxkit_cannot_express_are_refused(tmp_path):
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"use_dora": True}, r"use_dora=True is not supported"),
+        (
+            {"layers_to_transform": [0]},
+            r"layers_to_transform=\[0\] is not supported \(adapters on some layers only",
+        ),
+        (
+            {"modules_to_save": ["lm_head"]},
+            r"modules_to_save=\['lm_head'\] is not supported \(whole modules trained",
+        ),
+        ({"lora_bias": True}, r"lora_bias=True is not supported \(a trained bias on each lora_B"),
+    ],
+)
+def test_peft_features_rlaxkit_cannot_express_are_refused_by_name(tmp_path, setting, message):
+    from safetensors.numpy import load_file, save_file
+
     _, params = nnx.split(_model())
     lora = LoraConfig(rank=2, alpha=2.0)
     save_peft_adapters(tmp_path, init_adapters(params, lora, jax.random.key(0)), lora)
     raw = json.loads((tmp_path / "adapter_config.json").read_text())
-    (tmp_path / "adapter_config.json").write_text(json.dumps({**raw, "use_dora": True}))
-    with pytest.raises(ValueError, match="use_dora"):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**raw, **setting}))
+    if "lora_bias" in setting:  # PEFT writes the bias beside lora_B's weight
+        weights = tmp_path / "adapter_model.safetensors"
+        tensors = load_file(str(weights))
+        name = next(n for n in tensors if n.endswith("lora_B.weight"))
+        bias = name.replace(".weight", ".bias")
+        save_file({**tensors, bias: np.zeros(tensors[name].shape[0], np.float32)}, str(weights))
+    with pytest.raises(ValueError, match=message):
         load_peft_adapters(tmp_path, CFG)
 
 

@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -51,7 +52,8 @@ PLACED = (
     "ray.worker.num_cpus=0.25",
     "ray.worker.resources={inference: 1}",
 )
-RLAXKIT = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "rlaxkit")
+# The command installed next to this interpreter, wherever its venv lives.
+RLAXKIT = str(Path(sys.executable).parent / "rlaxkit")
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +209,111 @@ def test_a_lost_host_is_detected_its_prompts_reissued_and_it_is_used_again_when_
     assert set(in_flight[victim]) <= again
     # Back on its host, the replacement took work and finished rollouts.
     assert any(e.kind == "generation_end" and e.actor == newcomer for e in events)
+    assert summary["accepted_lost"] == 0 and summary["worker_replacements"] == len(restarts)
+    assert summary["buffer"]["trained"] == steps * config.staleness.batch_size
+    assert "preempted" not in summary["buffer"]["dropped_by_reason"]
+
+
+def stale_processes(cluster, name):
+    """The Ray node processes left in host ``name``: its raylet, its actors and agents
+    (``ray::<Class>``)."""
+    found = []
+    for pid in cluster.pids(name):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if argv[0].startswith(b"ray::") or argv[0].endswith(b"/raylet"):
+                found.append(pid)
+    return found
+
+
+def test_a_partitioned_host_is_replaced_and_nothing_accepted_is_lost(cluster, cache, tmp_path):
+    """The host of a worker that holds prompts is cut off the network with its
+    processes alive (its ``eth0`` down): the GCS declares its node dead, the run finds
+    the worker dead, re-issues its prompts and trains on with the other worker. The
+    network heals; the host's stale node, told it is dead, exits by itself (its raylet,
+    the old worker, its agents; the log monitor Ray leaves is killed) and the host joins
+    again as a new node, where the replacement worker starts and takes work. Nothing
+    accepted is lost: every step trains a full batch and the books balance."""
+    steps, cut_after, healed_after = 5, 2, 3
+    config = small_run_config(
+        *SMALL,
+        f"steps={steps}",
+        "runtime.chunk_steps=1",  # prompts stay in flight across rounds
+        "runtime.backend=ray",
+        f"ray.address={cluster.address}",
+        "ray.weight_store=tensorstore",
+        "ray.worker_start_wait_s=5",
+        *PLACED,
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    config.save(tmp_path / "config.yaml")
+    argv = [cluster.python, DRIVER, str(tmp_path / "config.yaml"), str(run), str(cache)]
+    pauses = [f"--pause-holding-after={cut_after}", f"--pause-after={healed_after}"]
+    driver = cluster.popen("a", [*argv, *pauses], log=tmp_path / "driver.log")
+    hosts = {host.address: name for name, host in cluster.nodes.items()}
+    cut, rejoined = None, False
+    try:
+        paused = run / f"paused-{cut_after}.json"
+        wait_for(lambda: paused.exists() or driver.poll() is not None, "the first pause")
+        at_pause = json.loads(paused.read_text())
+        cut_step, in_flight = at_pause["step"], at_pause["in_flight"]
+        victim = max(in_flight, key=lambda w: len(in_flight[w]))
+        cut = hosts[at_pause["addresses"][victim]]
+        assert cut in ("b", "c")
+        alive_before = set(cluster.pids(cut))
+        cluster.partition(cut)
+        wait_for(lambda: len(cluster.alive_nodes()) == 2, "the GCS to declare the node dead")
+        # Partitioned, not killed: every process the host ran is still running.
+        assert alive_before and alive_before <= set(cluster.pids(cut))
+        (run / f"go-{cut_after}").touch()
+        paused = run / f"paused-{healed_after}.json"
+        wait_for(lambda: paused.exists() or driver.poll() is not None, "the second pause")
+        assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+        healed_step = json.loads(paused.read_text())["step"]
+        cluster.heal(cut)
+        # Told by the GCS that it is dead, the stale node's raylet exits, and the old
+        # worker and the node's agents with it (seconds); only its log monitor stays.
+        wait_for(lambda: not stale_processes(cluster, cut), "the stale node to exit", 60.0)
+        cluster.kill_host(cut)  # the log monitor Ray leaves behind
+        cluster.start_node(cut)  # the host joins again: a new Ray node, same slot
+        rejoined = True
+        address = cluster.nodes[cut].address
+        wait_for(
+            lambda: any(
+                a["class"] == "WorkerHost" and a["state"] == "ALIVE" and a["address"] == address
+                for a in cluster.actor_placements()
+            ),
+            "the replacement worker to start on the host",
+        )
+        (run / f"go-{healed_after}").touch()
+        assert driver.wait(timeout=600) == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        if cut is not None and not rejoined:  # the next test finds every host up
+            cluster.heal(cut)
+            cluster.kill_host(cut)
+            cluster.start_node(cut)
+    result = json.loads((run / "result.json").read_text())
+    summary, events = result["summary"], read_trace(run / "trace.jsonl")
+    lost, *others = [e for e in events if e.kind == "preemption"]
+    assert lost.actor == victim and lost["reason"] == "actor_died"
+    assert lost["reissued"] == len(in_flight[victim]) > 0
+    restarts = [e for e in events if e.kind == "restart" and e.actor.startswith("worker")]
+    assert [e["replaces"] for e in restarts] == [victim] + [e.actor for e in others]
+    newcomer = restarts[-1].actor
+    survivor = next(w for w in in_flight if w != victim)
+    back_at = next(e.t for e in events if e.actor == newcomer and e.kind == "pull")
+    between = [e for e in events if lost.t < e.t < back_at]
+    assert {e.actor for e in between if e.kind == "generation_end"} == {survivor}
+    assert [e["step"] for e in between if e.kind == "train_step"] == list(
+        range(cut_step + 1, healed_step + 1)
+    )
+    again = {e["rollout"] for e in events if e.kind == "generation_start" and e.t > lost.t}
+    assert set(in_flight[victim]) <= again
+    assert any(e.kind == "generation_end" and e.actor == newcomer for e in events)
+    # Nothing accepted lost: every step trained a full batch, and the books balance.
     assert summary["accepted_lost"] == 0 and summary["worker_replacements"] == len(restarts)
     assert summary["buffer"]["trained"] == steps * config.staleness.batch_size
     assert "preempted" not in summary["buffer"]["dropped_by_reason"]

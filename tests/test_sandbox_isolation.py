@@ -2,9 +2,12 @@
 programs' files, write outside their directory, reach the network, start processes or
 signal others. Each runs through ``run_python`` and must fail or be contained.
 
-With namespaces (``isolation_mode() == "namespaces"``) every case runs. In limits-only mode
-the cases that only namespaces contain are skipped, each with its reason; the rest still
-run. ``test_no_escapes`` prints ``escapes: E of N (mode)``.
+With namespaces (``isolation_mode() == "namespaces"``) every case runs. Where the machine
+offers namespaces (``unshare`` works) and the sandbox fell back to limits-only anyway, every
+case that only namespaces contain fails (STYLE rule 21): a guard that is off is a failure.
+Only where the machine itself refuses them are those cases skipped, each naming the
+kernel's refusal and why limits-only mode cannot contain it; the rest still run.
+``test_no_escapes`` prints ``escapes: E of N (mode)``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from sandbox_machine import namespaces_refused
 
 from rlaxkit.tasks import Problem, RewardRunner, RewardRunnerConfig, make_task
 from rlaxkit.tasks.base import REWARD_TIMEOUT
@@ -33,6 +37,7 @@ from rlaxkit.tasks.sandbox import (
     SandboxResult,
     SandboxSetupError,
     isolation_mode,
+    isolation_refusal,
     run_python,
 )
 
@@ -457,11 +462,33 @@ def outcomes(bait) -> dict[str, bool]:
     return escaped
 
 
+def require_namespaces(why: str) -> None:
+    """Returns with namespaces; else fails where the machine offers them (the sandbox
+    fell back for a reason of its own) and skips, naming the kernel's refusal, where it
+    does not."""
+    if MODE == "namespaces":
+        return
+    refused = namespaces_refused()
+    if refused is None:
+        pytest.fail(
+            "the machine offers namespaces (unshare works) but the sandbox runs limits-only"
+            f" ({isolation_refusal()}): {why}"
+        )
+    pytest.skip(f"this machine refuses namespaces ({refused}); {why}")
+
+
+def test_sandbox_uses_namespaces_where_the_machine_offers_them():
+    if namespaces_refused() is None:
+        assert MODE == "namespaces", isolation_refusal()
+    else:
+        assert MODE == "limits-only"
+
+
 @pytest.mark.parametrize("name", list(ESCAPES))
 def test_escape_is_contained(name, outcomes):
     reason = ESCAPES[name].limits_only_skip
-    if MODE == "limits-only" and reason:
-        pytest.skip(f"limits-only: {reason}")
+    if reason:
+        require_namespaces(f"limits-only: {reason}")
     assert not outcomes[name], f"{name} escaped the sandbox ({MODE})"
 
 
@@ -472,7 +499,10 @@ def test_no_escapes(outcomes, capsys, record_property):
     with capsys.disabled():
         print("\n" + line)
     assert escapes == 0, sorted(name for name, escaped in outcomes.items() if escaped)
-    assert len(outcomes) >= (15 if MODE == "namespaces" else 6)
+    if MODE == "namespaces":
+        assert len(outcomes) == len(ESCAPES)  # none left out
+    else:
+        assert len(outcomes) >= 6
 
 
 def test_programs_still_work_inside():
@@ -488,8 +518,8 @@ def test_programs_still_work_inside():
     assert json.loads(result.stdout) == ["ABC\n", True]
 
 
-@pytest.mark.skipif(MODE != "namespaces", reason="needs namespaces")
 def test_namespace_view():
+    require_namespaces("the view exists in namespaces only")
     source = """
         import os
         print(os.getpid(), os.getppid(), sorted(os.listdir('/')), sorted(os.listdir('/dev')))
@@ -504,8 +534,8 @@ def test_namespace_view():
     assert int(capabilities, 16) == 0
 
 
-@pytest.mark.skipif(MODE != "namespaces", reason="needs namespaces")
 def test_killing_a_hung_reward_leaks_no_program_in_namespaces():
+    require_namespaces("the PID namespace's init exists in namespaces only")
     # The program marks its working directory; the host sees it through /proc/<pid>/cwd.
     marker = "rlaxkit-hung-" + secrets.token_hex(6)
     task = make_task("code", limits=SandboxLimits(wall_time_s=60, cpu_time_s=60))

@@ -1,7 +1,7 @@
 """Trackers: what TensorBoard, W&B (offline) and MLflow hold after a run, read back with
 their own readers and compared with metrics.jsonl; a resumed run continues the same
-tracker runs; a rewind hides TensorBoard's discarded steps and gives W&B and MLflow a
-second point."""
+tracker runs; a rewind hides TensorBoard's discarded steps, and W&B and MLflow, which
+cannot un-log, get only the steps a checkpoint committed, each once."""
 
 import json
 import struct
@@ -132,7 +132,8 @@ def test_tensorboard_hides_the_steps_after_a_rewind(tmp_path):
 class Recorder:
     """A tracker that records its calls."""
 
-    def __init__(self):
+    def __init__(self, forgets=True):
+        self.forgets = forgets
         self.calls = []
 
     def log_metrics(self, step, metrics):
@@ -150,8 +151,8 @@ class Recorder:
     def rewind(self, step):
         self.calls.append(("rewind", step))
 
-    def close(self):
-        self.calls.append(("close",))
+    def close(self, failed=False):
+        self.calls.append(("close", failed) if failed else ("close",))
 
 
 def test_trackers_fan_out_and_a_roll_back_rewrites_metrics_jsonl(tmp_path):
@@ -184,11 +185,56 @@ def test_trackers_fan_out_and_a_roll_back_rewrites_metrics_jsonl(tmp_path):
     ]
 
 
+def test_trackers_that_cannot_forget_get_committed_steps_once(tmp_path):
+    """TensorBoard (forgets) gets every step at once and the rewind; MLflow and W&B (do
+    not) get a step once a checkpoint commits it, so step 3, taken twice, shows once."""
+    board, store = Recorder(forgets=True), Recorder(forgets=False)
+    trackers = tracking.Trackers(
+        MetricsLogger(tmp_path / "metrics.jsonl", progress=False),
+        {"tensorboard": board, "mlflow": store},
+        hold=True,
+    )
+    for step in (1, 2, 3):
+        trackers.log({"step": step, "loss": float(step)})
+        if step == 2:
+            trackers.commit(2)  # the checkpoint of step 2
+    assert [c[1] for c in store.calls] == [1, 2]
+    trackers.roll_back(2, [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}])
+    trackers.log({"step": 3, "loss": 9.0})  # step 3 again, kept this time
+    trackers.log_eval(3, {"eval/pass_at_1": 0.5})
+    trackers.close(finished=True)
+    assert [c[1] for c in board.calls if c[0] == "metrics"] == [1, 2, 3, 3, 3]
+    assert store.calls == [
+        ("metrics", 1, {"step": 1.0, "loss": 1.0}),
+        ("metrics", 2, {"step": 2.0, "loss": 2.0}),
+        ("rewind", 2),
+        ("metrics", 3, {"step": 3.0, "loss": 9.0}),
+        ("metrics", 3, {"eval/pass_at_1": 0.5}),
+        ("close",),
+    ]
+
+
+def test_a_crashed_run_gives_no_uncommitted_step_and_is_marked_failed(tmp_path):
+    store = Recorder(forgets=False)
+    trackers = tracking.Trackers(
+        MetricsLogger(tmp_path / "metrics.jsonl", progress=False),
+        {"mlflow": store},
+        hold=True,
+        committed=1,  # resumed from the checkpoint of step 1
+    )
+    trackers.log({"step": 2, "loss": 2.0})  # a resume does it again
+    trackers.close(finished=False, failed=True)
+    assert store.calls == [("close", True)]
+    mlflow = tracking.MlflowTracker(tmp_path, None, "crashed")
+    mlflow.close(failed=True)
+    assert MlflowClient(mlflow.tracking_uri).get_run(mlflow.run_id).info.status == "FAILED"
+
+
 # -- a run, stopped and resumed ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory):
     """A run with every tracker stopped after step 3 (its checkpoint: step 2) and resumed
-    to step 5: steps 3 is taken twice."""
+    to step 5: step 3 is taken twice."""
     root = tmp_path_factory.mktemp("tracking")
     run, config = root / "run", small_run_config(*RUN, ALL)
     with pytest.MonkeyPatch.context() as patch:
@@ -257,19 +303,20 @@ def test_wandb_offline_run_holds_metrics_jsonl(resumed_run):
     ]
     first, second = (wandb_history(records) for records in sessions)
     metrics = [h for h in first + second if "reward/mean" in h]
-    # Step 3 twice: the stopped run's and the resumed run's (W&B cannot un-log).
-    assert [h["step"] for h in metrics] == [1, 2, 3, 3, 4, 5]
-    kept = {h["step"]: h for h in metrics}  # the later point of a step is the kept one
-    stopped = {h["step"]: h for h in metrics[:3]}
+    # Step 3 once: the stopped run's was past its checkpoint (step 2), so W&B, which
+    # cannot un-log, never got it; the resumed run's is the one kept.
+    assert [h["step"] for h in metrics] == [1, 2, 3, 4, 5]
+    assert [h["step"] for h in first if "reward/mean" in h] == [1, 2]
+    kept = {h["step"]: h for h in metrics}
     for row in rows:
         for key, value in row.items():
             if isinstance(value, int | float):
                 assert kept[row["step"]][key] == value, (key, row["step"])
-    assert stopped[3]["time/train_s"] == resumed_run["stopped"][2]["time/train_s"]
+    assert kept[3]["time/train_s"] != resumed_run["stopped"][2]["time/train_s"]
     (evaluation,) = [h for h in second if "eval/pass_at_1" in h]
     assert evaluation["step"] == 5 and evaluation["eval/pass_at_1"] == resumed_run["pass_at_1"]
     histograms = [h for h in first + second if "staleness._type" in h]
-    assert [h["step"] for h in histograms] == [1, 2, 3, 3, 4, 5]
+    assert [h["step"] for h in histograms] == [1, 2, 3, 4, 5]
     assert all(sum(h["staleness.values"]) == 4 for h in histograms)
     config = {
         item.key: json.loads(item.value_json)
@@ -293,11 +340,11 @@ def test_mlflow_store_holds_metrics_jsonl(resumed_run):
     rows = read_metrics(run / "metrics.jsonl")
     client = MlflowClient(f"sqlite:///{run}/mlflow.db")
     history = client.get_metric_history(run_id, "reward/mean")
-    assert sorted(m.step for m in history) == [1, 2, 3, 3, 4, 5]
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5]  # each step once
     for key in ("reward/mean", "staleness/mean", "time/train_s", "buffer/dropped"):
-        points = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
-        kept = {m.step: m.value for m in points}
-        assert kept == {row["step"]: row[key] for row in rows}, key
+        points = client.get_metric_history(run_id, key)
+        assert sorted(m.step for m in points) == [1, 2, 3, 4, 5], key
+        assert {m.step: m.value for m in points} == {row["step"]: row[key] for row in rows}, key
     (evaluation,) = client.get_metric_history(run_id, "eval/pass_at_1")
     assert (evaluation.step, evaluation.value) == (5, resumed_run["pass_at_1"])
     data = client.get_run(run_id).data

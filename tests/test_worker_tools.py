@@ -191,6 +191,41 @@ def test_a_released_row_goes_on_as_a_request_of_its_whole_context(policy):
     worker.close()
 
 
+def test_a_row_released_past_release_after_s_reaches_the_replay_log(policy):
+    # Every row is released as soon as its tool runs: each engine.release is a Release
+    # op of the worker's replay log, in order, across the log's resets on a drain.
+    episodes = dataclasses.replace(CONFIG.episodes, release_after_s=0.0)
+    task = GatedTask(delay_s=0.05)
+    task.gate.set()
+    worker = free_running_worker(policy, task, episodes)
+    engine, log = worker.engine, worker.replay_log
+    assert engine is not None
+    freed: list[list] = []
+    logged: list[list] = []
+    release, reset = engine.release, log.reset
+
+    def noted_release(group_id, sample_index=None):
+        freed.append(["x", group_id, sample_index])
+        return release(group_id, sample_index)
+
+    def noted_reset(*args, **kwargs):
+        logged.extend(op.to_json() for op in log.ops if op.to_json()[0] == "x")
+        return reset(*args, **kwargs)
+
+    engine.release, log.reset = noted_release, noted_reset
+    worker.submit(issue(1), PROBLEMS[1])
+    for _ in range(400):
+        if not worker.requests:
+            break
+        worker.step()
+    assert not worker.requests
+    logged.extend(op.to_json() for op in log.ops if op.to_json()[0] == "x")
+    assert worker.turns is not None and worker.turns.released_rows >= 2
+    assert len(freed) >= worker.turns.released_rows
+    assert logged == freed
+    worker.close()
+
+
 def test_a_released_sample_resubmitted_alone_samples_what_its_resume_would():
     model, prompt = peaked_model(0), [5, 17, 2, 40, 33]
     config = dataclasses.replace(GREEDY, n=2)

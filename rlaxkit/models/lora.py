@@ -224,13 +224,23 @@ def save_peft_adapters(
     return path
 
 
+# PEFT settings rlaxkit's LoRA cannot express, and what each asks for.
+_UNSUPPORTED_PEFT = {
+    "layers_to_transform": "adapters on some layers only; rlaxkit adapts every layer",
+    "layers_pattern": "the layer list layers_to_transform indexes",
+    "modules_to_save": "whole modules trained and saved beside the adapters",
+    "lora_bias": "a trained bias on each lora_B",
+}
+
+
 def load_peft_adapters(path: str | Path, model_config: ModelConfig) -> tuple[nnx.State, LoraConfig]:
     """Reads a PEFT LoRA adapter directory for a model of ``model_config`` (per-layer or
     stacked, as ``model_config.scan_layers`` says); returns the adapters and their config.
 
     Raises:
-        ValueError: naming the file and the field, for what rlaxkit's LoRA cannot express
-            (bias training, DoRA, rsLoRA, per-module ranks) or tensors of other shapes.
+        ValueError: naming the file and the setting, for what rlaxkit's LoRA cannot express
+            (bias training, DoRA, rsLoRA, per-module ranks, ``layers_to_transform``,
+            ``modules_to_save``, ``lora_bias``) or tensors of other shapes.
     """
     from safetensors.numpy import load_file
 
@@ -246,6 +256,13 @@ def load_peft_adapters(path: str | Path, model_config: ModelConfig) -> tuple[nnx
         if raw.get(field, plain) != plain:
             raise ValueError(
                 f"{config_file}: {field}={raw[field]!r} is not supported (needs {plain!r})"
+            )
+    # Settings whose tensors rlaxkit's LoRA has no place for, named before any tensor is.
+    for field, meaning in _UNSUPPORTED_PEFT.items():
+        if raw.get(field) not in (None, False, [], {}):
+            raise ValueError(
+                f"{config_file}: {field}={raw[field]!r} is not supported ({meaning}); "
+                f"rlaxkit's LoRA needs {field} unset (null)"
             )
     if raw.get("rank_pattern") or raw.get("alpha_pattern"):
         raise ValueError(

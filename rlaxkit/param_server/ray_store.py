@@ -35,14 +35,14 @@ push is a copy into warm memory. Pass the setting to the cluster's start, e.g.
 ``object_store_memory`` for at least ``keep + 1`` versions plus one per reader that
 holds an older one; beyond that Ray spills to disk.
 
-On a running Ray cluster (not run here: it needs one):
+On a running Ray cluster (a literal block, not a doctest: it needs one; the Ray tests
+run the same calls)::
 
->>> import numpy as np  # doctest: +SKIP
->>> actor = parameter_server_actor(keep=2)  # doctest: +SKIP
->>> trainer_side = RayObjectStoreParameterServer(actor)  # doctest: +SKIP
->>> trainer_side.push(1, {"w": np.ones(3)})  # doctest: +SKIP
->>> RayObjectStoreParameterServer(actor).pull(min_version=1)[0]  # doctest: +SKIP
-1
+    import numpy as np
+    actor = parameter_server_actor(keep=2)
+    trainer_side = RayObjectStoreParameterServer(actor)
+    trainer_side.push(1, {"w": np.ones(3)})
+    RayObjectStoreParameterServer(actor).pull(min_version=1)[0]  # 1
 """
 
 from __future__ import annotations

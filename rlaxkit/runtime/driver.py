@@ -12,6 +12,7 @@ backend; on Ray a preemption kills the actor for real.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -36,15 +37,21 @@ from rlaxkit.runtime.faults import NO_FAULTS, FaultInjector, load_plan
 from rlaxkit.runtime.loop import Loop
 from rlaxkit.runtime.placement import start_placement
 from rlaxkit.tasks import CodeTask, isolation_mode
+from rlaxkit.tasks.datasets import write_skipped_rows
 from rlaxkit.tracking import check_run_dir, open_trackers
+
+_LOGGER = logging.getLogger(__name__)
+SKIPPED_ROWS_FILE = "skipped_rows.jsonl"  # dataset rows skipped as malformed, each named
 
 
 class Experiment(Loop):
     """An RL run you can step through, on the backend ``config.runtime.backend`` names.
 
-    >>> exp = Experiment(RunConfig(steps=3))  # doctest: +SKIP
-    >>> metrics = exp.step()                   # doctest: +SKIP
-    >>> exp.last_batch["groups"]               # doctest: +SKIP
+    A literal block, not a doctest (it trains a model; ``tests/test_runtime.py`` runs it)::
+
+        exp = Experiment(RunConfig(steps=3))
+        metrics = exp.step()
+        exp.last_batch["groups"]
 
     Args:
         config: the run configuration.
@@ -122,6 +129,7 @@ class Experiment(Loop):
             )
             self.fleet, self.trainer = parts.fleet, parts.trainer
             self.problems = parts.task.problems("train", config.task.num_train)
+            self.write_skipped_rows()
             self.controller = PromptController(len(self.problems), seed=config.seed)
             # Only a fault plan restores the trainer in the run: without one, trained
             # groups are not kept for a roll-back.
@@ -159,6 +167,9 @@ class Experiment(Loop):
                 resumed_from=self.books.resumed_from,
                 total_steps=config.steps,
                 progress=progress,
+                # A run that can go back to a checkpoint: W&B and MLflow get committed steps.
+                hold=config.runtime.mode != "concurrent"
+                and bool(config.checkpoint.every_steps or config.checkpoint.every_s or len(plan)),
             )
         except BaseException:
             if parts is not None:
@@ -282,6 +293,13 @@ class Experiment(Loop):
         self.fleet.restore(items["workers"], items["fleet"], weights_for, work_for)
 
     # -- results -----------------------------------------------------------------------
+    def write_skipped_rows(self) -> None:
+        """``skipped_rows.jsonl`` in the run directory: every dataset row the task skipped
+        as malformed (``on_error=skip``), with its file, row, field and reason."""
+        if self.run_dir is not None:
+            rows = [row for rows in self.task.skipped_rows.values() for row in rows]
+            write_skipped_rows(self.run_dir / SKIPPED_ROWS_FILE, rows)
+
     def summary(self) -> dict[str, Any]:
         """Goodput (useful trainer compute ÷ wall time), lost steps, fault counters
         (``preemptions`` by kind, ``restarts`` by actor, ``reissued_prompts``).
@@ -309,8 +327,13 @@ class Experiment(Loop):
                 "preemptions": dict(self.books.preemptions),
                 "restarts": dict(self.books.restarts),
                 "reissued_prompts": self.books.reissued,
+                # The fault plan's faults that fired and those that did not, with why.
+                "faults": self.faults.report(self.fault_now(), self.version),
                 "buffer": self.buffer.counts(),
-                "dataset_skipped_rows": dict(self.task.skipped_rows),
+                # Rows skipped as malformed, by file (each named in skipped_rows.jsonl).
+                "dataset_skipped_rows": {
+                    path: len(rows) for path, rows in self.task.skipped_rows.items()
+                },
                 # How generated programs are contained, for tasks that run them (this
                 # process's sandbox; reward workers on other hosts may differ).
                 "sandbox_isolation": isolation_mode() if isinstance(self.task, CodeTask) else None,
@@ -355,9 +378,10 @@ class Experiment(Loop):
         )
         return report
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """Records goodput, stops workers and actors, waits for checkpoint writes and
-        closes the files (idempotent)."""
+        closes the files (idempotent); ``failed``: the run crashed, and every tracker
+        marks its run failed."""
         if self.closed:
             return
         self.closed = True
@@ -365,6 +389,11 @@ class Experiment(Loop):
         if self.parts.collector is not None:
             self.parts.collector.close()
         summary = self.summary()
+        self.write_skipped_rows()  # the test split's too, read by evaluate()
+        unfired = summary["faults"]["not_fired"]
+        for fault in unfired:
+            _LOGGER.warning("fault plan: faults[%d] (%s) never fired: %s", fault["index"],
+                            fault["kind"], fault["why"])  # fmt: skip
         self.trace.record(
             self.clock(),
             "run_end",
@@ -372,14 +401,18 @@ class Experiment(Loop):
             self.version,
             **{k: summary[k] for k in ("goodput", "useful_train_s", "lost_train_s", "wall_s")},
             lost_steps=summary["lost_steps"],
+            # Plan indices of faults that never fired (the summary says why).
+            **({"faults_not_fired": [f["index"] for f in unfired]} if unfired else {}),
         )
         self.parts.close()
         self.logger.log_summary(summary)
-        self.logger.close()
+        self.logger.commit(self.books.last_save_step)  # a checkpoint the caller took
+        finished = self.version >= self.config.steps and not self.faults.trainer_down()
+        self.logger.close(finished=finished, failed=failed)
         self.trace.close()
 
     def __enter__(self) -> Experiment:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(failed=exc[0] is not None)

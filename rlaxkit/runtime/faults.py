@@ -81,12 +81,69 @@ PREEMPTION_KINDS = {
 RAY_KINDS = (*PREEMPTION_KINDS, "slow_worker")
 
 
+# Headroom of ``plausible_end_s`` over one worker generating every batch at full length:
+# groups dropped as stale or rolled back are generated again.
+END_HEADROOM = 4
+
+
+def plausible_end_s(plan: FaultPlan, config: RunConfig) -> float:
+    """An upper bound on the fault clock at which the run ends: ``END_HEADROOM`` times the
+    rounds one worker alone needs to generate every step's batch, every row at the
+    longest generation (``sampling.max_new_tokens`` or ``episodes.max_episode_tokens``)
+    one chunk a round plus one round to start, times ``runtime.round_s``, plus every
+    downtime of the plan.
+
+    >>> from rlaxkit.config import small_run_config
+    >>> plausible_end_s(FaultPlan(), small_run_config("steps=2", "runtime.chunk_steps=4"))
+    520.0
+    """
+    runtime = config.runtime
+    rows = config.staleness.batch_size * config.group_size
+    longest = max(config.sampling.max_new_tokens, config.episodes.max_episode_tokens)
+    rounds = -(-rows // runtime.slots_per_worker) * (-(-longest // runtime.chunk_steps) + 1)
+    downtime = 0.0
+    for fault in plan:
+        if fault.kind in PREEMPTION_KINDS:
+            restart_s = fault.restart_after_s
+            downtime += runtime.restart_s if restart_s is None else restart_s
+        elif fault.kind == "slow_worker" and fault.duration_s is not None and fault.factor:
+            downtime += fault.duration_s * fault.factor
+    return END_HEADROOM * config.steps * rounds * runtime.round_s + downtime
+
+
+def check_plan_bounds(plan: FaultPlan, config: RunConfig) -> None:
+    """Refuses a fault that can never fire in this run, naming it and the bound: a step
+    outside ``1..steps`` (a step fault fires right after the trainer takes that step) or
+    a time past ``plausible_end_s``. (A worker or slice the fleet lacks is refused by
+    ``FaultState``.)"""
+    end_s = None
+    for index, fault in enumerate(plan):
+        where = f"faults[{index}] ({fault.kind})"
+        if fault.at_step is not None and not 1 <= fault.at_step <= config.steps:
+            raise ValueError(
+                f"{where}.at_step: {fault.at_step} is outside this run's steps 1..{config.steps}"
+                " (a step fault fires right after the trainer takes that step, so it would"
+                f" never fire); use a step in 1..{config.steps} or raise steps"
+            )
+        if fault.at_s is not None:
+            end_s = plausible_end_s(plan, config) if end_s is None else end_s
+            if fault.at_s > end_s:
+                raise ValueError(
+                    f"{where}.at_s: {fault.at_s:g} s is past any plausible end of this run"
+                    f" ({end_s:g} s on the fault clock: {END_HEADROOM}x the rounds one worker"
+                    " needs for every batch at full length, times runtime.round_s, plus the"
+                    " plan's downtimes), so it would never fire; use an earlier at_s or an"
+                    " at_step"
+                )
+
+
 def check_plan_supported(plan: FaultPlan, config: RunConfig, run_dir: Path | None) -> None:
     """Refuses, naming the fix, a plan the placement cannot inject.
 
     Raises:
-        ValueError: a plan in concurrent mode, a kind Ray does not inject, or a
-            ``preempt_trainer`` fault without a ``run_dir`` to checkpoint to.
+        ValueError: a plan in concurrent mode, a kind Ray does not inject, a
+            ``preempt_trainer`` fault without a ``run_dir`` to checkpoint to, or a fault
+            that can never fire (``check_plan_bounds``).
     """
     if not len(plan):
         return
@@ -108,6 +165,7 @@ def check_plan_supported(plan: FaultPlan, config: RunConfig, run_dir: Path | Non
                     f"faults[{index}].kind: {fault.kind!r} reaches inside a worker's process "
                     f"and is injected by runtime.backend=local only; on ray use {RAY_KINDS}"
                 )
+    check_plan_bounds(plan, config)
     if run_dir is None and any(f.kind == "preempt_trainer" for f in plan):
         raise ValueError(
             "faults: preempt_trainer restores the last checkpoint; give the Experiment "
@@ -152,6 +210,10 @@ class NoFaults:
 
     def held_weights(self) -> dict[int, Any]:
         return {}
+
+    def report(self, now_s: float, step: int) -> dict[str, list[dict[str, Any]]]:
+        """The plan's faults that fired and those that did not, with why (``FaultInjector``)."""
+        return {"fired": [], "not_fired": []}
 
     def state_dict(self) -> dict[str, Any]:
         return {"plan": []}
@@ -283,6 +345,24 @@ class FaultInjector(NoFaults):
         self.state.trainer_down_until = None
         exp.roll_back(restored)
         exp.note_published(exp.trainer.publish(restored, reset=True))
+
+    def report(self, now_s: float, step: int) -> dict[str, list[dict[str, Any]]]:
+        """The plan's faults that fired and those that did not, each as its plan entry
+        with its ``index`` and, for one that did not, ``why``: the run stopped (at step
+        ``step``, at ``now_s`` on the fault clock) before its step or time came."""
+        fired: list[dict[str, Any]] = []
+        not_fired: list[dict[str, Any]] = []
+        for index, fault in enumerate(self.state.plan):
+            entry = {"index": index, **fault.to_dict()}
+            if index in self.state.fired:
+                fired.append(entry)
+            elif fault.at_step is not None:
+                why = f"the run stopped at step {step}, before step {fault.at_step}"
+                not_fired.append(entry | {"why": why})
+            else:
+                why = f"the run stopped at {now_s:g} s on the fault clock, before {fault.at_s:g} s"
+                not_fired.append(entry | {"why": why})
+        return {"fired": fired, "not_fired": not_fired}
 
     # -- checkpoints -----------------------------------------------------------------
     def held_weights(self) -> dict[int, Any]:

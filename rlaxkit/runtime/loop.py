@@ -328,6 +328,7 @@ class Loop:
             step, self.fault_now(), self.books.last_save_step, self.books.last_save_s
         ):
             self.save_checkpoint(wait=False)
+            self.logger.commit(self.books.last_save_step)  # W&B and MLflow get the steps
         return metrics
 
     def run(self, steps: int | None = None) -> list[dict[str, Any]]:
@@ -336,9 +337,29 @@ class Loop:
         version back, so this may take more than ``steps`` steps."""
         target = self.config.steps if steps is None else self.version + steps
         out = []
-        while self.version < target:
+        while self.more_steps(target):
             out.append(self.step())
         return out
+
+    def more_steps(self, target: int) -> bool:
+        """Whether the run has fewer than ``target`` kept steps, once a trainer a fault
+        took down has restored (``wait_for_trainer``): a preemption after the last step
+        loses the steps since the checkpoint like any other, and they are done again."""
+        self.wait_for_trainer()
+        return self.version < target
+
+    def wait_for_trainer(self) -> None:
+        """Rounds (the fleet generates on, the fault clock moves) until a trainer that a
+        fault took down has restored its checkpoint; nothing while it is up."""
+        idle_rounds = 0
+        while True:
+            self.faults.restore_trainer_if_due(self)
+            if not self.faults.trainer_down():
+                return
+            progressed = self.round()
+            idle_rounds = 0 if progressed or self.faults.waiting() else idle_rounds + 1
+            if idle_rounds > 2:
+                raise stalled(self)
 
     def reward_failures(self) -> dict[str, int]:
         """Scored samples whose reward failed so far, by reason (``REWARD_FAILURES``)."""

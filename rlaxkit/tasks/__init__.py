@@ -96,6 +96,7 @@ from rlaxkit.tasks.sandbox import (
     SandboxResult,
     SandboxSetupError,
     isolation_mode,
+    isolation_refusal,
     run_python,
 )
 
@@ -175,6 +176,7 @@ __all__ = [
     "register_task",
     "unregister_task",
     "isolation_mode",
+    "isolation_refusal",
     "run_python",
     "sample_and_score",
     "split_of",

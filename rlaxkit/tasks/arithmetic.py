@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rlaxkit.tasks.base import (
     NO_ANSWER,
@@ -30,6 +30,9 @@ from rlaxkit.tasks.base import (
 from rlaxkit.tasks.expressions import ExpressionError, evaluate_expression
 from rlaxkit.tasks.registry import register_task
 from rlaxkit.validation import check_int
+
+if TYPE_CHECKING:
+    from rlaxkit.tasks.datasets import SkippedRow
 
 Operator = Literal["+", "-", "*", "/"]
 _INTEGER = re.compile(r"-?\d+")
@@ -99,7 +102,7 @@ class ArithmeticTask(SeededProblems):
 
     name = "arithmetic"
     reward_execution: RewardExecution = "inline"
-    skipped_rows: dict[str, int] = {}  # generated problems: no file, no row to skip
+    skipped_rows: dict[str, tuple[SkippedRow, ...]] = {}  # generated: no file, no row to skip
 
     def __init__(self, config: ArithmeticConfig | None = None):
         self.config = config or ArithmeticConfig()

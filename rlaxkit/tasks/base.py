@@ -15,9 +15,12 @@ import hashlib
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol, get_args, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, get_args, runtime_checkable
 
 from rlaxkit.validation import is_number
+
+if TYPE_CHECKING:
+    from rlaxkit.tasks.datasets import SkippedRow
 
 Split = Literal["train", "test"]
 RewardExecution = Literal["inline", "pool"]
@@ -118,7 +121,8 @@ class Task(Protocol):
 
     name: str
     reward_execution: RewardExecution  # "inline" for cheap pure rewards, else "pool"
-    skipped_rows: dict[str, int]  # dataset file -> rows skipped when read (on_error=skip)
+    # Dataset file -> the rows skipped as malformed when it was read (on_error=skip).
+    skipped_rows: dict[str, tuple[SkippedRow, ...]]
 
     def problems(self, split: Split, n: int | None = None) -> list[Problem]:
         """The first ``n`` problems of ``split`` (all of them for finite datasets)."""

@@ -31,7 +31,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from rlaxkit.episodes import Action, Episode, StepOutcome, StepResult
 from rlaxkit.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
@@ -48,6 +48,9 @@ from rlaxkit.tasks.base import (
 )
 from rlaxkit.tasks.registry import register_task
 from rlaxkit.validation import check_int
+
+if TYPE_CHECKING:
+    from rlaxkit.tasks.datasets import SkippedRow
 
 MAX_CALC_CHARS: Final = 64  # longer expressions are refused before parsing
 MAX_CALC_VALUE: Final = 10**18  # any literal or intermediate value beyond ± this is refused
@@ -170,7 +173,7 @@ class CalculatorTask(SeededProblems):
 
     name = "calculator"
     reward_execution: RewardExecution = "inline"
-    skipped_rows: dict[str, int] = {}  # generated problems: no file, no row to skip
+    skipped_rows: dict[str, tuple[SkippedRow, ...]] = {}  # generated: no file, no row to skip
 
     def __init__(self, config: CalculatorConfig | None = None):
         self.config = config or CalculatorConfig()

@@ -32,7 +32,13 @@ from rlaxkit.tasks.base import (
     split_of,
     stable_id,
 )
-from rlaxkit.tasks.datasets import FieldMapping, OnError, check_train_split, load_problems
+from rlaxkit.tasks.datasets import (
+    FieldMapping,
+    OnError,
+    SkippedRow,
+    check_train_split,
+    load_problems,
+)
 from rlaxkit.tasks.registry import register_task
 from rlaxkit.tasks.sandbox import SandboxLimits, run_python
 from rlaxkit.validation import check_int, is_number
@@ -136,7 +142,7 @@ class CodeTask:
         self.config = config or CodeConfig()
         # Dataset file -> rows skipped as malformed when it was last read
         # (``on_error="skip"``), for a run's summary.
-        self.skipped_rows: dict[str, int] = {}
+        self.skipped_rows: dict[str, tuple[SkippedRow, ...]] = {}
 
     def problems(self, split: Split, n: int | None = None) -> list[Problem]:
         """Problems of ``split`` (the first ``n``; all of a file's when ``n`` is ``None``)."""
@@ -153,7 +159,7 @@ class CodeTask:
             )
         path = c.train_path if c.test_path is None or split == "train" else c.test_path
         problems = load_problems(path, c.fields, on_error=c.on_error, id_prefix=self.name)
-        self.skipped_rows[path] = problems.skipped
+        self.skipped_rows[path] = problems.skipped_rows
         selected = [
             p
             for p in problems.problems

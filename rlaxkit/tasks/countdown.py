@@ -13,6 +13,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 from rlaxkit.tasks.base import (
     INVALID_EXPRESSION,
@@ -33,6 +34,9 @@ from rlaxkit.tasks.base import (
 from rlaxkit.tasks.expressions import ExpressionError, evaluate_expression, render
 from rlaxkit.tasks.registry import register_task
 from rlaxkit.validation import check_int
+
+if TYPE_CHECKING:
+    from rlaxkit.tasks.datasets import SkippedRow
 
 _OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -123,7 +127,7 @@ class CountdownTask(SeededProblems):
 
     name = "countdown"
     reward_execution: RewardExecution = "inline"
-    skipped_rows: dict[str, int] = {}  # generated problems: no file, no row to skip
+    skipped_rows: dict[str, tuple[SkippedRow, ...]] = {}  # generated: no file, no row to skip
 
     def __init__(self, config: CountdownConfig | None = None):
         self.config = config or CountdownConfig()

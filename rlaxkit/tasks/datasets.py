@@ -3,15 +3,19 @@
 A malformed row (not UTF-8, not JSON, a field missing or of the wrong type, an empty
 prompt, a repeated id) raises ``DatasetError`` naming the file, the row (1-based: the line
 of a JSONL file, the record of a Parquet file) and the field; with ``on_error="skip"`` it
-is skipped instead, counted and its message kept in the returned ``LoadedDataset``. A file
-that yields no problem at all raises ``EmptyDatasetError`` naming it.
+is skipped instead and named in the returned ``LoadedDataset`` (a ``SkippedRow``: file,
+row, field, reason; the first few are logged). A file that yields no problem at all raises
+``EmptyDatasetError`` naming it. A run writes every skipped row to ``skipped_rows.jsonl``
+in its directory (``write_skipped_rows``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,13 +24,15 @@ from rlaxkit.validation import is_int
 
 FileFormat = Literal["auto", "jsonl", "parquet"]
 OnError = Literal["raise", "skip"]
+LOGGED_SKIPS = 3  # skipped rows of a file named in the log; the rest in skipped_rows.jsonl
+_LOGGER = logging.getLogger(__name__)
 
 
 class DatasetError(ValueError):
     """A row of a dataset file that cannot become a problem."""
 
     def __init__(self, path: str | Path, row: int, field_name: str, message: str):
-        self.path, self.row, self.field = str(path), row, field_name
+        self.path, self.row, self.field, self.reason = str(path), row, field_name, message
         super().__init__(f"{path}: row {row}: field {field_name!r}: {message}")
 
 
@@ -76,12 +82,33 @@ class FieldMapping:
 
 
 @dataclass(frozen=True)
+class SkippedRow:
+    """A row ``on_error="skip"`` left out: its file, row (1-based), field and why."""
+
+    file: str
+    row: int
+    field: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class LoadedDataset:
-    """Problems read from a file, with what was skipped (``on_error="skip"`` only)."""
+    """Problems read from a file, with what was skipped (``on_error="skip"`` only):
+    ``skipped`` rows, ``errors`` their messages, ``skipped_rows`` each named."""
 
     problems: list[Problem]
     skipped: int = 0
     errors: list[str] = field(default_factory=list)
+    skipped_rows: tuple[SkippedRow, ...] = ()
+
+
+def write_skipped_rows(path: str | Path, rows: Iterable[SkippedRow]) -> int:
+    """Writes ``rows`` to ``path`` as JSON lines (``file``, ``row``, ``field``,
+    ``reason``), replacing it; returns how many. Nothing is written for none."""
+    lines = [json.dumps(asdict(row)) + "\n" for row in rows]
+    if lines:
+        Path(path).write_text("".join(lines), encoding="utf-8")
+    return len(lines)
 
 
 def load_problems(
@@ -119,6 +146,7 @@ def load_problems(
     rows = _parquet_rows(path) if file_format == "parquet" else _jsonl_rows(path)
     problems: list[Problem] = []
     errors: list[str] = []
+    skipped: list[SkippedRow] = []
     seen: dict[str, int] = {}
     for row_number, row in rows:
         try:
@@ -136,12 +164,27 @@ def load_problems(
             if on_error == "raise":
                 raise
             errors.append(str(error))
+            skipped.append(SkippedRow(error.path, error.row, error.field, error.reason))
             continue
         seen[problem.id] = row_number
         problems.append(problem)
     if not problems:
         raise EmptyDatasetError(path, len(errors), errors[0] if errors else None)
-    return LoadedDataset(problems, skipped=len(errors), errors=errors)
+    if skipped:
+        first = "; ".join(
+            f"row {r.row} field {r.field!r}: {r.reason}" for r in skipped[:LOGGED_SKIPS]
+        )
+        _log_skipped(
+            f"{path}: skipped {len(skipped)} malformed row(s) (on_error=skip), the first: {first}"
+        )
+    return LoadedDataset(problems, skipped=len(errors), errors=errors, skipped_rows=tuple(skipped))
+
+
+@functools.cache
+def _log_skipped(message: str) -> None:
+    """Logs ``message`` once per process (a file is read for each split, and again by
+    each process of a run)."""
+    _LOGGER.warning(message)
 
 
 def check_train_split(path: str | Path, selected: int, loaded: int, test_fraction: float) -> None:

@@ -31,7 +31,13 @@ from rlaxkit.tasks.base import (
     split_of,
     stable_id,
 )
-from rlaxkit.tasks.datasets import FieldMapping, OnError, check_train_split, load_problems
+from rlaxkit.tasks.datasets import (
+    FieldMapping,
+    OnError,
+    SkippedRow,
+    check_train_split,
+    load_problems,
+)
 from rlaxkit.tasks.expressions import render
 from rlaxkit.tasks.registry import register_task
 from rlaxkit.validation import check_int
@@ -155,7 +161,7 @@ class MathTask:
         self.config = config or MathConfig()
         # Dataset file -> rows skipped as malformed when it was last read
         # (``on_error="skip"``), for a run's summary.
-        self.skipped_rows: dict[str, int] = {}
+        self.skipped_rows: dict[str, tuple[SkippedRow, ...]] = {}
 
     def problems(self, split: Split, n: int | None = None) -> list[Problem]:
         """Problems of ``split`` (the first ``n``; all of a file's when ``n`` is ``None``)."""
@@ -206,7 +212,7 @@ class MathTask:
     def _load(self, path: str) -> list[Problem]:
         c = self.config
         loaded = load_problems(path, c.fields, on_error=c.on_error, id_prefix=self.name)
-        self.skipped_rows[path] = loaded.skipped
+        self.skipped_rows[path] = loaded.skipped_rows
         return loaded.problems
 
 

@@ -36,6 +36,10 @@ program in new user, mount, PID, network, IPC and UTS namespaces (``unshare(2)``
   no ``/dev/shm``;
 * ``/tmp`` is a private tmpfs of ``max_disk_bytes`` (no exec), holding its working
   directory; all it writes is lost when it ends;
+* the installation is bound at its own path wherever it lives: one under ``/tmp`` or
+  ``/dev`` (a venv in ``/tmp``) is bound read-only inside the private ``/tmp`` or ``/dev``
+  after they are made, so that no path of the view collides with the sandbox's own mount
+  points and the rest of the host's ``/tmp`` stays out of sight;
 * its network namespace has only a loopback interface, left down: no route anywhere (not
   even to itself), no name resolution;
 * it is PID 2 of its own PID namespace under a small init: it can see and signal no process
@@ -72,6 +76,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -104,6 +109,7 @@ SETUP_EXIT_CODE = 99  # ... when it could not build the namespaces (the reason i
 UNPRIVILEGED_ID = 65534  # ``nobody``: the uid and gid a root caller's programs run as
 _READ_CHUNK_BYTES = 65536
 _LIBRARY_DIRS = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32")
+_SANDBOX_MOUNTS = ("/dev", "/proc", "/tmp")  # made by the sandbox; the view goes below
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
 # System calls glibc does not wrap, by machine: (pivot_root, keyctl).
 _SYSCALLS = {"x86_64": (155, 250), "aarch64": (41, 219), "riscv64": (41, 219)}
@@ -157,15 +163,8 @@ def build_root(source):
     root, cwd = config["root"], config["cwd"]
     mount(None, "/", None, REC | PRIVATE)  # nothing below propagates to the host
     mount("tmpfs", root, "tmpfs", NOSUID | NODEV, "mode=755,size=1m")
-    for path, kind, link in config["view"]:
-        target = root + path
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        if kind == "symlink":
-            os.symlink(link, target)
-            continue
-        os.mkdir(target)
-        mount(path, target, None, BIND | REC)
-        bind_read_only(target)
+    # The sandbox's own mount points first, then the view, which may lie below them (a
+    # venv under /tmp or /dev/shm is bound into the private scratch, read-only).
     os.mkdir(root + "/dev")
     for device in config["devices"]:
         open(root + device, "w").close()
@@ -175,6 +174,15 @@ def build_root(source):
     os.mkdir(root + "/tmp")
     scratch = f"mode=1777,size={limits['max_disk_bytes']}"
     mount("tmpfs", root + "/tmp", "tmpfs", NOSUID | NODEV | NOEXEC, scratch)
+    for path, kind, link in config["view"]:
+        target = root + path
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if kind == "symlink":
+            os.symlink(link, target)
+            continue
+        os.makedirs(target, exist_ok=True)
+        mount(path, target, None, BIND | REC)
+        bind_read_only(target)
     os.mkdir(root + cwd)
     with open(root + cwd + "/solution.py", "wb") as file:
         file.write(source)
@@ -415,10 +423,30 @@ def isolation_mode() -> IsolationMode:
     ``sandbox_isolation``.
 
     Decided once per process by running a probe program in namespaces (~50 ms) and
-    checking from inside that it is PID 2 and sees no ``/etc``: the kernel's answer, not a
-    guess from sysctls that differ between distributions.
+    checking from inside that it is PID 2, sees in ``/`` only the sandbox's mount points
+    and the view (no ``/etc``, no home) and cannot reach even the loopback address: the
+    kernel's answer, not a guess from sysctls that differ between distributions.
     """
     return _probe()[0]
+
+
+def isolation_refusal() -> str:
+    """Why this process's sandbox runs with limits only: the probe's failure (the
+    kernel's refusal, or what the probe program saw); ``""`` with namespaces."""
+    return _probe()[1]
+
+
+# Its PID, what it sees in ``/`` and how a connection to the loopback address fails: with
+# namespaces 2, the view alone and ENETUNREACH (the loopback interface is down).
+_PROBE = """
+import errno, os, socket
+try:
+    socket.create_connection(("127.0.0.1", 9), timeout=1).close()
+    network = "connected"
+except OSError as error:
+    network = errno.errorcode.get(error.errno or 0, repr(error))
+print(os.getpid(), sorted(os.listdir("/")), network)
+"""
 
 
 @functools.cache
@@ -429,13 +457,13 @@ def _probe() -> tuple[IsolationMode, str]:
     elif os.uname().machine not in _SYSCALLS:
         reason = f"no pivot_root system call number known for {os.uname().machine}"
     else:
-        probe = "import os\nprint(os.getpid(), os.path.exists('/etc'))"
+        expected = f"2 {_root_entries(_filesystem_view())} ENETUNREACH\n"
         try:
-            result = _run(probe, "", SandboxLimits(), "namespaces")
+            result = _run(_PROBE, "", SandboxLimits(), "namespaces")
         except SandboxSetupError as error:
             reason = str(error)
         else:
-            if result.stdout == "2 False\n":
+            if result.stdout == expected:
                 return "namespaces", ""
             reason = f"probe program: {result.status}, {result.stdout!r} {result.stderr[-300:]!r}"
     _LOGGER.warning(
@@ -449,18 +477,66 @@ def _probe() -> tuple[IsolationMode, str]:
 @functools.cache
 def _filesystem_view() -> tuple[tuple[str, str, str], ...]:
     """``(path, "dir" | "symlink", link target)`` for what a program sees read-only: the
-    Python installation and the shared-library directories, outermost first."""
+    Python installation and the shared-library directories, outermost first.
+
+    Wherever the installation lives, its paths never clash with the sandbox's own mount
+    points (``_SANDBOX_MOUNTS``): a prefix below one of them (a venv under ``/tmp``) is
+    bound inside it after it is mounted, a prefix that holds one (``/``, or a Python
+    installed with prefix ``/tmp``) is replaced by the directories Python reads from it
+    (``sysconfig``'s library paths), a path through ``/proc`` by the path it names, and a
+    symlinked prefix is shown with its target.
+    """
+    candidates: set[str] = set()
+    for prefix in (sys.base_prefix, sys.prefix):
+        prefix = os.path.abspath(prefix)
+        if _within(prefix, "/proc"):  # /proc/self/root/...: the path it names
+            prefix = os.path.realpath(prefix)
+        if any(_within(mount_point, prefix) for mount_point in _SANDBOX_MOUNTS + ("/",)):
+            paths = sysconfig.get_paths()
+            names = ("stdlib", "platstdlib", "purelib", "platlib")
+            candidates.update(os.path.abspath(paths[name]) for name in names if name in paths)
+        else:
+            candidates.add(prefix)
+    for path in list(candidates):
+        if _within(path, "/proc"):
+            candidates.discard(path)
+            candidates.add(os.path.realpath(path))
+        elif os.path.islink(path):
+            candidates.add(os.path.realpath(path))
+    ordered = sorted(candidates) + [path for path in _LIBRARY_DIRS if os.path.lexists(path)]
     view: list[tuple[str, str, str]] = []
-    candidates = sorted({os.path.abspath(sys.base_prefix), os.path.abspath(sys.prefix)})
-    candidates += [path for path in _LIBRARY_DIRS if os.path.lexists(path)]
-    for path in candidates:
-        if any(path == seen or path.startswith(seen.rstrip("/") + "/") for seen, _, _ in view):
+    for path in ordered:
+        if any(_within(path, seen) for seen, _, _ in view):
             continue  # already visible through a directory bound above it
+        if any(_within(mount_point, path) for mount_point in _SANDBOX_MOUNTS + ("/",)):
+            continue  # would show the host's /tmp, /dev or /proc (sysconfig's paths inside)
         if os.path.islink(path):
             view.append((path, "symlink", os.readlink(path)))
         elif os.path.isdir(path):
             view.append((path, "dir", ""))
     return tuple(view)
+
+
+def _within(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or lies below it (both absolute, normalised)."""
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _root_entries(view: tuple[tuple[str, str, str], ...]) -> list[str]:
+    """The names a program in namespaces sees in ``/``: the sandbox's mount points and the
+    first component of each path of the view, sorted."""
+    names = {mount_point.strip("/") for mount_point in _SANDBOX_MOUNTS}
+    names.update(path.split("/")[1] for path, _, _ in view)
+    return sorted(names)
+
+
+def _working_directory(workdir: str, view: tuple[tuple[str, str, str], ...]) -> str:
+    """The program's working directory on its private ``/tmp``, named after ``workdir``
+    and clear of every path of the view (which may lie under ``/tmp`` too)."""
+    cwd = "/tmp/" + os.path.basename(workdir)
+    while any(_within(path, cwd) or _within(cwd, path) for path, _, _ in view):
+        cwd += "-work"
+    return cwd
 
 
 def _run(source: str, stdin: str, limits: SandboxLimits, mode: IsolationMode) -> SandboxResult:
@@ -469,7 +545,8 @@ def _run(source: str, stdin: str, limits: SandboxLimits, mode: IsolationMode) ->
         stdin_path = Path(workdir, "stdin.txt")
         stdin_path.write_text(stdin, encoding="utf-8")
         # With namespaces the program's working directory is on its private /tmp.
-        cwd = "/tmp/" + os.path.basename(workdir) if mode == "namespaces" else workdir
+        view = _filesystem_view()
+        cwd = _working_directory(workdir, view) if mode == "namespaces" else workdir
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": cwd, "TMPDIR": cwd}
         # Numerical libraries start a thread per core at import, which RLIMIT_NPROC refuses.
         env |= {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -481,7 +558,7 @@ def _run(source: str, stdin: str, limits: SandboxLimits, mode: IsolationMode) ->
             "control_fd": control_write,
             "root": os.path.realpath(workdir),
             "cwd": cwd,
-            "view": _filesystem_view(),
+            "view": view,
             "devices": _DEVICES,
             "syscalls": _SYSCALLS.get(os.uname().machine),
         }
