@@ -1,4 +1,4 @@
-"""``rlaxkit`` command line: train, sft, eval, plot, trace, simulate, demo.
+"""rlaxkit command line: demo, train, sft, eval, plot, trace, simulate, plan.
 
 rlaxkit demo                                  # the embedded default run
 rlaxkit train configs/demo.yaml --set staleness.max_staleness=4
@@ -31,6 +31,8 @@ import numpy as np
 
 from rlaxkit.config import RunConfig
 from rlaxkit.perfetto import MAX_EVENTS, MAX_EVENTS_PER_TRACK
+from rlaxkit.rundirs import Choice, claim_run_dir
+from rlaxkit.runtime.stalls import TrainingStalled
 
 if TYPE_CHECKING:
     from rlaxkit.evaluation import EvalReport
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from sim.scenario import Scenario
 
 SIM_CHUNKS = 200  # progress-bar updates of a simulated run
+EVAL_SEED = 1234  # the sampling seed of a run's held-out evaluations (and rlaxkit eval's)
 
 
 class StopRequest:
@@ -97,14 +100,56 @@ def run_job(
     Args:
         faults: a FaultPlan file to inject.
         cache_dir: where the warm start is cached (default: ``run_dir``).
+
+    A run that stops on an error leaves ``summary.json`` with ``status: failed`` and the
+    reason; a finished one says ``status: finished``, a signalled one ``stopped``.
     """
+    run_dir = Path(run_dir)
+    log(f"run directory: {run_dir} ({config.runtime.backend} backend)")
+    try:
+        return _run_job(
+            config, run_dir, progress=progress, log=log, faults=faults, cache_dir=cache_dir
+        )
+    except (Exception, KeyboardInterrupt) as error:
+        if (run_dir / "config.yaml").exists():  # the run started: say why it stopped
+            _write_failed_summary(run_dir, error)
+        raise
+
+
+def _write_failed_summary(run_dir: Path, error: BaseException) -> None:
+    """``summary.json`` of a run that stopped on ``error``: ``status: failed``, the reason,
+    and the step of its newest checkpoint (``null``: none), so the folder says why."""
+    from rlaxkit.runtime.state import checkpoint_dir
+
+    directory = checkpoint_dir(run_dir)
+    steps = (
+        sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+        if directory.is_dir()
+        else []
+    )
+    summary = {
+        "status": "failed",
+        "reason": f"{type(error).__name__}: {error}",
+        "checkpoint_step": steps[-1] if steps else None,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def _run_job(
+    config: RunConfig,
+    run_dir: Path,
+    *,
+    progress: bool,
+    log: Callable[[str], object],
+    faults: str | Path | None,
+    cache_dir: str | Path | None,
+) -> dict[str, Any]:
     from rlaxkit import runtime
     from rlaxkit.models import save_hf_checkpoint
     from rlaxkit.plotting import TRAIN_JOB_FIGURES, plot_run
+    from rlaxkit.runtime.stalls import check_start
 
-    run_dir = Path(run_dir)
     start = time.perf_counter()
-    log(f"run directory: {run_dir} ({config.runtime.backend} backend)")
     summary: dict[str, Any]
     with (
         StopRequest(log) as stop,
@@ -120,23 +165,25 @@ def run_job(
         if exp.resumed_from is not None:
             log(f"resumed from the checkpoint of step {exp.resumed_from}")
         if not evals:
-            before = exp.evaluate()
+            before = exp.evaluate(seed=EVAL_SEED)
             evals.append({"step": 0, **_row(before, 1)})
             log(f"held-out pass@1 before RL: {evals[0]['pass@1']:.3f}{_extras(before)}")
+            check_start(config, evals[0]["pass@1"], before.num_problems * before.samples)
         every = config.eval.every_steps
         while exp.version < config.steps and not stop.requested:
             exp.step()
             step = exp.version
             if every and step % every == 0 and step < config.steps:
-                evals.append({"step": step, **_row(exp.evaluate(), 1)})
+                evals.append({"step": step, **_row(exp.evaluate(seed=EVAL_SEED), 1)})
         if stop.requested:
             saved = exp.save_checkpoint()
-            summary = {"preempted": True, "signal": stop.requested, "step": exp.version}
+            summary = {"status": "stopped", "preempted": True, "signal": stop.requested}
+            summary |= {"step": exp.version}
             summary |= {"checkpoint_saved": saved, **exp.summary()}
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             log(f"stopped at step {exp.version}; run again with --run-dir {run_dir} to resume")
             return summary
-        after = exp.evaluate()
+        after = exp.evaluate(seed=EVAL_SEED)
         evals.append({"step": config.steps, **_row(after, 1)})
         exp.check_accounting()
         # Experiment.current_model is typed nnx.Module until rlaxkit.runtime is rewritten;
@@ -147,6 +194,7 @@ def run_job(
             tokenizer=exp.tokenizer,
         )
         summary = {
+            "status": "finished",
             "steps": config.steps,
             "pass@1_before": evals[0]["pass@1"],
             "pass@1_after": evals[-1]["pass@1"],
@@ -154,6 +202,7 @@ def run_job(
             **{f"{k}_before": evals[0].get(k) for k in after.metrics},
             **{f"{k}_after": v for k, v in after.metrics.items()},
             "evals": evals,
+            "eval_seed": EVAL_SEED,
             "buffer": exp.buffer.counts(),
             "wall_s": time.perf_counter() - start,
             "eval_after": after.rows,
@@ -274,12 +323,10 @@ def load_scenario_with_overrides(path: str | Path, overrides: list[str]) -> Scen
     a distribution can be given as ``{type: constant, value: 10}``). As with
     ``sim.with_overrides``, overriding ``workload.prompts_per_step`` alone also sets
     ``staleness.batch_size``, which must equal it."""
-    import yaml
-
-    from rlaxkit.configio import apply_overrides
+    from rlaxkit.configio import apply_overrides, read_yaml
     from sim.scenario import scenario_from_dict
 
-    data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a scenario file must hold a mapping")
     given = dict(item.split("=", 1) for item in overrides if "=" in item)
@@ -309,44 +356,144 @@ def _extras(report: EvalReport) -> str:
 def _config(args: argparse.Namespace) -> RunConfig:
     if args.config:
         return RunConfig.from_yaml(args.config, args.set)
+    saved = Path(args.run_dir or "") / "config.yaml"
+    if getattr(args, "resume", False) and args.run_dir and saved.is_file():
+        return RunConfig.from_yaml(saved, args.set)  # --resume: the run's own config
     return RunConfig.from_overrides(args.set)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlaxkit", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def _claim(args: argparse.Namespace, config: RunConfig, run_dir: str) -> Path | None:
+    """Where a train/demo job writes (see ``rlaxkit.rundirs``); ``None``: the run in
+    ``run_dir`` finished and there is nothing to do (the reason is printed)."""
+    from rlaxkit.runtime.state import checkpoint_dir
 
-    def with_config(p, optional=False):
-        p.add_argument("config", nargs="?" if optional else None, help="YAML run config")
+    directory = checkpoint_dir(Path(run_dir))
+    claim = claim_run_dir(
+        run_dir,
+        "run",
+        config.to_dict(),
+        _choice(args),
+        has_checkpoint=directory.is_dir() and any(directory.iterdir()),
+    )
+    if claim.message:
+        print(claim.message)
+    return None if claim.action == "finished" else claim.run_dir
+
+
+def _choice(args: argparse.Namespace) -> Choice:
+    choices: tuple[Choice, ...] = ("resume", "new", "overwrite")
+    return next((name for name in choices if getattr(args, name, False)), "auto")
+
+
+def _ownership_options(p: argparse.ArgumentParser) -> None:
+    """``--resume``/``--new``/``--overwrite``: what to do with a run directory that holds
+    a run (without one: continue the same config's run, refuse another)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --run-dir with its own config.yaml (--set still applies)",
+    )
+    group.add_argument(
+        "--new",
+        action="store_true",
+        help="if --run-dir holds a run, write to a fresh RUN_DIR-2 (-3, ...) beside it",
+    )
+    group.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run files in --run-dir first (warm-start caches stay)",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rlaxkit import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="rlaxkit",
+        description=__doc__.split("\n")[0],
+        epilog="examples:\n" + __doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"rlaxkit {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_config(p, optional=False, run_dir="runs/demo"):
+        p.add_argument(
+            "config",
+            nargs="?" if optional else None,
+            help="YAML run config, e.g. configs/demo.yaml (default: the demo's config)",
+        )
         p.add_argument(
             "--set",
             action="append",
             default=[],
             metavar="KEY=VALUE",
-            help="override a config field, e.g. staleness.max_staleness=4",
+            help="override a config field, e.g. sampling.n=4 (repeat for more)",
         )
-        p.add_argument("--run-dir", default=None, help="output directory")
-        p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--run-dir", default=None, help=f"output directory (default: {run_dir})")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    for name, text in (("train", "run RL from a config"), ("demo", "the embedded default run")):
-        p_run = sub.add_parser(name, help=text)
-        with_config(p_run, optional=True)
+    for name, text, description, default_dir in (
+        (
+            "train",
+            "run RL from a config",
+            "Warm start, held-out eval, RL for `steps` steps, eval and plots, from a config.",
+            "runs/YYYYmmdd-HHMMSS",
+        ),
+        (
+            "demo",
+            "the embedded default run",
+            "The embedded default run (configs/demo.yaml: async GRPO on addition with a tiny "
+            "model, about 10 minutes on a laptop CPU); the same job as `train`.",
+            "runs/demo",
+        ),
+    ):
+        p_run = sub.add_parser(name, help=text, description=description)
+        with_config(p_run, optional=True, run_dir=default_dir)
         p_run.add_argument("--faults", default=None, help="FaultPlan YAML/JSON to inject")
-        p_run.add_argument("--cache-dir", default=None, help="warm-start cache directory")
+        p_run.add_argument(
+            "--cache-dir", default=None, help="warm-start cache directory (default: --run-dir)"
+        )
+        _ownership_options(p_run)
     with_config(sub.add_parser("sft", help="supervised warm start only"), optional=True)
-    p_eval = sub.add_parser("eval", help="held-out pass@k of a run's final policy")
-    p_eval.add_argument("run_dir")
-    p_eval.add_argument("--samples", type=int, default=None)
+    p_eval = sub.add_parser(
+        "eval",
+        help="held-out pass@k of a run's final policy",
+        description="Held-out pass@k of RUN_DIR/final with the run's own evaluation settings "
+        "(eval.num_problems, eval.samples and the sampling seed its summary used).",
+    )
+    p_eval.add_argument("run_dir", help="a finished run directory (holds config.yaml, final/)")
+    p_eval.add_argument(
+        "--samples", type=int, default=None, help="samples per problem (default: eval.samples)"
+    )
+    p_eval.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed (default: the seed the run's own final evaluation used)",
+    )
     p_plot = sub.add_parser("plot", help="write PNG figures of a run directory")
-    p_plot.add_argument("run_dir")
+    p_plot.add_argument("run_dir", help="a run directory; figures go to RUN_DIR/plots")
     p_plot.add_argument(
         "--compare", default=None, help="another run directory to overlay (plots/compare.png)"
     )
     p_trace = sub.add_parser("trace", help="export a run's trace for ui.perfetto.dev")
     p_trace.add_argument("run_dir", help="run directory (or its trace.jsonl)")
     p_trace.add_argument("-o", "--output", default=None, help="default RUN_DIR/run.perfetto.json")
-    p_trace.add_argument("--max-events", type=int, default=MAX_EVENTS)
-    p_trace.add_argument("--max-events-per-track", type=int, default=MAX_EVENTS_PER_TRACK)
+    p_trace.add_argument(
+        "--max-events",
+        type=int,
+        default=MAX_EVENTS,
+        help=f"events in the export at most (default: {MAX_EVENTS})",
+    )
+    p_trace.add_argument(
+        "--max-events-per-track",
+        type=int,
+        default=MAX_EVENTS_PER_TRACK,
+        help=f"events per track at most; busier tracks are thinned (default: "
+        f"{MAX_EVENTS_PER_TRACK})",
+    )
     p_sim = sub.add_parser("simulate", help="simulate a scenario YAML into a run directory")
     p_sim.add_argument("scenario", help="scenario YAML, e.g. configs/sim/toy.yaml")
     p_sim.add_argument(
@@ -356,8 +503,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a scenario field, e.g. fleet.num_workers=8",
     )
-    p_sim.add_argument("--run-dir", default=None, help="output directory")
-    p_sim.add_argument("--no-progress", action="store_true")
+    p_sim.add_argument(
+        "--run-dir", default=None, help="output directory (default: runs/sim-NAME-YYYYmmdd-HHMMSS)"
+    )
+    p_sim.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _ownership_options(p_sim)
     p_plan = sub.add_parser("plan", help="compile a run's programs for a mesh: memory, FLOPs")
     p_plan.add_argument("config", nargs="?", help="plan YAML (rlaxkit.planning.PlanConfig)")
     p_plan.add_argument(
@@ -372,9 +522,12 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = args.run_dir or (
                 "runs/demo" if args.command == "demo" else f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
             )
+            claimed = _claim(args, config, run_dir)
+            if claimed is None:
+                return 0
             run_job(
                 config,
-                run_dir,
+                claimed,
                 progress=not args.no_progress,
                 faults=args.faults,
                 cache_dir=args.cache_dir,
@@ -390,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
             _, info = warm_start(config, task, model, tokenizer, run_dir)
             print(json.dumps(info))
         elif args.command == "eval":
-            _eval(Path(args.run_dir), args.samples)
+            _eval(Path(args.run_dir), args.samples, args.seed)
         elif args.command == "plot":
             from rlaxkit.plotting import plot_run
 
@@ -412,31 +565,63 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "simulate":
             scenario = load_scenario_with_overrides(args.scenario, args.set)
             run_dir = args.run_dir or f"runs/sim-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-            simulate_job(scenario, run_dir, progress=not args.no_progress)
+            claim = claim_run_dir(run_dir, "simulated", _scenario_dict(scenario), _choice(args))
+            if claim.message:
+                print(claim.message)
+            if claim.action != "finished":
+                simulate_job(scenario, claim.run_dir, progress=not args.no_progress)
         elif args.command == "plan":
             from rlaxkit.planning import load_plan_config, plan
 
             result = plan(load_plan_config(args.config, args.set))
             print(json.dumps(result.summary()) if args.json else result.table())
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, NotADirectoryError, TrainingStalled) as err:
         print(f"rlaxkit {args.command}: {err}", file=sys.stderr)
         return 2
     return 0
 
 
-def _eval(run_dir: Path, samples: int | None) -> None:
+def _scenario_dict(scenario: Scenario) -> dict[str, Any]:
+    """The scenario as ``scenario.yaml`` holds it (what a run directory is compared by)."""
+    import yaml
+
+    from sim.scenario import scenario_to_dict
+
+    data: dict[str, Any] = yaml.safe_load(yaml.safe_dump(scenario_to_dict(scenario)))
+    return data
+
+
+def _eval(run_dir: Path, samples: int | None, seed: int | None) -> None:
+    """Held-out pass@k of ``run_dir/final`` with the run's own evaluation settings: the
+    same problems, samples and sampling seed as its summary's ``pass@1_after``."""
     from rlaxkit.evaluation import evaluate_model
     from rlaxkit.models import load_hf_checkpoint
+    from rlaxkit.rundirs import run_status
     from rlaxkit.runtime.build import build_task
 
+    what = "the folder `rlaxkit train` wrote (it holds config.yaml and final/)"
+    if run_dir.is_file():
+        raise ValueError(f"{run_dir} is a file, not a run directory: give {what}")
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml): give {what}")
+    if not (run_dir / "final" / "config.json").is_file():
+        status, summary = run_status(run_dir)
+        why = f": {summary['reason']}" if summary.get("reason") else ""
+        raise FileNotFoundError(
+            f"the run in {run_dir} has no final policy (final/); it is {status}{why}. "
+            f"Finish it first: rlaxkit train --run-dir {run_dir} --resume"
+        )
     config = RunConfig.from_yaml(run_dir / "config.yaml")
+    _, summary = run_status(run_dir)
     model, tokenizer = load_hf_checkpoint(run_dir / "final")
     if tokenizer is None:
         raise FileNotFoundError(f"{run_dir / 'final'} holds no tokenizer to decode with")
     task = build_task(config)
     n = samples or config.eval.samples
+    seed = summary.get("eval_seed", EVAL_SEED) if seed is None else seed
     problems = task.problems("test", config.eval.num_problems)
-    report = evaluate_model(config, task, model, tokenizer, problems=problems, n=n, seed=0)
+    print(f"{len(problems)} held-out problems, {n} samples each, sampling seed {seed}")
+    report = evaluate_model(config, task, model, tokenizer, problems=problems, n=n, seed=seed)
     print(report.table())
 
 

@@ -31,6 +31,18 @@ def test_simulate_writes_a_run_directory(tmp_path, capsys):
     assert {"timeline.png", "staleness.png"} <= plots
     out = capsys.readouterr().out
     assert "4 steps" in out and "ui.perfetto.dev" in out
+    # The second run into the folder: the same scenario is done; another one, or a real
+    # run, is refused before any work.
+    events = (run / "trace.jsonl").read_text()
+    assert main(["simulate", TOY, *overrides, "--run-dir", str(run)]) == 0
+    assert "finished after 4 steps; nothing to do" in capsys.readouterr().out
+    assert (run / "trace.jsonl").read_text() == events
+    assert main(["simulate", TOY, "--set", "target_steps=5", "--run-dir", str(run)]) == 2
+    assert "another config (it differs at fleet.num_workers, target_steps)" in (
+        capsys.readouterr().err
+    )
+    assert main(["train", "--run-dir", str(run)]) == 2
+    assert "holds a simulated run (scenario.yaml); choose --resume" in capsys.readouterr().err
 
 
 def test_chunked_run_is_the_plain_run():
