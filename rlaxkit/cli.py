@@ -1,10 +1,11 @@
 """rlaxkit command line: demo, train, sft, eval, plot, trace, simulate, plan.
 
 rlaxkit demo                                  # the embedded default run
-rlaxkit train configs/demo.yaml --set staleness.max_staleness=4
+rlaxkit train configs/demo.yaml --set staleness.max_staleness=0   # the demo, synchronous
 rlaxkit train configs/arithmetic_ray.yaml     # the same run on the Ray backend (actors)
 rlaxkit train CONFIG --run-dir RUN --faults configs/faults/standard.yaml   # inject faults
 rlaxkit train CONFIG --run-dir RUN            # again after a preemption: resumes
+rlaxkit train CONFIG --run-dir RUN --new      # RUN holds another run: write to RUN-2
 rlaxkit sft configs/demo.yaml                 # warm start only (cached in the run dir)
 rlaxkit eval RUN_DIR                          # held-out pass@k of a run's final policy
 rlaxkit plot RUN_DIR                          # PNGs from metrics.jsonl and trace.jsonl
@@ -17,12 +18,13 @@ rlaxkit plan configs/plan/qwen25_7b_v5p.yaml --set remat=full   # memory and FLO
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -46,9 +48,11 @@ EVAL_SEED = 1234  # the sampling seed of a run's held-out evaluations (and rlaxk
 
 
 class StopRequest:
-    """SIGTERM/SIGINT handling for a job: the first signal asks the job to stop after the
-    current trainer step (it then checkpoints and exits 0, as a spot VM or TPU
-    preemption notice expects); a second one stops at once (the last checkpoint stands).
+    """SIGTERM/SIGINT handling for a job: during RL steps (inside ``steps()``) the first
+    signal asks the job to stop after the current trainer step (it then checkpoints and
+    exits 0, as a spot VM or TPU preemption notice expects); a second one stops at once
+    (the last checkpoint stands). Outside them (the warm start, the evaluations, the
+    plots) there is no step to finish: a signal stops the job at once.
 
     Use as a context manager; the previous handlers come back on exit.
     """
@@ -57,12 +61,25 @@ class StopRequest:
         self.requested: str | None = None
         self._log = log
         self._previous: dict[int, Any] = {}
+        self._in_steps = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
         if self.requested is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
-        self.requested = signal.Signals(signum).name
+            raise KeyboardInterrupt(f"second {name}")
+        if not self._in_steps:
+            raise KeyboardInterrupt(f"{name} outside the RL steps")
+        self.requested = name
         self._log(f"{self.requested}: finishing the current step, then checkpointing")
+
+    @contextlib.contextmanager
+    def steps(self) -> Iterator[None]:
+        """The RL steps: a first signal here waits for the step under way."""
+        self._in_steps = True
+        try:
+            yield
+        finally:
+            self._in_steps = False
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is not threading.main_thread():
@@ -170,11 +187,12 @@ def _run_job(
             log(f"held-out pass@1 before RL: {evals[0]['pass@1']:.3f}{_extras(before)}")
             check_start(config, evals[0]["pass@1"], before.num_problems * before.samples)
         every = config.eval.every_steps
-        while exp.version < config.steps and not stop.requested:
-            exp.step()
-            step = exp.version
-            if every and step % every == 0 and step < config.steps:
-                evals.append({"step": step, **_row(exp.evaluate(seed=EVAL_SEED), 1)})
+        with stop.steps():
+            while exp.version < config.steps and not stop.requested:
+                exp.step()
+                step = exp.version
+                if every and step % every == 0 and step < config.steps:
+                    evals.append({"step": step, **_row(exp.evaluate(seed=EVAL_SEED), 1)})
         if stop.requested:
             saved = exp.save_checkpoint()
             summary = {"status": "stopped", "preempted": True, "signal": stop.requested}
@@ -444,8 +462,9 @@ def main(argv: list[str] | None = None) -> int:
         (
             "demo",
             "the embedded default run",
-            "The embedded default run (configs/demo.yaml: async GRPO on addition with a tiny "
-            "model, about 10 minutes on a laptop CPU); the same job as `train`.",
+            "The embedded default run (configs/demo.yaml: a warm start, then asynchronous "
+            "GRPO at staleness bound 2 on addition with a tiny model); the job of `train` "
+            "with no config.",
             "runs/demo",
         ),
     ):
@@ -578,6 +597,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, NotADirectoryError, TrainingStalled) as err:
         print(f"rlaxkit {args.command}: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:
+        why = f" ({err})" if str(err) else ""
+        print(f"rlaxkit {args.command}: interrupted{why}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -9,6 +9,8 @@ run to the first one's files. The rule (:func:`claim_run_dir`):
 - the same config, finished (``summary.json`` without ``preempted`` or a failed
   ``status``): nothing to do, the job says so;
 - the same config, stopped with a checkpoint: resumed from it;
+- the same config, stopped before its first RL step (in the warm start, say): started
+  again (its warm-start cache stays);
 - anything else (another config, a simulated run where a real one would go or the other
   way round, a run stopped before its first checkpoint): refused, naming the choices:
   ``resume`` (continue the directory's run with its own config), ``new`` (a fresh
@@ -195,6 +197,14 @@ def claim_run_dir(
         # A simulation is deterministic and short: an unfinished one is run again whole.
         return Claim(run_dir, "resume" if kind == "run" else "fresh")
     reason = f" ({summary['reason']})" if summary.get("reason") else ""
+    metrics = run_dir / "metrics.jsonl"
+    if not (metrics.is_file() and metrics.stat().st_size):
+        delete_run_files(run_dir)  # nothing of it to lose: no step, no checkpoint
+        return Claim(
+            run_dir,
+            "fresh",
+            f"the run in {run_dir} stopped before its first step{reason}; starting it again",
+        )
     raise ValueError(
         f"run directory {run_dir} holds a {status} run{reason} with no checkpoint to resume "
         "from; choose --new (write to a fresh directory beside it) or --overwrite (delete "

@@ -1,10 +1,13 @@
 """The CLI's main job writes a complete run directory; bad input exits 2 with a message."""
 
 import json
+import os
+import signal
+import time
 
 import pytest
 
-from rlaxkit.cli import main
+from rlaxkit.cli import StopRequest, main
 from rlaxkit.config import SMALL_RUN, RunConfig
 from rlaxkit.metrics import read_metrics
 from rlaxkit.rundirs import claim_run_dir
@@ -133,14 +136,6 @@ def test_a_warm_start_too_short_is_refused_before_rl_and_the_summary_says_why(tm
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["reason"].endswith(err.split(": ", 1)[1])
     assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text()
-    # Run again into it: a failed run with no checkpoint is refused with the ways on.
-    _one_line_exit_2(
-        capsys,
-        ["train", *args(*enough_eval), "--run-dir", str(run)],
-        "holds a failed run (TrainingStalled: held-out pass@1",
-        "--new",
-        "--overwrite",
-    )
 
 
 def test_run_directory_ownership_rules(tmp_path):
@@ -152,8 +147,15 @@ def test_run_directory_ownership_rules(tmp_path):
     (run / "warm_start-abc").mkdir()  # a warm-start cache alone is no run
     assert claim_run_dir(run, "run", config).action == "fresh"
     RunConfig().save(run / "config.yaml")
+    failed = {"status": "failed", "reason": "KeyboardInterrupt: SIGINT outside the RL steps"}
+    (run / "summary.json").write_text(json.dumps(failed))
+    again = claim_run_dir(run, "run", config)  # stopped in its warm start: nothing to lose
+    assert again.action == "fresh" and "stopped before its first step" in again.message
+    assert sorted(p.name for p in run.iterdir()) == ["warm_start-abc"]
+    RunConfig().save(run / "config.yaml")
+    (run / "summary.json").write_text(json.dumps(failed))
     (run / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(ValueError, match="stopped|unfinished run with no checkpoint"):
+    with pytest.raises(ValueError, match="holds a failed run .* with no checkpoint"):
         claim_run_dir(run, "run", config)
     assert claim_run_dir(run, "run", config, has_checkpoint=True).action == "resume"
     with pytest.raises(ValueError, match=r"holds a run \(config.yaml\)|holds a run"):
@@ -164,3 +166,16 @@ def test_run_directory_ownership_rules(tmp_path):
     assert cleared.action == "fresh" and sorted(p.name for p in run.iterdir()) == ["warm_start-abc"]
     with pytest.raises(ValueError, match="holds no run to resume"):
         claim_run_dir(run, "run", config, "resume")
+
+
+def test_a_signal_outside_the_rl_steps_stops_at_once():
+    """Ctrl-C in the warm start said it would stop after the current step, then ran on
+    for 24 s: outside the steps there is no step to finish."""
+    with StopRequest(log=lambda _: None) as stop:
+        with pytest.raises(KeyboardInterrupt, match="SIGINT outside the RL steps"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        with stop.steps():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        assert stop.requested == "SIGINT"
