@@ -133,6 +133,36 @@ def run_job(
         raise
 
 
+def _warm_start_with_bar(
+    config: RunConfig, cache_dir: Path, *, progress: bool
+) -> dict[str, Any] | None:
+    """The run's supervised warm start with a progress bar, into ``cache_dir``, where
+    ``Experiment`` then loads it (its own warm start has no bar); ``None`` when there is
+    none to run here (``sft.steps`` 0, cached already, or the Ray backend)."""
+    from tqdm.auto import tqdm
+
+    from rlaxkit.runtime.build import build_policy, build_task, cached_warm_start, warm_start
+
+    if config.runtime.backend != "local" or not config.sft.steps:
+        return None  # on Ray the trainer's actor warm-starts, on its own resources
+    if cached_warm_start(config, cache_dir) is not None:
+        return None
+    task = build_task(config)
+    if getattr(task, "demonstration", None) is None:
+        return None  # Experiment refuses it, naming sft.steps
+    model, tokenizer = build_policy(config, task)
+    bar = tqdm(total=config.sft.steps, desc="warm start", unit="step", disable=not progress)
+
+    def on_step(step: int, loss: float) -> None:
+        bar.update(1)
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    with bar:
+        _, info = warm_start(config, task, model, tokenizer, cache_dir, on_step=on_step)
+    return info
+
+
 def _write_failed_summary(run_dir: Path, error: BaseException) -> None:
     """``summary.json`` of a run that stopped on ``error``: ``status: failed``, the reason,
     and the step of its newest checkpoint (``null``: none), so the folder says why."""
@@ -168,13 +198,15 @@ def _run_job(
 
     start = time.perf_counter()
     summary: dict[str, Any]
+    with StopRequest(log):  # a signal in the warm start stops the job at once
+        trained = _warm_start_with_bar(config, Path(cache_dir or run_dir), progress=progress)
     with (
         StopRequest(log) as stop,
         runtime.Experiment(
             config, run_dir=run_dir, progress=progress, faults=faults, cache_dir=cache_dir
         ) as exp,
     ):
-        ws = exp.warm_start
+        ws = trained or exp.warm_start
         if ws["steps"]:
             how = "loaded from cache" if ws["cached"] else f"final loss {ws['final_loss']:.3f}"
             log(f"warm start: {ws['steps']} supervised steps ({how})")
@@ -227,6 +259,7 @@ def _run_job(
             **{k: v for k, v in exp.summary().items() if k not in ("buffer", "wall_s")},
         }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log(f"drawing {', '.join(TRAIN_JOB_FIGURES)} into {run_dir / 'plots'} ...")
     plots = plot_run(run_dir, figures=TRAIN_JOB_FIGURES)
     log(
         f"held-out pass@1 after RL:  {summary['pass@1_after']:.3f} "
@@ -275,7 +308,9 @@ def simulate_job(
         "wall_s": result.wall_s,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log(f"drawing the figures into {run_dir / 'plots'} ...")
     plots = plot_run(run_dir)
+    log(f"exporting the trace for Perfetto to {run_dir / 'run.perfetto.json'} ...")
     export = result.to_perfetto(run_dir / "run.perfetto.json", run_dir / "trace.jsonl")
     log(
         f"{result.steps} steps in {result.sim_time_s / 3600:.2f} simulated h "
@@ -422,6 +457,12 @@ def _ownership_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="delete the run files in --run-dir first (warm-start caches stay)",
     )
+    p.add_argument(
+        "--compact-trace",
+        action="store_true",
+        help="gzip trace.jsonl into trace.jsonl.gz once the run has finished (about 25x "
+        "smaller; plot, trace and sim read it as it is)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -551,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
                 faults=args.faults,
                 cache_dir=args.cache_dir,
             )
+            if args.compact_trace:
+                _compact(claimed)
         elif args.command == "sft":
             from rlaxkit.runtime.build import build_policy, build_task, warm_start
 
@@ -589,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(claim.message)
             if claim.action != "finished":
                 simulate_job(scenario, claim.run_dir, progress=not args.no_progress)
+                if args.compact_trace:
+                    _compact(claim.run_dir)
         elif args.command == "plan":
             from rlaxkit.planning import load_plan_config, plan
 
@@ -602,6 +647,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlaxkit {args.command}: interrupted{why}", file=sys.stderr)
         return 130
     return 0
+
+
+def _compact(run_dir: Path) -> None:
+    """``--compact-trace``: a finished run's trace.jsonl gzipped (a stopped run keeps its
+    plain trace, which a resumed run cuts back and appends to)."""
+    from rlaxkit.rundirs import run_status
+    from rlaxkit.trace import compress_trace
+
+    if run_status(run_dir)[0] == "finished" and (run_dir / "trace.jsonl").exists():
+        before, after = compress_trace(run_dir)
+        print(
+            f"trace: {run_dir / 'trace.jsonl.gz'} ({before / 1e6:.1f} MB -> {after / 1e6:.1f} MB)"
+        )
 
 
 def _scenario_dict(scenario: Scenario) -> dict[str, Any]:
