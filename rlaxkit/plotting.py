@@ -40,6 +40,7 @@ from rlaxkit.trace import (
     generation_records,
     read_trace,
     staleness_distribution,
+    trace_path,
 )
 from sim.report import drops_figure, staleness_figure, throughput_figure, timeline_figure
 
@@ -465,7 +466,7 @@ def plot_run(
     if unknown:
         raise ValueError(f"figures: unknown {sorted(unknown)}; allowed: {list(FIGURES)}")
     run_dir = Path(run_dir)
-    metrics_file, trace_file = run_dir / "metrics.jsonl", run_dir / "trace.jsonl"
+    metrics_file, trace_file = run_dir / "metrics.jsonl", trace_path(run_dir)
     if not metrics_file.exists() and not trace_file.exists():
         raise FileNotFoundError(
             f"{run_dir} has neither metrics.jsonl nor trace.jsonl; pass a run directory "
@@ -497,11 +498,19 @@ def plot_run(
                 written.append(_save(draw(events), out / f"{name}.png"))
         if compare is not None:
             other = Path(compare)
-            other_trace = read_trace(other / "trace.jsonl" if other.is_dir() else other)
-            labels = (run_dir.name or "this run", other.name or "other")
+            other_trace = read_trace(trace_path(other) if other.is_dir() else other)
+            labels = (_source_label(run_dir), _source_label(other))
             figure = trace_overlay_figure(events, other_trace, labels=labels)
             written.append(_save(figure, out / "compare.png", size=(9.0, 6.0)))
     return written
+
+
+def _source_label(path: Path) -> str:
+    """``"simulated (NAME)"`` for a run directory ``rlaxkit simulate`` wrote (it holds
+    scenario.yaml), else ``"measured (NAME)"``: a legend says which line is which."""
+    directory = path if path.is_dir() else path.parent
+    kind = "simulated" if (directory / "scenario.yaml").exists() else "measured"
+    return f"{kind} ({directory.name})" if directory.name else kind
 
 
 def _save(figure: Figure, path: Path, size: tuple[float, float] = SIZE_IN) -> Path:

@@ -78,3 +78,17 @@ def test_a_bad_override_exits_2_naming_the_field(tmp_path, capsys):
     assert main(["simulate", TOY, "--set", "fleet.wokers=2", "--run-dir", str(tmp_path)]) == 2
     assert "fleet.wokers" in capsys.readouterr().err
     assert main(["simulate", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_a_compact_trace_is_read_as_it_is(tmp_path, capsys):
+    """``--compact-trace`` gzips a finished run's trace; plots, the Perfetto export and
+    ``read_trace`` take the ``.gz`` as they took the plain file."""
+    run = tmp_path / "run"
+    overrides = ["--set", "fleet.num_workers=2", "--set", "target_steps=4", "--no-progress"]
+    assert main(["simulate", TOY, *overrides, "--run-dir", str(run), "--compact-trace"]) == 0
+    assert not (run / "trace.jsonl").exists()
+    assert [e.kind for e in read_trace(run / "trace.jsonl.gz")].count("train_step") == 4
+    assert "trace.jsonl.gz (" in capsys.readouterr().out
+    assert main(["plot", str(run)]) == 0
+    assert main(["trace", str(run), "-o", str(tmp_path / "again.json")]) == 0
+    validate(json.loads((tmp_path / "again.json").read_text()))
