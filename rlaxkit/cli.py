@@ -460,8 +460,9 @@ def _ownership_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compact-trace",
         action="store_true",
-        help="gzip trace.jsonl into trace.jsonl.gz once the run has finished (about 25x "
-        "smaller; plot, trace and sim read it as it is)",
+        help="gzip trace.jsonl into trace.jsonl.gz once the run has finished (24x smaller "
+        "on the demo's trace, 7.6x on a fleet-scale simulation's; plot, trace and sim read "
+        "it as it is)",
     )
 
 
