@@ -122,6 +122,7 @@ def reward_figure(metrics: Sequence[Mapping[str, Any]], evals: Sequence[Mapping]
     axes.set_xlabel("trainer step")
     axes.set_ylabel("reward / accuracy")
     axes.set_ylim(0, 1)
+    axes.set_title("train reward and held-out pass@1 by trainer step", fontsize="medium")
     _style(axes, legend=True)
     return figure
 
@@ -431,9 +432,16 @@ def trace_overlay_figure(
         )
     latency.set(xlabel="generation latency (s)", ylabel="CDF", ylim=(0, 1.02))
     step.set(xlabel="train-step time (s)", ylabel="CDF", ylim=(0, 1.02))
-    stale.set(xlabel="staleness of trained rollouts", ylabel="fraction")
+    stale.set(xlabel="staleness of trained rollouts (versions)", ylabel="fraction")
     stale.xaxis.set_major_locator(MaxNLocator(integer=True))
     progress.set(xlabel="time (s)", ylabel="samples trained")
+    for axes, title in (
+        (latency, "generation latency, cumulative"),
+        (step, "train-step time, cumulative"),
+        (stale, "staleness of trained rollouts"),
+        (progress, "samples trained over time"),
+    ):
+        axes.set_title(title, fontsize="medium")
     for axes in (latency, step, stale, progress):
         _style(axes)
     latency.legend(frameon=False, fontsize="small")
