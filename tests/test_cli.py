@@ -179,3 +179,24 @@ def test_a_signal_outside_the_rl_steps_stops_at_once():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.1)
         assert stop.requested == "SIGINT"
+
+
+def test_the_drops_error_counts_the_groups_it_names():
+    """It said "1600 prompt groups in a row were dropped ({'filtered': 1606})": the bound
+    and the run's total. Both figures are now the drops in a row."""
+    from types import SimpleNamespace
+
+    from rlaxkit.runtime.stalls import TrainingStalled, check_drops
+
+    dropped = {i: "stale" for i in range(5)} | {i: "filtered" for i in range(5, 211)}
+    exp = SimpleNamespace(
+        config=RunConfig.from_overrides(["staleness.batch_size=4"]),
+        buffer=SimpleNamespace(dropped=dropped),
+        reward_failures=lambda: {},
+        fleet=SimpleNamespace(reward_counters=lambda: {"scored": 800}),
+        books=SimpleNamespace(history=[]),
+    )
+    with pytest.raises(TrainingStalled, match=r"^203 prompt groups in a row were dropped "):
+        check_drops(exp, dropped_before=8)  # 203 > 50 batches of 4
+    with pytest.raises(TrainingStalled, match=r"\(\{'filtered': 203\}\) without one batch"):
+        check_drops(exp, dropped_before=8)
