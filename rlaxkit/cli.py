@@ -217,7 +217,10 @@ def _run_job(
             before = exp.evaluate(seed=EVAL_SEED)
             evals.append({"step": 0, **_row(before, 1)})
             log(f"held-out pass@1 before RL: {evals[0]['pass@1']:.3f}{_extras(before)}")
-            check_start(config, evals[0]["pass@1"], before.num_problems * before.samples)
+            mean_score = next(r["mean@k"] for r in before.rows if r["k"] == 1)
+            check_start(
+                config, evals[0]["pass@1"], before.num_problems * before.samples, mean_score
+            )
         every = config.eval.every_steps
         with stop.steps():
             while exp.version < config.steps and not stop.requested:

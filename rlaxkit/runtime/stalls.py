@@ -25,23 +25,30 @@ class TrainingStalled(RuntimeError):
     The command line turns it into one line and exit status 2."""
 
 
-def check_start(config: RunConfig, pass_at_1: float, eval_samples: int) -> None:
+def check_start(
+    config: RunConfig, pass_at_1: float, eval_samples: int, mean_score: float | None = None
+) -> None:
     """Refuses to start RL when the held-out pass@1 ``p`` before it (over
     ``eval_samples`` samples, at least ``MIN_EVAL_SAMPLES``) says almost no group would
     train: with ``batching.equal_rewards=drop`` a group of ``n = sampling.n`` samples
     trains only when its rewards differ, with probability about
     ``1 - p**n - (1 - p)**n`` (independent samples). Under 1% is refused with the
-    advice of the drops' error, instead of that error after minutes.
+    advice of the drops' error, instead of that error after minutes. A ``mean_score``
+    (the held-out mean@1) other than ``p`` is a reward with partial credit, whose groups
+    may differ without a correct sample: not refused.
 
     >>> from rlaxkit.config import RunConfig
     >>> check_start(RunConfig(), 0.2, 800)
     >>> check_start(RunConfig(), 0.0, 16)  # too few samples to tell
+    >>> check_start(RunConfig(), 0.0, 800, mean_score=0.3)  # partial credit
     >>> check_start(RunConfig(), 0.0, 800)
     Traceback (most recent call last):
     ...
     rlaxkit.runtime.stalls.TrainingStalled: held-out pass@1 before RL is 0.000 ...
     """
     if config.batching.equal_rewards != "drop" or eval_samples < MIN_EVAL_SAMPLES:
+        return
+    if mean_score is not None and abs(mean_score - pass_at_1) > 1e-9:
         return
     n = config.sampling.n
     trained = 1.0 - pass_at_1**n - (1.0 - pass_at_1) ** n
