@@ -197,5 +197,6 @@ axes.bar(
     label="simulated",
 )
 axes.set(xlabel="staleness (versions)", ylabel="share of trained groups", xticks=ages)
+axes.set_title("staleness of trained groups under the fault plan: measured vs simulated")
 axes.legend(frameon=False)
-figure
+plt.show()  # shown once (the figure as the cell's value would show it a second time)

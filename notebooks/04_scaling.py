@@ -150,7 +150,7 @@ import rlaxkit
 from rlaxkit.planning import Plan, load_plan_config
 from sim.presets import planned
 
-PLAN = Path("../configs/plan/qwen3_32b_v5p.yaml")
+PLAN = Path(rlaxkit.__file__).parents[1] / "configs/plan/qwen3_32b_v5p.yaml"  # from any folder
 if SMALL:
     plan = Plan.from_summary(json.loads(PLAN.with_suffix(".plan.json").read_text()))
 else:

@@ -1,10 +1,11 @@
-"""``rlaxkit`` command line: train, sft, eval, plot, trace, simulate, demo.
+"""rlaxkit command line: demo, train, sft, eval, plot, trace, simulate, plan.
 
 rlaxkit demo                                  # the embedded default run
-rlaxkit train configs/demo.yaml --set staleness.max_staleness=4
+rlaxkit train configs/demo.yaml --set staleness.max_staleness=0   # the demo, synchronous
 rlaxkit train configs/arithmetic_ray.yaml     # the same run on the Ray backend (actors)
 rlaxkit train CONFIG --run-dir RUN --faults configs/faults/standard.yaml   # inject faults
 rlaxkit train CONFIG --run-dir RUN            # again after a preemption: resumes
+rlaxkit train CONFIG --run-dir RUN --new      # RUN holds another run: write to RUN-2
 rlaxkit sft configs/demo.yaml                 # warm start only (cached in the run dir)
 rlaxkit eval RUN_DIR                          # held-out pass@k of a run's final policy
 rlaxkit plot RUN_DIR                          # PNGs from metrics.jsonl and trace.jsonl
@@ -18,12 +19,13 @@ rlaxkit tune configs/sim/rlax_like_1024.yaml --chips 1280   # settings the simul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -32,6 +34,8 @@ import numpy as np
 
 from rlaxkit.config import RunConfig
 from rlaxkit.perfetto import MAX_EVENTS, MAX_EVENTS_PER_TRACK
+from rlaxkit.rundirs import Choice, claim_run_dir
+from rlaxkit.runtime.stalls import TrainingStalled
 
 if TYPE_CHECKING:
     from rlaxkit.evaluation import EvalReport
@@ -41,12 +45,15 @@ if TYPE_CHECKING:
     from sim.scenario import Scenario
 
 SIM_CHUNKS = 200  # progress-bar updates of a simulated run
+EVAL_SEED = 1234  # the sampling seed of a run's held-out evaluations (and rlaxkit eval's)
 
 
 class StopRequest:
-    """SIGTERM/SIGINT handling for a job: the first signal asks the job to stop after the
-    current trainer step (it then checkpoints and exits 0, as a spot VM or TPU
-    preemption notice expects); a second one stops at once (the last checkpoint stands).
+    """SIGTERM/SIGINT handling for a job: during RL steps (inside ``steps()``) the first
+    signal asks the job to stop after the current trainer step (it then checkpoints and
+    exits 0, as a spot VM or TPU preemption notice expects); a second one stops at once
+    (the last checkpoint stands). Outside them (the warm start, the evaluations, the
+    plots) there is no step to finish: a signal stops the job at once.
 
     Use as a context manager; the previous handlers come back on exit.
     """
@@ -55,12 +62,25 @@ class StopRequest:
         self.requested: str | None = None
         self._log = log
         self._previous: dict[int, Any] = {}
+        self._in_steps = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
         if self.requested is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
-        self.requested = signal.Signals(signum).name
+            raise KeyboardInterrupt(f"second {name}")
+        if not self._in_steps:
+            raise KeyboardInterrupt(f"{name} outside the RL steps")
+        self.requested = name
         self._log(f"{self.requested}: finishing the current step, then checkpointing")
+
+    @contextlib.contextmanager
+    def steps(self) -> Iterator[None]:
+        """The RL steps: a first signal here waits for the step under way."""
+        self._in_steps = True
+        try:
+            yield
+        finally:
+            self._in_steps = False
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is not threading.main_thread():
@@ -98,22 +118,96 @@ def run_job(
     Args:
         faults: a FaultPlan file to inject.
         cache_dir: where the warm start is cached (default: ``run_dir``).
+
+    A run that stops on an error leaves ``summary.json`` with ``status: failed`` and the
+    reason; a finished one says ``status: finished``, a signalled one ``stopped``.
     """
+    run_dir = Path(run_dir)
+    log(f"run directory: {run_dir} ({config.runtime.backend} backend)")
+    try:
+        return _run_job(
+            config, run_dir, progress=progress, log=log, faults=faults, cache_dir=cache_dir
+        )
+    except (Exception, KeyboardInterrupt) as error:
+        if (run_dir / "config.yaml").exists():  # the run started: say why it stopped
+            _write_failed_summary(run_dir, error)
+        raise
+
+
+def _warm_start_with_bar(
+    config: RunConfig, cache_dir: Path, *, progress: bool
+) -> dict[str, Any] | None:
+    """The run's supervised warm start with a progress bar, into ``cache_dir``, where
+    ``Experiment`` then loads it (its own warm start has no bar); ``None`` when there is
+    none to run here (``sft.steps`` 0, cached already, or the Ray backend)."""
+    from tqdm.auto import tqdm
+
+    from rlaxkit.runtime.build import build_policy, build_task, cached_warm_start, warm_start
+
+    if config.runtime.backend != "local" or not config.sft.steps:
+        return None  # on Ray the trainer's actor warm-starts, on its own resources
+    if cached_warm_start(config, cache_dir) is not None:
+        return None
+    task = build_task(config)
+    if getattr(task, "demonstration", None) is None:
+        return None  # Experiment refuses it, naming sft.steps
+    model, tokenizer = build_policy(config, task)
+    bar = tqdm(total=config.sft.steps, desc="warm start", unit="step", disable=not progress)
+
+    def on_step(step: int, loss: float) -> None:
+        bar.update(1)
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    with bar:
+        _, info = warm_start(config, task, model, tokenizer, cache_dir, on_step=on_step)
+    return info
+
+
+def _write_failed_summary(run_dir: Path, error: BaseException) -> None:
+    """``summary.json`` of a run that stopped on ``error``: ``status: failed``, the reason,
+    and the step of its newest checkpoint (``null``: none), so the folder says why."""
+    from rlaxkit.runtime.state import checkpoint_dir
+
+    directory = checkpoint_dir(run_dir)
+    steps = (
+        sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+        if directory.is_dir()
+        else []
+    )
+    summary = {
+        "status": "failed",
+        "reason": f"{type(error).__name__}: {error}",
+        "checkpoint_step": steps[-1] if steps else None,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def _run_job(
+    config: RunConfig,
+    run_dir: Path,
+    *,
+    progress: bool,
+    log: Callable[[str], object],
+    faults: str | Path | None,
+    cache_dir: str | Path | None,
+) -> dict[str, Any]:
     from rlaxkit import runtime
     from rlaxkit.models import save_hf_checkpoint
     from rlaxkit.plotting import TRAIN_JOB_FIGURES, plot_run
+    from rlaxkit.runtime.stalls import check_start
 
-    run_dir = Path(run_dir)
     start = time.perf_counter()
-    log(f"run directory: {run_dir} ({config.runtime.backend} backend)")
     summary: dict[str, Any]
+    with StopRequest(log):  # a signal in the warm start stops the job at once
+        trained = _warm_start_with_bar(config, Path(cache_dir or run_dir), progress=progress)
     with (
         StopRequest(log) as stop,
         runtime.Experiment(
             config, run_dir=run_dir, progress=progress, faults=faults, cache_dir=cache_dir
         ) as exp,
     ):
-        ws = exp.warm_start
+        ws = trained or exp.warm_start
         if ws["steps"]:
             how = "loaded from cache" if ws["cached"] else f"final loss {ws['final_loss']:.3f}"
             log(f"warm start: {ws['steps']} supervised steps ({how})")
@@ -121,24 +215,30 @@ def run_job(
         if exp.resumed_from is not None:
             log(f"resumed from the checkpoint of step {exp.resumed_from}")
         if not evals:
-            before = exp.evaluate()
+            before = exp.evaluate(seed=EVAL_SEED)
             evals.append({"step": 0, **_row(before, 1)})
             log(f"held-out pass@1 before RL: {evals[0]['pass@1']:.3f}{_extras(before)}")
+            mean_score = next(r["mean@k"] for r in before.rows if r["k"] == 1)
+            check_start(
+                config, evals[0]["pass@1"], before.num_problems * before.samples, mean_score
+            )
         every = config.eval.every_steps
-        # more_steps: a trainer preempted at the last step restores and redoes its steps.
-        while not stop.requested and exp.more_steps(config.steps):
-            exp.step()
-            step = exp.version
-            if every and step % every == 0 and step < config.steps:
-                evals.append({"step": step, **_row(exp.evaluate(), 1)})
+        with stop.steps():
+            # more_steps: a trainer preempted at the last step restores and redoes its steps.
+            while not stop.requested and exp.more_steps(config.steps):
+                exp.step()
+                step = exp.version
+                if every and step % every == 0 and step < config.steps:
+                    evals.append({"step": step, **_row(exp.evaluate(seed=EVAL_SEED), 1)})
         if stop.requested:
             saved = exp.save_checkpoint()
-            summary = {"preempted": True, "signal": stop.requested, "step": exp.version}
+            summary = {"status": "stopped", "preempted": True, "signal": stop.requested}
+            summary |= {"step": exp.version}
             summary |= {"checkpoint_saved": saved, **exp.summary()}
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             log(f"stopped at step {exp.version}; run again with --run-dir {run_dir} to resume")
             return summary
-        after = exp.evaluate()
+        after = exp.evaluate(seed=EVAL_SEED)
         evals.append({"step": config.steps, **_row(after, 1)})
         exp.check_accounting()
         # Experiment.current_model is typed nnx.Module until rlaxkit.runtime is rewritten;
@@ -149,6 +249,7 @@ def run_job(
             tokenizer=exp.tokenizer,
         )
         summary = {
+            "status": "finished",
             "steps": config.steps,
             "pass@1_before": evals[0]["pass@1"],
             "pass@1_after": evals[-1]["pass@1"],
@@ -156,12 +257,14 @@ def run_job(
             **{f"{k}_before": evals[0].get(k) for k in after.metrics},
             **{f"{k}_after": v for k, v in after.metrics.items()},
             "evals": evals,
+            "eval_seed": EVAL_SEED,
             "buffer": exp.buffer.counts(),
             "wall_s": time.perf_counter() - start,
             "eval_after": after.rows,
             **{k: v for k, v in exp.summary().items() if k not in ("buffer", "wall_s")},
         }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log(f"drawing {', '.join(TRAIN_JOB_FIGURES)} into {run_dir / 'plots'} ...")
     plots = plot_run(run_dir, figures=TRAIN_JOB_FIGURES)
     log(
         f"held-out pass@1 after RL:  {summary['pass@1_after']:.3f} "
@@ -210,7 +313,9 @@ def simulate_job(
         "wall_s": result.wall_s,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log(f"drawing the figures into {run_dir / 'plots'} ...")
     plots = plot_run(run_dir)
+    log(f"exporting the trace for Perfetto to {run_dir / 'run.perfetto.json'} ...")
     export = result.to_perfetto(run_dir / "run.perfetto.json", run_dir / "trace.jsonl")
     log(
         f"{result.steps} steps in {result.sim_time_s / 3600:.2f} simulated h "
@@ -276,12 +381,10 @@ def load_scenario_with_overrides(path: str | Path, overrides: list[str]) -> Scen
     a distribution can be given as ``{type: constant, value: 10}``). As with
     ``sim.with_overrides``, overriding ``workload.prompts_per_step`` alone also sets
     ``staleness.batch_size``, which must equal it."""
-    import yaml
-
-    from rlaxkit.configio import apply_overrides
+    from rlaxkit.configio import apply_overrides, read_yaml
     from sim.scenario import scenario_from_dict
 
-    data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a scenario file must hold a mapping")
     given = dict(item.split("=", 1) for item in overrides if "=" in item)
@@ -311,44 +414,152 @@ def _extras(report: EvalReport) -> str:
 def _config(args: argparse.Namespace) -> RunConfig:
     if args.config:
         return RunConfig.from_yaml(args.config, args.set)
+    saved = Path(args.run_dir or "") / "config.yaml"
+    if getattr(args, "resume", False) and args.run_dir and saved.is_file():
+        return RunConfig.from_yaml(saved, args.set)  # --resume: the run's own config
     return RunConfig.from_overrides(args.set)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlaxkit", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def _claim(args: argparse.Namespace, config: RunConfig, run_dir: str) -> Path | None:
+    """Where a train/demo job writes (see ``rlaxkit.rundirs``); ``None``: the run in
+    ``run_dir`` finished and there is nothing to do (the reason is printed)."""
+    from rlaxkit.runtime.state import checkpoint_dir
 
-    def with_config(p, optional=False):
-        p.add_argument("config", nargs="?" if optional else None, help="YAML run config")
+    directory = checkpoint_dir(Path(run_dir))
+    claim = claim_run_dir(
+        run_dir,
+        "run",
+        config.to_dict(),
+        _choice(args),
+        has_checkpoint=directory.is_dir() and any(directory.iterdir()),
+    )
+    if claim.message:
+        print(claim.message)
+    return None if claim.action == "finished" else claim.run_dir
+
+
+def _choice(args: argparse.Namespace) -> Choice:
+    choices: tuple[Choice, ...] = ("resume", "new", "overwrite")
+    return next((name for name in choices if getattr(args, name, False)), "auto")
+
+
+def _ownership_options(p: argparse.ArgumentParser) -> None:
+    """``--resume``/``--new``/``--overwrite``: what to do with a run directory that holds
+    a run (without one: continue the same config's run, refuse another)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --run-dir with its own config.yaml (--set still applies)",
+    )
+    group.add_argument(
+        "--new",
+        action="store_true",
+        help="if --run-dir holds a run, write to a fresh RUN_DIR-2 (-3, ...) beside it",
+    )
+    group.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run files in --run-dir first (warm-start caches stay)",
+    )
+    p.add_argument(
+        "--compact-trace",
+        action="store_true",
+        help="gzip trace.jsonl into trace.jsonl.gz once the run has finished (24x smaller "
+        "on the demo's trace, 7.6x on a fleet-scale simulation's; plot, trace and sim read "
+        "it as it is)",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rlaxkit import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="rlaxkit",
+        description=__doc__.split("\n")[0],
+        epilog="examples:\n" + __doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"rlaxkit {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_config(p, optional=False, run_dir="runs/demo"):
+        p.add_argument(
+            "config",
+            nargs="?" if optional else None,
+            help="YAML run config, e.g. configs/demo.yaml (default: the demo's config)",
+        )
         p.add_argument(
             "--set",
             action="append",
             default=[],
             metavar="KEY=VALUE",
-            help="override a config field, e.g. staleness.max_staleness=4",
+            help="override a config field, e.g. sampling.n=4 (repeat for more)",
         )
-        p.add_argument("--run-dir", default=None, help="output directory")
-        p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--run-dir", default=None, help=f"output directory (default: {run_dir})")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    for name, text in (("train", "run RL from a config"), ("demo", "the embedded default run")):
-        p_run = sub.add_parser(name, help=text)
-        with_config(p_run, optional=True)
+    for name, text, description, default_dir in (
+        (
+            "train",
+            "run RL from a config",
+            "Warm start, held-out eval, RL for `steps` steps, eval and plots, from a config.",
+            "runs/YYYYmmdd-HHMMSS",
+        ),
+        (
+            "demo",
+            "the embedded default run",
+            "The embedded default run (configs/demo.yaml: a warm start, then asynchronous "
+            "GRPO at staleness bound 2 on addition with a tiny model); the job of `train` "
+            "with no config.",
+            "runs/demo",
+        ),
+    ):
+        p_run = sub.add_parser(name, help=text, description=description)
+        with_config(p_run, optional=True, run_dir=default_dir)
         p_run.add_argument("--faults", default=None, help="FaultPlan YAML/JSON to inject")
-        p_run.add_argument("--cache-dir", default=None, help="warm-start cache directory")
+        p_run.add_argument(
+            "--cache-dir", default=None, help="warm-start cache directory (default: --run-dir)"
+        )
+        _ownership_options(p_run)
     with_config(sub.add_parser("sft", help="supervised warm start only"), optional=True)
-    p_eval = sub.add_parser("eval", help="held-out pass@k of a run's final policy")
-    p_eval.add_argument("run_dir")
-    p_eval.add_argument("--samples", type=int, default=None)
+    p_eval = sub.add_parser(
+        "eval",
+        help="held-out pass@k of a run's final policy",
+        description="Held-out pass@k of RUN_DIR/final with the run's own evaluation settings "
+        "(eval.num_problems, eval.samples and the sampling seed its summary used).",
+    )
+    p_eval.add_argument("run_dir", help="a finished run directory (holds config.yaml, final/)")
+    p_eval.add_argument(
+        "--samples", type=int, default=None, help="samples per problem (default: eval.samples)"
+    )
+    p_eval.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed (default: the seed the run's own final evaluation used)",
+    )
     p_plot = sub.add_parser("plot", help="write PNG figures of a run directory")
-    p_plot.add_argument("run_dir")
+    p_plot.add_argument("run_dir", help="a run directory; figures go to RUN_DIR/plots")
     p_plot.add_argument(
         "--compare", default=None, help="another run directory to overlay (plots/compare.png)"
     )
     p_trace = sub.add_parser("trace", help="export a run's trace for ui.perfetto.dev")
     p_trace.add_argument("run_dir", help="run directory (or its trace.jsonl)")
     p_trace.add_argument("-o", "--output", default=None, help="default RUN_DIR/run.perfetto.json")
-    p_trace.add_argument("--max-events", type=int, default=MAX_EVENTS)
-    p_trace.add_argument("--max-events-per-track", type=int, default=MAX_EVENTS_PER_TRACK)
+    p_trace.add_argument(
+        "--max-events",
+        type=int,
+        default=MAX_EVENTS,
+        help=f"events in the export at most (default: {MAX_EVENTS})",
+    )
+    p_trace.add_argument(
+        "--max-events-per-track",
+        type=int,
+        default=MAX_EVENTS_PER_TRACK,
+        help=f"events per track at most; busier tracks are thinned (default: "
+        f"{MAX_EVENTS_PER_TRACK})",
+    )
     p_sim = sub.add_parser("simulate", help="simulate a scenario YAML into a run directory")
     p_sim.add_argument("scenario", help="scenario YAML, e.g. configs/sim/toy.yaml")
     p_sim.add_argument(
@@ -358,8 +569,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a scenario field, e.g. fleet.num_workers=8",
     )
-    p_sim.add_argument("--run-dir", default=None, help="output directory")
-    p_sim.add_argument("--no-progress", action="store_true")
+    p_sim.add_argument(
+        "--run-dir", default=None, help="output directory (default: runs/sim-NAME-YYYYmmdd-HHMMSS)"
+    )
+    p_sim.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _ownership_options(p_sim)
     p_tune = sub.add_parser("tune", help="search a scenario's settings in the simulator")
     p_tune.add_argument("scenario", help="scenario YAML, e.g. configs/sim/rlax_like_1024.yaml")
     p_tune.add_argument(
@@ -367,8 +581,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_tune.add_argument("--chips", type=int, default=None, help="chip budget to split")
     p_tune.add_argument("--seeds", type=int, default=2, help="seeds per setting (default 2)")
-    p_tune.add_argument("--max-mean-staleness", type=float, default=None)
-    p_tune.add_argument("--min-goodput", type=float, default=None)
+    p_tune.add_argument(
+        "--max-mean-staleness", type=float, default=None, help="refuse settings staler than this"
+    )
+    p_tune.add_argument(
+        "--min-goodput", type=float, default=None, help="refuse settings below this goodput"
+    )
     p_tune.add_argument("--json", action="store_true", help="print the result as JSON")
     p_plan = sub.add_parser("plan", help="compile a run's programs for a mesh: memory, FLOPs")
     p_plan.add_argument("config", nargs="?", help="plan YAML (rlaxkit.planning.PlanConfig)")
@@ -384,13 +602,18 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = args.run_dir or (
                 "runs/demo" if args.command == "demo" else f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
             )
+            claimed = _claim(args, config, run_dir)
+            if claimed is None:
+                return 0
             run_job(
                 config,
-                run_dir,
+                claimed,
                 progress=not args.no_progress,
                 faults=args.faults,
                 cache_dir=args.cache_dir,
             )
+            if args.compact_trace:
+                _compact(claimed)
         elif args.command == "sft":
             from rlaxkit.runtime.build import build_policy, build_task, warm_start
 
@@ -402,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
             _, info = warm_start(config, task, model, tokenizer, run_dir)
             print(json.dumps(info))
         elif args.command == "eval":
-            _eval(Path(args.run_dir), args.samples)
+            _eval(Path(args.run_dir), args.samples, args.seed)
         elif args.command == "plot":
             from rlaxkit.plotting import plot_run
 
@@ -424,7 +647,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "simulate":
             scenario = load_scenario_with_overrides(args.scenario, args.set)
             run_dir = args.run_dir or f"runs/sim-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-            simulate_job(scenario, run_dir, progress=not args.no_progress)
+            claim = claim_run_dir(run_dir, "simulated", _scenario_dict(scenario), _choice(args))
+            if claim.message:
+                print(claim.message)
+            if claim.action != "finished":
+                simulate_job(scenario, claim.run_dir, progress=not args.no_progress)
+                if args.compact_trace:
+                    _compact(claim.run_dir)
         elif args.command == "tune":
             _tune(args)
         elif args.command == "plan":
@@ -432,9 +661,13 @@ def main(argv: list[str] | None = None) -> int:
 
             result = plan(load_plan_config(args.config, args.set))
             print(json.dumps(result.summary()) if args.json else result.table())
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, NotADirectoryError, TrainingStalled) as err:
         print(f"rlaxkit {args.command}: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:
+        why = f" ({err})" if str(err) else ""
+        print(f"rlaxkit {args.command}: interrupted{why}", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -465,19 +698,60 @@ def _tune(args: argparse.Namespace) -> None:
         print(result.table())
 
 
-def _eval(run_dir: Path, samples: int | None) -> None:
+def _compact(run_dir: Path) -> None:
+    """``--compact-trace``: a finished run's trace.jsonl gzipped (a stopped run keeps its
+    plain trace, which a resumed run cuts back and appends to)."""
+    from rlaxkit.rundirs import run_status
+    from rlaxkit.trace import compress_trace
+
+    if run_status(run_dir)[0] == "finished" and (run_dir / "trace.jsonl").exists():
+        before, after = compress_trace(run_dir)
+        print(
+            f"trace: {run_dir / 'trace.jsonl.gz'} ({before / 1e6:.1f} MB -> {after / 1e6:.1f} MB)"
+        )
+
+
+def _scenario_dict(scenario: Scenario) -> dict[str, Any]:
+    """The scenario as ``scenario.yaml`` holds it (what a run directory is compared by)."""
+    import yaml
+
+    from sim.scenario import scenario_to_dict
+
+    data: dict[str, Any] = yaml.safe_load(yaml.safe_dump(scenario_to_dict(scenario)))
+    return data
+
+
+def _eval(run_dir: Path, samples: int | None, seed: int | None) -> None:
+    """Held-out pass@k of ``run_dir/final`` with the run's own evaluation settings: the
+    same problems, samples and sampling seed as its summary's ``pass@1_after``."""
     from rlaxkit.evaluation import evaluate_model
     from rlaxkit.models import load_hf_checkpoint
+    from rlaxkit.rundirs import run_status
     from rlaxkit.runtime.build import build_task
 
+    what = "the folder `rlaxkit train` wrote (it holds config.yaml and final/)"
+    if run_dir.is_file():
+        raise ValueError(f"{run_dir} is a file, not a run directory: give {what}")
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml): give {what}")
+    if not (run_dir / "final" / "config.json").is_file():
+        status, summary = run_status(run_dir)
+        why = f": {summary['reason']}" if summary.get("reason") else ""
+        raise FileNotFoundError(
+            f"the run in {run_dir} has no final policy (final/); it is {status}{why}. "
+            f"Finish it first: rlaxkit train --run-dir {run_dir} --resume"
+        )
     config = RunConfig.from_yaml(run_dir / "config.yaml")
+    _, summary = run_status(run_dir)
     model, tokenizer = load_hf_checkpoint(run_dir / "final")
     if tokenizer is None:
         raise FileNotFoundError(f"{run_dir / 'final'} holds no tokenizer to decode with")
     task = build_task(config)
     n = samples or config.eval.samples
+    seed = summary.get("eval_seed", EVAL_SEED) if seed is None else seed
     problems = task.problems("test", config.eval.num_problems)
-    report = evaluate_model(config, task, model, tokenizer, problems=problems, n=n, seed=0)
+    print(f"{len(problems)} held-out problems, {n} samples each, sampling seed {seed}")
+    report = evaluate_model(config, task, model, tokenizer, problems=problems, n=n, seed=seed)
     print(report.table())
 
 

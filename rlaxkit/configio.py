@@ -170,8 +170,34 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ValueError(f"override {key}: {part} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as error:
+            raise ValueError(
+                f"override {item!r}: the value is not valid YAML ({yaml_problem(error)}); "
+                "close its brackets or quotes, e.g. tracking=[jsonl]"
+            ) from None
     return data
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """``"line 3, column 7: could not find expected ':'"`` from a YAML parser error."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's data; a syntax error raises ``ValueError`` naming the file, line and
+    column, not the parser's ``"<unicode string>"``."""
+    try:
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        raise ValueError(
+            f"{path}: YAML syntax error at {yaml_problem(error)}; fix the file "
+            "(a field is `name: value`, a list `[a, b]`, nesting by indentation)"
+        ) from None
 
 
 def load_yaml(
@@ -190,7 +216,7 @@ def load_yaml(
     not ``SamplingConfig``'s own), exactly as ``--set sampling.n=4`` would.
     ``defaults``, given the file's data, returns other defaults to merge onto.
     """
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a config file must be a mapping at the top level")
     data = merge(defaults(data) if defaults else _defaults(cls), data)

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlaxkit.trace import KINDS, TraceEvent
+from rlaxkit.trace import KINDS, TraceEvent, open_trace, trace_path
 
 __all__ = [
     "MAX_EVENTS",
@@ -105,7 +105,7 @@ def read_rows(path: str | os.PathLike) -> Iterator[Row]:
     (twice as fast on the millions of lines of a fleet-scale simulated run). Each line
     must be an object with ``t``, ``kind`` (one of the schema's) and ``actor``; errors
     name the line."""
-    with open(path, encoding="utf-8") as handle:
+    with open_trace(path) as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -611,7 +611,7 @@ def export_perfetto(
     if isinstance(trace, str | os.PathLike):
         source = Path(trace)
         if source.is_dir():
-            source = source / "trace.jsonl"
+            source = trace_path(source)
         if not source.exists():
             raise FileNotFoundError(f"{source}: no trace.jsonl to export")
         trace = read_rows(source)

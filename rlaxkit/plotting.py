@@ -40,6 +40,7 @@ from rlaxkit.trace import (
     generation_records,
     read_trace,
     staleness_distribution,
+    trace_path,
 )
 from sim.report import drops_figure, staleness_figure, throughput_figure, timeline_figure
 
@@ -121,6 +122,7 @@ def reward_figure(metrics: Sequence[Mapping[str, Any]], evals: Sequence[Mapping]
     axes.set_xlabel("trainer step")
     axes.set_ylabel("reward / accuracy")
     axes.set_ylim(0, 1)
+    axes.set_title("train reward and held-out pass@1 by trainer step", fontsize="medium")
     _style(axes, legend=True)
     return figure
 
@@ -430,9 +432,16 @@ def trace_overlay_figure(
         )
     latency.set(xlabel="generation latency (s)", ylabel="CDF", ylim=(0, 1.02))
     step.set(xlabel="train-step time (s)", ylabel="CDF", ylim=(0, 1.02))
-    stale.set(xlabel="staleness of trained rollouts", ylabel="fraction")
+    stale.set(xlabel="staleness of trained rollouts (versions)", ylabel="fraction")
     stale.xaxis.set_major_locator(MaxNLocator(integer=True))
     progress.set(xlabel="time (s)", ylabel="samples trained")
+    for axes, title in (
+        (latency, "generation latency, cumulative"),
+        (step, "train-step time, cumulative"),
+        (stale, "staleness of trained rollouts"),
+        (progress, "samples trained over time"),
+    ):
+        axes.set_title(title, fontsize="medium")
     for axes in (latency, step, stale, progress):
         _style(axes)
     latency.legend(frameon=False, fontsize="small")
@@ -465,7 +474,7 @@ def plot_run(
     if unknown:
         raise ValueError(f"figures: unknown {sorted(unknown)}; allowed: {list(FIGURES)}")
     run_dir = Path(run_dir)
-    metrics_file, trace_file = run_dir / "metrics.jsonl", run_dir / "trace.jsonl"
+    metrics_file, trace_file = run_dir / "metrics.jsonl", trace_path(run_dir)
     if not metrics_file.exists() and not trace_file.exists():
         raise FileNotFoundError(
             f"{run_dir} has neither metrics.jsonl nor trace.jsonl; pass a run directory "
@@ -497,11 +506,19 @@ def plot_run(
                 written.append(_save(draw(events), out / f"{name}.png"))
         if compare is not None:
             other = Path(compare)
-            other_trace = read_trace(other / "trace.jsonl" if other.is_dir() else other)
-            labels = (run_dir.name or "this run", other.name or "other")
+            other_trace = read_trace(trace_path(other) if other.is_dir() else other)
+            labels = (_source_label(run_dir), _source_label(other))
             figure = trace_overlay_figure(events, other_trace, labels=labels)
             written.append(_save(figure, out / "compare.png", size=(9.0, 6.0)))
     return written
+
+
+def _source_label(path: Path) -> str:
+    """``"simulated (NAME)"`` for a run directory ``rlaxkit simulate`` wrote (it holds
+    scenario.yaml), else ``"measured (NAME)"``: a legend says which line is which."""
+    directory = path if path.is_dir() else path.parent
+    kind = "simulated" if (directory / "scenario.yaml").exists() else "measured"
+    return f"{kind} ({directory.name})" if directory.name else kind
 
 
 def _save(figure: Figure, path: Path, size: tuple[float, float] = SIZE_IN) -> Path:

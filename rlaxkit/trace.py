@@ -61,14 +61,16 @@ Per kind, the keys this module's helpers read (others are free):
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
+import shutil
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from rlaxkit.validation import is_int, is_number
 
@@ -302,9 +304,38 @@ class JsonlTraceWriter:
         self.close()
 
 
+def open_trace(path: str | os.PathLike) -> IO[str]:
+    """A JSONL trace opened for reading as text, gzip-compressed when its name ends
+    in ``.gz`` (``trace.jsonl.gz``, see :func:`compress_trace`)."""
+    if os.fspath(path).endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")  # noqa: SIM115
+
+
+def trace_path(run_dir: str | os.PathLike) -> Path:
+    """A run directory's trace: ``trace.jsonl``, else ``trace.jsonl.gz`` if only that
+    exists (a compact run), else the ``trace.jsonl`` it would be."""
+    plain = Path(run_dir) / "trace.jsonl"
+    packed = plain.with_name("trace.jsonl.gz")
+    return packed if packed.exists() and not plain.exists() else plain
+
+
+def compress_trace(run_dir: str | os.PathLike) -> tuple[int, int]:
+    """Replaces a finished run's ``trace.jsonl`` by ``trace.jsonl.gz`` (gzip level 6),
+    which every reader here reads as it is; returns the bytes before and after."""
+    plain = Path(run_dir) / "trace.jsonl"
+    packed = plain.with_name("trace.jsonl.gz")
+    with open(plain, "rb") as source, gzip.open(packed, "wb", compresslevel=6) as target:
+        shutil.copyfileobj(source, target, length=1 << 20)
+    before = plain.stat().st_size
+    plain.unlink()
+    return before, packed.stat().st_size
+
+
 def iter_trace(path: str | os.PathLike) -> Iterator[TraceEvent]:
-    """Yield validated events from a JSONL trace; errors name the line number."""
-    with open(path, encoding="utf-8") as handle:
+    """Yield validated events from a JSONL trace (plain or ``.gz``); errors name the
+    line number."""
+    with open_trace(path) as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue

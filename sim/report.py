@@ -111,15 +111,20 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
     )
     # Before the first generation or step: setting up (warm start, first compilations).
     busy = [r.start_s for r in records] + [step_span(e)[0] for e in steps]
+    start_s = 0.0
     if busy and min(busy) > 0.05 * end_s:
+        setup_s = min(busy)
+        # A set-up over a quarter of the axis is cut to a sliver: the axis is for the run.
+        if setup_s > 0.25 * end_s:
+            start_s = setup_s - 0.05 * (end_s - setup_s)
         axes.axvspan(
-            0,
-            min(busy),
+            start_s,
+            setup_s,
             facecolor="white",
             edgecolor="0.6",
             hatch="//",
             lw=0,
-            label="setup (warm start)",
+            label=f"setup (warm start), {setup_s:.0f} s" + (", axis cut" if start_s else ""),
         )
     saves = [e for e in events if e.kind == "checkpoint_save"]
     axes.broken_barh(
@@ -133,11 +138,11 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
     if len(pulls) <= MAX_MARKS_PER_ROW * len(workers):
         _marks(axes, [e.t for e in pulls], [rows[e.actor] + height / 2 for e in pulls], 7, "pull")
     else:  # as many marks as pixels would hide the slots under them
-        axes.plot([], [], ls="", label=f"pulls not marked ({len(pulls)})")
+        axes.plot([], [], ls="", label=f"{len(pulls)} pulls, too many to mark")
     _downtime(axes, events, rows, height)
     axes.set_yticks(list(rows.values()), list(rows))
     axes.set_ylim(-0.6, len(workers) + 0.6)
-    axes.set_xlim(0, end_s)
+    axes.set_xlim(start_s, end_s)
     _time_axis(axes, end_s)
     axes.spines[["top", "right"]].set_visible(False)
     shown = (

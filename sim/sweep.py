@@ -8,10 +8,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+import types
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +62,10 @@ def sweep(
             share their random preemptions and lengths: common random numbers).
         processes: Worker processes (``None``: one per CPU; ``1``: run in this process).
             Processes are spawned, not forked, so a parent that has loaded a
-            multithreaded library (JAX) is safe.
+            multithreaded library (JAX) is safe; they do not run the caller's script
+            again (see :func:`_main_script_hidden`), so a script without an
+            ``if __name__ == "__main__":`` guard, such as a notebook run with
+            ``python notebooks/04_scaling.py``, may call ``sweep``.
 
     Returns:
         One :class:`SweepPoint` per run, in grid order then seed order.
@@ -72,7 +78,38 @@ def sweep(
         return [_run_point(job) for job in jobs]
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(processes, len(jobs)), mp_context=context) as pool:
-        return list(pool.map(_run_point, jobs))
+        with _main_script_hidden():
+            futures = [pool.submit(_run_point, job) for job in jobs]  # starts the processes
+        return [future.result() for future in futures]
+
+
+@contextlib.contextmanager
+def _main_script_hidden() -> Iterator[None]:
+    """While processes start, ``__main__`` is a module without a file, as in Jupyter.
+
+    A spawned child imports the parent's ``__main__`` script again (as ``__mp_main__``)
+    before it runs anything, so that functions defined there unpickle. A script without
+    a main guard then runs its own top level in every child, calls ``sweep`` again and
+    fails with "An attempt has been made to start a new process before the current
+    process has finished its bootstrapping phase". A sweep's jobs need nothing of the
+    script: ``_run_point`` and its ``Scenario`` arguments live in ``sim``. So, as for a
+    notebook kernel's ``__main__``, which has no file, the children are told of no
+    script (nor of a ``python -m`` module). ``fork`` would also skip the import but
+    copies a parent whose JAX threads may hold locks; threads would run SimPy's
+    pure-Python events one at a time.
+    ``ProcessPoolExecutor`` starts its spawned processes inside ``submit`` on the
+    calling thread, so the stand-in is seen by them alone.
+    """
+    main = sys.modules["__main__"]
+    if getattr(main, "__file__", None) is None and getattr(main, "__spec__", None) is None:
+        yield  # no script to hide (Jupyter, a REPL)
+        return
+    stand_in = types.ModuleType("__main__")
+    sys.modules["__main__"] = stand_in
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:

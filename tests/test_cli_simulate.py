@@ -31,6 +31,18 @@ def test_simulate_writes_a_run_directory(tmp_path, capsys):
     assert {"timeline.png", "staleness.png"} <= plots
     out = capsys.readouterr().out
     assert "4 steps" in out and "ui.perfetto.dev" in out
+    # The second run into the folder: the same scenario is done; another one, or a real
+    # run, is refused before any work.
+    events = (run / "trace.jsonl").read_text()
+    assert main(["simulate", TOY, *overrides, "--run-dir", str(run)]) == 0
+    assert "finished after 4 steps; nothing to do" in capsys.readouterr().out
+    assert (run / "trace.jsonl").read_text() == events
+    assert main(["simulate", TOY, "--set", "target_steps=5", "--run-dir", str(run)]) == 2
+    assert "another config (it differs at fleet.num_workers, target_steps)" in (
+        capsys.readouterr().err
+    )
+    assert main(["train", "--run-dir", str(run)]) == 2
+    assert "holds a simulated run (scenario.yaml); choose --resume" in capsys.readouterr().err
 
 
 def test_chunked_run_is_the_plain_run():
@@ -66,3 +78,17 @@ def test_a_bad_override_exits_2_naming_the_field(tmp_path, capsys):
     assert main(["simulate", TOY, "--set", "fleet.wokers=2", "--run-dir", str(tmp_path)]) == 2
     assert "fleet.wokers" in capsys.readouterr().err
     assert main(["simulate", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_a_compact_trace_is_read_as_it_is(tmp_path, capsys):
+    """``--compact-trace`` gzips a finished run's trace; plots, the Perfetto export and
+    ``read_trace`` take the ``.gz`` as they took the plain file."""
+    run = tmp_path / "run"
+    overrides = ["--set", "fleet.num_workers=2", "--set", "target_steps=4", "--no-progress"]
+    assert main(["simulate", TOY, *overrides, "--run-dir", str(run), "--compact-trace"]) == 0
+    assert not (run / "trace.jsonl").exists()
+    assert [e.kind for e in read_trace(run / "trace.jsonl.gz")].count("train_step") == 4
+    assert "trace.jsonl.gz (" in capsys.readouterr().out
+    assert main(["plot", str(run)]) == 0
+    assert main(["trace", str(run), "-o", str(tmp_path / "again.json")]) == 0
+    validate(json.loads((tmp_path / "again.json").read_text()))

@@ -4,9 +4,15 @@ The ``.py`` files (jupytext percent format) are the reviewed source; the ``.ipyn
 files are what a researcher opens. Execution uses the small settings the notebooks read
 from ``RLAXKIT_NOTEBOOK_SMALL=1``; any cell error fails the test. Regenerate a pair after
 editing the ``.py``: ``jupytext --sync notebooks/NAME.py`` (or ``--to ipynb``).
+
+Each notebook runs both ways the README offers, from a folder other than ``notebooks/``:
+the ``.ipynb`` in a kernel started in the repository root, the ``.py`` as a script
+(``python notebooks/NAME.py``, no main guard) from a temporary folder.
 """
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jupytext
@@ -58,9 +64,32 @@ def test_notebook_executes_with_small_settings(source, monkeypatch):
         notebook,
         timeout=TIMEOUT_S,
         kernel_name="python3",
-        resources={"metadata": {"path": str(NOTEBOOKS)}},
+        resources={"metadata": {"path": str(NOTEBOOKS.parent)}},  # the repository root
     )
     client.execute()  # raises CellExecutionError on the first failing cell
     last = notebook.cells[-1]
     kinds = {key for output in last.outputs for key in output.get("data", {})}
     assert "image/png" in kinds, f"{source.name}: the last cell must display a figure"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_notebook_runs_as_a_script_from_another_folder(source, tmp_path):
+    """``python notebooks/NAME.py`` from any folder: the sweep's processes must not run
+    the script again, and paths must not depend on the current folder."""
+    env = {
+        **os.environ,
+        "RLAXKIT_NOTEBOOK_SMALL": "1",
+        "MPLBACKEND": "Agg",
+        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+        "PYTHONPATH": os.pathsep.join([str(NOTEBOOKS.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, str(source)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S * 2,
+    )
+    assert done.returncode == 0, f"{source.name} as a script:\n{done.stderr[-4000:]}"
