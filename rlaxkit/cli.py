@@ -1,4 +1,4 @@
-"""rlaxkit command line: demo, train, sft, eval, plot, trace, simulate, plan.
+"""rlaxkit command line: demo, train, sft, eval, plot, trace, simulate, plan, tune.
 
 rlaxkit demo                                  # the embedded default run
 rlaxkit train configs/demo.yaml --set staleness.max_staleness=0   # the demo, synchronous
