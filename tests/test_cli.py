@@ -79,11 +79,11 @@ def test_train_writes_a_complete_run_directory(tmp_path, capsys):
     pass_at_1 = next(line for line in out.splitlines() if line.split()[:1] == ["1"])
     assert float(pass_at_1.split()[1]) == round(summary["pass@1_after"], 3)
     # The second run into the folder: the same config finished, so nothing is appended.
-    assert main(["train", *args(), "--run-dir", str(run), "--no-progress"]) == 0
+    assert main(["train", *argv, "--run-dir", str(run), "--no-progress"]) == 0
     assert "finished after 3 steps; nothing to do" in capsys.readouterr().out
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
     # Another config is refused before any work, with the three ways on.
-    assert main(["train", *args("steps=4"), "--run-dir", str(run)]) == 2
+    assert main(["train", *args("checkpoint.every_steps=2", "steps=4"), "--run-dir", str(run)]) == 2
     err = capsys.readouterr().err
     assert "holds a run with another config (it differs at steps)" in err
     assert "--resume" in err and "--new" in err and "--overwrite" in err
