@@ -20,10 +20,13 @@ from rlaxkit.algorithms.advantages import (
     terminal_rewards,
 )
 from rlaxkit.algorithms.config import AdvantageConfig, AlgorithmConfig, LossConfig
+from rlaxkit.algorithms.covariance import token_covariance
 from rlaxkit.algorithms.objective import (
     KL_ESTIMATORS,
+    LOG_RATIO_BOUND,
     SURROGATES,
     LossInputs,
+    SurrogateContext,
     aggregation_weights,
     clipped_value_loss,
     combine_metrics,
@@ -31,7 +34,12 @@ from rlaxkit.algorithms.objective import (
     rl_loss,
     trust_region_centre,
 )
-from rlaxkit.algorithms.off_policy import behaviour_weights, loglinear_proximal_logprobs
+from rlaxkit.algorithms.off_policy import (
+    REJECTION_MASKS,
+    behaviour_weights,
+    loglinear_proximal_logprobs,
+    rejection_mask,
+)
 from rlaxkit.algorithms.presets import PRESETS, algorithm
 from rlaxkit.algorithms.registry import Registry
 from rlaxkit.algorithms.value_model import ValueModel
@@ -39,7 +47,9 @@ from rlaxkit.algorithms.value_model import ValueModel
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
+    "LOG_RATIO_BOUND",
     "PRESETS",
+    "REJECTION_MASKS",
     "SURROGATES",
     "AdvantageConfig",
     "AdvantageInputs",
@@ -47,6 +57,7 @@ __all__ = [
     "LossConfig",
     "LossInputs",
     "Registry",
+    "SurrogateContext",
     "ValueModel",
     "aggregation_weights",
     "algorithm",
@@ -61,8 +72,10 @@ __all__ = [
     "loglinear_proximal_logprobs",
     "masked_whiten",
     "reinforce_pp_advantages",
+    "rejection_mask",
     "rl_loss",
     "rloo_advantages",
     "terminal_rewards",
+    "token_covariance",
     "trust_region_centre",
 ]
