@@ -44,6 +44,7 @@ from rlaxkit.algorithms import (
     LossInputs,
     aggregation_weights,
     compute_advantages,
+    rejection_mask,
     rl_loss,
 )
 from rlaxkit.batch import TrainBatch
@@ -419,7 +420,8 @@ class PreparedBatch:
     Attributes:
         tokens, attention_mask, behaviour_logprobs, versions: the batch's.
         positions: ``positions_from_mask(attention_mask)``.
-        loss_mask: the batch's, as float32.
+        loss_mask: the batch's, as float32, less the tokens a rollout rejection mask
+            (``loss.rejection``) dropped.
         advantages: the batch's, or the advantage estimator's over the whole batch.
         returns: value targets (GAE), or ``None`` without a critic.
         old_values: critic values before any update, or ``None`` without a critic.
@@ -473,7 +475,12 @@ def _build(
     # With one update per step every micro-batch's forward pass runs under the weights
     # the proximal log-probs would be recomputed with, so they are that pass's own
     # (stop-gradient) log-probs: one forward pass fewer, the same numbers.
-    fused_proximal = loss_cfg.proximal == "recompute" and cfg.epochs == cfg.mini_batches == 1
+    # A rollout rejection mask needs them before the updates (it sets the normaliser).
+    fused_proximal = (
+        loss_cfg.proximal == "recompute"
+        and cfg.epochs == cfg.mini_batches == 1
+        and loss_cfg.rejection == "none"
+    )
     chunks = cfg.mini_batches * cfg.micro_batches
     cast = lambda tree: tree
     if cfg.compute_dtype is not None:
@@ -564,6 +571,19 @@ def _build(
             "staleness_mean": jnp.sum(lag) / jnp.maximum(jnp.sum(loss_mask), 1.0),
             "staleness_max": jnp.max(lag),
         }
+        if loss_cfg.rejection != "none":
+            # Rejected tokens leave the loss and the mini-batch normaliser, which is
+            # computed from this mask; the advantages above saw every sampled token.
+            kept = rejection_mask(
+                proximal_logprobs,
+                placed.behaviour_logprobs,
+                loss_mask,
+                loss_cfg.rejection,
+                loss_cfg.rejection_low,
+                loss_cfg.rejection_high,
+            )
+            stats["rejected_fraction"] = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(loss_mask), 1.0)
+            loss_mask = kept
         prepared = PreparedBatch(
             tokens=tokens,
             positions=positions,

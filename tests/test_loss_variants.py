@@ -189,3 +189,54 @@ def test_the_config_reaches_the_estimators():
     cfg = AdvantageConfig(estimator="dr_grpo", group_of_one="reward")
     advantages, _ = compute_advantages(inputs, cfg)
     np.testing.assert_allclose(advantages[:, 0], [0.5, -0.5, 2.0])
+
+
+def test_the_trainer_drops_rejected_tokens_from_the_loss_and_the_normaliser():
+    # Rejection in the train step = training on the kept tokens only: the gradient equals
+    # the gradient of the same algorithm without rejection on the batch whose loss mask
+    # holds the kept tokens (kept by hand: π_θ, the recomputed proximal policy, over the
+    # random behaviour log-probs inside [0.5, 2]).
+    from flax import nnx
+
+    from rlaxkit.algorithms import algorithm
+    from rlaxkit.batch import BucketSpec, Sample, collate
+    from rlaxkit.logprobs import token_logprobs
+    from rlaxkit.models import ModelConfig, Transformer, positions_from_mask
+    from rlaxkit.trainer import TrainConfig, create_train_state, make_gradient_fn
+
+    config = ModelConfig(
+        family="qwen3", vocab_size=16, hidden_size=16, intermediate_size=32,
+        num_layers=1, num_heads=2, num_kv_heads=1,
+    )  # fmt: skip
+    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    rng = np.random.RandomState(0)
+    samples = [
+        Sample(
+            prompt_tokens=rng.randint(1, 16, 3).tolist(),
+            completion_tokens=rng.randint(1, 16, 6).tolist(),
+            behaviour_logprobs=(-rng.rand(6) * 5).tolist(),
+            versions=0,
+            reward=float(i % 2),
+            group_id=i // 2,
+        )
+        for i in range(4)
+    ]
+    batch = collate(samples, bucket=BucketSpec(lengths=(12,), batch_sizes=(4,)))
+    model = nnx.merge(graphdef, params)
+    tokens, attention = jnp.asarray(batch.tokens), jnp.asarray(batch.attention_mask)
+    current = token_logprobs(model, tokens, positions_from_mask(attention), attention)
+    ratio = np.exp(np.asarray(current) - batch.behaviour_logprobs)
+    kept = batch.loss_mask * ((ratio >= 0.5) & (ratio <= 2.0))
+    assert 0 < kept.sum() < batch.loss_mask.sum()  # some of each
+
+    base = algorithm("decoupled_ppo")
+    rejecting = base.replace(loss={"rejection": "token"})
+    state = create_train_state(TrainConfig(algorithm=rejecting), params)
+    grads, metrics = make_gradient_fn(TrainConfig(algorithm=rejecting), graphdef)(state, batch)
+    expected, _ = make_gradient_fn(TrainConfig(algorithm=base), graphdef)(
+        state, batch.replace(loss_mask=kept.astype(batch.loss_mask.dtype))
+    )
+    rejected = 1 - kept.sum() / batch.loss_mask.sum()
+    assert float(metrics["rejected_fraction"]) == pytest.approx(rejected, rel=1e-6)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
