@@ -335,10 +335,13 @@ class RunConfig:
                 "lower snapshot_every"
             )
         group_relative = self.algorithm.preset in ("grpo", "dr_grpo", "dapo", "rloo")
-        if self.sampling.n < 2 and group_relative:
+        baseline_zero = self.algorithm.advantage.get("group_of_one") == "reward"
+        if self.sampling.n < 2 and group_relative and not baseline_zero:
             raise ValueError(
                 f"sampling.n is {self.sampling.n}; group-relative algorithms "
-                f"({self.algorithm.preset}) need at least 2 samples per prompt"
+                f"({self.algorithm.preset}) need at least 2 samples per prompt, or "
+                "algorithm.advantage.group_of_one=reward (baseline 0: the advantage is the "
+                "reward)"
             )
         if group_relative and (self.sampling.greedy or self.sampling.top_k == 1):
             field_, value = (

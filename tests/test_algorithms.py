@@ -164,3 +164,14 @@ def test_registry_rejects_duplicates_and_lists_names():
     with pytest.raises(ValueError, match=r"unknown thing 'b'; registered: \('a',\)"):
         registry.get("b")
     assert list(registry) == ["a"] and "a" in registry
+
+
+def test_a_run_samples_each_prompt_once_only_with_the_reward_baseline():
+    from rlaxkit.config import small_run_config
+
+    with pytest.raises(ValueError, match="group_of_one=reward"):
+        small_run_config("sampling.n=1", "algorithm.preset=dapo")
+    config = small_run_config(
+        "sampling.n=1", "algorithm.preset=dapo", "algorithm.advantage.group_of_one=reward"
+    )
+    assert config.sampling.n == 1
