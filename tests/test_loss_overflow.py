@@ -135,6 +135,16 @@ def test_extreme_log_ratios_give_finite_losses_and_gradients_under_every_surroga
         for level in LEVELS
     ]
     configs += [dataclasses.replace(EXTRAS, kl_estimator=name) for name in KL_ESTIMATORS.names()]
+    configs += [
+        dataclasses.replace(
+            no_kl, rejection=rejection, behaviour_weight=weight, behaviour_weight_level=level
+        )
+        for rejection, weight, level in [
+            ("sequence", "truncate", "sequence"),
+            ("geometric", "mask", "sequence"),
+            ("none", "mask", "token"),
+        ]
+    ]
     for cfg in configs:
         loss, metrics, grads = jitted_grads(cfg)(inputs)
         grads = np.asarray(grads)
