@@ -23,7 +23,6 @@ from rlaxkit.algorithms.config import AdvantageConfig, AlgorithmConfig, LossConf
 from rlaxkit.algorithms.covariance import token_covariance
 from rlaxkit.algorithms.objective import (
     KL_ESTIMATORS,
-    LOG_RATIO_BOUND,
     SURROGATES,
     LossInputs,
     SurrogateContext,
@@ -35,6 +34,7 @@ from rlaxkit.algorithms.objective import (
     trust_region_centre,
 )
 from rlaxkit.algorithms.off_policy import (
+    LOG_RATIO_BOUND,
     REJECTION_MASKS,
     behaviour_weights,
     loglinear_proximal_logprobs,

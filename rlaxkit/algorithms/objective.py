@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from rlaxkit.algorithms.off_policy import (
+    LOG_RATIO_BOUND,
     behaviour_weights,
     loglinear_proximal_logprobs,
     rejection_mask,
@@ -49,9 +50,6 @@ if TYPE_CHECKING:
     from rlaxkit.algorithms.config import LossConfig
 
 sg = jax.lax.stop_gradient
-
-LOG_RATIO_BOUND = 20.0
-"""``|log π_θ - log π_old|`` past which a token's ratio is clamped and gets no gradient."""
 
 
 @dataclass(frozen=True)

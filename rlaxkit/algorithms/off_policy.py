@@ -32,8 +32,9 @@ import jax.numpy as jnp
 
 from rlaxkit.algorithms.registry import Registry
 
-# Past this |log w| a behaviour weight is clamped before ``exp`` (as the objective's ratio).
-_LOG_WEIGHT_BOUND = 20.0
+LOG_RATIO_BOUND = 20.0
+"""``|log π_a - log π_b|`` past which a ratio is clamped before ``exp`` (float32 overflows
+past about 88.7) and gets no gradient: the objective's ratio, ``k3``, behaviour weights."""
 
 # ``fn(log_ratio [B, T], loss_mask [B, T], log_low, log_high) -> accepted [B, T]``.
 RejectionFn = Callable[[jax.Array, jax.Array, float, float], jax.Array]
@@ -92,7 +93,7 @@ def behaviour_weights(
     log_w = jnp.where(mask > 0, proximal_logprobs - behaviour_logprobs, 0.0)
     if level == "sequence":
         log_w = jnp.where(mask > 0, jnp.sum(log_w, axis=1, keepdims=True), 0.0)
-    log_w = jnp.clip(log_w, -_LOG_WEIGHT_BOUND, _LOG_WEIGHT_BOUND)
+    log_w = jnp.clip(log_w, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     log_cap = jnp.log(jnp.float32(cap))
     kept = jnp.ones_like(mask)
     if mode == "none":
