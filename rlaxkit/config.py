@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from rlaxkit.algorithms import PRESETS, algorithm
 from rlaxkit.algorithms.config import AdvantageConfig, LossConfig
+from rlaxkit.algorithms.distill import DistillConfig
 from rlaxkit.configio import apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
 from rlaxkit.episodes import EpisodeConfig
 from rlaxkit.inference import SamplingConfig
@@ -133,6 +134,35 @@ class TrainerSpec:
     mini_batches: int = 1
     epochs: int = 1
     lora: LoraConfig | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistillSpec:
+    """On-policy distillation from a frozen teacher (``rlaxkit.algorithms.distill``): the
+    teacher scores the student's own samples in the train step and each completion token
+    gets the reward ``log π_teacher - log π_student`` (per-token reverse KL).
+
+    Attributes:
+        teacher: an HF checkpoint directory (a run's ``final/``, or any checkpoint with
+            the student's vocabulary); the teacher may be of another size. Read when the
+            run starts, which checks it is there and that its vocabulary is the student's.
+        weight: scale of the distillation reward in the advantage.
+        task_reward: add the task's advantage (``true``) or distil alone (``false``).
+        param_dtype: the teacher's dtype (default: the checkpoint's).
+    """
+
+    teacher: str | None = None
+    weight: float = 1.0
+    task_reward: bool = True
+    param_dtype: Literal["float32", "bfloat16"] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.teacher, str) or not self.teacher:
+            raise ValueError(
+                f"teacher: missing (got {self.teacher!r}); set distill.teacher to the "
+                "teacher's checkpoint directory (a run's final/), or unset distill"
+            )
+        DistillConfig(weight=self.weight, task_reward=self.task_reward)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,6 +313,7 @@ class RunConfig:
     turns on delta publication (``rlaxkit.param_server.ParamServerConfig``).
     ``episodes`` sets the turns, token budget and tool-step timeout of a multi-turn
     task's episodes (``rlaxkit.episodes.EpisodeConfig``; a single-turn task ignores it).
+    ``distill`` adds a frozen teacher's per-token reward (``DistillSpec``).
     """
 
     seed: int = 0
@@ -311,6 +342,7 @@ class RunConfig:
     param_server: ParamServerConfig = field(default_factory=ParamServerConfig)
     tracking: tuple[TrackerName, ...] = ("jsonl",)
     episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
+    distill: DistillSpec | None = None
 
     def __post_init__(self) -> None:
         check_tracking(self.tracking)  # before any work: a tracker's package is missing
@@ -333,6 +365,16 @@ class RunConfig:
                 f"runtime.keep_versions is {self.runtime.keep_versions}: a delta-published "
                 "version needs the versions since its snapshot; raise keep_versions or "
                 "lower snapshot_every"
+            )
+        if (
+            self.distill is not None
+            and not self.distill.task_reward
+            and self.batching.equal_rewards == "drop"
+        ):
+            raise ValueError(
+                "distill.task_reward is false but batching.equal_rewards is drop: groups "
+                "whose task rewards are all equal would be dropped, though the teacher's "
+                "reward still teaches on them; set batching.equal_rewards=keep"
             )
         group_relative = self.algorithm.preset in ("grpo", "dr_grpo", "dapo", "rloo")
         baseline_zero = self.algorithm.advantage.get("group_of_one") == "reward"

@@ -21,6 +21,11 @@ from rlaxkit.algorithms.advantages import (
 )
 from rlaxkit.algorithms.config import AdvantageConfig, AlgorithmConfig, LossConfig
 from rlaxkit.algorithms.covariance import token_covariance
+from rlaxkit.algorithms.distill import (
+    DistillConfig,
+    distillation_advantages,
+    distillation_rewards,
+)
 from rlaxkit.algorithms.objective import (
     KL_ESTIMATORS,
     SURROGATES,
@@ -54,6 +59,7 @@ __all__ = [
     "AdvantageConfig",
     "AdvantageInputs",
     "AlgorithmConfig",
+    "DistillConfig",
     "LossConfig",
     "LossInputs",
     "Registry",
@@ -65,6 +71,8 @@ __all__ = [
     "clipped_value_loss",
     "combine_metrics",
     "compute_advantages",
+    "distillation_advantages",
+    "distillation_rewards",
     "gae_advantages",
     "group_statistics",
     "grpo_advantages",
