@@ -763,8 +763,8 @@ def make_train_step(
     ``ratio_max``, ``kl_old`` (to the trust-region centre), ``kl_ref`` (when a reference
     is used), ``entropy``, ``grad_norm``, ``update_norm`` (the optimizer's update, the
     global norm; with ``cfg.update_norm``), ``learning_rate``, ``tokens``, ``sequences``,
-    ``reward_mean``, ``staleness_mean``/``_max``, ``distill/reward_mean`` and
-    ``distill/reverse_kl`` (with ``cfg.distill``) and the loss's extras. Per-update
+    ``reward_mean``, ``staleness_mean``/``_max``, ``distill_reward_mean`` and
+    ``distill_reverse_kl`` (with ``cfg.distill``) and the loss's extras. Per-update
     metrics are averaged over the updates of the step (maxima for ``*_max``).
     """
     if cfg.algorithm.needs_value_model and value_graphdef is None:

@@ -19,6 +19,7 @@ from rlaxkit.batch import BucketSpec, Sample, collate
 from rlaxkit.config import small_run_config
 from rlaxkit.logprobs import token_logprobs
 from rlaxkit.models import ModelConfig, Transformer, positions_from_mask, save_hf_checkpoint
+from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.build import build_task, char_tokenizer, check_inputs
 from rlaxkit.teacher import distill_config, initial_train_state
 from rlaxkit.trainer import (
@@ -100,8 +101,8 @@ def test_rewards_by_hand_and_masked_positions_give_zero():
         task, teacher, student, mask, DistillConfig(weight=2)
     )
     np.testing.assert_allclose(with_task, [[2.386294, -1.772589], [-1.0, 0.0]], atol=1e-6)
-    np.testing.assert_allclose(stats["distill/reward_mean"], -0.231049, atol=1e-6)
-    np.testing.assert_allclose(stats["distill/reverse_kl"], 0.231049, atol=1e-6)
+    np.testing.assert_allclose(stats["distill_reward_mean"], -0.231049, atol=1e-6)
+    np.testing.assert_allclose(stats["distill_reverse_kl"], 0.231049, atol=1e-6)
     alone, _ = distillation_advantages(
         task, teacher, student, mask, DistillConfig(weight=2, task_reward=False)
     )
@@ -124,7 +125,7 @@ def test_a_teacher_equal_to_the_student_gives_zero_reward_and_the_task_advantage
     prepared, stats = make_prepare_fn(cfg, graphdef)(state, batch)
     plain = dataclasses.replace(cfg, distill=None)
     expected, _ = make_prepare_fn(plain, graphdef)(create_train_state(plain, params), batch)
-    assert abs(float(stats["distill/reward_mean"])) < 1e-6
+    assert abs(float(stats["distill_reward_mean"])) < 1e-6
     np.testing.assert_allclose(prepared.advantages, expected.advantages, atol=1e-5)
 
 
@@ -148,7 +149,7 @@ def test_one_step_is_finite_and_moves_the_student_toward_a_larger_teacher():
     step = make_train_step(cfg, graphdef)
     state, metrics = step(state, batch)
     assert all(np.isfinite(float(v)) for v in metrics.values())
-    assert float(metrics["distill/reverse_kl"]) > 0  # a random teacher disagrees
+    assert float(metrics["distill_reverse_kl"]) > 0  # a random teacher disagrees
     after = squared_gap(state.params)
     assert after < 0.98 * before, (before, after)
 
@@ -199,3 +200,23 @@ def test_the_run_checks_the_teacher_directory_and_its_vocabulary(tmp_path):
     leaves = zip(jax.tree.leaves(state.teacher_params), jax.tree.leaves(saved), strict=True)
     for loaded, written in leaves:
         np.testing.assert_array_equal(loaded, written)
+
+
+def test_a_run_with_a_teacher_of_another_size_trains_on_its_reward(tmp_path):
+    # The runtime's wiring: the trainer reads the teacher from the checkpoint directory
+    # and the step reports the distillation reward of the fleet's samples.
+    config = small_run_config("sft.steps=0", "steps=1", "batching.equal_rewards=keep")
+    vocab = char_tokenizer(config, build_task(config)).vocab_size
+    teacher = dataclasses.replace(TEACHER, vocab_size=vocab, num_layers=1)
+    save_hf_checkpoint(Transformer(teacher, rngs=nnx.Rngs(3)), tmp_path / "teacher")
+    config = small_run_config(
+        "sft.steps=0",
+        "batching.equal_rewards=keep",
+        f"distill.teacher={tmp_path / 'teacher'}",
+        "distill.task_reward=false",
+    )
+    with Experiment(config) as exp:
+        metrics = exp.step()
+    assert np.isfinite(metrics["train/distill_reverse_kl"]) and np.isfinite(metrics["train/loss"])
+    # Two untrained models disagree: the student's samples are unlikely under the teacher.
+    assert metrics["train/distill_reverse_kl"] > 0

@@ -86,15 +86,15 @@ def distillation_advantages(
     cfg: DistillConfig,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``A_t = [A_task,t] + weight · r_t`` (``r_t``: ``distillation_rewards``), and the
-    batch's ``distill/reward_mean`` (mean ``r_t`` over completion tokens, minus the
-    reverse-KL estimate) and ``distill/reverse_kl`` (its negation).
+    batch's ``distill_reward_mean`` (mean ``r_t`` over completion tokens, minus the
+    reverse-KL estimate) and ``distill_reverse_kl`` (its negation).
 
     >>> import jax.numpy as jnp
     >>> advantages, stats = distillation_advantages(
     ...     jnp.array([[1.0, 1.0]]), jnp.array([[-1.0, -2.0]]), jnp.array([[-2.0, -2.0]]),
     ...     jnp.array([[1.0, 1.0]]), DistillConfig(weight=0.5, task_reward=True),
     ... )
-    >>> advantages.tolist(), float(stats["distill/reverse_kl"])
+    >>> advantages.tolist(), float(stats["distill_reverse_kl"])
     ([[1.5, 1.0]], -0.5)
     """
     rewards = distillation_rewards(teacher_logprobs, student_logprobs, loss_mask)
@@ -102,4 +102,4 @@ def distillation_advantages(
     if cfg.task_reward:
         advantages = advantages + task_advantages
     mean = jnp.sum(rewards) / jnp.maximum(jnp.sum(loss_mask.astype(jnp.float32)), 1.0)
-    return advantages, {"distill/reward_mean": mean, "distill/reverse_kl": -mean}
+    return advantages, {"distill_reward_mean": mean, "distill_reverse_kl": -mean}
