@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from rlaxkit.algorithms import PRESETS, algorithm
 from rlaxkit.algorithms.config import AdvantageConfig, LossConfig
+from rlaxkit.algorithms.distill import DistillConfig
 from rlaxkit.configio import apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
 from rlaxkit.episodes import EpisodeConfig
 from rlaxkit.inference import SamplingConfig
@@ -135,6 +136,35 @@ class TrainerSpec:
     mini_batches: int = 1
     epochs: int = 1
     lora: LoraConfig | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistillSpec:
+    """On-policy distillation from a frozen teacher (``rlaxkit.algorithms.distill``): the
+    teacher scores the student's own samples in the train step and each completion token
+    gets the reward ``log π_teacher - log π_student`` (per-token reverse KL).
+
+    Attributes:
+        teacher: an HF checkpoint directory (a run's ``final/``, or any checkpoint with
+            the student's vocabulary); the teacher may be of another size. Read when the
+            run starts, which checks it is there and that its vocabulary is the student's.
+        weight: scale of the distillation reward in the advantage.
+        task_reward: add the task's advantage (``true``) or distil alone (``false``).
+        param_dtype: the teacher's dtype (default: the checkpoint's).
+    """
+
+    teacher: str | None = None
+    weight: float = 1.0
+    task_reward: bool = True
+    param_dtype: Literal["float32", "bfloat16"] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.teacher, str) or not self.teacher:
+            raise ValueError(
+                f"teacher: missing (got {self.teacher!r}); set distill.teacher to the "
+                "teacher's checkpoint directory (a run's final/), or unset distill"
+            )
+        DistillConfig(weight=self.weight, task_reward=self.task_reward)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,6 +317,7 @@ class RunConfig:
     task's episodes (``rlaxkit.episodes.EpisodeConfig``; a single-turn task ignores it).
     ``inference`` chooses each worker's KV cache, dense or paged
     (``rlaxkit.inference.InferenceConfig``).
+    ``distill`` adds a frozen teacher's per-token reward (``DistillSpec``).
     """
 
     seed: int = 0
@@ -316,6 +347,7 @@ class RunConfig:
     tracking: tuple[TrackerName, ...] = ("jsonl",)
     episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    distill: DistillSpec | None = None
 
     def __post_init__(self) -> None:
         check_tracking(self.tracking)  # before any work: a tracker's package is missing
@@ -339,11 +371,24 @@ class RunConfig:
                 "version needs the versions since its snapshot; raise keep_versions or "
                 "lower snapshot_every"
             )
+        if (
+            self.distill is not None
+            and not self.distill.task_reward
+            and self.batching.equal_rewards == "drop"
+        ):
+            raise ValueError(
+                "distill.task_reward is false but batching.equal_rewards is drop: groups "
+                "whose task rewards are all equal would be dropped, though the teacher's "
+                "reward still teaches on them; set batching.equal_rewards=keep"
+            )
         group_relative = self.algorithm.preset in ("grpo", "dr_grpo", "dapo", "rloo")
-        if self.sampling.n < 2 and group_relative:
+        baseline_zero = self.algorithm.advantage.get("group_of_one") == "reward"
+        if self.sampling.n < 2 and group_relative and not baseline_zero:
             raise ValueError(
                 f"sampling.n is {self.sampling.n}; group-relative algorithms "
-                f"({self.algorithm.preset}) need at least 2 samples per prompt"
+                f"({self.algorithm.preset}) need at least 2 samples per prompt, or "
+                "algorithm.advantage.group_of_one=reward (baseline 0: the advantage is the "
+                "reward)"
             )
         if group_relative and (self.sampling.greedy or self.sampling.top_k == 1):
             field_, value = (

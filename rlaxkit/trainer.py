@@ -41,15 +41,24 @@ from jax.sharding import PartitionSpec as P
 from rlaxkit.algorithms import (
     AdvantageInputs,
     AlgorithmConfig,
+    DistillConfig,
     LossInputs,
     aggregation_weights,
     compute_advantages,
+    distillation_advantages,
+    rejection_mask,
     rl_loss,
 )
 from rlaxkit.batch import TrainBatch
 from rlaxkit.jaxutil import Packed, TieredJit
 from rlaxkit.logprobs import logprobs_and_entropy
-from rlaxkit.models import REMAT_POLICIES, RematPolicy, is_stacked, positions_from_mask
+from rlaxkit.models import (
+    REMAT_POLICIES,
+    RematPolicy,
+    abstract_model,
+    is_stacked,
+    positions_from_mask,
+)
 from rlaxkit.models.lora import LoraConfig, init_adapters, merge_adapters
 from rlaxkit.validation import check_int, check_number, is_number
 
@@ -126,6 +135,9 @@ class TrainConfig:
             over every parameter (1.5 ms of a 23 ms train call of the 1M-parameter
             benchmark model, docs/performance.md), and such an update shows only in the
             next step's loss, after its weights were published. The runtime keeps it on.
+        distill: on-policy distillation (``rlaxkit.algorithms.distill``): the teacher in
+            ``TrainState.teacher_params`` scores the batch's tokens before the updates and
+            its per-token reward enters the advantages. ``None``: no teacher.
     """
 
     algorithm: AlgorithmConfig
@@ -139,8 +151,11 @@ class TrainConfig:
     remat: RematPolicy = "none"
     lora: LoraConfig | None = None
     update_norm: bool = True
+    distill: DistillConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.distill is not None and not isinstance(self.distill, DistillConfig):
+            raise ValueError(f"distill: must be a DistillConfig or None, got {self.distill!r}")
         if not isinstance(self.update_norm, bool):
             raise ValueError(f"update_norm: must be true or false, got {self.update_norm!r}")
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
@@ -173,6 +188,8 @@ class TrainState:
         adapters: with ``TrainConfig.lora``, the trained LoRA adapters (``params`` is
             then ``base_params`` merged with them); else ``None``.
         base_params: with ``TrainConfig.lora``, the frozen base weights; else ``None``.
+        teacher_params: with ``TrainConfig.distill``, the frozen teacher (its graph is
+            ``distill.teacher_model``'s, or the policy's); else ``None``.
     """
 
     step: jax.Array
@@ -183,6 +200,7 @@ class TrainState:
     ref_params: Any = None
     adapters: Any = None
     base_params: Any = None
+    teacher_params: Any = None
 
     def replace(self, **changes: Any) -> TrainState:
         """A copy with ``changes`` applied (a packed state stays packed)."""
@@ -288,6 +306,7 @@ def create_train_state(
     seed: int = 0,
     value_params: Any = None,
     ref_params: Any = None,
+    teacher_params: Any = None,
 ) -> TrainState:
     """A step-0 state: optimizer initialised on ``(params, value_params)``.
 
@@ -320,6 +339,7 @@ def create_train_state(
         ref_params=ref_params,
         adapters=adapters,
         base_params=base_params,
+        teacher_params=teacher_params,
     )
 
 
@@ -419,7 +439,8 @@ class PreparedBatch:
     Attributes:
         tokens, attention_mask, behaviour_logprobs, versions: the batch's.
         positions: ``positions_from_mask(attention_mask)``.
-        loss_mask: the batch's, as float32.
+        loss_mask: the batch's, as float32, less the tokens a rollout rejection mask
+            (``loss.rejection``) dropped.
         advantages: the batch's, or the advantage estimator's over the whole batch.
         returns: value targets (GAE), or ``None`` without a critic.
         old_values: critic values before any update, or ``None`` without a critic.
@@ -473,7 +494,12 @@ def _build(
     # With one update per step every micro-batch's forward pass runs under the weights
     # the proximal log-probs would be recomputed with, so they are that pass's own
     # (stop-gradient) log-probs: one forward pass fewer, the same numbers.
-    fused_proximal = loss_cfg.proximal == "recompute" and cfg.epochs == cfg.mini_batches == 1
+    # A rollout rejection mask needs them before the updates (it sets the normaliser).
+    fused_proximal = (
+        loss_cfg.proximal == "recompute"
+        and cfg.epochs == cfg.mini_batches == 1
+        and loss_cfg.rejection == "none"
+    )
     chunks = cfg.mini_batches * cfg.micro_batches
     cast = lambda tree: tree
     if cfg.compute_dtype is not None:
@@ -489,12 +515,22 @@ def _build(
         spec = P(*([None] * leading), BATCH_AXES)
         return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, spec))
 
-    def policy_forward(params, tokens, positions, attention_mask):
-        model = nnx.merge(graphdef, cast(params))
+    def policy_forward(params, tokens, positions, attention_mask, graph=graphdef):
+        model = nnx.merge(graph, cast(params))
         # The last position predicts nothing in the batch: no logits for it.
         hidden = model.hidden_states(tokens, positions, attention_mask, remat=cfg.remat)[:, :-1]
         logp, entropy = logprobs_and_entropy(model.unembed(hidden), tokens[:, 1:], cfg.temperature)
         return jnp.pad(logp, ((0, 0), (1, 0))), jnp.pad(entropy, ((0, 0), (1, 0)))
+
+    # The distillation teacher's graph: its own architecture, or the policy's.
+    teacher_graphdef = graphdef
+    if cfg.distill is not None and cfg.distill.teacher_model is not None:
+        teacher_graphdef = nnx.split(abstract_model(cfg.distill.teacher_model))[0]
+
+    def teacher_forward(teacher_params, tokens, positions, attention_mask):
+        return policy_forward(teacher_params, tokens, positions, attention_mask, teacher_graphdef)[
+            0
+        ]
 
     def value_forward(value_params, tokens, positions, attention_mask):
         if value_graphdef is None:
@@ -555,6 +591,14 @@ def _build(
             advantages, returns = compute_advantages(advantage_inputs, adv_cfg)
         if returns is None and cfg.algorithm.needs_value_model:
             raise ValueError("a critic needs returns: let the trainer compute GAE advantages")
+        distill_stats: dict[str, jax.Array] = {}
+        if cfg.distill is not None:
+            if state.teacher_params is None:
+                raise ValueError("distill is set: give the state teacher_params")
+            teacher_logprobs = chunked(teacher_forward, state.teacher_params, inputs)
+            advantages, distill_stats = distillation_advantages(
+                advantages, teacher_logprobs, placed.behaviour_logprobs, loss_mask, cfg.distill
+            )
         valid = placed.sequence_mask.astype(jnp.float32)
         lag = (state.step - placed.versions).astype(jnp.float32) * loss_mask
         stats = {
@@ -563,7 +607,21 @@ def _build(
             "reward_mean": jnp.sum(placed.rewards * valid) / jnp.maximum(jnp.sum(valid), 1.0),
             "staleness_mean": jnp.sum(lag) / jnp.maximum(jnp.sum(loss_mask), 1.0),
             "staleness_max": jnp.max(lag),
+            **distill_stats,
         }
+        if loss_cfg.rejection != "none":
+            # Rejected tokens leave the loss and the mini-batch normaliser, which is
+            # computed from this mask; the advantages above saw every sampled token.
+            kept = rejection_mask(
+                proximal_logprobs,
+                placed.behaviour_logprobs,
+                loss_mask,
+                loss_cfg.rejection,
+                loss_cfg.rejection_low,
+                loss_cfg.rejection_high,
+            )
+            stats["rejected_fraction"] = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(loss_mask), 1.0)
+            loss_mask = kept
         prepared = PreparedBatch(
             tokens=tokens,
             positions=positions,
@@ -705,7 +763,8 @@ def make_train_step(
     ``ratio_max``, ``kl_old`` (to the trust-region centre), ``kl_ref`` (when a reference
     is used), ``entropy``, ``grad_norm``, ``update_norm`` (the optimizer's update, the
     global norm; with ``cfg.update_norm``), ``learning_rate``, ``tokens``, ``sequences``,
-    ``reward_mean``, ``staleness_mean``/``_max`` and the loss's extras. Per-update
+    ``reward_mean``, ``staleness_mean``/``_max``, ``distill_reward_mean`` and
+    ``distill_reverse_kl`` (with ``cfg.distill``) and the loss's extras. Per-update
     metrics are averaged over the updates of the step (maxima for ``*_max``).
     """
     if cfg.algorithm.needs_value_model and value_graphdef is None:

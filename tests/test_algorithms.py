@@ -9,6 +9,7 @@ from rlaxkit.algorithms import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
     PRESETS,
+    REJECTION_MASKS,
     SURROGATES,
     AdvantageConfig,
     AlgorithmConfig,
@@ -38,8 +39,16 @@ def test_package_reexports_its_public_names():
 def test_registries_hold_the_documented_variants():
     assert set(PRESETS.names()) == EXPECTED_PRESETS
     assert set(ADVANTAGE_ESTIMATORS.names()) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"}
-    assert set(SURROGATES.names()) == {"ppo_clip", "dual_clip", "cispo", "none"}
-    assert set(KL_ESTIMATORS.names()) == {"k1", "k2", "k3"}
+    assert set(SURROGATES.names()) == {
+        "ppo_clip",
+        "dual_clip",
+        "cispo",
+        "clip_cov",
+        "kl_cov",
+        "none",
+    }
+    assert set(KL_ESTIMATORS.names()) == {"k1", "k2", "k3", "k1+", "k3+"}
+    assert set(REJECTION_MASKS.names()) == {"none", "token", "sequence", "geometric"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_PRESETS))
@@ -90,6 +99,14 @@ def test_algorithm_applies_and_validates_changes():
         (dict(aggregation="fixed_length"), "fixed_length", "positive integer"),
         (dict(fixed_length=128), "fixed_length", "only used"),
         (dict(behaviour_weight="full"), "behaviour_weight", "recompute"),
+        (dict(surrogate="clipcov"), "surrogate", "'clip_cov', 'dual_clip', 'kl_cov'"),
+        (dict(kl_estimator="k3++"), "kl_estimator", "'k3+'"),
+        (dict(rejection="icepop"), "rejection", "'geometric', 'none', 'sequence', 'token'"),
+        (dict(rejection="token"), "rejection", "proximal in ('recompute', 'batch')"),
+        (dict(rejection_low=0.0), "rejection_low", "> 0.0"),
+        (dict(rejection_high=0.9), "rejection_high", ">= 1"),
+        (dict(cov_fraction=0.0), "cov_fraction", "> 0.0"),
+        (dict(clip_cov_low=5.0, clip_cov_high=1.0), "clip_cov_high", "> 5.0"),
     ],
 )
 def test_loss_config_names_the_bad_field_and_the_allowed_values(kwargs, field, allowed):
@@ -106,11 +123,28 @@ def test_loss_config_names_the_bad_field_and_the_allowed_values(kwargs, field, a
         (dict(gamma=1.5), "gamma"),
         (dict(lam=-0.1), "lam"),
         (dict(kl_in_reward_coef=0.1), "kl_in_reward_coef"),
+        (dict(group_of_one="one"), "group_of_one"),
+        (dict(convention="trl"), "convention"),
     ],
 )
 def test_advantage_config_names_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         AdvantageConfig(**kwargs)
+
+
+def test_unknown_names_fail_in_one_line_naming_the_field_and_the_registered_ones():
+    from rlaxkit.config import AlgorithmSpec
+
+    for slot, bad, allowed in [
+        ("loss", {"surrogate": "clipcov"}, SURROGATES.names()),
+        ("loss", {"rejection": "icepop", "proximal": "recompute"}, REJECTION_MASKS.names()),
+        ("advantage", {"group_of_one": "one"}, ("zero", "reward")),
+    ]:
+        with pytest.raises(ValueError) as err:
+            AlgorithmSpec(preset="dapo", **{slot: bad})
+        message = str(err.value)
+        assert "\n" not in message and next(iter(bad)) in message, message
+        assert all(repr(name) in message for name in allowed), message
 
 
 def test_algorithm_config_checks_critic_consistency():
@@ -130,3 +164,14 @@ def test_registry_rejects_duplicates_and_lists_names():
     with pytest.raises(ValueError, match=r"unknown thing 'b'; registered: \('a',\)"):
         registry.get("b")
     assert list(registry) == ["a"] and "a" in registry
+
+
+def test_a_run_samples_each_prompt_once_only_with_the_reward_baseline():
+    from rlaxkit.config import small_run_config
+
+    with pytest.raises(ValueError, match="group_of_one=reward"):
+        small_run_config("sampling.n=1", "algorithm.preset=dapo")
+    config = small_run_config(
+        "sampling.n=1", "algorithm.preset=dapo", "algorithm.advantage.group_of_one=reward"
+    )
+    assert config.sampling.n == 1

@@ -92,7 +92,13 @@ def test_kl_estimators_by_hand():
     logp, ref = jnp.log(0.5), jnp.log(0.25)
     got = {name: float(KL_ESTIMATORS.get(name)(logp, ref)) for name in KL_ESTIMATORS}
     ln2 = math.log(2)
-    assert got == pytest.approx({"k1": ln2, "k2": ln2**2 / 2, "k3": ln2 - 0.5}, rel=1e-6)
+    k3 = ln2 - 0.5
+    expected = {"k1": ln2, "k2": ln2**2 / 2, "k3": k3, "k1+": ln2, "k3+": k3}
+    assert got == pytest.approx(expected, rel=1e-6)
+    # The straight-through estimators take k2's gradient d/d log π_θ = log π_θ - log π_ref
+    # = log 2, where k1's is 1 and k3's is 1 - π_ref/π_θ = 0.5.
+    grads = {name: float(jax.grad(KL_ESTIMATORS.get(name))(logp, ref)) for name in KL_ESTIMATORS}
+    assert grads == pytest.approx({"k1": 1, "k2": ln2, "k3": 0.5, "k1+": ln2, "k3+": ln2})
 
 
 MASK = jnp.array([[0, 1, 1, 0, 0], [0, 1, 1, 1, 0]], jnp.float32)
@@ -105,6 +111,7 @@ PER_TOKEN = jnp.array([[0, 1, 3, 0, 0], [0, 2, 4, 6, 0]], jnp.float32)
         ("sequence_mean", None, 3.0),  # (mean(1, 3) + mean(2, 4, 6)) / 2 = (2 + 4) / 2
         ("token_mean", None, 3.2),  # (1 + 3 + 2 + 4 + 6) / 5 = 16 / 5
         ("fixed_length", 4, 2.0),  # 16 / (G L) = 16 / (2 * 4)
+        ("token_sum", None, 16.0),  # 1 + 3 + 2 + 4 + 6, no normaliser
     ],
 )
 def test_aggregation_by_hand(aggregation, fixed_length, expected):

@@ -20,10 +20,17 @@ from rlaxkit.algorithms.advantages import (
     terminal_rewards,
 )
 from rlaxkit.algorithms.config import AdvantageConfig, AlgorithmConfig, LossConfig
+from rlaxkit.algorithms.covariance import token_covariance
+from rlaxkit.algorithms.distill import (
+    DistillConfig,
+    distillation_advantages,
+    distillation_rewards,
+)
 from rlaxkit.algorithms.objective import (
     KL_ESTIMATORS,
     SURROGATES,
     LossInputs,
+    SurrogateContext,
     aggregation_weights,
     clipped_value_loss,
     combine_metrics,
@@ -31,7 +38,13 @@ from rlaxkit.algorithms.objective import (
     rl_loss,
     trust_region_centre,
 )
-from rlaxkit.algorithms.off_policy import behaviour_weights, loglinear_proximal_logprobs
+from rlaxkit.algorithms.off_policy import (
+    LOG_RATIO_BOUND,
+    REJECTION_MASKS,
+    behaviour_weights,
+    loglinear_proximal_logprobs,
+    rejection_mask,
+)
 from rlaxkit.algorithms.presets import PRESETS, algorithm
 from rlaxkit.algorithms.registry import Registry
 from rlaxkit.algorithms.value_model import ValueModel
@@ -39,14 +52,18 @@ from rlaxkit.algorithms.value_model import ValueModel
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
+    "LOG_RATIO_BOUND",
     "PRESETS",
+    "REJECTION_MASKS",
     "SURROGATES",
     "AdvantageConfig",
     "AdvantageInputs",
     "AlgorithmConfig",
+    "DistillConfig",
     "LossConfig",
     "LossInputs",
     "Registry",
+    "SurrogateContext",
     "ValueModel",
     "aggregation_weights",
     "algorithm",
@@ -54,6 +71,8 @@ __all__ = [
     "clipped_value_loss",
     "combine_metrics",
     "compute_advantages",
+    "distillation_advantages",
+    "distillation_rewards",
     "gae_advantages",
     "group_statistics",
     "grpo_advantages",
@@ -61,8 +80,10 @@ __all__ = [
     "loglinear_proximal_logprobs",
     "masked_whiten",
     "reinforce_pp_advantages",
+    "rejection_mask",
     "rl_loss",
     "rloo_advantages",
     "terminal_rewards",
+    "token_covariance",
     "trust_region_centre",
 ]

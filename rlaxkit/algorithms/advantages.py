@@ -86,6 +86,8 @@ def grpo_advantages(
     *,
     scale_by_std: bool = True,
     eps: float = 1e-6,
+    group_of_one: str = "zero",
+    convention: str = "rlaxkit",
 ) -> jax.Array:
     """GRPO group-normalised advantage per sequence, ``[B]``.
 
@@ -95,25 +97,43 @@ def grpo_advantages(
     because it up-weights prompts that are nearly always or never solved. A group whose
     std is at most ``eps`` (all rewards equal) gets 0: its centred rewards are float
     rounding noise, which dividing by ``std + eps`` would blow up ``1/eps``-fold.
+
+    ``convention='verl'`` divides by ``std + eps`` whatever the spread (verl's GRPO).
+    ``group_of_one='reward'`` gives a prompt sampled once the baseline 0 and the std 1,
+    i.e. ``A = R / (1 + eps)`` (verl's choice); the default ``'zero'`` gives it 0.
     """
-    mean, std, _ = group_statistics(rewards, group_ids, sequence_mask)
+    mean, std, count = group_statistics(rewards, group_ids, sequence_mask)
+    if group_of_one == "reward":
+        mean = jnp.where(count == 1, 0.0, mean)
+        std = jnp.where(count == 1, 1.0, std)
     centred = rewards - mean
-    advantages = _scale_by_std(centred, std, eps) if scale_by_std else centred
+    advantages = centred
+    if scale_by_std:
+        verl = convention == "verl"
+        advantages = centred / (std + eps) if verl else _scale_by_std(centred, std, eps)
     return advantages * sequence_mask
 
 
 def rloo_advantages(
-    rewards: jax.Array, group_ids: jax.Array, sequence_mask: jax.Array
+    rewards: jax.Array,
+    group_ids: jax.Array,
+    sequence_mask: jax.Array,
+    *,
+    group_of_one: str = "zero",
 ) -> jax.Array:
     """REINFORCE leave-one-out advantage per sequence, ``[B]``.
 
     ``A_i = R_i - (1 / (n - 1)) Σ_{j ≠ i} R_j = n / (n - 1) · (R_i - mean_g(R))`` over the
     ``n`` rows of the group (Ahmadian et al. 2024, arXiv 2402.14740); 0 for a group of
-    one, which has no baseline.
+    one, which has no baseline (``group_of_one='reward'``: the baseline is 0 and the
+    advantage is the reward, as verl does).
     """
     mean, _, count = group_statistics(rewards, group_ids, sequence_mask)
     scale = jnp.where(count > 1, count / jnp.maximum(count - 1.0, 1.0), 0.0)
-    return scale * (rewards - mean) * sequence_mask
+    advantages = scale * (rewards - mean)
+    if group_of_one == "reward":
+        advantages = jnp.where(count == 1, rewards, advantages)
+    return advantages * sequence_mask
 
 
 def terminal_rewards(rewards: jax.Array, loss_mask: jax.Array) -> jax.Array:
@@ -129,15 +149,24 @@ def _scale_by_std(centred: jax.Array, std: jax.Array, eps: float) -> jax.Array:
     return jnp.where(std > eps, centred / (std + eps), 0.0)
 
 
-def masked_whiten(values: jax.Array, mask: jax.Array, eps: float = 1e-6) -> jax.Array:
+def masked_whiten(
+    values: jax.Array, mask: jax.Array, eps: float = 1e-6, convention: str = "rlaxkit"
+) -> jax.Array:
     """``(x - mean) / (std + eps)`` with mean and (population) std over masked entries.
 
-    All zeros when ``std <= eps`` (see ``grpo_advantages``).
+    All zeros when ``std <= eps`` (see ``grpo_advantages``). ``convention='verl'``:
+    ``(x - mean) / sqrt(var + 1e-8)`` with the Bessel-corrected variance
+    ``Σ (x - mean)² / (n - 1)`` (verl's ``masked_whiten``; ``eps`` unused), which is
+    ``sqrt((n - 1) / n)`` times the default's where the spread is large.
     """
     weights = mask.astype(jnp.float32)
     n = jnp.maximum(jnp.sum(weights), 1.0)
     mean = jnp.sum(weights * values) / n
-    std = jnp.sqrt(jnp.sum(weights * (values - mean) ** 2) / n)
+    squares = jnp.sum(weights * (values - mean) ** 2)
+    if convention == "verl":
+        variance = squares / jnp.maximum(n - 1.0, 1.0)
+        return (values - mean) * jax.lax.rsqrt(variance + 1e-8) * weights
+    std = jnp.sqrt(squares / n)
     return _scale_by_std(values - mean, std, eps) * weights
 
 
@@ -148,20 +177,32 @@ def reinforce_pp_advantages(
     token_kl: jax.Array | None = None,
     kl_coef: float = 0.0,
     eps: float = 1e-6,
+    gamma: float = 1.0,
+    convention: str = "rlaxkit",
 ) -> jax.Array:
     """REINFORCE++ advantage per token, ``[B, T]`` (Hu 2025, arXiv 2501.03262).
 
     Token rewards are the sequence reward on the last token minus a KL penalty
-    ``β · (log π_old - log π_ref)`` on every token; the return is their undiscounted sum
-    from ``t`` on, ``G_t = Σ_{s ≥ t} r_s``, and the advantage is ``G_t`` whitened over all
-    completion tokens of the batch (global batch normalisation instead of a critic or a
-    per-prompt baseline).
+    ``β · (log π_old - log π_ref)`` on every token; the return is their discounted sum
+    from ``t`` on, ``G_t = Σ_{s ≥ t} γ^{k(s) - k(t)} r_s`` with ``k`` counting policy
+    tokens (a tool's observation inside the completion is stepped over, as in
+    ``gae_advantages``; ``γ = 1`` is the paper's undiscounted return), and the advantage is
+    ``G_t`` whitened over all completion tokens of the batch (global batch normalisation
+    instead of a critic or a per-prompt baseline; ``convention`` as ``masked_whiten``).
     """
+    mask = loss_mask.astype(jnp.float32)
     token_rewards = terminal_rewards(rewards, loss_mask)
     if token_kl is not None and kl_coef:
-        token_rewards = token_rewards - kl_coef * token_kl * loss_mask
-    returns = jnp.flip(jnp.cumsum(jnp.flip(token_rewards, axis=1), axis=1), axis=1)
-    return masked_whiten(returns, loss_mask, eps)
+        token_rewards = token_rewards - kl_coef * token_kl * mask
+
+    def step(following, column):
+        reward, m = column
+        here = reward + gamma * following
+        return jnp.where(m > 0, here, following), here * m
+
+    zeros = jnp.zeros(mask.shape[0], token_rewards.dtype)
+    _, returns = jax.lax.scan(step, zeros, (token_rewards.T, mask.T), reverse=True)
+    return masked_whiten(returns.T, loss_mask, eps, convention)
 
 
 def gae_advantages(
@@ -225,6 +266,8 @@ def _grpo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[jax.Array, Non
         inputs.sequence_mask,
         scale_by_std=cfg.scale_by_std,
         eps=cfg.eps,
+        group_of_one=cfg.group_of_one,
+        convention=cfg.convention,
     )
     return _per_token(rows, inputs.loss_mask), None
 
@@ -232,14 +275,20 @@ def _grpo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[jax.Array, Non
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
 def _dr_grpo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[jax.Array, None]:
     rows = grpo_advantages(
-        inputs.rewards, inputs.group_ids, inputs.sequence_mask, scale_by_std=False
+        inputs.rewards,
+        inputs.group_ids,
+        inputs.sequence_mask,
+        scale_by_std=False,
+        group_of_one=cfg.group_of_one,
     )
     return _per_token(rows, inputs.loss_mask), None
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
 def _rloo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[jax.Array, None]:
-    rows = rloo_advantages(inputs.rewards, inputs.group_ids, inputs.sequence_mask)
+    rows = rloo_advantages(
+        inputs.rewards, inputs.group_ids, inputs.sequence_mask, group_of_one=cfg.group_of_one
+    )
     return _per_token(rows, inputs.loss_mask), None
 
 
@@ -251,6 +300,8 @@ def _reinforce_pp(inputs: AdvantageInputs, cfg: AdvantageConfig) -> tuple[jax.Ar
         token_kl=inputs.token_kl,
         kl_coef=cfg.kl_in_reward_coef,
         eps=cfg.eps,
+        gamma=cfg.gamma,
+        convention=cfg.convention,
     )
     return advantages, None
 
@@ -278,5 +329,5 @@ def compute_advantages(
     """
     advantages, returns = ADVANTAGE_ESTIMATORS.get(cfg.estimator)(inputs, cfg)
     if cfg.whiten:
-        advantages = masked_whiten(advantages, inputs.loss_mask, cfg.eps)
+        advantages = masked_whiten(advantages, inputs.loss_mask, cfg.eps, cfg.convention)
     return advantages, returns

@@ -14,15 +14,19 @@ from typing import Any, Literal, get_args
 
 from rlaxkit.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from rlaxkit.algorithms.objective import KL_ESTIMATORS, SURROGATES
+from rlaxkit.algorithms.off_policy import REJECTION_MASKS
 from rlaxkit.validation import is_int, is_number
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
-Aggregation = Literal["sequence_mean", "token_mean", "fixed_length"]
+Aggregation = Literal["sequence_mean", "token_mean", "fixed_length", "token_sum"]
 RatioLevel = Literal["token", "sequence"]
-Surrogate = Literal["ppo_clip", "dual_clip", "cispo", "none"]
+Surrogate = Literal["ppo_clip", "dual_clip", "cispo", "clip_cov", "kl_cov", "none"]
 Proximal = Literal["behaviour", "recompute", "loglinear", "batch"]
 BehaviourWeight = Literal["none", "full", "truncate", "mask"]
-KLEstimator = Literal["k1", "k2", "k3"]
+KLEstimator = Literal["k1", "k2", "k3", "k1+", "k3+"]
+Rejection = Literal["none", "token", "sequence", "geometric"]
+GroupOfOne = Literal["zero", "reward"]
+Convention = Literal["rlaxkit", "verl"]
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -51,11 +55,19 @@ class AdvantageConfig:
             (critic + GAE, needs a value model).
         scale_by_std: ``grpo`` divides by the group std; ``False`` keeps only centring.
         eps: added to every std before dividing.
-        gamma: GAE discount.
+        gamma: discount per policy token of ``gae`` and of ``reinforce_pp``'s returns.
         lam: GAE λ.
         kl_in_reward_coef: β of a per-token ``-β (log π_old - log π_ref)`` reward
             (``reinforce_pp`` and ``gae``); needs a reference model when > 0.
         whiten: whiten the final advantages over the batch's completion tokens.
+        group_of_one: advantage of a prompt sampled once under ``grpo``, ``dr_grpo`` and
+            ``rloo``: ``zero`` (no baseline, no signal) or ``reward`` (baseline 0 and
+            scale 1, so the advantage is the reward: verl's choice).
+        convention: ``rlaxkit`` whitens with the population std as ``(x - mean) /
+            (std + eps)`` and gives 0 where a group's or batch's std is at most ``eps``
+            (all rewards equal); ``verl`` whitens with the Bessel-corrected variance as
+            ``(x - mean) / sqrt(var + 1e-8)`` and divides group rewards by ``std + eps``
+            whatever the spread (see ``docs/algorithms.md``).
     """
 
     estimator: Estimator = "grpo"
@@ -65,9 +77,13 @@ class AdvantageConfig:
     lam: float = 0.95
     kl_in_reward_coef: float = 0.0
     whiten: bool = False
+    group_of_one: GroupOfOne = "zero"
+    convention: Convention = "rlaxkit"
 
     def __post_init__(self) -> None:
         _choice("estimator", self.estimator, ADVANTAGE_ESTIMATORS.names())
+        _choice("group_of_one", self.group_of_one, get_args(GroupOfOne))
+        _choice("convention", self.convention, get_args(Convention))
         _number("eps", self.eps, low=0.0, open_low=True)
         _number("gamma", self.gamma, low=0.0, high=1.0)
         _number("lam", self.lam, low=0.0, high=1.0)
@@ -85,13 +101,15 @@ class LossConfig:
 
     Attributes:
         aggregation: per-token weight ``Agg``: ``sequence_mean`` ``1/(G|o_i|)``,
-            ``token_mean`` ``1/Σ|o_i|`` or ``fixed_length`` ``1/(G·L)``.
+            ``token_mean`` ``1/Σ|o_i|``, ``fixed_length`` ``1/(G·L)`` or ``token_sum`` 1.
         fixed_length: ``L`` of ``fixed_length`` aggregation (the sampler's token budget,
             so the loss scale does not depend on the batch's padded length).
         ratio_level: ``token`` ratio ``π_θ/π_old`` or GSPO's ``sequence`` (geometric mean
             over the sequence).
         surrogate: ``ppo_clip`` (two-sided; ``clip_eps_high > clip_eps_low`` is DAPO's
-            clip-higher), ``dual_clip``, ``cispo`` or ``none`` (plain ratio · A).
+            clip-higher), ``dual_clip``, ``cispo``, ``clip_cov``, ``kl_cov``
+            (entropy-preserving, ``rlaxkit.algorithms.covariance``) or ``none``
+            (plain ratio · A).
         clip_eps_low: ratio floor ``1 - ε_low``.
         clip_eps_high: ratio ceiling ``1 + ε_high``.
         dual_clip_c: ``c > 1`` of dual clip: negative-advantage loss is at most ``-c·A``.
@@ -104,11 +122,19 @@ class LossConfig:
         behaviour_weight_cap: ``C``.
         behaviour_weight_level: ``token`` weights or one ``sequence`` weight (the
             product of the token weights).
-        kl_estimator: estimator of ``KL(π_θ || π_ref)`` per token: ``k1``, ``k2``, ``k3``.
+        kl_estimator: estimator of ``KL(π_θ || π_ref)`` per token: ``k1``, ``k2``, ``k3``,
+            or ``k1+``/``k3+`` (their value, ``k2``'s gradient).
         kl_coef: weight of the KL term (needs a reference model when > 0).
         entropy_coef: weight of the entropy bonus.
         value_coef: weight of the critic loss (needs a value model when > 0).
         value_clip_eps: PPO value clipping around the values before the update.
+        cov_fraction: share ``r`` of tokens ``clip_cov``/``kl_cov`` treat.
+        clip_cov_low, clip_cov_high: ``clip_cov``'s covariance band ``(ω_low, ω_high)``.
+        kl_cov_coef: ``kl_cov``'s β on ``|log r|``.
+        rejection: rollout rejection mask on ``π_old/π_behaviour``: ``none``, ``token``
+            (IcePop), ``sequence`` (the product) or ``geometric`` (the per-token geometric
+            mean); rejected tokens leave the loss and its normaliser.
+        rejection_low, rejection_high: the kept band ``[low, high]`` of that ratio.
     """
 
     aggregation: Aggregation = "token_mean"
@@ -127,6 +153,13 @@ class LossConfig:
     entropy_coef: float = 0.0
     value_coef: float = 0.0
     value_clip_eps: float = 0.2
+    cov_fraction: float = 2e-4
+    clip_cov_low: float = 1.0
+    clip_cov_high: float = 5.0
+    kl_cov_coef: float = 1.0
+    rejection: Rejection = "none"
+    rejection_low: float = 0.5
+    rejection_high: float = 2.0
 
     def __post_init__(self) -> None:
         _choice("aggregation", self.aggregation, get_args(Aggregation))
@@ -143,6 +176,19 @@ class LossConfig:
         for name in ("kl_coef", "entropy_coef", "value_coef"):
             _number(name, getattr(self, name), low=0.0)
         _number("value_clip_eps", self.value_clip_eps, low=0.0, open_low=True)
+        _choice("rejection", self.rejection, REJECTION_MASKS.names())
+        _number("cov_fraction", self.cov_fraction, low=0.0, high=1.0, open_low=True)
+        _number("clip_cov_low", self.clip_cov_low, low=-math.inf)
+        _number("clip_cov_high", self.clip_cov_high, low=self.clip_cov_low, open_low=True)
+        _number("kl_cov_coef", self.kl_cov_coef, low=0.0)
+        _number("rejection_low", self.rejection_low, low=0.0, high=1.0, open_low=True)
+        _number("rejection_high", self.rejection_high, low=1.0)
+        if self.rejection != "none" and self.proximal not in ("recompute", "batch"):
+            raise ValueError(
+                f"rejection: {self.rejection!r} compares the trainer's log-probs before the "
+                "update with the sampler's, so it needs proximal in ('recompute', 'batch'); "
+                f"got proximal {self.proximal!r}"
+            )
         if self.aggregation == "fixed_length":
             if not is_int(self.fixed_length) or self.fixed_length <= 0:
                 raise ValueError(

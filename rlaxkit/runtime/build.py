@@ -27,6 +27,7 @@ from rlaxkit.models import (
 )
 from rlaxkit.sft import supervised_warm_start
 from rlaxkit.tasks import Task, make_task
+from rlaxkit.teacher import check_teacher, distill_config
 from rlaxkit.trainer import TrainConfig
 from rlaxkit.validation import check_tokenizer_fits
 
@@ -94,9 +95,12 @@ def check_inputs(config: RunConfig) -> None:
     task = build_task(config)
     task.problems("train", config.task.num_train)
     if config.model.checkpoint:
-        check_hf_checkpoint(config.model.checkpoint, param_dtype=config.model.param_dtype)
+        model = check_hf_checkpoint(config.model.checkpoint, param_dtype=config.model.param_dtype)
+        vocab_size = model.vocab_size
     else:
-        char_tokenizer(config, task)
+        vocab_size = char_tokenizer(config, task).vocab_size
+    if config.distill is not None:  # the teacher's vocabulary must be the student's
+        check_teacher(config.distill, vocab_size)
 
 
 def warm_start_key(config: RunConfig) -> str:
@@ -172,4 +176,5 @@ def train_config_for(config: RunConfig) -> TrainConfig:
         epochs=config.trainer.epochs,
         lora=config.trainer.lora,
         temperature=config.sampling.temperature or 1.0,
+        distill=distill_config(config.distill),
     )

@@ -32,8 +32,9 @@ from rlaxkit.runtime.build import (
 )
 from rlaxkit.runtime.common import TRAIN_BUCKETS
 from rlaxkit.runtime.hosts import TrainerRestartedError, WeightStore, configure_jax, drain
+from rlaxkit.teacher import initial_train_state
 from rlaxkit.trace import MemoryTrace, TraceEvent
-from rlaxkit.trainer import check_finite, create_train_state, make_train_step
+from rlaxkit.trainer import check_finite, make_train_step
 
 
 def first_batch(config: RunConfig, task: Any, tokenizer: Any) -> TrainBatch | None:
@@ -151,8 +152,7 @@ class TrainerHost:
         graphdef, params = nnx.split(model)
         self.graphdef = graphdef
         train_config = train_config_for(config)
-        ref = params if train_config.algorithm.needs_reference else None
-        state = create_train_state(train_config, params, seed=config.seed, ref_params=ref)
+        state = initial_train_state(config, train_config, params, model.config.vocab_size)
         self.state = self._place_state(state)
         self._version = 0
         # In this process the step keeps its parameters (it donates every other buffer),
