@@ -33,6 +33,7 @@ from rlaxkit.policies import (
     check_admission,
 )
 from rlaxkit.ray_config import RayConfig
+from rlaxkit.serve.config import AgentConfig
 from rlaxkit.sft import SFTConfig
 from rlaxkit.tasks.registry import build_config, task_config_class
 from rlaxkit.tracking import TrackerName, check_tracking
@@ -283,6 +284,8 @@ class RunConfig:
     turns on delta publication (``rlaxkit.param_server.ParamServerConfig``).
     ``episodes`` sets the turns, token budget and tool-step timeout of a multi-turn
     task's episodes (``rlaxkit.episodes.EpisodeConfig``; a single-turn task ignores it).
+    ``agent`` (``rlaxkit.serve.AgentConfig``) has a user's agent produce the samples
+    through the OpenAI-compatible endpoint instead of the workers' episodes.
     """
 
     seed: int = 0
@@ -311,6 +314,7 @@ class RunConfig:
     param_server: ParamServerConfig = field(default_factory=ParamServerConfig)
     tracking: tuple[TrackerName, ...] = ("jsonl",)
     episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
+    agent: AgentConfig | None = None
 
     def __post_init__(self) -> None:
         check_tracking(self.tracking)  # before any work: a tracker's package is missing

@@ -127,14 +127,21 @@ class ChatFormat:
         tokenizer: the model's tokenizer; an ``HFTokenizer`` whose template names
             ``tools`` renders with that template, any other with ``qwen_chat`` (whose
             ChatML markers the tokenizer should hold as tokens).
+        template: a Jinja template to render with instead (``messages``, ``tools``,
+            ``add_generation_prompt``).
         end_of_turn: the text that ends an assistant turn; its id, when it is one
             token, stops sampling (with the tokenizer's end token).
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, end_of_turn: str = "<|im_end|>"):
+    def __init__(
+        self, tokenizer: Tokenizer, *, template: str | None = None, end_of_turn: str = "<|im_end|>"
+    ):
         self.tokenizer = tokenizer
-        template = tokenizer.chat_template if isinstance(tokenizer, HFTokenizer) else None
-        self._template = _jinja(template) if template and "tools" in template else None
+        if template is None and isinstance(tokenizer, HFTokenizer):
+            template = (
+                tokenizer.chat_template if "tools" in (tokenizer.chat_template or "") else None
+            )
+        self._template = _jinja(template) if template else None
         self._special: dict[str, str] = {}
         if isinstance(tokenizer, HFTokenizer):
             for key in ("bos_token", "eos_token"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -62,6 +63,7 @@ class EngineLoop:
         self.queue: collections.deque[Turn] = collections.deque()
         self.running: dict[int, Turn] = {}
         self.counts: collections.Counter[str] = collections.Counter()
+        self._ids = itertools.count()
         self._wake = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="endpoint-engine", daemon=True)
@@ -97,9 +99,14 @@ class EngineLoop:
                 if turn.future.cancelled():
                     self.counts["cancelled_in_queue"] += 1
                     continue
-                try:
-                    request = self.engine.submit(
-                        turn.context, turn.seed, max_new_tokens=turn.budget
+                request = next(self._ids)
+                try:  # one sample of its own request: the engine checks the turn's budget
+                    self.engine.submit(
+                        turn.context,
+                        turn.seed,
+                        max_new_tokens=turn.budget,
+                        request_id=request,
+                        sample_index=0,
                     )
                 except ValueError as error:  # checked before; a last guard, not a crash
                     with contextlib.suppress(concurrent.futures.InvalidStateError):

@@ -77,11 +77,12 @@ class ChatEndpoint:
         version: int = 0,
     ):
         self.config, self.tokenizer = config, tokenizer
-        self.chat = ChatFormat(tokenizer)
+        self.chat = ChatFormat(tokenizer, template=config.chat_template)
         sampling = SamplingConfig(
             temperature=config.temperature,
             max_new_tokens=config.max_new_tokens,
             stop_tokens=self.chat.stop_tokens,
+            stop_sequences=tuple(tuple(tokenizer.encode(text)) for text in config.stop),
         )
         self.engine = InferenceEngine(
             model,
@@ -272,7 +273,7 @@ class ChatEndpoint:
                 param="temperature",
             )
         budget = chat.max_tokens or self.config.max_new_tokens
-        if budget > self.config.max_new_tokens:
+        if chat.max_tokens is not None and budget > self.config.max_new_tokens:
             raise ApiError(
                 f"max_tokens: at most {self.config.max_new_tokens} per turn here, got {budget}",
                 param="max_tokens",
@@ -283,6 +284,8 @@ class ChatEndpoint:
         session = self.sessions.claim(session_id) if session_id is not None else None
         try:
             context, appended = self._context(chat, session)
+            if chat.max_tokens is None:  # as OpenAI: the room the context leaves, at most
+                budget = max(1, min(budget, self.max_positions - len(context)))
             self._check_room(context, budget)
             completions = await self._sample(context, budget, chat)
             body = self._answer(chat, completions, session, appended)
