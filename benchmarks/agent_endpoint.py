@@ -39,12 +39,13 @@ from typing import Any
 from rlaxkit.cli import run_job
 from rlaxkit.config import RunConfig
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "agent_calculator.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "agent_calculator.yaml"
 
 
 def config_for(quick: bool) -> RunConfig:
     """The shipped config; with ``quick`` a third of its steps and 40 held-out problems."""
-    config = RunConfig.from_yaml(CONFIG)
+    config = RunConfig.from_yaml(CONFIG, [f"agent.file={ROOT / 'configs/agent_calculator.py'}"])
     if not quick:
         return config
     return RunConfig.from_overrides(
