@@ -340,7 +340,7 @@ def test_a_silent_session_times_out_and_a_lost_client_leaves_no_row(endpoint, cl
     # saw them go); every turn is accounted for, no row stays taken, and the session
     # one of them was in is free again.
     sid = endpoint.open_session()
-    before = dict(endpoint.loop.counts)
+    before = endpoint.loop.snapshot()
     timeout = httpx.Timeout(5.0, read=0.005)
 
     def impatient(k: int) -> bool:
@@ -357,7 +357,7 @@ def test_a_silent_session_times_out_and_a_lost_client_leaves_no_row(endpoint, cl
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         went_away = sum(pool.map(impatient, range(8)))
     settled(endpoint)
-    counts = {k: endpoint.loop.counts[k] - before.get(k, 0) for k in endpoint.loop.counts}
+    counts = {k: n - before.get(k, 0) for k, n in endpoint.loop.snapshot().items()}
     dropped = counts.get("cancelled_in_queue", 0) + counts.get("discarded", 0)
     assert dropped + counts.get("completed", 0) == 8
     assert went_away >= dropped and went_away >= 1

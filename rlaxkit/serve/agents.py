@@ -242,11 +242,13 @@ class AgentCollector:
                         {"correct": scored.correct, "reason": scored.reason},
                     )
                 self.endpoint.report(sid, reward, info)
-                self.counts["played"] += 1
+                with self.cond:
+                    self.counts["played"] += 1
             except Exception as error:  # the agent's failure drops its sample's group
                 if self._stopping.is_set():
                     return
-                self.counts["agent_error"] += 1
+                with self.cond:
+                    self.counts["agent_error"] += 1
                 self.endpoint.sessions.drop(sid, "agent_error")
                 if self.counts["agent_error"] >= 50 and not self.counts["played"]:
                     self.error = error

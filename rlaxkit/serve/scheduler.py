@@ -79,6 +79,16 @@ class EngineLoop:
             self._wake.notify()
         return turn
 
+    def _count(self, key: str) -> None:
+        with self._wake:
+            self.counts[key] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        """The counts so far: ``completed``, ``discarded`` (the client went away while
+        its turn ran), ``cancelled_in_queue``, ``refused_queue_full``, ``engine_errors``."""
+        with self._wake:
+            return dict(self.counts)
+
     @property
     def rows_in_use(self) -> int:
         """Turns in the engine's rows (or about to be)."""
@@ -129,16 +139,16 @@ class EngineLoop:
                     turn = self.running.pop(completion.request_id)
                     try:
                         turn.future.set_result(completion)
-                        self.counts["completed"] += 1
+                        self._count("completed")
                     except concurrent.futures.InvalidStateError:  # its client went away
-                        self.counts["discarded"] += 1
+                        self._count("discarded")
             except Exception as error:  # fail the turns in flight; the loop goes on
                 self.engine.abort()
                 for turn in self.running.values():
                     with contextlib.suppress(concurrent.futures.InvalidStateError):
                         turn.future.set_exception(error)
                 self.running.clear()
-                self.counts["engine_errors"] += 1
+                self._count("engine_errors")
         self.engine.abort()
         for turn in [*self.queue, *self.running.values()]:
             turn.future.cancel()

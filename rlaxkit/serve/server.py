@@ -201,7 +201,7 @@ class ChatEndpoint:
             "open_sessions": len(self.sessions.sessions),
             "reported": self.sessions.reported,
             "dropped": dict(self.sessions.dropped),
-            **(dict(self.loop.counts) if self.loop is not None else {}),
+            **(self.loop.snapshot() if self.loop is not None else {}),
         }
 
     # -- HTTP side ------------------------------------------------------------------------
