@@ -11,11 +11,14 @@ import json
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from flax import nnx
+from openai.types.chat import ChatCompletion
 
 from rlaxkit.buffer import RolloutBuffer
+from rlaxkit.inference import Completion
 from rlaxkit.models import ModelConfig, Transformer, load_tokenizer
 from rlaxkit.policies import StalenessPolicy
 from rlaxkit.rollout import ENVIRONMENT_VERSION
@@ -24,6 +27,7 @@ from rlaxkit.serve import (
     ChatEndpoint,
     EndpointConfig,
     parse_assistant,
+    parse_chat_request,
     qwen_chat,
 )
 
@@ -183,6 +187,59 @@ def test_tools_render_in_qwen_layout_and_tool_calls_parse_back(endpoint, client,
         "I will add.\n<tool_call>\nnot json\n</tool_call>",
         [],
     )
+    settled(endpoint)
+
+
+def test_a_sampled_tool_call_round_trips_through_the_client(endpoint, client, tokenizer):
+    """A turn sampled as a Qwen tool call (given here as its ids: the tiny random model
+    writes none) comes back as ``tool_calls`` the client parses; the client sends it back
+    with the tool's result, and the session appends exactly the tool turn's ids."""
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {}}}]
+    messages = [{"role": "user", "content": "12*7?"}]
+    im_end = tokenizer.encode("<|im_end|>")[0]
+    sid = endpoint.open_session()
+    session = endpoint.sessions.claim(sid)
+    chat = parse_chat_request({"model": "rlaxkit", "messages": messages, "tools": tools})
+    prompt, _ = endpoint._context(chat, session)
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expression": "12*7"}}\n</tool_call>'
+    ids = [*tokenizer.encode(call), im_end]
+    sampled = Completion(
+        request_id=0,
+        sample_index=0,
+        prompt_tokens=np.asarray(prompt, np.int32),
+        tokens=np.asarray(ids, np.int32),
+        logprobs=np.full(len(ids), -0.5, np.float32),
+        plain_logprobs=np.full(len(ids), -0.5, np.float32),
+        versions=np.zeros(len(ids), np.int32),
+        finish_reason="stop",
+    )
+    body = endpoint._answer(chat, [sampled], session, [])
+    endpoint.sessions.free(session)
+
+    reply = ChatCompletion.model_validate(body).choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.content is None
+    (tool_call,) = reply.message.tool_calls
+    assert tool_call.function.name == "calc"
+    assert json.loads(tool_call.function.arguments) == {"expression": "12*7"}
+    messages += [
+        reply.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": tool_call.id, "content": "84"},
+    ]
+    response = client.chat.completions.create(
+        model="rlaxkit",
+        messages=messages,
+        tools=tools,
+        max_tokens=2,
+        extra_headers={SESSION_HEADER: sid},
+    )
+    appended = response.model_extra["session"]["appended_ids"]
+    assert appended == tokenizer.encode(
+        "\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    rollout = endpoint.report(sid, 1.0)
+    row = rollout.prompt_tokens.tolist() + rollout.completion_tokens.tolist()
+    assert row == prompt + ids + appended + response.choices[0].model_extra["token_ids"]
     settled(endpoint)
 
 
