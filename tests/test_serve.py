@@ -81,6 +81,13 @@ def settled(endpoint) -> None:
     assert not any(s.busy for s in endpoint.sessions.sessions.values())
 
 
+def test_public_surface():
+    import rlaxkit.serve
+
+    for name in rlaxkit.serve.__all__:
+        assert getattr(rlaxkit.serve, name) is not None, name
+
+
 def test_models_lists_the_one_served_model(client):
     assert [m.id for m in client.models.list().data] == ["rlaxkit"]
 
