@@ -225,9 +225,14 @@ class ChatEndpoint:
             ("problem_id", str),
         ):
             value = body.get(name)
-            if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            if value is not None and (
+                not isinstance(value, kind)
+                or isinstance(value, bool)
+                or (isinstance(value, int) and value < 0)
+            ):
                 raise ApiError(
-                    f"{name}: must be {'a string' if kind is str else 'an integer'}, got {value!r}",
+                    f"{name}: must be {'a string' if kind is str else 'an integer >= 0'}, "
+                    f"got {value!r}",
                     param=name,
                 )
         sid = self.open_session(
