@@ -40,9 +40,10 @@ from rlaxkit.inference.engine import WeightSource
 from rlaxkit.inference.results import ModelLike
 from rlaxkit.models.tokenizer import Tokenizer
 from rlaxkit.rollout import Rollout
-from rlaxkit.serve.chat import ChatFormat, parse_assistant
+from rlaxkit.serve.chat import ChatFormat
 from rlaxkit.serve.config import EndpointConfig
 from rlaxkit.serve.protocol import ApiError, ChatRequest, error_body, parse_chat_request
+from rlaxkit.serve.responses import build_choice
 from rlaxkit.serve.scheduler import EngineLoop, QueueFull, Turn
 from rlaxkit.serve.sessions import Session, SessionBook, same_message
 
@@ -397,7 +398,9 @@ class ChatEndpoint:
         """The response body; in a session, the turn is recorded on it."""
         choices = []
         for index, completion in enumerate(completions):
-            choice, kept, ids = self._choice(chat, completion, index)
+            choice, kept, ids = build_choice(
+                self.tokenizer, chat, completion, index, call_id=f"call_{self._turns}_{index}"
+            )
             choices.append(choice)
             if session is not None:  # n == 1: the one choice continues the session
                 if not session.messages:
@@ -428,79 +431,6 @@ class ChatEndpoint:
         if session is not None:
             body["session"] = {"id": session.id, "appended_ids": appended, "turns": session.turns}
         return body
-
-    def _choice(
-        self, chat: ChatRequest, completion: Completion, index: int
-    ) -> tuple[dict[str, Any], dict[str, Any], list[int]]:
-        """One choice of the response, the assistant message a session keeps (tool
-        call arguments parsed) and the ids the choice stands for (cut at a ``stop``)."""
-        ids = completion.tokens.tolist()
-        finish = "length" if completion.finish_reason == "length" else "stop"
-        if chat.stop and (cut := _stop_at(self.tokenizer, ids, chat.stop)) is not None:
-            ids, finish = ids[:cut], "stop"
-        text = self.tokenizer.decode(ids)
-        for stop in chat.stop:
-            text = text.split(stop, 1)[0]
-        calls: list[tuple[str, Any]] = []
-        if chat.tools and chat.tool_choice != "none":
-            content, calls = parse_assistant(text)
-        else:
-            content = text.strip()
-        kept_calls = [
-            {
-                "id": f"call_{self._turns}_{index}_{k}",
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-            for k, (name, arguments) in enumerate(calls)
-        ]
-        message: dict[str, Any] = {"role": "assistant", "content": content or None}
-        if calls:
-            message["tool_calls"] = [
-                {
-                    "id": c["id"],
-                    "type": "function",
-                    "function": {"name": n, "arguments": json.dumps(a)},
-                }
-                for c, (n, a) in zip(kept_calls, calls, strict=True)
-            ]
-            finish = "tool_calls"
-        elif not content:
-            message["content"] = ""
-        logprobs = None
-        if chat.logprobs:
-            pieces = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-            logprobs = {
-                "content": [
-                    {
-                        "token": piece,
-                        "logprob": lp,
-                        "bytes": list(piece.encode()),
-                        "top_logprobs": [],
-                    }
-                    for piece, lp in zip(pieces, completion.logprobs.tolist(), strict=False)
-                ]
-            }
-        choice = {
-            "index": index,
-            "message": message,
-            "finish_reason": finish,
-            "token_ids": ids,
-            "logprobs": logprobs,
-        }
-        kept = {"role": "assistant", "content": content, "tool_calls": kept_calls}
-        return choice, kept, ids
-
-
-def _stop_at(tokenizer: Tokenizer, ids: list[int], stops: tuple[str, ...]) -> int | None:
-    """The fewest leading ids whose text holds a stop string (``None``: none does). The
-    ids after it are dropped: what was sampled up to there is what a sampler stopping
-    there would have drawn."""
-    for k in range(1, len(ids) + 1):
-        text = tokenizer.decode(ids[:k])
-        if any(stop in text for stop in stops):
-            return k
-    return None
 
 
 async def _json(request: web.Request) -> Any:
