@@ -21,15 +21,15 @@ run's requests), ``dropped_sessions``, and ``request_s_endpoint``,
 ``--quick`` trains a third of the steps and evaluates 40 problems.
 
 What it showed (2 CPU cores shared with other jobs, load average 20-30, so every part
-ran about ten times slower than on an idle machine): with an earlier setting of the
-config (60 steps of 16 groups), ``--quick`` (20 steps) took held-out pass@1 0.025 ->
-0.050 and tool_use_rate 0.26 -> 0.33 in 1202 s (warm start, RL, two evaluations); the
-training reward rose from 0.01 to 0.07 over the 20 steps; 5 688 agent requests, no
-session dropped but the 15 open when the run stopped. The endpoint's overhead: 50.5 ms
-per turn through the ``openai`` client and HTTP against 44.4 ms straight on the
-engine, 6.1 ms per request, the same tokens on all 41 turns. The shipped config now
-has ``configs/calculator_tools.yaml``'s RL budget (120 steps of 32 groups, which took
-that run's engine-driven episodes +37 points); the full run was not measured here.
+ran several times slower than on an idle machine): ``--quick`` (40 steps of 32 groups)
+took held-out pass@1 0.025 -> 0.081 (+5.6 points) and tool_use_rate 0.26 -> 0.48 in
+1738 s (warm start, RL, two evaluations); the training reward rose from 0.02 to 0.17
+over the 40 steps; 21 226 agent requests, no session dropped but the 32 open when the
+run stopped. The endpoint's overhead: 51.7 ms per turn through the ``openai`` client and
+HTTP against 45.1 ms straight on the engine, 6.7 ms per request, the same tokens on all
+41 turns. The full run (120 steps, the RL budget that took
+``configs/calculator_tools.yaml``'s engine-driven episodes +37 points) was not measured
+here, so neither the +20 points nor the 10 minutes is shown.
 
 Usage::
 
