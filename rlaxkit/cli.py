@@ -207,6 +207,10 @@ def _run_job(
             config, run_dir=run_dir, progress=progress, faults=faults, cache_dir=cache_dir
         ) as exp,
     ):
+        if config.agent is not None:  # a user's agent produces the samples (rlaxkit.serve)
+            from rlaxkit.serve.agents import attach_agent
+
+            log(f"agent endpoint: {attach_agent(exp).endpoint.url}")
         ws = trained or exp.warm_start
         if ws["steps"]:
             how = "loaded from cache" if ws["cached"] else f"final loss {ws['final_loss']:.3f}"

@@ -36,6 +36,7 @@ from rlaxkit.policies import (
     check_admission,
 )
 from rlaxkit.ray_config import RayConfig
+from rlaxkit.serve.config import AgentConfig
 from rlaxkit.sft import SFTConfig
 from rlaxkit.tasks.registry import build_config, task_config_class
 from rlaxkit.tracking import TrackerName, check_tracking
@@ -318,6 +319,8 @@ class RunConfig:
     ``inference`` chooses each worker's KV cache, dense or paged
     (``rlaxkit.inference.InferenceConfig``).
     ``distill`` adds a frozen teacher's per-token reward (``DistillSpec``).
+    ``agent`` (``rlaxkit.serve.AgentConfig``) has a user's agent produce the samples
+    through the OpenAI-compatible endpoint instead of the workers' episodes.
     """
 
     seed: int = 0
@@ -348,6 +351,7 @@ class RunConfig:
     episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     distill: DistillSpec | None = None
+    agent: AgentConfig | None = None
 
     def __post_init__(self) -> None:
         check_tracking(self.tracking)  # before any work: a tracker's package is missing
