@@ -102,7 +102,8 @@ def check_inputs(config: RunConfig) -> None:
 def warm_start_key(config: RunConfig) -> str:
     """Hash of everything the warm-started weights depend on."""
     relevant = {
-        "model": to_dict(config.model),
+        # The sampler's dtype casts the pulled weights; the warm start is the trainer's.
+        "model": {k: v for k, v in to_dict(config.model).items() if k != "sampler_dtype"},
         "task": to_dict(config.task),
         "sft": to_dict(config.sft),
         "seed": config.seed,
