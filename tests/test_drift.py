@@ -116,6 +116,9 @@ def test_staleness_grows_with_lag_and_an_evicted_version_is_skipped_and_counted(
 def _drift_rows(cache, *overrides, steps):
     with Experiment(small_run_config(*SMALL, *overrides), cache_dir=cache) as exp:
         history = exp.run(steps)
+        audit = exp.summary()["audit"]
+    assert audit["passed"], audit  # the sampled data is the trained data
+    assert all("audit/length_ks" in m for m in history)
     return [m for m in history if "drift/tokens" in m]
 
 
@@ -135,3 +138,28 @@ def test_a_bfloat16_sampler_shows_mismatch_and_no_staleness(cache):
         assert m["drift/staleness/abs_mean"] == 0.0
         assert m["drift/mismatch/abs_mean"] > 1e-4  # bfloat16 keeps 8 bits of mantissa
         assert m["drift/mismatch/k3"] >= 0.0
+
+
+def test_drift_and_audit_figures_draw_a_run_of_attributed_steps(tmp_path):
+    from rlaxkit.metrics import MetricsLogger
+    from rlaxkit.plotting import plot_run
+
+    logger = MetricsLogger(tmp_path / "metrics.jsonl", progress=False)
+    for step in range(1, 5):
+        row = {"step": step, "reward/mean": 0.5, "audit/length_ks": 0.0}
+        row |= {
+            f"audit/{n}_{w}_mean": 1.0
+            for n in ("length", "pass_rate")
+            for w in ("sampled", "trained")
+        }
+        if step % 2 == 0:  # drift_every=2
+            row |= {"drift/tokens": 10.0}
+            row |= {
+                f"drift/{p}/{k}": 0.01 * step
+                for p in ("staleness", "mismatch")
+                for k in ("abs_mean", "k3")
+            }
+        logger.log(row)
+    logger.close()
+    names = sorted(p.name for p in plot_run(tmp_path, figures=("drift", "audit")))
+    assert names == ["audit.png", "drift.png"]
