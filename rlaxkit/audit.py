@@ -34,6 +34,7 @@ import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["AuditBook", "AuditRecord", "audit_distributions", "ks_statistic", "step_audit"]
 
@@ -48,6 +49,12 @@ class AuditRecord:
     group_id: int
     tokens: int
     correct: bool
+
+    @classmethod
+    def of(cls, rollout: Any) -> AuditRecord:
+        """The record of a scored ``rlaxkit.rollout.Rollout`` (read, not imported)."""
+        correct = bool(rollout.reward_info.get("correct", False))
+        return cls(rollout.group_id, rollout.num_tokens, correct)
 
 
 def ks_statistic(a: Sequence[float], b: Sequence[float]) -> float:

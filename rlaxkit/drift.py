@@ -21,16 +21,19 @@ low-variance estimator, always ``>= 0``), the share of tokens whose ratio ``r`` 
 falls outside the PPO clip range ``[1 − ε_low, 1 + ε_high]`` and the share above the
 behaviour-weight cap ``C`` (what ``behaviour_weight='mask'`` would drop).
 
-``DriftProbe`` runs it on the trainer's side: rows grouped by version, the rows that hold
-a version's tokens in one jitted forward pass under that version (their number rounded
-up to a power of two, so a run compiles a handful of programs).
+``DriftProbe`` runs it on the trainer's side (``rlaxkit.trainer.PackedTrainStep`` calls
+it before each step it is due on, ``TrainConfig.drift_every``): rows grouped by version,
+the rows that hold a version's tokens in one jitted forward pass under that version
+(their number rounded up to a power of two, so a run compiles a handful of programs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +43,19 @@ from flax import nnx
 from rlaxkit.batch import TrainBatch
 from rlaxkit.logprobs import logprobs_from_logits
 from rlaxkit.models import positions_from_mask
-from rlaxkit.trainer import TrainConfig
 
-__all__ = ["DriftProbe", "VersionReader", "drift_metrics", "make_logprob_fn"]
+if TYPE_CHECKING:  # both import this module's users; annotations only
+    from rlaxkit.config import RunConfig
+    from rlaxkit.trainer import TrainConfig
+
+__all__ = [
+    "DriftProbe",
+    "VersionReader",
+    "cast_floats",
+    "drift_metrics",
+    "make_logprob_fn",
+    "sampler_config",
+]
 
 _LOG = logging.getLogger(__name__)
 PARTS = ("staleness", "mismatch")
@@ -132,37 +145,84 @@ def drift_metrics(
     return out
 
 
+def cast_floats(tree: Any, dtype: str | None) -> Any:
+    """``tree`` with its floating-point leaves cast to ``dtype`` (``None``: unchanged):
+    a version pulled by a worker whose sampler runs in ``model.sampler_dtype``."""
+    if dtype is None:
+        return tree
+    target = jnp.dtype(dtype)
+    return jax.tree.map(
+        lambda x: x.astype(target) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
+def sampler_config(config: RunConfig) -> RunConfig:
+    """``config`` with its model built in ``model.sampler_dtype``: the workers' graph."""
+    spec = dataclasses.replace(config.model, param_dtype=config.model.sampler_dtype)
+    return dataclasses.replace(config, model=spec)
+
+
 def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
 class DriftProbe:
-    """Drift attribution for the trainer: ``probe(params, batch, version)`` before the
-    train step takes ``batch`` at weight ``version``.
+    """Drift attribution for the trainer: ``attribute(params, batch, version)`` before
+    the train step that takes ``batch`` at weight ``version``
+    (``rlaxkit.trainer.PackedTrainStep`` calls it).
 
     Args:
         cfg: the trainer's configuration (forward pass, clip range, cap).
         graphdef: the policy's graph.
         every: attribute every this many steps (0: never).
-        reader: the parameter server the versions are read from (``None``: none can be).
+        reader: the parameter server old versions are read from (``None``, or one that
+            cannot read versions back: every batch that needs one is skipped); the
+            trainer sets it once it has connected to its store.
     """
 
     def __init__(
-        self, cfg: TrainConfig, graphdef: nnx.GraphDef, every: int, reader: Any | None
+        self, cfg: TrainConfig | None, graphdef: nnx.GraphDef | None, every: int, reader: Any
     ) -> None:
         self.every = every
-        self.reader = reader if isinstance(reader, VersionReader) else None
-        self.logprobs = make_logprob_fn(cfg, graphdef)
-        loss = cfg.algorithm.loss
-        self.clip = (loss.clip_eps_low, loss.clip_eps_high)
-        self.cap = loss.behaviour_weight_cap
+        self.reader = reader
+        self.logprobs: Callable[..., jax.Array] | None = None
+        self.clip, self.cap = (0.2, 0.2), 2.0
+        if cfg is not None and graphdef is not None and every > 0:
+            self.logprobs = make_logprob_fn(cfg, graphdef)
+            loss = cfg.algorithm.loss
+            self.clip = (loss.clip_eps_low, loss.clip_eps_high)
+            self.cap = loss.behaviour_weight_cap
         self.attributed = 0
         self.skipped = 0
         self._said: set[str] = set()
 
+    @classmethod
+    def off(cls) -> DriftProbe:
+        """A probe that never attributes."""
+        return cls(None, None, 0, None)
+
+    @property
+    def reader(self) -> VersionReader | None:
+        """The parameter server versions are read from, if it can read them back."""
+        return self._reader
+
+    @reader.setter
+    def reader(self, server: Any) -> None:
+        self._reader = server if isinstance(server, VersionReader) else None
+
     def due(self, step: int) -> bool:
         """Whether train step ``step`` (1-based) is attributed."""
         return self.every > 0 and step % self.every == 0
+
+    def attribute(self, params: Any, batch: TrainBatch, version: Any) -> dict[str, float]:
+        """When the step after weight ``version`` (an int or a scalar array) is due,
+        the drift of ``batch`` under ``params`` (``__call__``) with ``drift/seconds``,
+        what it took; otherwise ``{}``."""
+        if self.every == 0 or not self.due(int(version) + 1):
+            return {}
+        start = time.perf_counter()
+        metrics = self(params, batch, int(version))
+        return metrics | {"drift/seconds": time.perf_counter() - start}
 
     def _skip(self, why: str) -> dict[str, float]:
         self.skipped += 1
@@ -175,22 +235,30 @@ class DriftProbe:
         """The batch's drift metrics (``drift_metrics``) and ``drift/skipped_batches``
         (the count so far); a batch that needs a version the parameter server no longer
         holds (or a store that cannot read versions back) is skipped and counted."""
+        if self.logprobs is None:
+            raise ValueError("this DriftProbe is off (every=0): it attributes nothing")
         versions = np.asarray(batch.versions)
         mask = np.asarray(batch.loss_mask) > 0
         needed = sorted({int(v) for v in np.unique(versions[mask])} - {version})
-        if needed and self.reader is None:
+        reader = self.reader
+        if needed and reader is None:
             return self._skip(
                 "this parameter server cannot read back old versions (delta or LoRA "
                 "publication, or a trainer process that does not push)"
             )
         weights = {}
         for v in needed:
-            found = self.reader.read(v) if self.reader is not None else None
+            found = reader.read(v) if reader is not None else None
             if found is None:
                 return self._skip(
                     f"version {v} is no longer held by the parameter server (it keeps "
                     "runtime.keep_versions versions); raise keep_versions above "
                     "staleness.max_staleness to attribute every batch"
+                )
+            if jax.tree.structure(found) != jax.tree.structure(params):
+                return self._skip(
+                    "the parameter server hands versions back in another tree layout than "
+                    "the trainer's parameters (split or delta records)"
                 )
             weights[v] = found
         tokens, attention = np.asarray(batch.tokens), np.asarray(batch.attention_mask)

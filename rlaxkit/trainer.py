@@ -47,6 +47,7 @@ from rlaxkit.algorithms import (
     rl_loss,
 )
 from rlaxkit.batch import TrainBatch
+from rlaxkit.drift import DriftProbe
 from rlaxkit.jaxutil import Packed, TieredJit
 from rlaxkit.logprobs import logprobs_and_entropy
 from rlaxkit.models import REMAT_POLICIES, RematPolicy, is_stacked, positions_from_mask
@@ -126,6 +127,10 @@ class TrainConfig:
             over every parameter (1.5 ms of a 23 ms train call of the 1M-parameter
             benchmark model, docs/performance.md), and such an update shows only in the
             next step's loss, after its weights were published. The runtime keeps it on.
+        drift_every: every this many steps the step splits its batch's drift into
+            staleness and engine mismatch first (``rlaxkit.drift``, ``drift/*`` metrics;
+            it reads old versions from ``PackedTrainStep.drift.reader``, a parameter
+            server, and runs without a mesh only). 0: never.
     """
 
     algorithm: AlgorithmConfig
@@ -139,8 +144,10 @@ class TrainConfig:
     remat: RematPolicy = "none"
     lora: LoraConfig | None = None
     update_norm: bool = True
+    drift_every: int = 0
 
     def __post_init__(self) -> None:
+        check_int("drift_every", self.drift_every, minimum=0)
         if not isinstance(self.update_norm, bool):
             raise ValueError(f"update_norm: must be true or false, got {self.update_norm!r}")
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
@@ -748,7 +755,11 @@ def make_train_step(
             )
         return new_state, {**metrics, **stats}
 
-    return PackedTrainStep(train_step, donate=donate, keep_params=keep_params, tiered=tiered)
+    # Drift attribution runs beside the jitted step, in this process: not over a mesh.
+    drift = DriftProbe(cfg, graphdef, cfg.drift_every if mesh is None else 0, reader=None)
+    return PackedTrainStep(
+        train_step, donate=donate, keep_params=keep_params, tiered=tiered, drift=drift
+    )
 
 
 _PARAMS = _FIELD_INDEX["params"]
@@ -761,6 +772,9 @@ class PackedTrainStep:
     from the other fields, so that ``keep_params`` donates every buffer but theirs; the
     returned state is packed too, and the next call passes it on without a flatten.
     ``jitted`` is the ``jax.jit`` (or ``TieredJit``) function of the packed arguments.
+    ``drift`` attributes the drift of the batches it is due on before the step, under
+    the weights the step starts from, and adds its ``drift/*`` metrics (floats) to the
+    step's; it reads old versions from ``drift.reader``, which the caller sets.
     """
 
     def __init__(
@@ -770,7 +784,10 @@ class PackedTrainStep:
         donate: bool,
         keep_params: bool,
         tiered: bool,
+        drift: DriftProbe | None = None,
     ):
+        self.drift = drift or DriftProbe.off()
+
         def packed_step(
             params: Packed, rest: tuple[Packed, ...], batch: TrainBatch
         ) -> tuple[tuple[Packed, ...], dict[str, jax.Array]]:
@@ -790,8 +807,9 @@ class PackedTrainStep:
     def __call__(
         self, state: TrainState, batch: TrainBatch
     ) -> tuple[TrainState, dict[str, jax.Array]]:
+        drift = self.drift.attribute(state.params, batch, state.step)
         fields, metrics = self.jitted(*self._arguments(state), batch)
-        return TrainState.unpack(fields), metrics
+        return TrainState.unpack(fields), metrics | drift
 
     def lower(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
         """Lowers the jitted step for these arguments (``jax.jit(...).lower``)."""

@@ -102,7 +102,6 @@ def check_inputs(config: RunConfig) -> None:
 def warm_start_key(config: RunConfig) -> str:
     """Hash of everything the warm-started weights depend on."""
     relevant = {
-        # The sampler's dtype casts the pulled weights; the warm start is the trainer's.
         "model": {k: v for k, v in to_dict(config.model).items() if k != "sampler_dtype"},
         "task": to_dict(config.task),
         "sft": to_dict(config.sft),
@@ -173,4 +172,5 @@ def train_config_for(config: RunConfig) -> TrainConfig:
         epochs=config.trainer.epochs,
         lora=config.trainer.lora,
         temperature=config.sampling.temperature or 1.0,
+        drift_every=config.metrics.drift_every,
     )

@@ -53,7 +53,6 @@ def batch_metrics(
             f"buffer/{k}": buffer_counts[k] for k in ("in_flight", "buffered", "trained", "dropped")
         },
         **{f"dropped/{k}": v for k, v in buffer_counts["dropped_by_reason"].items()},
-        # Drift attribution (``rlaxkit.drift``) keeps its own ``drift/`` names.
         **{k if k.startswith("drift/") else f"train/{k}": v for k, v in train_metrics.items()},
     }
 

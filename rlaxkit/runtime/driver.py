@@ -317,9 +317,7 @@ class Experiment(Loop):
                 # process's sandbox; reward workers on other hosts may differ).
                 "sandbox_isolation": isolation_mode() if isinstance(self.task, CodeTask) else None,
                 "resumed_from": self.resumed_from,
-                # Sampled against trained: completion length and pass rate
-                # (``rlaxkit.audit``); ``passed`` is false when either differs.
-                "audit": self.audit.audit(self.buffer.dropped),
+                "audit": self.audit.audit(self.buffer.dropped),  # sampled against trained
             }
 
     def params(self) -> Any:

@@ -112,8 +112,7 @@ class Loop:
         """Books finished rollouts in the buffer (a drop is traced with its reason)."""
         for rollout in rollouts:
             self.buffer.add(rollout, self.version)  # a drop is traced by drop_event
-            correct = bool(rollout.reward_info.get("correct", False))
-            self.audit.finished(AuditRecord(rollout.group_id, rollout.num_tokens, correct))
+            self.audit.finished(AuditRecord.of(rollout))
             self.window.samples += 1
             reason = rollout.reward_info["reason"]
             if reason in REWARD_FAILURES and self.books.first_reward_error is None:

@@ -20,7 +20,6 @@ from rlaxkit.checkpoint import (
     save_train_state,
 )
 from rlaxkit.config import RunConfig
-from rlaxkit.drift import DriftProbe
 from rlaxkit.episodes import EpisodicTask
 from rlaxkit.jaxutil import host_arrays
 from rlaxkit.param_server.adapters import AdapterParameterServer
@@ -175,17 +174,13 @@ class TrainerHost:
             if self.lora is not None:
                 server = AdapterParameterServer(server, lora=self.lora)
                 server.publish_base(base)
-            self.param_server = server
+            self.param_server = self.train_step.drift.reader = server  # drift: versions
         self.checkpoints = None
         if checkpoint_dir is not None:
             self.checkpoints = CheckpointManager(
                 checkpoint_dir, max_to_keep=config.checkpoint.keep, async_save=self.in_process
             )
         self._to_publish: Pending | None = self._newest()
-        # Drift attribution reads old versions back from the store this trainer pushes
-        # to; a trainer group's processes (a mesh) do not attribute.
-        every = 0 if self.mesh is not None else config.metrics.drift_every
-        self.drift = DriftProbe(train_config, graphdef, every, self.param_server)
 
     @property
     def in_process(self) -> bool:
@@ -315,13 +310,9 @@ class TrainerHost:
         # On the run's clock, as every other duration in the trace (a calibration
         # recorded on the CPU clock compares them with the run's windows).
         start = self.clock()
-        drift: dict[str, float] = {}
-        if self.drift.due(step):  # under the weights the step starts from
-            drift = self.drift(self.state.params, batch, step - 1)
-            drift["drift/seconds"] = self.clock() - start
         self.state, step_metrics = self.train_step(self.state, self._place_batch(batch))
         self._version = step
-        metrics = {k: float(v) for k, v in self._host(step_metrics).items()} | drift
+        metrics = {k: float(v) for k, v in self._host(step_metrics).items()}
         check_finite(step, metrics)
         duration_s = self.clock() - start
         if self.config.weight_sync.should_push(self.version):

@@ -3,15 +3,14 @@ a Ray actor (``rlaxkit.runtime.hosts``)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from rlaxkit.api import ChunkReply, SyncReply, Work
 from rlaxkit.config import RunConfig
+from rlaxkit.drift import cast_floats, sampler_config
 from rlaxkit.param_server import ParameterServer
 from rlaxkit.param_server.adapters import AdapterParameterServer
 from rlaxkit.runtime.build import build_policy, build_task
@@ -41,7 +40,7 @@ class _Observed:
     def __init__(self, server: ParameterServer, dtype: str | None = None):
         self.server = server
         self.seen: int | None = -1
-        self.dtype = dtype  # ``model.sampler_dtype``: each pulled version is cast to it
+        self.dtype = dtype  # ``model.sampler_dtype``
 
     def latest_version(self) -> int | None:
         self.seen = self.server.latest_version()
@@ -49,13 +48,7 @@ class _Observed:
 
     def pull(self, min_version: int | None = None, timeout: float | None = None) -> Any:
         version, params = self.server.pull(min_version, timeout)
-        if self.dtype is not None:
-            dtype = jnp.dtype(self.dtype)
-            params = jax.tree.map(
-                lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                params,
-            )
-        return version, params
+        return version, cast_floats(params, self.dtype)
 
     def push(self, version: int, params: Any) -> None:
         self.server.push(version, params)
@@ -113,12 +106,9 @@ class WorkerHost:
         if config.trainer.lora is not None:  # the base once, then adapters merged into it
             timeout_s = _WORKER_PULL_TIMEOUT_S if store.kind == "object_store" else None
             server = AdapterParameterServer(server, default_timeout_s=timeout_s)
-        sampler_dtype = config.model.sampler_dtype
-        if sampler_dtype is not None:  # the same graph, built for the sampler's dtype
-            spec = dataclasses.replace(config.model, param_dtype=sampler_dtype)
-            model, _ = build_policy(dataclasses.replace(config, model=spec), task, abstract=True)
-            graphdef = nnx.graphdef(model)
-        self.store = _Observed(server, sampler_dtype)
+        if config.model.sampler_dtype is not None:  # the graph in the sampler's dtype
+            graphdef = nnx.graphdef(build_policy(sampler_config(config), task, abstract=True)[0])
+        self.store = _Observed(server, config.model.sampler_dtype)
         self._decoding, self._complete = False, list[Any]()
         self.worker = InferenceWorker(
             worker_id,
