@@ -255,7 +255,8 @@ class DriftProbe:
                     "runtime.keep_versions versions); raise keep_versions above "
                     "staleness.max_staleness to attribute every batch"
                 )
-            if jax.tree.structure(found) != jax.tree.structure(params):
+            layout: Any = jax.tree.structure(found)  # PyTreeDef's stubs lack __eq__
+            if layout != jax.tree.structure(params):
                 return self._skip(
                     "the parameter server hands versions back in another tree layout than "
                     "the trainer's parameters (split or delta records)"
