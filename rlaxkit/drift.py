@@ -22,8 +22,11 @@ falls outside the PPO clip range ``[1 − ε_low, 1 + ε_high]`` and the share a
 behaviour-weight cap ``C`` (what ``behaviour_weight='mask'`` would drop).
 
 ``DriftProbe`` runs it on the trainer's side (``rlaxkit.trainer.PackedTrainStep`` calls
-it before each step it is due on, ``TrainConfig.drift_every``): rows grouped by version,
-the rows that hold a version's tokens in one jitted forward pass under that version
+it on each step it is due on, ``TrainConfig.drift_every``). ``log π_θ`` is the train
+step's own, under the weights it starts from (the forward pass of its one update, or its
+recomputed proximal log-probs; a step with several updates and no recompute has neither,
+and the probe then runs that forward pass itself before the step). For each older
+version, the rows that hold its tokens go through one jitted forward pass under it
 (their number rounded up to a power of two, so a run compiles a handful of programs).
 """
 
@@ -41,6 +44,7 @@ import numpy as np
 from flax import nnx
 
 from rlaxkit.batch import TrainBatch
+from rlaxkit.jaxutil import Packed
 from rlaxkit.logprobs import logprobs_from_logits
 from rlaxkit.models import positions_from_mask
 
@@ -73,7 +77,8 @@ class VersionReader(Protocol):
 def make_logprob_fn(cfg: TrainConfig, graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
     """Jitted ``(params, tokens, attention_mask) -> [B, T]`` log-probs, aligned as the
     batch's (entry ``t`` scores ``tokens[t]``; entry 0 is 0): the trainer's forward pass
-    (its compute dtype and temperature), without gradients."""
+    (its compute dtype and temperature), without gradients. ``params`` is a tree or its
+    ``rlaxkit.jaxutil.Packed`` (a call then flattens nothing)."""
     dtype = None if cfg.compute_dtype is None else jnp.dtype(cfg.compute_dtype)
 
     def cast(tree: Any) -> Any:
@@ -85,6 +90,8 @@ def make_logprob_fn(cfg: TrainConfig, graphdef: nnx.GraphDef) -> Callable[..., j
 
     @jax.jit
     def logprobs(params: Any, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        if isinstance(params, Packed):
+            params = params.structure.treedef.unflatten(params.leaves)
         model = nnx.merge(graphdef, cast(params))
         positions = positions_from_mask(attention_mask)
         hidden = model.hidden_states(tokens, positions, attention_mask)[:, :-1]
@@ -162,6 +169,10 @@ def sampler_config(config: RunConfig) -> RunConfig:
     return dataclasses.replace(config, model=spec)
 
 
+def _packed(tree: Any) -> Packed:
+    return tree if isinstance(tree, Packed) else Packed.of(tree)
+
+
 def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -214,14 +225,16 @@ class DriftProbe:
         """Whether train step ``step`` (1-based) is attributed."""
         return self.every > 0 and step % self.every == 0
 
-    def attribute(self, params: Any, batch: TrainBatch, version: Any) -> dict[str, float]:
+    def attribute(
+        self, params: Any, batch: TrainBatch, version: Any, log_theta: Any = None
+    ) -> dict[str, float]:
         """When the step after weight ``version`` (an int or a scalar array) is due,
         the drift of ``batch`` under ``params`` (``__call__``) with ``drift/seconds``,
         what it took; otherwise ``{}``."""
         if self.every == 0 or not self.due(int(version) + 1):
             return {}
         start = time.perf_counter()
-        metrics = self(params, batch, int(version))
+        metrics = self(params, batch, int(version), log_theta=log_theta)
         return metrics | {"drift/seconds": time.perf_counter() - start}
 
     def _skip(self, why: str) -> dict[str, float]:
@@ -231,10 +244,17 @@ class DriftProbe:
             _LOG.warning("drift attribution skipped a batch: %s", why)
         return {"drift/skipped_batches": float(self.skipped)}
 
-    def __call__(self, params: Any, batch: TrainBatch, version: int) -> dict[str, float]:
+    def __call__(
+        self, params: Any, batch: TrainBatch, version: int, *, log_theta: Any = None
+    ) -> dict[str, float]:
         """The batch's drift metrics (``drift_metrics``) and ``drift/skipped_batches``
         (the count so far); a batch that needs a version the parameter server no longer
-        holds (or a store that cannot read versions back) is skipped and counted."""
+        holds (or a store that cannot read versions back) is skipped and counted.
+
+        ``params`` are the weights of ``version`` (a tree or its ``Packed``), and
+        ``log_theta`` the batch's ``[B, T]`` log-probs under them: the train step's own
+        (``PackedTrainStep``; ``params`` then gives only the layout), or ``None``, a
+        forward pass here."""
         if self.logprobs is None:
             raise ValueError("this DriftProbe is off (every=0): it attributes nothing")
         versions = np.asarray(batch.versions)
@@ -246,7 +266,7 @@ class DriftProbe:
                 "this parameter server cannot read back old versions (delta or LoRA "
                 "publication, or a trainer process that does not push)"
             )
-        weights = {}
+        weights, layout = {}, _packed(params).structure
         for v in needed:
             found = reader.read(v) if reader is not None else None
             if found is None:
@@ -255,25 +275,30 @@ class DriftProbe:
                     "runtime.keep_versions versions); raise keep_versions above "
                     "staleness.max_staleness to attribute every batch"
                 )
-            layout: Any = jax.tree.structure(found)  # PyTreeDef's stubs lack __eq__
-            if layout != jax.tree.structure(params):
+            found = Packed.of(found)  # flattened once; jit then flattens nothing
+            if found.structure != layout:
                 return self._skip(
                     "the parameter server hands versions back in another tree layout than "
                     "the trainer's parameters (split or delta records)"
                 )
             weights[v] = found
         tokens, attention = np.asarray(batch.tokens), np.asarray(batch.attention_mask)
-        log_theta = np.asarray(self.logprobs(params, tokens, attention))
+        if log_theta is None:
+            log_theta = self.logprobs(_packed(params), tokens, attention)
+        log_theta = np.asarray(log_theta)
         log_version = log_theta.copy()  # the trainer's own version: the same weights
+        pending = []  # every version's forward pass dispatched before any is read back
         for v, tree in weights.items():
             rows = np.flatnonzero(((versions == v) & mask).any(axis=1))
             # Rows repeated up to a bucket: B/8, B/4, B/2 or B, so that a batch shape
-            # compiles at most four programs beside the one over every row.
+            # compiles at most four programs (and the one over every row, without the
+            # step's log π_θ).
             size = min(max(_bucket(rows.size), _bucket(tokens.shape[0]) // 8), tokens.shape[0])
             take = np.resize(rows, size)
-            logp = np.asarray(self.logprobs(tree, tokens[take], attention[take]))[: rows.size]
+            pending.append((v, rows, self.logprobs(tree, tokens[take], attention[take])))
+        for v, rows, logp in pending:
             here = versions[rows] == v
-            log_version[rows] = np.where(here, logp, log_version[rows])
+            log_version[rows] = np.where(here, np.asarray(logp)[: rows.size], log_version[rows])
         self.attributed += 1
         metrics = drift_metrics(
             log_theta,

@@ -163,3 +163,40 @@ def test_drift_and_audit_figures_draw_a_run_of_attributed_steps(tmp_path):
     logger.close()
     names = sorted(p.name for p in plot_run(tmp_path, figures=("drift", "audit")))
     assert names == ["audit.png", "drift.png"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"micro_batches": 2, "shuffle": True},  # one update: its own forward pass
+        {"mini_batches": 2, "proximal": "recompute"},  # the recomputed proximal log-probs
+        {"mini_batches": 2},  # neither: the probe's own forward pass, before the step
+    ],
+)
+def test_the_step_hands_the_attribution_log_pi_theta_under_the_weights_it_starts_from(options):
+    graphdef, params = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(0)))
+    options = dict(options)
+    proximal = options.pop("proximal", "behaviour")
+    from_step = options.get("mini_batches", 1) == 1 or proximal == "recompute"
+    cfg = TrainConfig(
+        algorithm=algorithm("grpo", loss={"kl_coef": 0.0, "proximal": proximal}),
+        optimizer=OptimizerConfig(learning_rate=3e-3, weight_decay=0.0),
+        drift_every=1,
+        **options,
+    )
+    step = make_train_step(cfg, graphdef, keep_params=True)
+    assert step.step_logprobs == from_step
+    state = create_train_state(cfg, params)
+    store = InProcessParameterServer(keep=4)
+    step.drift.reader = store
+    store.push(0, state.params)
+    batch = collate(_samples([0] * 8, step.drift, {0: state.params}, seed=2), bucket=BUCKET)
+    before = np.asarray(step.drift.logprobs(state.params, batch.tokens, batch.attention_mask))
+    seen = {}
+    step.drift.attribute = lambda p, b, v, log_theta=None: seen.update(log_theta=log_theta) or {}
+    new_state, _ = step(state, batch)
+    assert int(new_state.step) == 1
+    if step.step_logprobs:  # the pre-update weights' log-probs, row for row
+        np.testing.assert_allclose(np.asarray(seen["log_theta"]), before, atol=2e-6)
+    else:
+        assert seen["log_theta"] is None
