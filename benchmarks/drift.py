@@ -10,8 +10,8 @@ each reporting the mean over its steps of ``drift/staleness`` and ``drift/mismat
 - ``bfloat16_sampler``: η = 0, ``model.sampler_dtype=bfloat16`` against the float32
   trainer: mismatch and no staleness.
 
-The cost is timed in the ``stale`` run, the dearest (a forward pass under the trainer's
-weights over every row, and one under each older version over the rows it sampled):
+The cost is timed in the ``stale`` run, the dearest (a forward pass under each older
+version over the rows it sampled; ``log π_θ`` comes from the train step's own forward):
 ``attribution_s`` is the median of ``drift/seconds`` and ``train_step_s`` the median of
 the rest of the trainer's call (``time/train_s`` less the attribution), over the steps
 after the first two (which compile). ``cost_fraction_every_1 = attribution_s /
@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import jax
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -92,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     report: dict[str, Any] = {"steps": steps}
     with tempfile.TemporaryDirectory() as cache:
+        if not jax.config.jax_compilation_cache_dir:
+            # Each setting builds a fresh Experiment: a persistent cache spares the
+            # programs they share (the train step, evaluation) a second compile.
+            jax.config.update("jax_compilation_cache_dir", str(Path(cache) / "jax"))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         for name, overrides in SETTINGS.items():
             report[name] = run_setting(overrides, steps, Path(cache))
             print(name, json.dumps(report[name]), flush=True)
