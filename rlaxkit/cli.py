@@ -315,6 +315,7 @@ def simulate_job(
         "preemptions_by_kind": result.preemptions,
         "sim_events": result.events,
         "wall_s": result.wall_s,
+        "audit": result.audit,  # sampled against trained length and pass rate
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log(f"drawing the figures into {run_dir / 'plots'} ...")
@@ -365,6 +366,7 @@ def _simulate_in_chunks(scenario: Scenario, trace: TraceSink, *, progress: bool)
         events=events_scheduled(env),
         wall_s=time.perf_counter() - wall_start,
         reached_target=simulation.trainer.done.triggered,
+        audit=simulation.audit.audit(simulation.buffer.ledger.dropped),
     )
 
 

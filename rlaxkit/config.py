@@ -69,11 +69,16 @@ class ModelSpec:
         config: the architecture of a freshly initialised model (with a character
             tokenizer over the task's alphabet; ``vocab_size`` is taken from it).
         param_dtype: override the checkpoint's dtype (``float32`` on CPU).
+        sampler_dtype: the inference workers' weight and compute dtype, when it differs
+            from the trainer's: each pulled version is cast to it (``bfloat16``: a
+            sampler whose log-probs differ from the trainer's for the same weights, the
+            engine mismatch ``drift/mismatch`` measures). ``None``: the trainer's.
     """
 
     checkpoint: str | None = None
     config: ModelConfig = field(default_factory=_tiny_model)
     param_dtype: Literal["float32", "bfloat16"] | None = None
+    sampler_dtype: Literal["float32", "bfloat16"] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,6 +309,24 @@ class EvalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """What the trainer measures beside its loss.
+
+    Attributes:
+        drift_every: every this many train steps the trainer splits the drift of the
+            batch's log-ratios into staleness and engine mismatch (``rlaxkit.drift``:
+            ``drift/*`` metrics; one more forward pass over the batch and one per older
+            weight version in it). 0: never. A batch that needs a version the parameter
+            server no longer holds is skipped and counted (``drift/skipped_batches``).
+    """
+
+    drift_every: int = 10
+
+    def __post_init__(self) -> None:
+        check_int("drift_every", self.drift_every, minimum=0)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything an RL run needs; ``RunConfig()`` is the embedded default run.
 
@@ -321,6 +344,7 @@ class RunConfig:
     ``distill`` adds a frozen teacher's per-token reward (``DistillSpec``).
     ``agent`` (``rlaxkit.serve.AgentConfig``) has a user's agent produce the samples
     through the OpenAI-compatible endpoint instead of the workers' episodes.
+    ``metrics`` sets what the trainer measures beside its loss (drift attribution).
     """
 
     seed: int = 0
@@ -352,6 +376,7 @@ class RunConfig:
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     distill: DistillSpec | None = None
     agent: AgentConfig | None = None
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         check_tracking(self.tracking)  # before any work: a tracker's package is missing

@@ -10,6 +10,8 @@ uses (``sim.report``), so a real run and a simulated one look alike.
 - :func:`curves_figure`: one metric per step for several runs (reward, pass rate, ...);
 - :func:`pass_at_k_figure`: held-out pass@k against k for several runs or checkpoints;
 - :func:`update_figure`: what one train step did: ratios against advantages, update size;
+- :func:`drift_figure`, :func:`audit_figure`: drift attribution (staleness and mismatch)
+  and the sampled-against-trained audit over a run (``rlaxkit.drift``, ``rlaxkit.audit``);
 - :func:`comparison_figure`: bars of summary numbers (wall time, samples/s) per run;
 - :func:`scaling_figure`: throughput against fleet size, with linear scaling;
 - :func:`overlay_figure`: a simulated series over a measured one;
@@ -48,8 +50,10 @@ __all__ = [
     "DPI",
     "FIGURES",
     "SIZE_IN",
+    "audit_figure",
     "comparison_figure",
     "curves_figure",
+    "drift_figure",
     "drops_figure",
     "overlay_figure",
     "pass_at_k_figure",
@@ -124,6 +128,60 @@ def reward_figure(metrics: Sequence[Mapping[str, Any]], evals: Sequence[Mapping]
     axes.set_ylim(0, 1)
     axes.set_title("train reward and held-out pass@1 by trainer step", fontsize="medium")
     _style(axes, legend=True)
+    return figure
+
+
+def drift_figure(metrics: Sequence[Mapping[str, Any]]) -> Figure:
+    """Drift attribution over the run (``rlaxkit.drift``): per attributed step the mean
+    ``|staleness|`` (``log π_θ − log π_v``) and ``|mismatch|`` (``log π_v − log μ``),
+    solid, and their k3 KL estimates, dashed, in nats on a symlog axis (exact zeros stay
+    visible). Steps that were not attributed are skipped."""
+    figure = _figure()
+    axes = figure.add_subplot()
+    rows = [m for m in metrics if "drift/tokens" in m]
+    steps = [m["step"] for m in rows]
+    for part, color in (("staleness", "C0"), ("mismatch", "C3")):
+        axes.plot(
+            steps,
+            [m[f"drift/{part}/abs_mean"] for m in rows],
+            "o-",
+            ms=3,
+            lw=1,
+            color=color,
+            label=f"{part}: mean |log-ratio|",
+        )
+        axes.plot(
+            steps,
+            [m[f"drift/{part}/k3"] for m in rows],
+            "--",
+            lw=1,
+            color=color,
+            label=f"{part}: KL (k3)",
+        )
+    axes.set_yscale("symlog", linthresh=1e-4)
+    axes.set_xlabel("trainer step")
+    axes.set_ylabel("nats per token")
+    _style(axes, legend=True)
+    return figure
+
+
+def audit_figure(metrics: Sequence[Mapping[str, Any]]) -> Figure:
+    """The distribution audit per step (``rlaxkit.audit``): the mean completion length
+    and the mean per-prompt pass rate of the rollouts a step settled (sampled) and of
+    those it trained, one panel each."""
+    figure = _figure()
+    rows = [m for m in metrics if "audit/length_ks" in m]
+    steps = [m["step"] for m in rows]
+    for i, (name, label) in enumerate(
+        (("length", "completion tokens"), ("pass_rate", "pass rate"))
+    ):
+        axes = figure.add_subplot(1, 2, i + 1)
+        for which, style in (("sampled", "-"), ("trained", "--")):
+            values = [m[f"audit/{name}_{which}_mean"] for m in rows]
+            axes.plot(steps, values, style, lw=1, label=which)
+        axes.set_xlabel("trainer step")
+        axes.set_ylabel(f"mean {label}")
+        _style(axes, legend=i == 0)
     return figure
 
 
@@ -448,7 +506,7 @@ def trace_overlay_figure(
     return figure
 
 
-FIGURES = ("reward", "staleness", "timeline", "throughput", "drops")
+FIGURES = ("reward", "staleness", "timeline", "throughput", "drops", "drift", "audit")
 TRAIN_JOB_FIGURES = ("reward", "staleness", "timeline")  # what ``rlaxkit train`` writes
 
 
@@ -459,7 +517,8 @@ def plot_run(
     compare: str | Path | None = None,
 ) -> list[Path]:
     """Writes a run directory's figures as ``plots/NAME.png`` (each when its inputs
-    exist) and returns the paths: ``reward`` (from ``metrics.jsonl``), ``staleness``,
+    exist) and returns the paths: ``reward``, ``drift`` and ``audit`` (from
+    ``metrics.jsonl``), ``staleness``,
     ``timeline``, ``throughput`` and ``drops`` (from ``trace.jsonl``); with ``compare``
     (another run directory, real or simulated) also ``compare.png``, the two traces
     overlaid by :func:`trace_overlay_figure`.
@@ -483,14 +542,19 @@ def plot_run(
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
     written = []
-    if metrics_file.exists() and "reward" in figures:
+    if metrics_file.exists() and {"reward", "drift", "audit"} & set(figures):
         metrics = read_metrics(metrics_file)
         summary_file = run_dir / "summary.json"
         evals = (
             json.loads(summary_file.read_text()).get("evals", []) if summary_file.exists() else []
         )
-        if metrics and "reward/mean" in metrics[0]:
+        if "reward" in figures and metrics and "reward/mean" in metrics[0]:
             written.append(_save(reward_figure(metrics, evals), out / "reward.png"))
+        # Each when the run measured it: drift on attributed steps, the audit every step.
+        if "drift" in figures and any("drift/tokens" in m for m in metrics):
+            written.append(_save(drift_figure(metrics), out / "drift.png"))
+        if "audit" in figures and any("audit/length_ks" in m for m in metrics):
+            written.append(_save(audit_figure(metrics), out / "audit.png"))
     if trace_file.exists():
         events = read_trace(trace_file)
         histogram = staleness_distribution(events)

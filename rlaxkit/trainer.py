@@ -50,6 +50,7 @@ from rlaxkit.algorithms import (
     rl_loss,
 )
 from rlaxkit.batch import TrainBatch
+from rlaxkit.drift import DriftProbe
 from rlaxkit.jaxutil import Packed, TieredJit
 from rlaxkit.logprobs import logprobs_and_entropy
 from rlaxkit.models import (
@@ -138,6 +139,10 @@ class TrainConfig:
         distill: on-policy distillation (``rlaxkit.algorithms.distill``): the teacher in
             ``TrainState.teacher_params`` scores the batch's tokens before the updates and
             its per-token reward enters the advantages. ``None``: no teacher.
+        drift_every: every this many steps the step splits its batch's drift into
+            staleness and engine mismatch first (``rlaxkit.drift``, ``drift/*`` metrics;
+            it reads old versions from ``PackedTrainStep.drift.reader``, a parameter
+            server, and runs without a mesh only). 0: never.
     """
 
     algorithm: AlgorithmConfig
@@ -152,10 +157,12 @@ class TrainConfig:
     lora: LoraConfig | None = None
     update_norm: bool = True
     distill: DistillConfig | None = None
+    drift_every: int = 0
 
     def __post_init__(self) -> None:
         if self.distill is not None and not isinstance(self.distill, DistillConfig):
             raise ValueError(f"distill: must be a DistillConfig or None, got {self.distill!r}")
+        check_int("drift_every", self.drift_every, minimum=0)
         if not isinstance(self.update_norm, bool):
             raise ValueError(f"update_norm: must be true or false, got {self.update_norm!r}")
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
@@ -487,8 +494,11 @@ def _build(
     graphdef: nnx.GraphDef,
     value_graphdef: nnx.GraphDef | None,
     mesh: Mesh | None,
+    keep_logprobs: bool = False,
 ) -> _StepParts:
-    """The pieces of a train step, closed over the static configuration."""
+    """The pieces of a train step, closed over the static configuration; with
+    ``keep_logprobs`` ``minibatch_gradients`` also returns each micro-batch's policy
+    log-probs (``[micro, rows, T]``, no gradient), else ``None`` in their place."""
     loss_cfg, adv_cfg = cfg.algorithm.loss, cfg.algorithm.advantage
     tx = make_optimizer(cfg.optimizer)
     # With one update per step every micro-batch's forward pass runs under the weights
@@ -669,7 +679,8 @@ def _build(
             old_values=micro.old_values,
             returns=micro.returns,
         )
-        return rl_loss(inputs, loss_cfg)
+        loss, metrics = rl_loss(inputs, loss_cfg)
+        return loss, (metrics, jax.lax.stop_gradient(logp) if keep_logprobs else None)
 
     def minibatch_gradients(trainable, minibatch, version, base=None):
         """Summed gradients over the micro-batches (leaves ``[micro, rows, ...]``)."""
@@ -683,18 +694,18 @@ def _build(
 
         def body(grads, micro):
             micro = constrain_rows(micro)
-            (_, metrics), micro_grads = jax.value_and_grad(micro_loss, has_aux=True)(
+            (_, aux), micro_grads = jax.value_and_grad(micro_loss, has_aux=True)(
                 trainable, micro, version, base
             )
-            return jax.tree.map(jnp.add, grads, micro_grads), metrics
+            return jax.tree.map(jnp.add, grads, micro_grads), aux
 
         zeros = jax.tree.map(jnp.zeros_like, trainable)
-        grads, metrics = jax.lax.scan(body, zeros, minibatch)
-        return grads, _reduce_metrics(metrics, "sum")
+        grads, (metrics, logprobs) = jax.lax.scan(body, zeros, minibatch)
+        return grads, _reduce_metrics(metrics, "sum"), logprobs
 
     def update(carry, minibatch, version, base=None):
         trainable, opt_state = carry
-        grads, metrics = minibatch_gradients(trainable, minibatch, version, base)
+        grads, metrics, logprobs = minibatch_gradients(trainable, minibatch, version, base)
         metrics["grad_norm"] = optax.global_norm(grads)
         metrics["learning_rate"] = opt_state[1].hyperparams["learning_rate"]
         updates, opt_state = tx.update(grads, opt_state, trainable)
@@ -702,7 +713,7 @@ def _build(
         # loss and gradients, taken before it, finite: ``check_finite`` reads this norm.
         if cfg.update_norm:
             metrics["update_norm"] = optax.global_norm(updates)
-        return (optax.apply_updates(trainable, updates), opt_state), metrics
+        return (optax.apply_updates(trainable, updates), opt_state), (metrics, logprobs)
 
     return prepare, minibatch_gradients, update, tx, policy_of
 
@@ -769,9 +780,20 @@ def make_train_step(
     """
     if cfg.algorithm.needs_value_model and value_graphdef is None:
         raise ValueError(f"algorithm {cfg.algorithm.name!r} trains a critic: pass value_graphdef")
-    prepare, _, update, _, policy_of = _build(cfg, graphdef, value_graphdef, mesh)
+    # Drift attribution runs beside the jitted step, in this process: not over a mesh.
+    drift = DriftProbe(cfg, graphdef, cfg.drift_every if mesh is None else 0, reader=None)
+    # The step's own log π_θ under the weights it starts from, for the attribution: the
+    # forward pass of its one update, or the recomputed proximal log-probs.
+    one_update = cfg.epochs == cfg.mini_batches == 1
+    recomputed = drift.every > 0 and cfg.algorithm.loss.proximal == "recompute" and not one_update
+    keep_logprobs = drift.every > 0 and one_update
+    prepare, _, update, _, policy_of = _build(
+        cfg, graphdef, value_graphdef, mesh, keep_logprobs=keep_logprobs
+    )
 
-    def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
+    def train_step(
+        state: TrainState, batch: TrainBatch
+    ) -> tuple[TrainState, dict[str, jax.Array], jax.Array | None]:
         prepared, stats = prepare(state, batch)
         rng, shuffle_rng = jax.random.split(state.rng)
 
@@ -790,7 +812,15 @@ def make_train_step(
         trained = state.params if cfg.lora is None else state.adapters
         carry = ((trained, state.value_params), state.opt_state)
         keys = jax.random.split(shuffle_rng, cfg.epochs)
-        ((trained, value_params), opt_state), metrics = jax.lax.scan(epoch, carry, keys)
+        ((trained, value_params), opt_state), (metrics, logprobs) = jax.lax.scan(epoch, carry, keys)
+        log_theta = None
+        if keep_logprobs:  # [1, 1, micro, rows, T]: the one update's micro-batches
+            log_theta = _merge_rows(logprobs[0, 0])
+            if cfg.shuffle:  # its rows were taken in this order
+                order = jax.random.permutation(keys[0], prepared.tokens.shape[0])
+                log_theta = jnp.zeros_like(log_theta).at[order].set(log_theta)
+        elif recomputed:
+            log_theta = prepared.proximal_logprobs
         params = policy_of(trained, state.base_params)
         metrics = _reduce_metrics(jax.tree.map(lambda x: x.reshape(-1), metrics), "mean")
         new_state = state.replace(
@@ -805,9 +835,16 @@ def make_train_step(
             new_state = jax.lax.with_sharding_constraint(
                 new_state, state_shardings(new_state, mesh)
             )
-        return new_state, {**metrics, **stats}
+        return new_state, {**metrics, **stats}, log_theta
 
-    return PackedTrainStep(train_step, donate=donate, keep_params=keep_params, tiered=tiered)
+    return PackedTrainStep(
+        train_step,
+        donate=donate,
+        keep_params=keep_params,
+        tiered=tiered,
+        drift=drift,
+        step_logprobs=keep_logprobs or recomputed,
+    )
 
 
 _PARAMS = _FIELD_INDEX["params"]
@@ -820,22 +857,36 @@ class PackedTrainStep:
     from the other fields, so that ``keep_params`` donates every buffer but theirs; the
     returned state is packed too, and the next call passes it on without a flatten.
     ``jitted`` is the ``jax.jit`` (or ``TieredJit``) function of the packed arguments.
+    ``drift`` attributes the drift of the batches it is due on, under the weights the
+    step starts from, and adds its ``drift/*`` metrics (floats) to the step's; it reads
+    old versions from ``drift.reader``, which the caller sets. ``train_step`` returns
+    ``(state, metrics, log_theta)``: with ``step_logprobs``, ``log_theta`` is the batch's
+    ``[B, T]`` log-probs under the weights it starts from (its one update's forward pass,
+    or the recomputed proximal log-probs), which the attribution then takes after the
+    step instead of its own forward pass before it; otherwise ``None``.
     """
 
     def __init__(
         self,
-        train_step: Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]],
+        train_step: Callable[
+            [TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array], jax.Array | None]
+        ],
         *,
         donate: bool,
         keep_params: bool,
         tiered: bool,
+        drift: DriftProbe | None = None,
+        step_logprobs: bool = False,
     ):
+        self.drift = drift or DriftProbe.off()
+        self.step_logprobs = step_logprobs
+
         def packed_step(
             params: Packed, rest: tuple[Packed, ...], batch: TrainBatch
-        ) -> tuple[tuple[Packed, ...], dict[str, jax.Array]]:
+        ) -> tuple[tuple[Packed, ...], dict[str, jax.Array], jax.Array | None]:
             fields = (*rest[:_PARAMS], params, *rest[_PARAMS:])
-            state, metrics = train_step(TrainState.unpack(fields), batch)
-            return state.pack(), metrics
+            state, metrics, log_theta = train_step(TrainState.unpack(fields), batch)
+            return state.pack(), metrics, log_theta
 
         donate_argnums = ((1,) if keep_params else (0, 1)) if donate else ()
         jit = TieredJit if tiered else jax.jit
@@ -849,8 +900,17 @@ class PackedTrainStep:
     def __call__(
         self, state: TrainState, batch: TrainBatch
     ) -> tuple[TrainState, dict[str, jax.Array]]:
-        fields, metrics = self.jitted(*self._arguments(state), batch)
-        return TrainState.unpack(fields), metrics
+        version = int(state.step) if self.step_logprobs else None
+        if version is None or not self.drift.due(version + 1):
+            drift = self.drift.attribute(state.params, batch, state.step)
+            fields, metrics, _ = self.jitted(*self._arguments(state), batch)
+            return TrainState.unpack(fields), metrics | drift
+        # The step may donate the state's buffers: the layout and the version only.
+        layout = state.packed("params")
+        fields, metrics, log_theta = self.jitted(*self._arguments(state), batch)
+        jax.block_until_ready(log_theta)  # the step's time, not the attribution's
+        drift = self.drift.attribute(layout, batch, version, log_theta=log_theta)
+        return TrainState.unpack(fields), metrics | drift
 
     def lower(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
         """Lowers the jitted step for these arguments (``jax.jit(...).lower``)."""
@@ -880,7 +940,7 @@ def make_gradient_fn(
         prepared, stats = prepare(state, batch)
         minibatch = jax.tree.map(lambda x: _split_rows(x, cfg.micro_batches), prepared)
         trained = state.params if cfg.lora is None else state.adapters
-        grads, metrics = minibatch_gradients(
+        grads, metrics, _ = minibatch_gradients(
             (trained, state.value_params), minibatch, state.step, state.base_params
         )
         return grads, {**metrics, **stats}

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import simpy
 
+from rlaxkit.audit import AuditRecord
 from rlaxkit.ledger import GroupLedger
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class SimSample:
         "observations",
         "turn",
         "first_version",
+        "correct",
     )
 
     def __init__(
@@ -62,6 +64,7 @@ class SimSample:
         turn_tokens: tuple[int, ...] | None = None,
         tool_s: tuple[float, ...] = (),
         observations: tuple[int, ...] = (),
+        correct: bool = False,
     ) -> None:
         self.group = group
         self.index = index
@@ -73,6 +76,7 @@ class SimSample:
         self.observations = observations
         self.turn = 0
         self.first_version: int | None = None
+        self.correct = correct  # its reward (``WorkloadSpec.pass_rate``), for the audit
 
     @property
     def sample_id(self) -> str:
@@ -99,6 +103,7 @@ class SimSample:
             turn_tokens=self.turn_tokens,
             tool_s=self.tool_s,
             observations=self.observations,
+            correct=self.correct,
         )
 
 
@@ -284,6 +289,8 @@ class SimBuffer:
         if group.void:
             return
         del self.in_flight[group.group_id]
+        for sample in group.samples:  # sampled, whatever happens to it next
+            self.sim.audit.finished(AuditRecord(group.group_id, sample.tokens, sample.correct))
         equal = self._filter is not None and self._filter.random() < self._filtered_fraction
         first, last = group.versions
         self.ledger.complete(
@@ -332,6 +339,8 @@ class SimBuffer:
         batch = self.ledger.take_batch(self.trainer_version)
         if batch is None:
             self._dispatch()
+        else:
+            self.sim.audit.trained(group.group_id for group in batch)
         return batch
 
     def wait_batch(self) -> simpy.Event:

@@ -13,11 +13,12 @@ from typing import Any
 
 import simpy
 
+from rlaxkit.audit import AuditBook
 from rlaxkit.policies import policy_to_dict
 from rlaxkit.trace import TraceSink
 
 from .buffer import Group, SimBuffer, SimSample
-from .distributions import CorrelatedLengths, Stream
+from .distributions import CorrelatedLengths, Stream, Uniform
 from .host import SerialHost
 from .injector import FaultInjector, plan_for
 from .metrics import Counters, SimResult, build_result
@@ -75,6 +76,10 @@ class Simulation:
             if rho is None or self._multi_turn
             else CorrelatedLengths(workload.response_tokens, rho, seed=scenario.seed)
         )
+        # The audit's draws have streams of their own too (every other draw unchanged).
+        self._pass_rates = Stream(workload.pass_rate, seed=scenario.seed, name="pass_rate")
+        self._outcomes = Stream(Uniform(low=0.0, high=1.0), seed=scenario.seed, name="correct")
+        self.audit = AuditBook()  # sampled against trained (``SimResult.audit``)
         self._next_group = 0
         self.record("trainer", "run_start", 0, config=run_config(scenario))
         self.ps = SimParameterServer(self)
@@ -160,17 +165,24 @@ class Simulation:
         prompt_tokens = max(0, round(self._prompt_lengths.next()))
         cap = workload.max_response_tokens
         draw = self._response_lengths.next
+        pass_rate = min(1.0, max(0.0, self._pass_rates.next()))
+        scale = 1.0 + (workload.hard_length_factor - 1.0) * (1.0 - pass_rate)
         if self._lengths is not None:
             draw = iter(self._lengths.group(workload.group_size)).__next__
         for index in range(workload.group_size):
+            correct = self._outcomes.next() < pass_rate
             if self._multi_turn:
-                group.samples.append(self._episode(group, index, prompt_tokens))
+                sample = self._episode(group, index, prompt_tokens)
+                sample.correct = correct
+                group.samples.append(sample)
                 continue
-            tokens = max(1, round(draw()))
+            tokens = max(1, round(draw() * scale))
             truncated = False
             if cap is not None and tokens > cap:
                 tokens, truncated = cap, True
-            group.samples.append(SimSample(group, index, prompt_tokens, tokens, truncated))
+            group.samples.append(
+                SimSample(group, index, prompt_tokens, tokens, truncated, correct=correct)
+            )
         group.unfinished = group.unscored = workload.group_size
         return group
 
@@ -212,6 +224,7 @@ class Simulation:
             events=events_scheduled(env),
             wall_s=wall_s,
             reached_target=self.trainer.done.triggered,
+            audit=self.audit.audit(self.buffer.ledger.dropped),
         )
 
 

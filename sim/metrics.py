@@ -108,6 +108,7 @@ class SimResult:
     tool_calls: int = 0
     slots_released: int = 0
     tool_hold_fraction: float = 0.0
+    audit: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def events_per_s(self) -> float:
@@ -194,6 +195,7 @@ def build_result(
     events: int,
     wall_s: float,
     reached_target: bool = False,
+    audit: dict[str, Any] | None = None,
 ) -> SimResult:
     """Derive a :class:`SimResult` from a finished run's counters."""
     end = counters.steps[-1][3] if reached_target and counters.steps else sim_time_s
@@ -224,6 +226,7 @@ def build_result(
         tool_calls=counters.tool_calls,
         slots_released=counters.slots_released,
         tool_hold_fraction=counters.tool_hold_s / (total_slots * duration),
+        audit=audit or {},
         events=events,
         wall_s=wall_s,
     )

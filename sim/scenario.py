@@ -85,6 +85,7 @@ _DISTRIBUTION_FIELDS = {
         "turns",
         "tool_latency_s",
         "observation_tokens",
+        "pass_rate",
     },
 }
 

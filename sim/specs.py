@@ -524,6 +524,13 @@ class WorkloadSpec:
             ``Lognormal`` for a long tail, or an ``Empirical`` fitted from a trace's
             ``tool_call`` events).
         observation_tokens: Distribution of the tokens a tool's answer appends.
+        pass_rate: Distribution of a prompt's pass rate ``p`` (clipped to [0, 1]): each
+            of its samples is correct with probability ``p``. Only the distribution
+            audit reads it (``SimResult.audit``: sampled against trained pass rate and
+            length, ``rlaxkit.audit``).
+        hard_length_factor: How much longer a hard prompt's completions are: a prompt of
+            pass rate ``p`` draws ``response_tokens × (1 + (factor − 1)(1 − p))`` (1: length
+            and difficulty are independent). A single-turn workload's setting.
     """
 
     prompts_per_step: int
@@ -536,10 +543,16 @@ class WorkloadSpec:
     turns: Distribution = field(default_factory=lambda: Constant(value=0.0))
     tool_latency_s: Distribution = field(default_factory=lambda: Constant(value=0.0))
     observation_tokens: Distribution = field(default_factory=lambda: Constant(value=0.0))
+    pass_rate: Distribution = field(default_factory=lambda: Constant(value=0.5))
+    hard_length_factor: float = 1.0
 
     def __post_init__(self) -> None:
         _check("prompts_per_step", self.prompts_per_step, integer=True)
-        for name in ("turns", "tool_latency_s", "observation_tokens"):
+        if not (is_number(self.hard_length_factor) and 1 <= self.hard_length_factor < math.inf):
+            raise ValueError(
+                f"hard_length_factor: must be a finite number >= 1, got {self.hard_length_factor!r}"
+            )
+        for name in ("turns", "tool_latency_s", "observation_tokens", "pass_rate"):
             value = getattr(self, name)
             if not isinstance(value, get_args(Distribution)):
                 raise ValueError(

@@ -94,7 +94,8 @@ def test_plot_writes_png_files_for_a_real_local_run(tmp_path, capsys, cache):
     config = small_run_config()
     with Experiment(config, run_dir=tmp_path, cache_dir=cache) as exp:
         exp.run(3)
-    check_plots(tmp_path, capsys, ["reward.png", *TRACE_PLOTS])
+    # Every step audits its data (audit.png); 3 steps attribute no drift (drift_every=10).
+    check_plots(tmp_path, capsys, ["reward.png", "audit.png", *TRACE_PLOTS])
     # The same real run, exported for Perfetto, keeps the format's rules.
     assert main(["trace", str(tmp_path)]) == 0
     validate(json.loads((tmp_path / "run.perfetto.json").read_text()))

@@ -106,7 +106,7 @@ def check_inputs(config: RunConfig) -> None:
 def warm_start_key(config: RunConfig) -> str:
     """Hash of everything the warm-started weights depend on."""
     relevant = {
-        "model": to_dict(config.model),
+        "model": {k: v for k, v in to_dict(config.model).items() if k != "sampler_dtype"},
         "task": to_dict(config.task),
         "sft": to_dict(config.sft),
         "seed": config.seed,
@@ -177,4 +177,5 @@ def train_config_for(config: RunConfig) -> TrainConfig:
         lora=config.trainer.lora,
         temperature=config.sampling.temperature or 1.0,
         distill=distill_config(config.distill),
+        drift_every=config.metrics.drift_every,
     )

@@ -31,7 +31,7 @@ def batch_metrics(
     Staleness of a group is ``version - 1 - first_version`` (the trainer was at
     ``version - 1`` when it took the batch). Keys: ``step``, ``reward/*``,
     ``staleness/*``, ``completion/mean_tokens``, ``batch/equal_reward_groups``,
-    ``buffer/*``, ``dropped/<reason>`` and ``train/<metric>``; wall-clock keys are the
+    ``buffer/*``, ``dropped/<reason>``, ``train/<metric>`` and ``drift/*``; wall-clock keys are the
     caller's.
     """
     rewards = np.array([s.reward for s in samples])
@@ -53,7 +53,7 @@ def batch_metrics(
             f"buffer/{k}": buffer_counts[k] for k in ("in_flight", "buffered", "trained", "dropped")
         },
         **{f"dropped/{k}": v for k, v in buffer_counts["dropped_by_reason"].items()},
-        **{f"train/{k}": v for k, v in train_metrics.items()},
+        **{k if k.startswith("drift/") else f"train/{k}": v for k, v in train_metrics.items()},
     }
 
 

@@ -22,6 +22,7 @@ import jax
 from flax import nnx
 
 from rlaxkit.api import Work
+from rlaxkit.audit import AuditBook
 from rlaxkit.buffer import RolloutBuffer
 from rlaxkit.config import RunConfig
 from rlaxkit.controller import PromptController
@@ -141,6 +142,7 @@ class Experiment(Loop):
                 restorable=self.faults is not NO_FAULTS,
             )
             self.buffer.ledger.on_drop = self.drop_event
+            self.audit = AuditBook()  # sampled against trained (a resumed run: from here)
             self.published = 0  # the newest version the trainer published
             self.last_batch: dict[str, Any] | None = None
             self.closed = False
@@ -338,6 +340,7 @@ class Experiment(Loop):
                 # process's sandbox; reward workers on other hosts may differ).
                 "sandbox_isolation": isolation_mode() if isinstance(self.task, CodeTask) else None,
                 "resumed_from": self.resumed_from,
+                "audit": self.audit.audit(self.buffer.dropped),  # sampled against trained
             }
 
     def params(self) -> Any:

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from rlaxkit.api import Fleet, SyncReply, TrainerClient, Work
+from rlaxkit.audit import AuditBook, AuditRecord
 from rlaxkit.batch import collate
 from rlaxkit.buffer import RolloutBuffer
 from rlaxkit.config import RunConfig
@@ -69,6 +70,7 @@ class Loop:
     buffer: RolloutBuffer
     published: int
     last_batch: dict[str, Any] | None
+    audit: AuditBook
     logger: Trackers
     window: Window
     _t0: float
@@ -110,6 +112,7 @@ class Loop:
         """Books finished rollouts in the buffer (a drop is traced with its reason)."""
         for rollout in rollouts:
             self.buffer.add(rollout, self.version)  # a drop is traced by drop_event
+            self.audit.finished(AuditRecord.of(rollout))
             self.window.samples += 1
             reason = rollout.reward_info["reason"]
             if reason in REWARD_FAILURES and self.books.first_reward_error is None:
@@ -297,6 +300,7 @@ class Loop:
                 **self.books.counters(),
                 **{f"reward_failures/{k}": n for k, n in self.reward_failures().items()},
                 **({"rounds/ahead": ahead[0]} if ahead else {}),
+                **self.audit.take_step([g.group_id for g in groups], self.buffer.dropped),
             }
         staleness = [step - 1 - g.first_version for g in groups]
         now = self.clock()

@@ -174,7 +174,7 @@ class TrainerHost:
             if self.lora is not None:
                 server = AdapterParameterServer(server, lora=self.lora)
                 server.publish_base(base)
-            self.param_server = server
+            self.param_server = self.train_step.drift.reader = server  # drift: versions
         self.checkpoints = None
         if checkpoint_dir is not None:
             self.checkpoints = CheckpointManager(

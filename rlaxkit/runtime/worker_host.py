@@ -6,12 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from flax import nnx
 
 from rlaxkit.api import ChunkReply, SyncReply, Work
 from rlaxkit.config import RunConfig
+from rlaxkit.drift import cast_floats, sampler_config
 from rlaxkit.param_server import ParameterServer
 from rlaxkit.param_server.adapters import AdapterParameterServer
-from rlaxkit.runtime.build import build_task
+from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.hosts import WeightStore, configure_jax, drain
 from rlaxkit.tasks import RewardRunner
 from rlaxkit.trace import MemoryTrace, TraceEvent
@@ -35,16 +37,18 @@ _WORKER_PULL_TIMEOUT_S = 1.0
 class _Observed:
     """A parameter-server client that remembers the latest version it last reported."""
 
-    def __init__(self, server: ParameterServer):
+    def __init__(self, server: ParameterServer, dtype: str | None = None):
         self.server = server
         self.seen: int | None = -1
+        self.dtype = dtype  # ``model.sampler_dtype``
 
     def latest_version(self) -> int | None:
         self.seen = self.server.latest_version()
         return self.seen
 
     def pull(self, min_version: int | None = None, timeout: float | None = None) -> Any:
-        return self.server.pull(min_version, timeout)
+        version, params = self.server.pull(min_version, timeout)
+        return version, cast_floats(params, self.dtype)
 
     def push(self, version: int, params: Any) -> None:
         self.server.push(version, params)
@@ -102,7 +106,9 @@ class WorkerHost:
         if config.trainer.lora is not None:  # the base once, then adapters merged into it
             timeout_s = _WORKER_PULL_TIMEOUT_S if store.kind == "object_store" else None
             server = AdapterParameterServer(server, default_timeout_s=timeout_s)
-        self.store = _Observed(server)
+        if config.model.sampler_dtype is not None:  # the graph in the sampler's dtype
+            graphdef = nnx.graphdef(build_policy(sampler_config(config), task, abstract=True)[0])
+        self.store = _Observed(server, config.model.sampler_dtype)
         self._decoding, self._complete = False, list[Any]()
         self.worker = InferenceWorker(
             worker_id,
