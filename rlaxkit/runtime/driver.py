@@ -38,21 +38,17 @@ from rlaxkit.runtime.faults import NO_FAULTS, FaultInjector, load_plan
 from rlaxkit.runtime.loop import Loop
 from rlaxkit.runtime.placement import start_placement
 from rlaxkit.tasks import CodeTask, isolation_mode
-from rlaxkit.tasks.datasets import write_skipped_rows
+from rlaxkit.tasks.datasets import write_run_skipped_rows
 from rlaxkit.tracking import check_run_dir, open_trackers
 
 _LOGGER = logging.getLogger(__name__)
-SKIPPED_ROWS_FILE = "skipped_rows.jsonl"  # dataset rows skipped as malformed, each named
 
 
 class Experiment(Loop):
     """An RL run you can step through, on the backend ``config.runtime.backend`` names.
 
-    A literal block, not a doctest (it trains a model; ``tests/test_runtime.py`` runs it)::
-
-        exp = Experiment(RunConfig(steps=3))
-        metrics = exp.step()
-        exp.last_batch["groups"]
+    Step through it: ``exp = Experiment(RunConfig(steps=3)); metrics = exp.step()``, then
+    ``exp.last_batch["groups"]`` (``tests/test_runtime.py`` runs this).
 
     Args:
         config: the run configuration.
@@ -94,8 +90,7 @@ class Experiment(Loop):
             self.run_dir.mkdir(parents=True, exist_ok=True)
             config.save(self.run_dir / "config.yaml")
         trace_path = self.run_dir / "trace.jsonl" if self.run_dir else None
-        # A resumed run cuts its files back to the checkpoint: it takes the steps after it
-        # again, and the stopped run's events of those steps would count twice.
+        # A resumed run cuts its files back to the checkpoint (it takes the steps after it again).
         resumed = codec.continue_files(self.run_dir, point) if point and self.run_dir else None
         self._t0 = time.perf_counter()
         self.lock = threading.RLock()  # concurrent mode's worker threads take it
@@ -130,7 +125,7 @@ class Experiment(Loop):
             )
             self.fleet, self.trainer = parts.fleet, parts.trainer
             self.problems = parts.task.problems("train", config.task.num_train)
-            self.write_skipped_rows()
+            write_run_skipped_rows(self.task.skipped_rows, self.run_dir)
             self.controller = PromptController(len(self.problems), seed=config.seed)
             # Only a fault plan restores the trainer in the run: without one, trained
             # groups are not kept for a roll-back.
@@ -295,20 +290,10 @@ class Experiment(Loop):
         self.fleet.restore(items["workers"], items["fleet"], weights_for, work_for)
 
     # -- results -----------------------------------------------------------------------
-    def write_skipped_rows(self) -> None:
-        """``skipped_rows.jsonl`` in the run directory: every dataset row the task skipped
-        as malformed (``on_error=skip``), with its file, row, field and reason."""
-        if self.run_dir is not None:
-            rows = [row for rows in self.task.skipped_rows.values() for row in rows]
-            write_skipped_rows(self.run_dir / SKIPPED_ROWS_FILE, rows)
-
     def summary(self) -> dict[str, Any]:
-        """Goodput (useful trainer compute ÷ wall time), lost steps, fault counters
-        (``preemptions`` by kind, ``restarts`` by actor, ``reissued_prompts``).
-
-        In deterministic mode downtimes pass on the logical fault clock and cost no wall
-        time, so wall goodput shows the compute faults waste (lost steps, restores,
-        regenerated prompts, checkpoint writes); ``rounds`` shows what downtimes cost."""
+        """Goodput (useful trainer compute ÷ wall time), lost steps, fault counters. In
+        deterministic mode downtimes pass on the logical fault clock and cost no wall
+        time: goodput shows the compute faults waste, ``rounds`` what downtimes cost."""
         with self.lock:
             wall = self.trace.offset_s + self.clock()
             useful = sum(self.books.useful_train_s)
@@ -329,11 +314,9 @@ class Experiment(Loop):
                 "preemptions": dict(self.books.preemptions),
                 "restarts": dict(self.books.restarts),
                 "reissued_prompts": self.books.reissued,
-                # The fault plan's faults that fired and those that did not, with why.
-                "faults": self.faults.report(self.fault_now(), self.version),
+                "faults": self.faults.report(self.fault_now(), self.version),  # fired or not
                 "buffer": self.buffer.counts(),
-                # Rows skipped as malformed, by file (each named in skipped_rows.jsonl).
-                "dataset_skipped_rows": {
+                "dataset_skipped_rows": {  # by file; each named in skipped_rows.jsonl
                     path: len(rows) for path, rows in self.task.skipped_rows.items()
                 },
                 # How generated programs are contained, for tasks that run them (this
@@ -354,13 +337,9 @@ class Experiment(Loop):
     def evaluate(
         self, num_problems: int | None = None, samples: int | None = None, seed: int = 1234
     ) -> EvalReport:
-        """Held-out pass@1 (and pass@k) at the training temperature on the test split;
-        the external trackers get ``eval/pass_at_<k>`` at the current step.
-
-        A multi-turn task is evaluated as it trains, on whole episodes with its tools
-        (``evaluate_episodes``, turns and budgets from ``config.episodes``); its
-        episode metrics reach the trackers as ``eval/<name>`` (``eval/tool_use_rate``).
-        """
+        """Held-out pass@1 (and pass@k) at the training temperature on the test split, to
+        the trackers as ``eval/pass_at_<k>``. A multi-turn task is evaluated on whole
+        episodes with its tools; their metrics go as ``eval/<name>`` (``tool_use_rate``)."""
         cfg = self.config.eval
         n = samples or cfg.samples
         params = jax.tree.map(lambda x: x.copy(), self.params())
@@ -392,7 +371,7 @@ class Experiment(Loop):
         if self.parts.collector is not None:
             self.parts.collector.close()
         summary = self.summary()
-        self.write_skipped_rows()  # the test split's too, read by evaluate()
+        write_run_skipped_rows(self.task.skipped_rows, self.run_dir)  # evaluate()'s too
         unfired = summary["faults"]["not_fired"]
         for fault in unfired:
             _LOGGER.warning("fault plan: faults[%d] (%s) never fired: %s", fault["index"],

@@ -111,6 +111,20 @@ def write_skipped_rows(path: str | Path, rows: Iterable[SkippedRow]) -> int:
     return len(lines)
 
 
+SKIPPED_ROWS_FILE = "skipped_rows.jsonl"  # a run's dataset rows skipped as malformed
+
+
+def write_run_skipped_rows(
+    skipped: Mapping[str, Iterable[SkippedRow]], run_dir: str | Path | None
+) -> int:
+    """``run_dir/skipped_rows.jsonl``: every row of every file in ``skipped`` (a task's
+    ``skipped_rows``); nothing without a run directory. Returns how many."""
+    if run_dir is None:
+        return 0
+    rows = [row for rows in skipped.values() for row in rows]
+    return write_skipped_rows(Path(run_dir) / SKIPPED_ROWS_FILE, rows)
+
+
 def load_problems(
     path: str | Path,
     fields: FieldMapping | None = None,
