@@ -11,10 +11,15 @@ RUNTIME = Path(__file__).resolve().parents[1] / "rlaxkit" / "runtime"
 MAX_LINES = 400
 MAX_ATTRIBUTES = 20
 # The package's line budget (``wc -l rlaxkit/runtime/*.py``): its size when the budget
-# was set (4 834 lines), with room for a small fix. A feature that needs more takes as
-# much out elsewhere in the package, or raises the budget in a commit of its own that
-# says why; docs/architecture.md ("The runtime's size") says where the lines are.
-MAX_TOTAL_LINES = 4_850
+# was last set, with room for a small fix. A feature that needs more takes as much out
+# elsewhere in the package, or raises the budget in a commit of its own that says why;
+# docs/architecture.md ("The runtime's size") says where the lines are. Set at 4 850
+# over 4 834 lines; raised to 5 040 over 5 020 for what the third wave's issues asked of
+# the loop: a trainer preempted at the last step redoes its steps, fault plans checked
+# against the run and reported fired or not, trackers that cannot un-log held to
+# checkpointed steps, skipped rows named, run folders owned by one run, drift
+# attribution, the sampled-vs-trained audit and a distillation teacher.
+MAX_TOTAL_LINES = 5_040
 
 
 def own_attributes(cls: ast.ClassDef) -> set[str]:
