@@ -350,6 +350,8 @@ PLANNED_FIELDS = frozenset(
         "fleet.slots_per_worker",
         "fleet.decode_s_per_token",
         "fleet.decode_s_per_token_per_seq",
+        "fleet.prefill_tokens_per_s",
+        "fleet.num_workers",
         "param_server.weight_bytes",
     }
 )
