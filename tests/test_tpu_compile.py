@@ -206,3 +206,26 @@ def test_missing_libtpu_names_the_extra(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_libtpu)
     with pytest.raises(ImportError, match=r"rlaxkit\[tpu\]"):
         require_libtpu()
+
+
+@pytest.mark.parametrize(
+    ("name", "chip", "devices"),
+    [("qwq32b_v5p_1024", "v5p", 256), ("qwen3_8b_v5e_256", "v5e", 256)]
+    + [("qwen3_8b_v6e_256", "v6e", 256)],
+)
+def test_shipped_tpu_plans_parse(name, chip, devices):
+    from rlaxkit.planning import load_plan_config
+
+    config = load_plan_config(f"configs/plan/{name}.yaml")
+    assert config.chip == chip and config.trainer_chips == devices
+    axes = dict(zip(("data", "fsdp", "model"), config.mesh, strict=True))
+    check_shardable(config.model_config(), axes)
+    check_shardable(config.model_config(), {"model": config.sampler_chips})
+
+
+def test_cli_plan_with_a_bad_target_names_the_known_topologies(capsys):
+    from rlaxkit.cli import main
+
+    assert main(["plan", "--target", "v9z:2x2"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown TPU topology 'v9z:2x2'" in err and "Traceback" not in err
