@@ -82,3 +82,15 @@ def test_a_scenario_names_a_plan(tmp_path):
     assert compute_s == pytest.approx(2.0, rel=1e-12)
     with pytest.raises(ValueError, match=r"has no stored result q.plan.json; compile it once"):
         scenario_from_dict({**data, "plan": str(tmp_path / "q.yaml")})
+
+
+def test_the_stored_qwen25_7b_tpu_plan_feeds_the_simulator():
+    """Its decode step as XLA:TPU estimated it for a 4-chip v5p worker, 64 slots."""
+    with open("configs/plan/qwen25_7b_v5p_tpu.plan.json") as f:
+        summary = json.load(f)
+    s = from_plan("configs/plan/qwen25_7b_v5p_tpu.yaml")
+    assert s.name == "rlax_like_1024_planned_tpu"
+    fleet = s.fleet
+    full_step = fleet.decode_s_per_token + 64 * fleet.decode_s_per_token_per_seq
+    assert full_step == pytest.approx(summary["est_decode_step_s"], rel=1e-12)
+    assert fleet.chips_per_worker == 4 and fleet.slots_per_worker == 64
