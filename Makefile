@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "rlaxkit needs Python 3.11 or newer")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[notebooks,dev,ray,tracking,tensorboard,wandb,mlflow,serve]"
+	$(BIN)/python -m pip install --quiet -e ".[notebooks,dev,ray,tracking,tensorboard,wandb,mlflow,serve,tpu]"
 	$(BIN)/python -m pip uninstall --quiet --yes rfc3987-syntax
 	touch $(STAMP)
 

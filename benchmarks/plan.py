@@ -15,10 +15,19 @@ benchmark's count, and the plans of two real models on v5p meshes.
    programs) and ``remat=none`` (train step only): wall and CPU seconds of each, and
    whether the train step fits a v5p chip's 95 GiB.
 
+4. **XLA:TPU** (libtpu, compile-only): every program the runtime runs
+   (``rlaxkit.planning.suite``: train steps plain, scanned with remat and LoRA; prefill,
+   decode on a cache view, the multi-turn and resume programs, the weight publication)
+   compiled for ``v5p:2x2x1``, ``v5e:2x2`` and ``v6e:2x2`` (``tpu_programs_compiled`` of
+   ``tpu_programs_total``); the Qwen2.5-7B plan compiled for its v5p-128 target beside
+   the XLA:CPU one (``qwen25_7b_v5p_train_gib_tpu`` / ``_cpu``); the shipped TPU plans'
+   fit per program and wall time (``qwq32b_rlax_fits``, ``tpu_plan_wall_s``): with
+   ``--quick`` read from their stored ``configs/plan/*.plan.json``, else compiled.
+
 Usage::
 
-    python benchmarks/plan.py --quick   # 1, 2 and the Qwen2.5-7B plans
-    python benchmarks/plan.py           # ... and the Qwen3-32B plans
+    python benchmarks/plan.py --quick   # 1, 2, 4 and the Qwen2.5-7B plans
+    python benchmarks/plan.py           # ... and the Qwen3-32B plans, TPU plans compiled
 
 The last line printed is one JSON object with every number.
 """
@@ -45,7 +54,7 @@ from train_step import QUICK, make_batch, step_flops  # noqa: E402
 
 from rlaxkit.algorithms import algorithm  # noqa: E402
 from rlaxkit.models import Transformer  # noqa: E402
-from rlaxkit.planning import load_plan_config, plan  # noqa: E402
+from rlaxkit.planning import Plan, load_plan_config, plan  # noqa: E402
 from rlaxkit.trainer import TrainConfig, create_train_state  # noqa: E402
 
 GIB = 1024**3
@@ -126,6 +135,64 @@ def big_plan(name: str) -> dict[str, object]:
     }
 
 
+TPU_PLANS = ("qwen25_7b_v5p_tpu", "qwq32b_v5p_1024", "qwen3_8b_v5e_256", "qwen3_8b_v6e_256")
+
+
+def tpu_programs() -> dict[str, object]:
+    """The runtime's programs for a small model, compiled by XLA:TPU for three chips."""
+    from rlaxkit.models import ModelConfig
+    from rlaxkit.planning.suite import RUNTIME_PROGRAMS, compile_runtime_programs
+
+    model = ModelConfig(
+        family="qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+    )
+    compiled, failed = 0, []
+    start = time.process_time()
+    for topology in ("v5p:2x2x1", "v5e:2x2", "v6e:2x2"):
+        for name, cost in compile_runtime_programs(topology, model).items():
+            compiled += cost.compiled
+            if not cost.compiled:
+                failed.append(f"{topology}/{name}")
+    return {
+        "tpu_programs_compiled": compiled,
+        "tpu_programs_total": 3 * len(RUNTIME_PROGRAMS),
+        "tpu_programs_failed": failed,
+        "tpu_programs_cpu_s": time.process_time() - start,
+    }
+
+
+def tpu_plans(quick: bool) -> dict[str, object]:
+    """The shipped TPU plans: stored (``--quick``) or compiled now."""
+    out: dict[str, object] = {"tpu_plan_wall_s": {}, "tpu_plan_source": {}}
+    for name in TPU_PLANS:
+        stored = ROOT / "configs" / "plan" / f"{name}.plan.json"
+        if quick and stored.is_file():
+            result = Plan.from_summary(json.loads(stored.read_text()))
+            source = "stored"
+        elif (ROOT / "configs" / "plan" / f"{name}.yaml").is_file() and not quick:
+            result = plan(load_plan_config(ROOT / "configs" / "plan" / f"{name}.yaml"))
+            source = "compiled"
+        else:
+            continue
+        out["tpu_plan_wall_s"][name] = result.wall_s  # type: ignore[index]
+        out["tpu_plan_source"][name] = source  # type: ignore[index]
+        fits = {p.name: result.fits(p.name) for p in result.programs}
+        out[f"{name}_fits"] = fits
+        if name == "qwq32b_v5p_1024":
+            out["qwq32b_rlax_fits"] = fits
+        summary = result.summary()
+        out[f"{name}_est_step_s"] = summary.get("est_step_s")
+        out[f"{name}_est_mfu"] = summary.get("est_mfu")
+        out[f"{name}_decode_tokens_per_s_per_chip"] = summary.get("decode_tokens_per_s_per_chip")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="skip the Qwen3-32B plans")
@@ -156,6 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     report["qwen25_7b_plan_cpu_s"] = qwen7["plan_cpu_s"]
     report["qwen25_7b"] = qwen7
     report["qwen3_32b_plan_s"] = None
+    report.update(tpu_programs())
+    config = load_plan_config(ROOT / "configs" / "plan" / "qwen25_7b_v5p.yaml")
+    start = time.perf_counter()
+    tpu7 = plan(dataclasses.replace(config, target="v5p-128", programs=("train",)))
+    print(tpu7.table())
+    report["qwen25_7b_v5p_tpu_train_s"] = time.perf_counter() - start
+    report["qwen25_7b_v5p_train_gib_tpu"] = tpu7.program("train").peak_bytes / GIB
+    report["qwen25_7b_v5p_train_gib_cpu"] = qwen7["train_peak_gib_remat_full"]
+    report.update(tpu_plans(args.quick))
     if not args.quick:
         qwen32 = big_plan("qwen3_32b_v5p")
         report["qwen3_32b_plan_s"] = qwen32["plan_s"]

@@ -600,6 +600,12 @@ def main(argv: list[str] | None = None) -> int:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. mesh=[1,16,4]"
     )
     p_plan.add_argument("--json", action="store_true", help="print one JSON line instead")
+    p_plan.add_argument(
+        "--target",
+        default=None,
+        metavar="TOPOLOGY",
+        help="compile with XLA:TPU for this TPU slice (v5p:4x4x4, v5p-128; rlaxkit[tpu])",
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -665,7 +671,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "plan":
             from rlaxkit.planning import load_plan_config, plan
 
-            result = plan(load_plan_config(args.config, args.set))
+            target = [f"target={args.target}"] if args.target else []
+            try:
+                result = plan(load_plan_config(args.config, [*args.set, *target]))
+            except ImportError as err:  # no libtpu: the message names the extra
+                raise ValueError(str(err)) from None
             print(json.dumps(result.summary()) if args.json else result.table())
     except (ValueError, FileNotFoundError, NotADirectoryError, TrainingStalled) as err:
         print(f"rlaxkit {args.command}: {err}", file=sys.stderr)

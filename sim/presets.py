@@ -18,7 +18,9 @@ reasoning behind it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from rlaxkit.policies import CheckpointPolicy, PullMode, StalenessPolicy, WeightSyncPolicy
@@ -35,7 +37,15 @@ from .specs import (
     WorkloadSpec,
 )
 
-__all__ = ["areal_like", "checkpoint_study", "local_runtime", "planned", "rlax_like", "toy"]
+__all__ = [
+    "areal_like",
+    "checkpoint_study",
+    "from_plan",
+    "local_runtime",
+    "planned",
+    "rlax_like",
+    "toy",
+]
 
 HOUR_S = 3600.0
 
@@ -350,6 +360,8 @@ PLANNED_FIELDS = frozenset(
         "fleet.slots_per_worker",
         "fleet.decode_s_per_token",
         "fleet.decode_s_per_token_per_seq",
+        "fleet.prefill_tokens_per_s",
+        "fleet.num_workers",
         "param_server.weight_bytes",
     }
 )
@@ -378,3 +390,49 @@ def planned(base: Scenario, compiled: Mapping[str, Any]) -> Scenario:
         )
     scenario = with_overrides(base, dict(compiled))
     return with_overrides(scenario, {"name": f"{base.name}_planned"})
+
+
+def from_plan(plan: str | Path | Mapping[str, Any], base: Scenario | None = None) -> Scenario:
+    """``base`` (default :func:`rlax_like`) with the costs of a compiled plan.
+
+    ``plan`` is a plan's summary (``rlaxkit plan --json``, ``Plan.summary()``), the path
+    of one stored as JSON, or the path of a plan YAML whose ``.plan.json`` sits beside
+    it. Its ``sim_overrides`` set the trainer's step time, the workers' shape, per-step
+    decode time per slot and prefill rate, the push bytes and, with ``total_chips``, the
+    number of workers (:func:`planned`). From an XLA:TPU plan the times are the TPU
+    compiler's estimates; from an XLA:CPU one, the MFU and HBM efficiency it assumed (the
+    labelled fallback): the name ends in ``_planned_tpu`` or ``_planned_cpu``. Reading a
+    stored plan compiles nothing.
+
+    Raises:
+        ValueError: a YAML whose plan was never stored (the message gives the command),
+            or a summary without ``sim_overrides``.
+    """
+    summary = _plan_summary(plan)
+    if "sim_overrides" not in summary:
+        raise ValueError("plan: not a plan summary (no 'sim_overrides'); use rlaxkit plan --json")
+    base = rlax_like() if base is None else base
+    scenario = planned(base, summary["sim_overrides"])
+    compiler = str(summary.get("compiler", "XLA:CPU estimate"))
+    suffix = "tpu" if compiler.startswith("XLA:TPU") else "cpu"
+    return with_overrides(scenario, {"name": f"{base.name}_planned_{suffix}"})
+
+
+def _plan_summary(plan: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
+    if isinstance(plan, Mapping):
+        return plan
+    path = Path(plan)
+    if path.suffix in (".yaml", ".yml"):
+        stored = path.with_name(path.name.rsplit(".", 1)[0] + ".plan.json")
+        if not stored.is_file():
+            raise ValueError(
+                f"plan: {path} has no stored result {stored.name}; compile it once with "
+                f"`rlaxkit plan {path} --json > {stored}`"
+            )
+        path = stored
+    if not path.is_file():
+        raise ValueError(f"plan: no such file {path}")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, Mapping):
+        raise ValueError(f"plan: {path} does not hold a plan summary")
+    return data

@@ -266,8 +266,17 @@ def _section_from_dict(name: str, data: Any) -> Any:  # an instance of _SECTIONS
 
 
 def scenario_from_dict(data: Mapping[str, Any]) -> Scenario:
-    """Build a scenario from a nested dict; errors name the section and field."""
-    allowed = {"name", "fault_plan", "target_steps", "horizon_s", "seed", *_SECTIONS}
+    """Build a scenario from a nested dict; errors name the section and field.
+
+    A ``plan`` key (a stored plan's JSON, or a plan YAML beside its ``.plan.json``)
+    replaces the costs a compiled plan gives (``sim.presets.from_plan``): the trainer's
+    step time, the workers' shape and decode cost, the push bytes."""
+    if "plan" in data:
+        from .presets import from_plan  # presets builds scenarios: imported when used
+
+        rest = {k: v for k, v in data.items() if k != "plan"}
+        return from_plan(data["plan"], base=scenario_from_dict(rest))
+    allowed = {"name", "fault_plan", "target_steps", "horizon_s", "seed", "plan", *_SECTIONS}
     for key in data:
         if key not in allowed:
             raise ValueError(f"{key}: unknown scenario key; allowed: {sorted(allowed)}")

@@ -49,6 +49,7 @@ def test_presets_have_the_published_parameter_counts():
         "qwen2.5-7b": 7_615_616_512,
         "qwen3-8b": 8_190_735_360,
         "qwen3-32b": 32_762_123_264,
+        "qwq-32b": 32_763_876_352,  # Qwen2.5-32B's dimensions
         "llama-3.1-8b": 8_030_261_248,
     }
     assert {k: m.num_params() for k, m in MODEL_PRESETS.items()} == published

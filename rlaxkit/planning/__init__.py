@@ -1,5 +1,11 @@
 """Plan a run before renting it: compile the real programs for the target mesh.
 
+With ``target="v5p:4x4x4"`` (``rlaxkit plan --target``) XLA:TPU compiles them for that
+TPU slice on this machine (libtpu, the ``rlaxkit[tpu]`` extra; ``rlaxkit.planning.tpu``):
+memory is the TPU program's, exact for that compiler version, and the compiler's time
+estimate gives the step time and MFU. Without a target, the forced-CPU path below is the
+fallback, an XLA:CPU estimate of a TPU's program.
+
 ``plan(PlanConfig(...))`` (or ``rlaxkit plan CONFIG``) builds the train step and the
 sampler's prefill and decode programs from abstract shapes for the plan's meshes,
 compiles them with XLA on this machine's CPU (as many forced host devices as the larger
@@ -26,6 +32,7 @@ import yaml
 from rlaxkit.configio import apply_overrides, from_dict, to_dict
 from rlaxkit.planning.costs import Plan, ProgramCost, kv_bytes_per_token
 from rlaxkit.planning.specs import CHIPS, MODEL_PRESETS, ChipSpec, PlanConfig
+from rlaxkit.planning.tpu import check_shardable, parse_topology, require_libtpu, tpu_mesh
 
 __all__ = [
     "CHIPS",
@@ -36,7 +43,9 @@ __all__ = [
     "ProgramCost",
     "kv_bytes_per_token",
     "load_plan_config",
+    "parse_topology",
     "plan",
+    "tpu_mesh",
 ]
 
 _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
@@ -54,7 +63,9 @@ def plan(config: PlanConfig | None = None, *, timeout_s: float = 1800.0, **field
         **fields: ``PlanConfig`` fields (with ``config``: changes to it).
 
     Raises:
-        ValueError: a bad field, named (before anything compiles).
+        ValueError: a bad field, named (before anything compiles), or a model the
+            target's mesh cannot split.
+        ImportError: a ``target`` without libtpu (the message names ``rlaxkit[tpu]``).
         RuntimeError: the compile process failed; the message ends with its stderr.
     """
     if config is None:
@@ -63,7 +74,17 @@ def plan(config: PlanConfig | None = None, *, timeout_s: float = 1800.0, **field
         config = from_dict(PlanConfig, {**to_dict(config), **fields})
     env = dict(os.environ)
     flags = _DEVICE_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={config.devices}".strip()
+    if config.target:
+        require_libtpu()
+        axes = dict(zip(("data", "fsdp", "model"), config.mesh, strict=True))
+        check_shardable(config.model_config(), axes)
+        check_shardable(config.model_config(), {"model": config.sampler_chips})
+        env["XLA_FLAGS"] = flags
+        env["TPU_SKIP_MDS_QUERY"] = "1"
+        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # compile-only: no chip to guard
+    else:
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={config.devices}"
+        env["XLA_FLAGS"] = env["XLA_FLAGS"].strip()
     env["JAX_PLATFORMS"] = "cpu"
     start, children = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(
@@ -77,6 +98,9 @@ def plan(config: PlanConfig | None = None, *, timeout_s: float = 1800.0, **field
     wall_s = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (after.ru_utime + after.ru_stime) - (children.ru_utime + children.ru_stime)
+    said = [ln for ln in done.stderr.splitlines() if ln.startswith("rlaxkit-plan-error: ")]
+    if done.returncode != 0 and said:
+        raise ValueError(said[-1].removeprefix("rlaxkit-plan-error: "))
     if done.returncode != 0:
         raise RuntimeError(f"compiling the plan failed:\n{done.stderr[-4000:]}")
     costs = json.loads(done.stdout.strip().splitlines()[-1])

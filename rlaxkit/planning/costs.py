@@ -32,6 +32,13 @@ class ProgramCost:
         compile_cpu_s: CPU seconds of the compile process for it (all threads): the
             measure of compile cost that another job on the machine does not inflate.
         loop_flops: XLA's own count for the program (loop bodies counted once).
+        optimal_s: XLA:TPU's estimate of the program's seconds (``optimal_seconds``;
+            0 from XLA:CPU), scaled like ``flops`` for the train step; ``decode``'s is
+            one decode step (its loop body).
+        loop_optimal_s: XLA:TPU's own estimate for the program (loop bodies once).
+        compiled: ``False`` where XLA:TPU refused the program for want of HBM; then
+            ``temp_bytes`` is the total it said the program needs, the other sizes 0.
+        refusal: the compiler's message when it refused.
     """
 
     name: str
@@ -45,6 +52,10 @@ class ProgramCost:
     compile_s: float
     compile_cpu_s: float = 0.0
     loop_flops: float = 0.0
+    optimal_s: float = 0.0
+    loop_optimal_s: float = 0.0
+    compiled: bool = True
+    refusal: str = ""
 
     @property
     def peak_bytes(self) -> int:
@@ -57,9 +68,11 @@ class ProgramCost:
 class Plan:
     """The compiled programs of a ``PlanConfig`` read against its chip.
 
-    Every memory and FLOP figure comes from XLA's CPU compiler partitioning the real
-    programs for the plan's meshes: an estimate of a TPU's, whose compiler fuses and
-    lays out differently (``docs/running_at_scale.md``, "Before you rent").
+    With ``config.target`` every figure comes from XLA:TPU compiling the real programs
+    for that slice: memory exact for that compiler version, time its estimate
+    (``optimal_s``). Without one they come from XLA's CPU compiler partitioning them for
+    forced host devices: an estimate of a TPU's, whose compiler fuses and lays out
+    differently (``docs/running_at_scale.md``, "Before you rent").
     """
 
     config: PlanConfig
@@ -97,9 +110,67 @@ class Plan:
                 return program
         raise KeyError(f"the plan compiled no {name!r} program (programs: {self.config.programs})")
 
+    @property
+    def compiler(self) -> str:
+        """Which compiler's figures these are."""
+        return f"XLA:TPU for {self.target_name}" if self.config.target else "XLA:CPU estimate"
+
+    @property
+    def target_name(self) -> str:
+        """libtpu's name of the target slice (``""`` without one)."""
+        if not self.config.target:
+            return ""
+        from rlaxkit.planning.tpu import parse_topology
+
+        return parse_topology(self.config.target).name
+
+    @property
+    def devices_per_chip(self) -> int:
+        """JAX devices per chip: 2 for a v4 target (each TensorCore), else 1."""
+        if not self.config.target:
+            return 1
+        from rlaxkit.planning.tpu import parse_topology
+
+        return parse_topology(self.config.target).generation.devices_per_chip
+
+    @property
+    def hbm_bytes(self) -> float:
+        """HBM of one device (a chip, or a v4 TensorCore's half)."""
+        return self.chip.hbm_bytes / self.devices_per_chip
+
+    @property
+    def device_peak_flops(self) -> float:
+        """Peak bf16 FLOP/s of one device."""
+        return self.chip.peak_flops / self.devices_per_chip
+
     def fits(self, name: str) -> bool:
-        """Whether ``name``'s per-device memory is within the chip's HBM."""
-        return self.program(name).peak_bytes <= self.chip.hbm_bytes
+        """Whether ``name``'s per-device memory is within the device's HBM (and the
+        compiler did not refuse it)."""
+        program = self.program(name)
+        return program.compiled and program.peak_bytes <= self.hbm_bytes
+
+    def est_s(self, name: str) -> float:
+        """XLA:TPU's estimate of ``name``'s seconds (0 without a target); for ``decode``
+        one decode step, for ``train`` the whole step."""
+        return self.program(name).optimal_s
+
+    @property
+    def est_mfu(self) -> float:
+        """Model FLOPs of the train step over the compiler's time at the device's peak
+        (0 without a target)."""
+        train = self.program("train")
+        if not train.optimal_s:
+            return 0.0
+        return train.flops / (train.optimal_s * self.device_peak_flops)
+
+    @property
+    def decode_tokens_per_s_per_chip(self) -> float:
+        """Tokens a worker chip decodes per second, every slot running at the cache's
+        full length, at the compiler's estimate of one decode step (0 without one)."""
+        step = self.program("decode").optimal_s
+        if not step:
+            return 0.0
+        return self.config.slots / step / (self.config.sampler_chips / self.devices_per_chip)
 
     @property
     def tokens_per_step(self) -> int:
@@ -161,8 +232,10 @@ class Plan:
         if self.fits(name):
             return []
         p, c = self.program(name), self.config
-        over = (p.peak_bytes - self.chip.hbm_bytes) / GIB
-        tips = [f"{over:.1f} GiB over the {self.chip.name}'s {self.chip.hbm_bytes / GIB:.0f} GiB"]
+        over = (p.peak_bytes - self.hbm_bytes) / GIB
+        tips = [f"{over:.1f} GiB over the {self.chip.name}'s {self.hbm_bytes / GIB:.0f} GiB"]
+        if not p.compiled:
+            tips = [f"XLA:TPU refused it: {p.refusal}"]
         if name == "train":
             if c.remat != "full":
                 nxt = "dots" if c.remat == "none" else "full"
@@ -178,42 +251,71 @@ class Plan:
                 "of weights, moments and batch per device; twice the chips)"
             )
         else:
+            # Weights and cache split over the worker's chips: enough chips that each
+            # holds its share (a power of two, as slices come).
+            need = -(-c.sampler_chips * p.peak_bytes // int(self.hbm_bytes))
+            chips = max(2 * c.sampler_chips, 1 << (int(need) - 1).bit_length())
             tips.append(
-                f"slots={max(c.slots // 2, c.samples_per_prompt)} (KV cache now "
-                f"{self.kv_cache_bytes / GIB:.1f} GiB per worker)"
+                f"sampler_chips={chips} (splits the weights and cache: "
+                f"{p.peak_bytes / GIB:.1f} GiB over {c.sampler_chips} now)"
             )
-            tips.append(f"sampler_chips={2 * c.sampler_chips} (splits weights and cache)")
+            if name != "publish" and c.slots > c.samples_per_prompt:
+                tips.append(
+                    f"slots={max(c.slots // 2, c.samples_per_prompt)} (KV cache now "
+                    f"{self.kv_cache_bytes / GIB:.1f} GiB per worker)"
+                )
         return tips
 
     def sim_overrides(self) -> dict[str, Any]:
         """The simulator's inputs, as dotted scenario paths (``sim.with_overrides``;
         ``sim.presets.planned`` applies them): the trainer's chips, FLOPs per token (from
         the compiled step) and MFU; when the sampler was planned, the worker's shape and
-        decode cost (``decode_s_per_token``); the push bytes."""
+        decode cost; the push bytes; with ``total_chips``, the workers beside the trainer.
+
+        With a target, the times are XLA:TPU's estimates: the MFU is ``est_mfu`` (so the
+        simulated step takes the compiler's ``est_s("train")``), one decode step with
+        every slot running takes ``est_s("decode")`` (split into a fixed and a per-slot
+        part in the proportion of the bytes each reads, ``decode_s_per_token``), the
+        prefill rate is the prefill program's tokens over its estimate, and a push is
+        one worker's share of the ``publish`` program's output. Without one, the MFU and
+        HBM efficiency the config assumes (the labelled fallback)."""
+        c = self.config
         out: dict[str, Any] = {"param_server.weight_bytes": float(self.push_bytes)}
         names = {p.name for p in self.programs}
         if "train" in names:
             params = float(self.model.num_params())
             out.update(
                 {
-                    "trainer.chips": self.config.trainer_chips,
+                    "trainer.chips": c.trainer_chips // self.devices_per_chip,
                     "trainer.model_params": params,
                     "trainer.chip_flops": self.chip.peak_flops,
-                    "trainer.mfu": self.config.mfu,
+                    "trainer.mfu": min(self.est_mfu, 1.0) or c.mfu,
                     "trainer.flops_per_token_factor": self.step_flops
                     / (self.tokens_per_step * params),
                 }
             )
         if {"prefill", "decode"} & names:
             fixed, per_seq = self.decode_s_per_token()
+            if "decode" in names and self.est_s("decode"):
+                scale = self.est_s("decode") / (fixed + c.slots * per_seq)
+                fixed, per_seq = fixed * scale, per_seq * scale
             out.update(
                 {
-                    "fleet.chips_per_worker": self.config.sampler_chips,
-                    "fleet.slots_per_worker": self.config.slots,
+                    "fleet.chips_per_worker": c.sampler_chips // self.devices_per_chip,
+                    "fleet.slots_per_worker": c.slots,
                     "fleet.decode_s_per_token": fixed,
                     "fleet.decode_s_per_token_per_seq": per_seq,
                 }
             )
+            if "prefill" in names and self.est_s("prefill"):
+                prompts = c.slots // c.samples_per_prompt
+                rate = prompts * c.prompt_tokens / self.est_s("prefill")
+                out["fleet.prefill_tokens_per_s"] = rate
+        if "publish" in names and c.target:
+            publish = self.program("publish")
+            out["param_server.weight_bytes"] = float(publish.output_bytes * c.sampler_chips)
+        if c.total_chips:
+            out["fleet.num_workers"] = (c.total_chips - c.trainer_chips) // c.sampler_chips
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -223,7 +325,8 @@ class Plan:
             "config": to_dict(self.config),
             "params": self.model.num_params(),
             "chip": self.chip.name,
-            "hbm_bytes": self.chip.hbm_bytes,
+            "compiler": self.compiler,
+            "hbm_bytes": self.hbm_bytes,
             "programs": {
                 p.name: {**to_dict(p), "peak_bytes": p.peak_bytes, "fits": self.fits(p.name)}
                 for p in self.programs
@@ -240,9 +343,14 @@ class Plan:
                 "step_flops": self.step_flops,
                 "step_s": self.step_s,
                 "trainer_tokens_per_s": self.trainer_tokens_per_s,
+                "est_step_s": self.est_s("train"),
+                "est_mfu": self.est_mfu,
             }
         if {"prefill", "decode"} & names:
             out["decode_step_s"] = self.decode_step_s()
+        if "decode" in names:
+            out["est_decode_step_s"] = self.est_s("decode")
+            out["decode_tokens_per_s_per_chip"] = self.decode_tokens_per_s_per_chip
         return out
 
     def table(self) -> str:
@@ -254,17 +362,18 @@ class Plan:
             f"{chip.name} chips, {c.rows} x {c.length} tokens, micro_batches "
             f"{c.micro_batches}, remat {c.remat}, {c.master_dtype} master / "
             f"{c.compute_dtype} compute",
-            "per device (GiB)  args    outs   alias   temps    peak  / HBM   fits   "
-            "TFLOPs  compile s",
+            f"{self.compiler}; per device (GiB):",
+            "program  devs     args    outs   alias   temps    peak  / HBM   fits   "
+            "TFLOPs  est. s  compile s",
         ]
         for p in self.programs:
             lines.append(
                 f"{p.name:<8} x{p.devices:<5} {p.argument_bytes / GIB:7.2f} "
                 f"{p.output_bytes / GIB:7.2f} {p.alias_bytes / GIB:7.2f} "
                 f"{p.temp_bytes / GIB:7.2f} {p.peak_bytes / GIB:7.2f} / "
-                f"{chip.hbm_bytes / GIB:<5.0f}"
+                f"{self.hbm_bytes / GIB:<5.0f}"
                 f" {'yes' if self.fits(p.name) else 'NO':<5} {p.flops / 1e12:8.2f} "
-                f"{p.compile_s:8.1f}"
+                f"{p.optimal_s:7.3g} {p.compile_s:8.1f}"
             )
             for tip in self.advice(p.name):
                 lines.append(f"    change: {tip}")
@@ -285,11 +394,30 @@ class Plan:
                 f"decode step ({c.slots} rows at full length, weights and KV cache read at "
                 f"{c.decode_efficiency:.0%} of HBM bandwidth): {self.decode_step_s() * 1e3:.1f} ms"
             )
-        lines.append(
-            "estimate: XLA's CPU compiler, not the TPU's (other fusion and layouts); "
-            f"compiled in {self.wall_s:.0f} s"
-            + (f" ({self.cpu_s:.0f} CPU s)" if self.cpu_s else "")
-        )
+        if "train" in names and self.est_s("train"):
+            lines.append(
+                f"XLA:TPU's estimate of the train step: {self.est_s('train'):.2f} s = "
+                f"{self.est_mfu:.0%} MFU ({self.tokens_per_step / self.est_s('train'):,.0f} "
+                "tokens/s)"
+            )
+        if "decode" in names and self.est_s("decode"):
+            lines.append(
+                f"XLA:TPU's estimate of one decode step ({c.slots} rows at full length): "
+                f"{self.est_s('decode') * 1e3:.1f} ms = "
+                f"{self.decode_tokens_per_s_per_chip:,.0f} tokens/s per worker chip"
+            )
+        if c.target:
+            lines.append(
+                f"XLA:TPU for {self.target_name}: memory exact for this libtpu; times the "
+                f"compiler's estimate, not a measurement; compiled in {self.wall_s:.0f} s"
+                + (f" ({self.cpu_s:.0f} CPU s)" if self.cpu_s else "")
+            )
+        else:
+            lines.append(
+                "XLA:CPU estimate: XLA's CPU compiler, not the TPU's (other fusion and "
+                f"layouts); compiled in {self.wall_s:.0f} s"
+                + (f" ({self.cpu_s:.0f} CPU s)" if self.cpu_s else "")
+            )
         return "\n".join(lines)
 
 

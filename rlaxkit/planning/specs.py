@@ -81,6 +81,17 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=4,
         max_position_embeddings=32768,
     ),
+    # QwQ-32B is a Qwen2.5-32B fine-tune: the same dimensions (40 960 positions).
+    "qwq-32b": _qwen(
+        "qwen2",
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_layers=64,
+        num_heads=40,
+        num_kv_heads=8,
+        max_position_embeddings=40960,
+    ),
     "qwen3-8b": _qwen(
         "qwen3",
         vocab_size=151936,
@@ -124,6 +135,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
 }
 
 Remat = Literal["none", "dots", "full"]
+PROGRAMS = ("train", "prefill", "decode", "publish")
 Dtype = Literal["float32", "bfloat16"]
 
 
@@ -152,7 +164,16 @@ class PlanConfig:
         sampler_chips: chips of one inference worker (tensor-parallel over ``model``).
         slots: sequences one worker decodes at once.
         samples_per_prompt: completions per prefilled prompt.
-        programs: which programs to compile: ``train``, ``prefill``, ``decode``.
+        programs: which programs to compile: ``train``, ``prefill``, ``decode``,
+            ``publish`` (the trainer's weights cast and laid out as a worker holds them).
+        target: a TPU topology (``v5p:4x4x4``, ``v5p-128``; ``rlaxkit.planning.tpu``)
+            whose devices the trainer's mesh covers exactly: the programs are compiled by
+            XLA:TPU (libtpu, the ``rlaxkit[tpu]`` extra) and ``chip`` becomes the target's
+            generation; each worker is compiled on the first ``sampler_chips`` devices of
+            the smallest slice of that generation that holds them. Empty: XLA:CPU on
+            forced host devices, an estimate of a TPU's program.
+        total_chips: chips of the whole pod, trainer and workers (0: the trainer's); the
+            rest, in workers of ``sampler_chips``, is the simulator's fleet.
     """
 
     model: str = "qwen2.5-0.5b"
@@ -174,6 +195,8 @@ class PlanConfig:
     slots: int = 64
     samples_per_prompt: int = 8
     programs: tuple[str, ...] = ("train", "prefill", "decode")
+    target: str = ""
+    total_chips: int = 0
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_PRESETS and not _config_path(self.model).is_file():
@@ -213,12 +236,28 @@ class PlanConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0 < value <= 1):
                 raise ValueError(f"{name}: must be in (0, 1], got {value!r}")
-        unknown = sorted(set(self.programs) - {"train", "prefill", "decode"})
+        unknown = sorted(set(self.programs) - set(PROGRAMS))
         if unknown or not self.programs:
             raise ValueError(
-                f"programs: must be a non-empty subset of ('train', 'prefill', 'decode'), "
-                f"got {self.programs!r}"
+                f"programs: must be a non-empty subset of {PROGRAMS}, got {self.programs!r}"
             )
+        check_int("total_chips", self.total_chips, minimum=0)
+        if self.total_chips and self.total_chips < self.trainer_chips + self.sampler_chips:
+            raise ValueError(
+                f"total_chips: {self.total_chips} leaves no worker of {self.sampler_chips} "
+                f"chips beside the trainer's {self.trainer_chips}"
+            )
+        if self.target:
+            from rlaxkit.planning.tpu import parse_topology
+
+            top = parse_topology(self.target)
+            if self.trainer_chips != top.devices:
+                raise ValueError(
+                    f"mesh: {tuple(self.mesh)} has {self.trainer_chips} devices but the "
+                    f"target {top.name} has {top.devices}; make the mesh sizes multiply "
+                    f"to {top.devices}"
+                )
+            object.__setattr__(self, "chip", top.generation.name)
 
     @property
     def length(self) -> int:
