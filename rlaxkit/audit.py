@@ -171,6 +171,15 @@ class AuditBook:
         """A rollout finished (scored), whatever happens to it next."""
         self.groups.setdefault(record.group_id, []).append(record)
 
+    def resumed(self, buffer: Any) -> None:
+        """A run resumed from a checkpoint into ``buffer`` (a ``RolloutBuffer``): the
+        finished groups it restored are books' records again, and its drops so far are
+        counted as seen, so the steps after go on as the uninterrupted run's do."""
+        for group in buffer.ledger.ready.values():
+            for rollout in group.payload.rollouts:
+                self.finished(AuditRecord.of(rollout))
+        self._seen_drops = len(buffer.dropped)
+
     def trained(self, group_ids: Iterable[int]) -> None:
         """These groups went to the trainer (the simulator's books; the runtime's loop
         books them with ``take_step``)."""

@@ -47,8 +47,7 @@ _LOGGER = logging.getLogger(__name__)
 class Experiment(Loop):
     """An RL run you can step through, on the backend ``config.runtime.backend`` names.
 
-    Step through it: ``exp = Experiment(RunConfig(steps=3)); metrics = exp.step()``, then
-    ``exp.last_batch["groups"]`` (``tests/test_runtime.py`` runs this).
+    Step through it: ``exp = Experiment(RunConfig(steps=3)); metrics = exp.step()``.
 
     Args:
         config: the run configuration.
@@ -137,7 +136,7 @@ class Experiment(Loop):
                 restorable=self.faults is not NO_FAULTS,
             )
             self.buffer.ledger.on_drop = self.drop_event
-            self.audit = AuditBook()  # sampled against trained (a resumed run: from here)
+            self.audit = AuditBook()  # sampled against trained
             self.published = 0  # the newest version the trainer published
             self.last_batch: dict[str, Any] | None = None
             self.closed = False
@@ -273,6 +272,7 @@ class Experiment(Loop):
         self.books.load_state_dict(meta, items["history"], items["extra"])
         self.controller.load_state_dict(items["controller"])
         self.buffer.load_state_dict(items["buffer"])
+        self.audit.resumed(self.buffer)
         self.note_published(self.trainer.publish(step, reset=True))
 
         def weights_for(version: int) -> Any:
