@@ -56,13 +56,17 @@ def test_each_sample_keeps_the_length_law(rho):
 
 def test_independent_lengths_stay_the_default_and_the_field_round_trips():
     assert presets.local_runtime().workload.length_correlation is None
+    _, fitted = fit_scenario(_trace(_correlated(0.9, target_steps=5)))
+    assert "length_correlation" not in fitted  # fitted only when asked
     correlated = _correlated(0.7)
     assert scenario_from_dict(scenario_to_dict(correlated)) == correlated
 
 
 @pytest.mark.parametrize("rho", [0.0, 0.6, 0.95])
 def test_calibration_recovers_the_correlation(rho):
-    scenario, fitted = fit_scenario(_trace(_correlated(rho, target_steps=40)))
+    scenario, fitted = fit_scenario(
+        _trace(_correlated(rho, target_steps=40)), length_correlation=True
+    )
     assert fitted["length_correlation"] == pytest.approx(rho, abs=0.12)
     assert scenario.workload.length_correlation == fitted["length_correlation"]
     truth = Lognormal(median=48.0, sigma=0.5).mean()
