@@ -143,10 +143,12 @@ class _Resume:
 class InferenceEngine:
     """Generates completions for submitted requests on ``num_slots`` decode rows.
 
-    >>> engine = InferenceEngine(model, SamplingConfig(max_new_tokens=8), num_slots=4,
-    ...                          max_prompt_len=32)  # doctest: +SKIP
-    >>> rid = engine.submit([1, 2, 3], rng=0)  # doctest: +SKIP
-    >>> completions = engine.run()  # doctest: +SKIP
+    For example (a literal block: it needs a model; the engine's tests run it)::
+
+        engine = InferenceEngine(model, SamplingConfig(max_new_tokens=8), num_slots=4,
+                                 max_prompt_len=32)
+        rid = engine.submit([1, 2, 3], rng=0)
+        completions = engine.run()
 
     Args:
         model: a ``Transformer`` or ``(graphdef, params)``.

@@ -25,9 +25,10 @@ def make_text_generate(
     ``config.stop_tokens``; ``n`` replaces ``config.n``. A completion that ended on a stop
     token is decoded without it; stop sequences are kept in the text.
 
-    >>> text_generate = make_text_generate(model, tokenizer, config)  # doctest: +SKIP
-    >>> text_generate(["2+2="], 4, 0)  # doctest: +SKIP
-    [['4', '4', '5', '4']]
+    For example (a literal block: it needs a model and its tokenizer)::
+
+        text_generate = make_text_generate(model, tokenizer, config)
+        text_generate(["2+2="], 4, 0)  # [['4', '4', '5', '4']]
     """
     weights = split_model(model)
     stop_tokens = tuple(dict.fromkeys((*config.stop_tokens, tokenizer.eos_id)))

@@ -18,8 +18,10 @@ from a script, a test or a notebook whose loop already runs; the engine runs on 
 Every refusal is OpenAI's error body with a 4xx status naming the field; an internal
 failure is a 500 with a one-line message, never a traceback.
 
->>> endpoint = ChatEndpoint(model, tokenizer, EndpointConfig()).start()  # doctest: +SKIP
->>> client = openai.OpenAI(base_url=endpoint.url, api_key="none")  # doctest: +SKIP
+Used from a notebook (a literal block: it needs a model; ``tests/test_serve.py`` runs it)::
+
+    endpoint = ChatEndpoint(model, tokenizer, EndpointConfig()).start()
+    client = openai.OpenAI(base_url=endpoint.url, api_key="none")
 """
 
 from __future__ import annotations
