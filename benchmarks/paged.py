@@ -32,6 +32,7 @@ The last line printed is one JSON object with every number.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -55,18 +56,10 @@ from rlaxkit.inference.capacity import rows_per_worker  # noqa: E402
 from rlaxkit.inference.page_table import RowPages  # noqa: E402
 from rlaxkit.jaxutil import count_compilations  # noqa: E402
 from rlaxkit.models import KVCache, ModelConfig, abstract_model  # noqa: E402
+from rlaxkit.planning.specs import MODEL_PRESETS  # noqa: E402
 
-QWQ_32B = ModelConfig(
-    family="qwen2",
-    vocab_size=152064,
-    hidden_size=5120,
-    intermediate_size=27648,
-    num_layers=64,
-    num_heads=40,
-    num_kv_heads=8,
-    head_dim=128,
-    param_dtype="bfloat16",
-)
+# QwQ-32B (Qwen2.5-32B's dimensions), as the planner knows it, in bfloat16.
+QWQ_32B = dataclasses.replace(MODEL_PRESETS["qwq-32b"], param_dtype="bfloat16")
 CHIPS = 4  # a v5p worker of the RLAX plan: tensor-parallel over 4 chips
 HBM_BYTES = 95e9  # v5p HBM per chip
 MAX_TOKENS = 32 * 1024  # context of a dense row (prompt + completion)
