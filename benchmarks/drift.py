@@ -15,8 +15,9 @@ version over the rows it sampled; ``log π_θ`` comes from the train step's own 
 ``attribution_s`` is the median of ``drift/seconds`` and ``train_step_s`` the median of
 the rest of the trainer's call (``time/train_s`` less the attribution), over the steps
 after the first two (which compile). ``cost_fraction_every_1 = attribution_s /
-train_step_s``; at the default ``drift_every`` (10) a tenth of the steps pay it:
-``cost_fraction_default = cost_fraction_every_1 / 10``. ``cost_fraction_of_loop_step``
+train_step_s``; at ``drift_every=10`` a tenth of the steps pay it:
+``cost_fraction_every_10 = cost_fraction_every_1 / 10``; the default is off
+(``cost_fraction_default`` 0). ``cost_fraction_of_loop_step``
 divides by the whole loop step instead (generation included).
 
 Usage::
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     fraction = stale["attribution_s"] / stale["train_step_s"]
     report["cost_fraction_every_1"] = fraction
     report["drift_every_default"] = every
-    report["cost_fraction_default"] = fraction / every
+    report["cost_fraction_default"] = fraction / every if every else 0.0  # off by default
+    report["cost_fraction_every_10"] = fraction / 10
     report["cost_fraction_of_loop_step"] = stale["attribution_s"] / stale["loop_step_s"]
     report["wall_s"] = time.perf_counter() - start
     print(json.dumps(report))
