@@ -218,6 +218,19 @@ def ray_fidelity(cache: str, *, steps: int, warmup_steps: int, repeats: int) -> 
     }
 
 
+def run_cache(prefix: str) -> str:
+    """A fresh folder for a benchmark's runs (warm-start caches, checkpoints), whose
+    ``jax`` subfolder is the persistent compilation cache unless one is set already:
+    the runs after the first load their programs instead of compiling them."""
+    cache = tempfile.mkdtemp(prefix=prefix)
+    import jax
+
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache, "jax"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return cache
+
+
 def _measure(events: list[TraceEvent], warmup_steps: int) -> dict[str, float]:
     config = next(e for e in events if e.kind == "run_start")["config"]
     group_size = int(config.get("sampling", {}).get("n", config.get("group_size", 1)))
@@ -308,12 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     steps, runs = (30, 2) if args.quick else (args.steps, args.runs)
     load_before = os.getloadavg()
     started = time.perf_counter()
-    cache = tempfile.mkdtemp(prefix="rlaxkit-sim-fidelity-")
-    import jax
-
-    if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.join(cache, "jax"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cache = run_cache("rlaxkit-sim-fidelity-")
     record = local_recorder(cache, args.clock, args.warmup_steps)
     record(PLANS["trainer"], 10)  # warm start, compilations and a restore, not timed
     report = fidelity(

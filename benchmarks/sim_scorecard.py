@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -88,12 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         steps, runs, with_ray = 30, 1, False
     load_before = os.getloadavg()
     started = time.perf_counter()
-    cache = tempfile.mkdtemp(prefix="rlaxkit-sim-scorecard-")
-    import jax
-
-    if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.join(cache, "jax"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cache = sim_fidelity.run_cache("rlaxkit-sim-scorecard-")
     plans = {name: sim_fidelity.PLANS[name] for name in plan_names}
     rows: dict[str, dict[str, Any]] = {}
     for eta in etas:

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -83,12 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     steps, runs = (30, 1) if args.quick else (args.steps, args.runs)
     load_before = os.getloadavg()
     started = time.perf_counter()
-    cache = tempfile.mkdtemp(prefix="rlaxkit-tune-check-")
-    import jax
-
-    if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.join(cache, "jax"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cache = sim_fidelity.run_cache("rlaxkit-tune-check-")
     warmup = args.warmup_steps
     record = sim_fidelity.local_recorder(cache, "cpu", warmup, overrides=START)
     record(PLAN, 10)  # warm start, compilations and a restore, not timed
