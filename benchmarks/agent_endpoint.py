@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from rlaxkit.cli import run_job
-from rlaxkit.config import RunConfig
+from rlaxkit.config.run import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "agent_calculator.yaml"

@@ -56,8 +56,8 @@ from rlaxkit.inference import (  # noqa: E402
     generate,
     generate_by_recompute,
 )
-from rlaxkit.jaxutil import count_compilations, matmul_peak_flops  # noqa: E402
 from rlaxkit.models import ModelConfig, abstract_model  # noqa: E402
+from rlaxkit.util.jaxutil import count_compilations, matmul_peak_flops  # noqa: E402
 
 GOAL_KV_VS_RECOMPUTE = 5.0
 GOAL_CONTINUOUS_VS_STATIC = 1.5

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlaxkit.config import RunConfig, small_run_config
+from rlaxkit.config.run import RunConfig, small_run_config
 from rlaxkit.models import save_hf_checkpoint
 from rlaxkit.runtime import Experiment
 

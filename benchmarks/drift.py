@@ -2,7 +2,7 @@
 
 Three runs of ``small_run_config`` (the tests' tiny run) with ``metrics.drift_every=1``,
 each reporting the mean over its steps of ``drift/staleness`` and ``drift/mismatch``
-(mean ``|log-ratio|`` and the k3 KL estimate, ``rlaxkit.drift``):
+(mean ``|log-ratio|`` and the k3 KL estimate, ``rlaxkit.observe.drift``):
 
 - ``exact``: η = 0 and a float32 sampler: both ≈ 0 (staleness exactly 0);
 - ``stale``: η = 4, 64 decode rows a worker (so the buffer runs ahead) and
@@ -44,7 +44,7 @@ import jax
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rlaxkit.config import MetricsConfig, small_run_config  # noqa: E402
+from rlaxkit.config.run import MetricsConfig, small_run_config  # noqa: E402
 from rlaxkit.runtime import Experiment  # noqa: E402
 
 SETTINGS = {

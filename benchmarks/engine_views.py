@@ -39,7 +39,7 @@ from decode import FULL, QUICK, random_model  # noqa: E402
 
 from rlaxkit.inference import InferenceEngine, SamplingConfig  # noqa: E402
 from rlaxkit.inference.engine import engine_views  # noqa: E402
-from rlaxkit.jaxutil import count_compilations  # noqa: E402
+from rlaxkit.util.jaxutil import count_compilations  # noqa: E402
 
 PROMPT_TOKENS = (8, 48)  # prompt lengths drawn uniformly in this range
 PROMPT_WIDTH = 64  # the engine's prompt width for them

@@ -47,9 +47,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from rlaxkit.config import SMALL_RUN, RunConfig  # noqa: E402
-from rlaxkit.configio import apply_overrides  # noqa: E402
-from rlaxkit.faults import FaultPlan, random_preemptions  # noqa: E402
+from rlaxkit.config.io import apply_overrides  # noqa: E402
+from rlaxkit.config.run import SMALL_RUN, RunConfig  # noqa: E402
+from rlaxkit.rules.fault_plan import FaultPlan, random_preemptions  # noqa: E402
 from rlaxkit.runtime import Experiment  # noqa: E402
 
 STANDARD = Path(__file__).resolve().parents[1] / "configs" / "faults" / "standard.yaml"
@@ -74,7 +74,7 @@ def run_on_ray(config: RunConfig, root: Path, plan: FaultPlan) -> dict | None:
     """The faulted run on the Ray placement (``None`` without Ray)."""
     if importlib.util.find_spec("ray") is None:
         return None
-    from rlaxkit.ray_config import small_cluster_config
+    from rlaxkit.config.ray import small_cluster_config
     from rlaxkit.runtime.faults import RAY_KINDS
 
     ray_plan = FaultPlan(tuple(f for f in plan if f.kind in RAY_KINDS))

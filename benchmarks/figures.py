@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 from rlaxkit.cli import main
-from rlaxkit.config import SMALL_RUN
-from rlaxkit.plotting import FIGURES, plot_run
+from rlaxkit.config.run import SMALL_RUN
+from rlaxkit.observe.plotting import FIGURES, plot_run
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = [*SMALL_RUN, "steps=6", "eval.num_problems=8", "eval.samples=2"]

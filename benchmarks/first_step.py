@@ -49,7 +49,7 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)
-    from rlaxkit.config import RunConfig, small_run_config
+    from rlaxkit.config.run import RunConfig, small_run_config
     from rlaxkit.runtime import Experiment
 
     overrides = list(args.override or [])
@@ -63,7 +63,7 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     if args.backend == "ray":
         import ray
 
-        from rlaxkit.ray_config import small_cluster_config
+        from rlaxkit.config.ray import small_cluster_config
 
         ray.init(include_dashboard=False, num_cpus=4)
         ray_config = small_cluster_config()

@@ -29,7 +29,7 @@ so the train step and the sampler's programs (``rlaxkit.inference.compile_genera
 compile side by side on background threads from the start of the first step
 (``--serial-compile``: each program compiles at its first call instead). The train
 step and the sampler compile in two tiers (``make_train_step(..., tiered=True)``,
-``generate(..., tiered=True)``, see ``rlaxkit.jaxutil.TieredJit``): the first step runs
+``generate(..., tiered=True)``, see ``rlaxkit.util.jaxutil.TieredJit``): the first step runs
 executables compiled quickly (LLVM at -O0, XLA's loop emitters), and the optimised ones
 compile after it (``hold_background_compiles``), during the second step, for every
 later step. ``untiered_first_step_s`` is the same first step in a fresh
@@ -71,21 +71,21 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rlaxkit.algorithms import algorithm  # noqa: E402
-from rlaxkit.batch import BucketSpec, Sample, TrainBatch, collate  # noqa: E402
+from rlaxkit.data.batch import BucketSpec, Sample, TrainBatch, collate  # noqa: E402
 from rlaxkit.inference import SamplingConfig, compile_generate, generate  # noqa: E402
 from rlaxkit.inference.config import MIN_LENGTH_BUCKET  # noqa: E402
-from rlaxkit.jaxutil import (  # noqa: E402
-    count_compilations,
-    hold_background_compiles,
-    host_arrays,
-)
 from rlaxkit.models import CharTokenizer, ModelConfig, Transformer  # noqa: E402
 from rlaxkit.tasks.arithmetic import ArithmeticConfig, ArithmeticTask  # noqa: E402
-from rlaxkit.trainer import (  # noqa: E402
+from rlaxkit.trainer.step import (  # noqa: E402
     OptimizerConfig,
     TrainConfig,
     create_train_state,
     make_train_step,
+)
+from rlaxkit.util.jaxutil import (  # noqa: E402
+    count_compilations,
+    hold_background_compiles,
+    host_arrays,
 )
 
 # Quoted from the issue tracker (seconds per step on a 2-core CPU machine); not measured.

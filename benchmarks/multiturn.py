@@ -36,7 +36,7 @@ The real runs (``real_*``) train the calculator task (two-digit by one-digit pro
 flight, a thread per row for the tool, whose every step first sleeps a latency from a
 seeded lognormal of median 30 ms and sigma 1.5 (mean 92 ms, p99 1 s), or the mean
 (``no_tail``). Steps that are done are resolved between chunks while the other rows
-decode (``rlaxkit.worker_episodes``). At η = 0 and 2 they report episodes admitted per
+decode (``rlaxkit.worker.multi_turn``). At η = 0 and 2 they report episodes admitted per
 second (``real_samples_per_s``), ``real_eta2_over_eta0`` (with the tail),
 ``real_tail_cost_eta0`` and ``_eta2`` and ``real_tail_hidden``, as above. One run per
 η times windows of ``--real-steps`` steps, alternating the two latencies
@@ -85,11 +85,11 @@ from typing import Any
 import numpy as np
 
 import sim
-from rlaxkit.config import RunConfig
-from rlaxkit.episodes import DelayedEnvironment
-from rlaxkit.policies import StalenessPolicy
+from rlaxkit.config.run import RunConfig
+from rlaxkit.rules.policies import StalenessPolicy
 from rlaxkit.tasks import register_task, task_names
 from rlaxkit.tasks.calculator import CalculatorConfig, CalculatorTask
+from rlaxkit.tasks.episodes import DelayedEnvironment
 from sim import Constant, Lognormal, Uniform
 
 TOOL_LATENCY_S = Lognormal(median=2.0, sigma=1.5)  # mean 6.2 s, p99 66 s

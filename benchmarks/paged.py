@@ -54,9 +54,9 @@ from flax import nnx  # noqa: E402
 from rlaxkit.inference import InferenceEngine, SamplingConfig  # noqa: E402
 from rlaxkit.inference.capacity import rows_per_worker  # noqa: E402
 from rlaxkit.inference.page_table import RowPages  # noqa: E402
-from rlaxkit.jaxutil import count_compilations  # noqa: E402
 from rlaxkit.models import KVCache, ModelConfig, abstract_model  # noqa: E402
 from rlaxkit.planning.specs import MODEL_PRESETS  # noqa: E402
+from rlaxkit.util.jaxutil import count_compilations  # noqa: E402
 
 # QwQ-32B (Qwen2.5-32B's dimensions), as the planner knows it, in bfloat16.
 QWQ_32B = dataclasses.replace(MODEL_PRESETS["qwq-32b"], param_dtype="bfloat16")

@@ -25,7 +25,7 @@ timer: the sampler's ``start_rows`` (prefill), ``decode_steps``, ``recompute_cac
 summed wall time is the *jitted compute*; everything else (Python orchestration:
 admission, buffer, scoring, tokenising, collation, tracing, metrics, weight pushes, and
 jit dispatch outside those calls) is *overhead*: ``overhead_fraction`` = 1 - compute ÷
-wall time. On XLA:CPU under ``rlaxkit.hostmem`` (the default on a CPU machine) a call
+wall time. On XLA:CPU under ``rlaxkit.util.hostmem`` (the default on a CPU machine) a call
 runs on the calling thread and returns when it is done, so a timer is the call's own
 time and costs the loop nothing: compute and wall time come from the same steps
 (``compute_timed_in_the_same_steps``). With asynchronous dispatch a timer must
@@ -117,11 +117,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 from jax.profiler import ProfileData  # noqa: E402
 
-from rlaxkit import hostmem  # noqa: E402
-from rlaxkit.config import RunConfig  # noqa: E402
-from rlaxkit.configio import apply_overrides  # noqa: E402
+from rlaxkit.config.io import apply_overrides  # noqa: E402
+from rlaxkit.config.run import RunConfig  # noqa: E402
 from rlaxkit.inference import programs  # noqa: E402
 from rlaxkit.runtime import Experiment  # noqa: E402
+from rlaxkit.util import hostmem  # noqa: E402
 
 GOAL_OVERHEAD = 0.10
 ETAS = (0, 1, 2, 4)

@@ -48,7 +48,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import sim  # noqa: E402
-from rlaxkit.config import small_run_config  # noqa: E402
+from rlaxkit.config.run import small_run_config  # noqa: E402
 from rlaxkit.runtime.record import record_local_run  # noqa: E402
 from sim.calibrate import window_summary  # noqa: E402
 

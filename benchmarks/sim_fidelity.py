@@ -52,8 +52,8 @@ from typing import Any
 ONE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 import sim  # noqa: E402
-from rlaxkit.faults import Fault, FaultPlan  # noqa: E402
-from rlaxkit.trace import TraceEvent  # noqa: E402
+from rlaxkit.rules.fault_plan import Fault, FaultPlan  # noqa: E402
+from rlaxkit.rules.trace import TraceEvent  # noqa: E402
 from sim.calibrate import compiled_in_window, window_start  # noqa: E402
 from sim.calibrate_host import fault_figures, restart_costs  # noqa: E402
 
@@ -105,7 +105,7 @@ def local_recorder(
     directory of its own, for trainer restores), as ``record_local_run`` records one
     without: CPU clock, objects frozen before it, run again if its window compiled.
     ``overrides`` (``"section.field=value"``) change ``BASE``."""
-    from rlaxkit.config import small_run_config
+    from rlaxkit.config.run import small_run_config
     from rlaxkit.runtime.driver import Experiment
 
     class CpuClockExperiment(Experiment):
@@ -140,8 +140,8 @@ def ray_recorder(cache: str, warmup_steps: int, attempts: int = 3) -> Recorder:
     """Records a run of the deterministic loop on the Ray placement (a local Ray
     cluster of 2 CPUs, started by the caller) on the wall clock: the workers are actor
     processes, so a preemption kills one and a new one starts after the downtime."""
-    from rlaxkit.config import small_run_config
-    from rlaxkit.ray_config import small_cluster_config
+    from rlaxkit.config.ray import small_cluster_config
+    from rlaxkit.config.run import small_run_config
     from rlaxkit.runtime.driver import Experiment
 
     config = small_run_config(*BASE, "runtime.backend=ray")

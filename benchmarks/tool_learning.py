@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from rlaxkit.cli import run_job
-from rlaxkit.config import RunConfig
+from rlaxkit.config.run import RunConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RUNS = {"tool": "calculator_tools.yaml", "no_tool": "calculator_no_tool.yaml"}

@@ -1,7 +1,7 @@
 """Train-step throughput: tokens/s and model FLOP utilisation (MFU) of the jitted RL step.
 
 One ``TrainBatch`` of ``B`` rows x ``T`` tokens (a quarter prompt, three quarters
-completion, no padding) goes through ``rlaxkit.trainer.make_train_step`` with the GRPO
+completion, no padding) goes through ``rlaxkit.trainer.step.make_train_step`` with the GRPO
 preset (no KL, so no reference model): advantages, one forward and one backward pass of
 the policy, AdamW. The step is warmed up (compiled) first; every timed step asserts that
 nothing compiles.
@@ -59,15 +59,15 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rlaxkit.algorithms import algorithm  # noqa: E402
-from rlaxkit.batch import TrainBatch  # noqa: E402
-from rlaxkit.jaxutil import count_compilations, matmul_peak_flops  # noqa: E402
+from rlaxkit.data.batch import TrainBatch  # noqa: E402
 from rlaxkit.models import ModelConfig, Transformer  # noqa: E402
-from rlaxkit.trainer import (  # noqa: E402
+from rlaxkit.trainer.step import (  # noqa: E402
     OptimizerConfig,
     TrainConfig,
     create_train_state,
     make_train_step,
 )
+from rlaxkit.util.jaxutil import count_compilations, matmul_peak_flops  # noqa: E402
 
 TARGET_MFU = 0.4
 

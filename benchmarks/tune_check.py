@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_fidelity  # noqa: E402
 
 import sim  # noqa: E402
-from rlaxkit.faults import Fault, FaultPlan  # noqa: E402
+from rlaxkit.rules.fault_plan import Fault, FaultPlan  # noqa: E402
 
 # Logical seconds (rounds of runtime.round_s = 1 s; about 1.6 rounds per step here).
 PLAN = FaultPlan(

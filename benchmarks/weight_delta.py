@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rlaxkit.algorithms import algorithm  # noqa: E402
-from rlaxkit.batch import BucketSpec, Sample, collate  # noqa: E402
+from rlaxkit.data.batch import BucketSpec, Sample, collate  # noqa: E402
 from rlaxkit.models import ModelConfig, Transformer  # noqa: E402
 from rlaxkit.param_server import TensorStoreParameterServer  # noqa: E402
 from rlaxkit.param_server.delta import (  # noqa: E402
@@ -60,7 +60,7 @@ from rlaxkit.param_server.delta import (  # noqa: E402
     chunk_checksums,
 )
 from rlaxkit.param_server.delta_store import DeltaParameterServer, delta_keep  # noqa: E402
-from rlaxkit.trainer import (  # noqa: E402
+from rlaxkit.trainer.step import (  # noqa: E402
     OptimizerConfig,
     TrainConfig,
     create_train_state,

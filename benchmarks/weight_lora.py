@@ -53,7 +53,6 @@ import weight_delta  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rlaxkit.inference import SamplingConfig, generate  # noqa: E402
-from rlaxkit.jaxutil import count_compilations  # noqa: E402
 from rlaxkit.models import ModelConfig, abstract_model  # noqa: E402
 from rlaxkit.models.lora import LoraConfig, adapter_shapes, merge_adapters  # noqa: E402
 from rlaxkit.param_server import (  # noqa: E402
@@ -61,6 +60,7 @@ from rlaxkit.param_server import (  # noqa: E402
     TensorStoreParameterServer,
     tree_nbytes,
 )
+from rlaxkit.util.jaxutil import count_compilations  # noqa: E402
 
 LORA = LoraConfig(rank=8, alpha=16.0)
 GOAL_PUSH_BYTES_FRACTION = 0.02

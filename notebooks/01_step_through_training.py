@@ -42,15 +42,13 @@ import numpy as np
 from flax import nnx
 
 from rlaxkit.algorithms import AdvantageInputs, algorithm, compute_advantages
-from rlaxkit.batch import Sample, collate
-from rlaxkit.config import RunConfig
-from rlaxkit.configio import apply_overrides
+from rlaxkit.config import RunConfig, apply_overrides
+from rlaxkit.data import Sample, collate
 from rlaxkit.inference import generate
-from rlaxkit.logprobs import token_logprobs
 from rlaxkit.models import positions_from_mask
-from rlaxkit.plotting import update_figure
-from rlaxkit.runtime.build import build_policy, build_task, warm_start
-from rlaxkit.trainer import TrainConfig, create_train_state, make_train_step
+from rlaxkit.observe import update_figure
+from rlaxkit.runtime import build_policy, build_task, warm_start
+from rlaxkit.trainer import TrainConfig, create_train_state, make_train_step, token_logprobs
 
 small = [
     "model.config.hidden_size=32",

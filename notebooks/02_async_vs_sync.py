@@ -58,14 +58,12 @@ from pathlib import Path
 
 import numpy as np
 
-from rlaxkit.config import SMALL_RUN, RunConfig
-from rlaxkit.configio import apply_overrides
+from rlaxkit.config import SMALL_RUN, RunConfig, apply_overrides
 from rlaxkit.evaluation import evaluate_policy
 from rlaxkit.inference import make_text_generate
-from rlaxkit.perfetto import export_perfetto
-from rlaxkit.plotting import compare_runs_figure
+from rlaxkit.observe import compare_runs_figure, export_perfetto
+from rlaxkit.rules import staleness_distribution
 from rlaxkit.runtime import Experiment
-from rlaxkit.trace import staleness_distribution
 
 SMALL_MODEL = [*SMALL_RUN, "runtime.slots_per_worker=32"]  # config.SMALL_RUN, wider
 

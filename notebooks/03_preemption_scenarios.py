@@ -28,7 +28,7 @@
 # We tune both with the SimPy model (`sim/`), then run the chosen policy on the real
 # local runtime with a `FaultPlan` (a worker preemption and a trainer preemption) and
 # check that nothing accepted was lost. The simulator and the runtime read the same
-# `FaultPlan` format and call the same `rlaxkit.policies` objects.
+# `FaultPlan` format and call the same `rlaxkit.rules.policies` objects.
 
 # %% tags=["parameters"]
 import os
@@ -49,12 +49,10 @@ from pathlib import Path
 import numpy as np
 
 import sim
-from rlaxkit.config import SMALL_RUN, RunConfig
-from rlaxkit.configio import apply_overrides
-from rlaxkit.faults import FaultPlan
-from rlaxkit.plotting import timeline_figure
+from rlaxkit.config import SMALL_RUN, RunConfig, apply_overrides
+from rlaxkit.observe import timeline_figure
+from rlaxkit.rules import FaultPlan, read_trace
 from rlaxkit.runtime import Experiment
-from rlaxkit.trace import read_trace
 
 # %% [markdown]
 # ## 1. The checkpoint interval
@@ -116,7 +114,7 @@ print(f"chosen: η = {eta}, checkpoint every {every_steps} steps")
 # decode round is `runtime.round_s` seconds.
 
 # %%
-small_model = list(SMALL_RUN)  # rlaxkit.config's tiny run, for CI
+small_model = list(SMALL_RUN)  # rlaxkit.config.run's tiny run, for CI
 overrides = [
     *(small_model if SMALL else []),
     f"staleness.max_staleness={eta}",

@@ -47,11 +47,10 @@ import tempfile
 import numpy as np
 
 import sim
-from rlaxkit.config import SMALL_RUN, RunConfig
-from rlaxkit.configio import apply_overrides
-from rlaxkit.plotting import scaling_figure
+from rlaxkit.config import SMALL_RUN, RunConfig, apply_overrides
+from rlaxkit.observe import scaling_figure
+from rlaxkit.rules import summarize
 from rlaxkit.runtime import Experiment
-from rlaxkit.trace import summarize
 
 # %% [markdown]
 # ## The RLAX-like fleet, 64 to 1024 chips
@@ -96,7 +95,7 @@ for eta, values in throughput.items():
 # ## The local runtime: 1, 2 and 4 workers
 #
 # Real runs of the tiny default model with 1, 2 and 4 workers, measured in trained
-# samples per second from their traces (`rlaxkit.trace.summarize`). The local backend
+# samples per second from their traces (`rlaxkit.rules.trace.summarize`). The local backend
 # interleaves its workers in one process, so more workers mean more sequences in
 # flight on the same cores, not more cores: past the point where the decode batches
 # fill the cores, adding workers only adds scheduling. (Notebook 05 fits the simulator
@@ -104,7 +103,7 @@ for eta, values in throughput.items():
 # load; compare them within one execution only.
 
 # %%
-small_model = list(SMALL_RUN)  # rlaxkit.config's tiny run, for CI
+small_model = list(SMALL_RUN)  # rlaxkit.config.run's tiny run, for CI
 cache = tempfile.mkdtemp(prefix="rlaxkit-nb04-")
 
 
@@ -148,7 +147,7 @@ from pathlib import Path
 
 import rlaxkit
 from rlaxkit.planning import Plan, load_plan_config
-from sim.presets import planned
+from sim import planned
 
 PLAN = Path(rlaxkit.__file__).parents[1] / "configs/plan/qwen3_32b_v5p.yaml"  # from any folder
 if SMALL:

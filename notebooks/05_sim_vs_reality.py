@@ -31,7 +31,7 @@
 # dynamic filtering dropped. A real fleet's trace gets the per-token parallel model
 # instead (`docs/simulator.md`).
 #
-# Both sides write the same trace schema (`rlaxkit.trace`), so the same functions
+# Both sides write the same trace schema (`rlaxkit.rules.trace`), so the same functions
 # read them.
 
 # %% tags=["parameters"]
@@ -51,14 +51,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import sim
-from rlaxkit.config import SMALL_RUN, RunConfig
-from rlaxkit.configio import apply_overrides
-from rlaxkit.plotting import overlay_figure
+from rlaxkit.config import SMALL_RUN, RunConfig, apply_overrides
+from rlaxkit.observe import overlay_figure
+from rlaxkit.rules import MemoryTrace, durations, generation_records, read_trace
 from rlaxkit.runtime import Experiment
-from rlaxkit.trace import MemoryTrace, durations, generation_records, read_trace
-from sim.calibrate import window_summary
+from sim import window_summary
 
-small_model = list(SMALL_RUN)  # rlaxkit.config's tiny run, for CI
+small_model = list(SMALL_RUN)  # rlaxkit.config.run's tiny run, for CI
 overrides = [*(small_model if SMALL else []), f"staleness.max_staleness={MAX_STALENESS}"]
 config = RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), overrides))
 workdir = Path(tempfile.mkdtemp(prefix="rlaxkit-nb05-"))

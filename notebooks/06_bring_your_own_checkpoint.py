@@ -40,16 +40,14 @@ EVAL_PROBLEMS = 8 if SMALL else 200
 import tempfile
 from pathlib import Path
 
-from rlaxkit.config import SMALL_RUN, RunConfig
-from rlaxkit.configio import apply_overrides
+from rlaxkit.config import SMALL_RUN, RunConfig, apply_overrides
 from rlaxkit.evaluation import evaluate_policy
 from rlaxkit.inference import make_text_generate
 from rlaxkit.models import load_hf_checkpoint, save_hf_checkpoint
-from rlaxkit.plotting import pass_at_k_figure
-from rlaxkit.runtime import Experiment
-from rlaxkit.runtime.build import build_policy, build_task, warm_start
+from rlaxkit.observe import pass_at_k_figure
+from rlaxkit.runtime import Experiment, build_policy, build_task, warm_start
 
-small = list(SMALL_RUN)  # rlaxkit.config's tiny run, for CI
+small = list(SMALL_RUN)  # rlaxkit.config.run's tiny run, for CI
 base = RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), small if SMALL else []))
 workdir = Path(tempfile.mkdtemp(prefix="rlaxkit-nb06-"))
 

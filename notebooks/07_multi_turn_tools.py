@@ -44,22 +44,29 @@ import numpy as np
 from flax import nnx
 
 from rlaxkit.algorithms import algorithm
-from rlaxkit.batch import BucketSpec, collate
-from rlaxkit.episodes import (
+from rlaxkit.data import BucketSpec, collate
+from rlaxkit.inference import InferenceEngine, SamplingConfig
+from rlaxkit.models import CharTokenizer, ModelConfig, Transformer, positions_from_mask
+from rlaxkit.observe import curves_figure
+from rlaxkit.tasks import (
     Action,
+    CalculatorEnvironment,
+    CalculatorTask,
     Episode,
     EpisodeConfig,
     StepRecord,
     episode_sampling,
     run_episodes,
+    tool_use_metrics,
 )
-from rlaxkit.inference import InferenceEngine, SamplingConfig
-from rlaxkit.logprobs import token_logprobs
-from rlaxkit.models import CharTokenizer, ModelConfig, Transformer, positions_from_mask
-from rlaxkit.plotting import curves_figure
-from rlaxkit.sft import SFTConfig, supervised_warm_start
-from rlaxkit.tasks import CalculatorEnvironment, CalculatorTask, tool_use_metrics
-from rlaxkit.trainer import TrainConfig, create_train_state, make_train_step
+from rlaxkit.trainer import (
+    SFTConfig,
+    TrainConfig,
+    create_train_state,
+    make_train_step,
+    supervised_warm_start,
+    token_logprobs,
+)
 
 # %% [markdown]
 # ## A tiny model that knows the format

@@ -18,12 +18,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from rlaxkit.controller import Issue
+from rlaxkit.data.rollout import Rollout
 from rlaxkit.models import Tokenizer
 from rlaxkit.param_server import ParameterServer
-from rlaxkit.rollout import Rollout
+from rlaxkit.rules.controller import Issue
+from rlaxkit.rules.trace import TraceEvent
 from rlaxkit.tasks import Problem, Task
-from rlaxkit.trace import TraceEvent
 
 __all__ = [
     "ChunkReply",

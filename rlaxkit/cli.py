@@ -32,15 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rlaxkit.config import RunConfig
-from rlaxkit.perfetto import MAX_EVENTS, MAX_EVENTS_PER_TRACK
-from rlaxkit.rundirs import Choice, claim_run_dir
+from rlaxkit.config.run import RunConfig
+from rlaxkit.observe.perfetto import MAX_EVENTS, MAX_EVENTS_PER_TRACK
 from rlaxkit.runtime.stalls import TrainingStalled
+from rlaxkit.util.rundirs import Choice, claim_run_dir
 
 if TYPE_CHECKING:
     from rlaxkit.evaluation import EvalReport
-    from rlaxkit.perfetto import PerfettoExport
-    from rlaxkit.trace import TraceSink
+    from rlaxkit.observe.perfetto import PerfettoExport
+    from rlaxkit.rules.trace import TraceSink
     from sim.metrics import SimResult
     from sim.scenario import Scenario
 
@@ -194,7 +194,7 @@ def _run_job(
 ) -> dict[str, Any]:
     from rlaxkit import runtime
     from rlaxkit.models import save_hf_checkpoint
-    from rlaxkit.plotting import TRAIN_JOB_FIGURES, plot_run
+    from rlaxkit.observe.plotting import TRAIN_JOB_FIGURES, plot_run
     from rlaxkit.runtime.stalls import check_start
 
     start = time.perf_counter()
@@ -296,8 +296,9 @@ def simulate_job(
     advances over simulated time: the run goes in chunks of 1/200 of the horizon
     (``env.run(until=...)``), which leaves its events and results as they are.
     """
-    from rlaxkit.plotting import plot_run
-    from rlaxkit.trace import JsonlTraceWriter
+    from rlaxkit.observe.perfetto import export_perfetto
+    from rlaxkit.observe.plotting import plot_run
+    from rlaxkit.rules.trace import JsonlTraceWriter
     from sim.scenario import save_scenario
 
     run_dir = Path(run_dir)
@@ -321,7 +322,11 @@ def simulate_job(
     log(f"drawing the figures into {run_dir / 'plots'} ...")
     plots = plot_run(run_dir)
     log(f"exporting the trace for Perfetto to {run_dir / 'run.perfetto.json'} ...")
-    export = result.to_perfetto(run_dir / "run.perfetto.json", run_dir / "trace.jsonl")
+    export = export_perfetto(
+        run_dir / "trace.jsonl",
+        run_dir / "run.perfetto.json",
+        metadata={"sim_result": result.to_row()},
+    )
     log(
         f"{result.steps} steps in {result.sim_time_s / 3600:.2f} simulated h "
         f"({result.wall_s:.1f} s wall): {result.samples_per_s:.3g} samples/s, goodput "
@@ -387,7 +392,7 @@ def load_scenario_with_overrides(path: str | Path, overrides: list[str]) -> Scen
     a distribution can be given as ``{type: constant, value: 10}``). As with
     ``sim.with_overrides``, overriding ``workload.prompts_per_step`` alone also sets
     ``staleness.batch_size``, which must equal it."""
-    from rlaxkit.configio import apply_overrides, read_yaml
+    from rlaxkit.config.io import apply_overrides, read_yaml
     from sim.scenario import scenario_from_dict
 
     data = read_yaml(path)
@@ -427,7 +432,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 
 def _claim(args: argparse.Namespace, config: RunConfig, run_dir: str) -> Path | None:
-    """Where a train/demo job writes (see ``rlaxkit.rundirs``); ``None``: the run in
+    """Where a train/demo job writes (see ``rlaxkit.util.rundirs``); ``None``: the run in
     ``run_dir`` finished and there is nothing to do (the reason is printed)."""
     from rlaxkit.runtime.state import checkpoint_dir
 
@@ -639,12 +644,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "eval":
             _eval(Path(args.run_dir), args.samples, args.seed)
         elif args.command == "plot":
-            from rlaxkit.plotting import plot_run
+            from rlaxkit.observe.plotting import plot_run
 
             for path in plot_run(args.run_dir, compare=args.compare):
                 print(path)
         elif args.command == "trace":
-            from rlaxkit.perfetto import export_perfetto
+            from rlaxkit.observe.perfetto import export_perfetto
 
             source = Path(args.run_dir)
             run_dir = source if source.is_dir() else source.parent
@@ -717,8 +722,8 @@ def _tune(args: argparse.Namespace) -> None:
 def _compact(run_dir: Path) -> None:
     """``--compact-trace``: a finished run's trace.jsonl gzipped (a stopped run keeps its
     plain trace, which a resumed run cuts back and appends to)."""
-    from rlaxkit.rundirs import run_status
-    from rlaxkit.trace import compress_trace
+    from rlaxkit.rules.trace import compress_trace
+    from rlaxkit.util.rundirs import run_status
 
     if run_status(run_dir)[0] == "finished" and (run_dir / "trace.jsonl").exists():
         before, after = compress_trace(run_dir)
@@ -742,8 +747,8 @@ def _eval(run_dir: Path, samples: int | None, seed: int | None) -> None:
     same problems, samples and sampling seed as its summary's ``pass@1_after``."""
     from rlaxkit.evaluation import evaluate_model
     from rlaxkit.models import load_hf_checkpoint
-    from rlaxkit.rundirs import run_status
     from rlaxkit.runtime.build import build_task
+    from rlaxkit.util.rundirs import run_status
 
     what = "the folder `rlaxkit train` wrote (it holds config.yaml and final/)"
     if run_dir.is_file():

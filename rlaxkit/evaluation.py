@@ -10,7 +10,7 @@ the product form avoiding huge binomials. Averaged over problems it is an unbias
 estimate of the policy's pass@k, with far less variance than drawing only ``k`` samples.
 
 ``evaluate_policy`` samples single-turn completions; ``evaluate_episodes`` runs a
-multi-turn task's episodes with their tools (``rlaxkit.episodes.run_episodes``) and
+multi-turn task's episodes with their tools (``rlaxkit.tasks.episodes.run_episodes``) and
 counts each episode's final verdict, adding the task's own episode metrics (the
 calculator's ``tool_use_rate``).
 """
@@ -25,12 +25,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
-from rlaxkit.episodes import Episode, EpisodeConfig, EpisodicTask, episode_sampling, run_episodes
 from rlaxkit.tasks import ChatTemplate, Problem, RewardRunner, Split, Task, TextPolicy
+from rlaxkit.tasks.episodes import (
+    Episode,
+    EpisodeConfig,
+    EpisodicTask,
+    episode_sampling,
+    run_episodes,
+)
 from rlaxkit.tasks.policy import sample_and_score
 
 if TYPE_CHECKING:  # JAX waits for an engine: ``import rlaxkit.evaluation`` stays light
-    from rlaxkit.config import RunConfig
+    from rlaxkit.config.run import RunConfig
     from rlaxkit.inference import InferenceEngine, SamplingConfig
     from rlaxkit.inference.results import ModelLike
     from rlaxkit.models.tokenizer import Tokenizer

@@ -1,8 +1,9 @@
 """SimPy discrete-event simulator of rlaxkit fleets (workers, staleness, preemption).
 
 The simulated trainer, workers, parameter server and verifier call the very same
-``rlaxkit.policies`` objects as the runtime, read the same ``rlaxkit.faults`` plans and
-write the same ``rlaxkit.trace`` events; only the clock is simulated.
+``rlaxkit.rules.policies`` objects as the runtime, read the same
+``rlaxkit.rules.fault_plan`` plans and write the same ``rlaxkit.rules.trace`` events; only
+the clock is simulated.
 
 >>> import sim
 >>> result = sim.simulate(sim.presets.toy(target_steps=2))
@@ -11,7 +12,7 @@ write the same ``rlaxkit.trace`` events; only the clock is simulated.
 """
 
 from . import presets
-from .calibrate import Calibration, calibrate, fit_scenario
+from .calibrate import Calibration, calibrate, fit_scenario, window_summary
 from .distributions import (
     Constant,
     Empirical,
@@ -23,7 +24,7 @@ from .distributions import (
 )
 from .engine import Simulation, run_config, simulate
 from .metrics import SimResult
-from .presets import areal_like, checkpoint_study, local_runtime, rlax_like, toy
+from .presets import areal_like, checkpoint_study, local_runtime, planned, rlax_like, toy
 from .report import (
     checkpoint_figure,
     eta_curve_figure,
@@ -61,6 +62,8 @@ from .sweep import SweepPoint, format_table, sweep
 from .tune import TunePoint, TuneResult, TuneSpace, tune
 
 __all__ = [
+    "planned",
+    "window_summary",
     "Calibration",
     "CheckpointSpec",
     "CheckpointStudy",

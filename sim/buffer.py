@@ -1,7 +1,7 @@
 """Rollout groups and the buffer that admits, holds and batches them.
 
 The buffer is the simulated twin of the runtime's RolloutBuffer plus AReaL's rollout
-controller, and keeps its books in the same ``rlaxkit.ledger.GroupLedger``: admission
+controller, and keeps its books in the same ``rlaxkit.rules.ledger.GroupLedger``: admission
 (``accepted + running < (η + version + 1) · batch_size``), drops with their reasons,
 batch order, and what lost work and trainer restores do are the runtime's decisions,
 made by the same code under the same policies.
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import simpy
 
-from rlaxkit.audit import AuditRecord
-from rlaxkit.ledger import GroupLedger
+from rlaxkit.rules.audit import AuditRecord
+from rlaxkit.rules.ledger import GroupLedger
 
 if TYPE_CHECKING:
     from .engine import Simulation
@@ -188,7 +188,7 @@ class _StartRequest(simpy.Event):
 class SimBuffer:
     """Admission, the queue of finished groups and batching, on the runtime's books.
 
-    Every decision is the ``GroupLedger``'s (``rlaxkit.ledger``), the very code the
+    Every decision is the ``GroupLedger``'s (``rlaxkit.rules.ledger``), the very code the
     runtime's buffer uses, under the scenario's policies; this class adds what the
     simulation needs around it: SimPy events for workers waiting to start and for the
     trainer waiting for a batch, re-issued prompts handed to the next worker that asks,

@@ -1,6 +1,6 @@
 """Calibration: fit a scenario to a real run's trace, re-simulate, compare.
 
-Everything is read from the ``rlaxkit.trace`` schema, so a runtime trace and a
+Everything is read from the ``rlaxkit.rules.trace`` schema, so a runtime trace and a
 simulator trace calibrate the same way:
 
 - ``run_start.config``: policies and fleet shape (workers, slots, group size, batch);
@@ -59,9 +59,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
-from rlaxkit.faults import Fault, FaultPlan
-from rlaxkit.policies import policy_from_dict
-from rlaxkit.trace import (
+from rlaxkit.rules.fault_plan import Fault, FaultPlan
+from rlaxkit.rules.policies import policy_from_dict
+from rlaxkit.rules.trace import (
     MemoryTrace,
     TraceEvent,
     TraceSummary,
@@ -71,7 +71,7 @@ from rlaxkit.trace import (
     staleness_distribution,
     summarize,
 )
-from rlaxkit.validation import check_int
+from rlaxkit.rules.validation import check_int
 
 from .calibrate_fits import (
     compiled,

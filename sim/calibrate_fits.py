@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
-from rlaxkit.trace import GenerationRecord, TraceEvent, generation_records
+from rlaxkit.rules.trace import GenerationRecord, TraceEvent, generation_records
 
 __all__ = [
     "COMPILE_FACTOR",
@@ -214,7 +214,7 @@ def fit_length_correlation(records: Sequence[GenerationRecord]) -> float | None:
     samples (one-way analysis of variance, with the mean group size corrected for
     unequal groups), clipped to ``[0, 1]``.
 
-    >>> from rlaxkit.trace import GenerationRecord
+    >>> from rlaxkit.rules.trace import GenerationRecord
     >>> def record(sample, tokens):
     ...     return GenerationRecord("w0", sample, 0.0, 1.0, tokens, 4, 1, 0, 0)
     >>> alike = [record(f"{g}:{i}", 10 * g + i) for g in range(1, 9) for i in range(2)]

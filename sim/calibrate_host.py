@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from rlaxkit.faults import FaultPlan
-from rlaxkit.trace import TraceEvent
+from rlaxkit.rules.fault_plan import FaultPlan
+from rlaxkit.rules.trace import TraceEvent
 
 from .calibrate_fits import compiled, nonnegative_lstsq
 from .specs import HOST_COSTS, HostSpec
@@ -54,7 +54,7 @@ __all__ = [
     "serial_fault_settings",
 ]
 
-# Drop reasons of groups lost to a fault (rlaxkit.ledger).
+# Drop reasons of groups lost to a fault (rlaxkit.rules.ledger).
 FAULT_DROPS = ("preempted", "rolled_back", "trainer_preempted")
 
 _TIMED = ("reward", "pull", "push", "train_step", "checkpoint_save")

@@ -1,7 +1,7 @@
 """Multi-turn workloads from a trace: turns per episode, tool latency, observations.
 
 A trace of multi-turn episodes holds one ``tool_call`` event per environment step
-(written by ``rlaxkit.episodes.run_episodes`` and by the simulator), and, where the
+(written by ``rlaxkit.tasks.episodes.run_episodes`` and by the simulator), and, where the
 writer knows them, per-turn token counts on ``generation_end`` (``turn_tokens``). From
 them :func:`fit_turns` takes, as empirical distributions (tails included):
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from rlaxkit.trace import TraceEvent, generation_records
+from rlaxkit.rules.trace import TraceEvent, generation_records
 
 from .distributions import Constant, Distribution, Empirical
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from rlaxkit.validation import is_number
+from rlaxkit.rules.validation import is_number
 
 __all__ = [
     "Constant",

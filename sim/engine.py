@@ -13,9 +13,9 @@ from typing import Any
 
 import simpy
 
-from rlaxkit.audit import AuditBook
-from rlaxkit.policies import policy_to_dict
-from rlaxkit.trace import TraceSink
+from rlaxkit.rules.audit import AuditBook
+from rlaxkit.rules.policies import policy_to_dict
+from rlaxkit.rules.trace import TraceSink
 
 from .buffer import Group, SimBuffer, SimSample
 from .distributions import CorrelatedLengths, Stream, Uniform
@@ -45,7 +45,7 @@ class Simulation:
 
     Args:
         scenario: What to simulate.
-        trace: Where to write trace events (``rlaxkit.trace`` schema), or ``None`` to
+        trace: Where to write trace events (``rlaxkit.rules.trace`` schema), or ``None`` to
             keep only counters (much faster for fleet-scale runs).
     """
 

@@ -30,7 +30,7 @@ runs. It writes the same trace as the runtime, ``decode`` events included, so a
 simulated serial trace calibrates like a real one.
 
 **Faults** fire as the runtime fires them, on its logical clock ``rounds · round_s``
-(``rlaxkit.fault_clock.FaultState``, the runtime's own): before a round, due timed
+(``rlaxkit.rules.fault_clock.FaultState``, the runtime's own): before a round, due timed
 faults fire, then workers whose downtime is over restart empty (they pull before
 taking prompts). A
 preempted worker's groups are re-issued (the buffer's ``RecoveryPolicy``) and it sits
@@ -50,12 +50,12 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from simpy.events import ProcessGenerator
 
-from rlaxkit.faults import Fault
+from rlaxkit.rules.fault_plan import Fault
 
 from .buffer import Group, SimSample
 
 if TYPE_CHECKING:
-    from rlaxkit.fault_clock import FaultState
+    from rlaxkit.rules.fault_clock import FaultState
 
     from .engine import Simulation
 

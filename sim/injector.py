@@ -1,4 +1,4 @@
-"""Applies a FaultPlan (``rlaxkit.faults``) to the simulated entities.
+"""Applies a FaultPlan (``rlaxkit.rules.fault_plan``) to the simulated entities.
 
 Timed faults fire from one process in ``at_s`` order; step-indexed faults fire right
 after the trainer first reaches ``at_step`` (from their own zero-delay process, so a
@@ -7,7 +7,7 @@ trainer preemption is never the trainer interrupting itself). Random preemptions
 a runtime run can replay the very same faults.
 
 On the serial host (:mod:`sim.host`) the plan is kept by the runtime's own
-``rlaxkit.fault_clock.FaultState`` instead: faults fire on the logical clock ``rounds ·
+``rlaxkit.rules.fault_clock.FaultState`` instead: faults fire on the logical clock ``rounds ·
 host.round_s``, timed ones before the first round at or after their ``at_s``, step ones
 after that step's compute and before its push or save, as the deterministic local
 runtime fires them.
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from simpy.events import ProcessGenerator
 
-from rlaxkit.fault_clock import FaultState
-from rlaxkit.faults import Fault, FaultPlan, random_preemptions
+from rlaxkit.rules.fault_clock import FaultState
+from rlaxkit.rules.fault_plan import Fault, FaultPlan, random_preemptions
 
 if TYPE_CHECKING:
     from .engine import Simulation

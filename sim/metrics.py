@@ -4,7 +4,7 @@ Definitions (``T`` is the simulated time at the end of the run):
 
 - throughput: samples (tokens) of the steps that survived to the end, divided by ``T``;
   steps lost to a trainer preemption do not count. For a run stopped at its target
-  step, ``T`` is the end of that step (as ``rlaxkit.trace.summarize`` measures a
+  step, ``T`` is the end of that step (as ``rlaxkit.rules.trace.summarize`` measures a
   trace), otherwise the horizon;
 - trainer utilisation: seconds of train-step compute (lost steps included) ÷ ``T``;
 - goodput: seconds of compute of the surviving steps ÷ ``T`` (useful trainer compute
@@ -18,16 +18,12 @@ Definitions (``T`` is the simulated time at the end of the run):
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlaxkit.perfetto import MAX_EVENTS, MAX_EVENTS_PER_TRACK, PerfettoExport, export_perfetto
-
 if TYPE_CHECKING:
-    from rlaxkit.trace import TraceEvent
+    pass
 
 __all__ = ["Counters", "SimResult"]
 
@@ -129,43 +125,6 @@ class SimResult:
     def time_to_step(self, step: int) -> float | None:
         """Simulated seconds until the trainer reached ``step`` for good (``None``: never)."""
         return self.step_end_s[step - 1] if 0 < step <= len(self.step_end_s) else None
-
-    def to_perfetto(
-        self,
-        path: str | os.PathLike,
-        trace: str | os.PathLike | Iterable[TraceEvent],
-        *,
-        max_events: int = MAX_EVENTS,
-        max_events_per_track: int = MAX_EVENTS_PER_TRACK,
-    ) -> PerfettoExport:
-        """Write this run's trace as a Perfetto / Chrome trace (Trace Event Format JSON).
-
-        The result keeps counters, not events, so the trace comes along: the sink given
-        to ``simulate`` (a ``MemoryTrace``) or the ``trace.jsonl`` it wrote. The file's
-        metadata carries :meth:`to_row`.
-
-        Args:
-            path: where to write, e.g. ``run.perfetto.json``.
-            trace: the run's events, or the path of its ``trace.jsonl``.
-            max_events, max_events_per_track: the caps of
-                :func:`rlaxkit.perfetto.export_perfetto`.
-
-        >>> import sim, tempfile, pathlib
-        >>> from rlaxkit.trace import MemoryTrace
-        >>> trace = MemoryTrace()
-        >>> result = sim.simulate(sim.presets.toy(target_steps=2), trace=trace)
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     written = result.to_perfetto(pathlib.Path(tmp) / "toy.perfetto.json", trace)
-        >>> written.tracks, written.aggregated_tracks
-        (5, 0)
-        """
-        return export_perfetto(
-            trace,
-            path,
-            max_events=max_events,
-            max_events_per_track=max_events_per_track,
-            metadata={"sim_result": self.to_row()},
-        )
 
     def to_row(self) -> dict[str, Any]:
         """Scalar metrics for a results table."""

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlaxkit.policies import CheckpointPolicy, PullMode, StalenessPolicy, WeightSyncPolicy
+from rlaxkit.rules.policies import CheckpointPolicy, PullMode, StalenessPolicy, WeightSyncPolicy
 
 from .distributions import Constant, Lognormal, LongTail
 from .scenario import Scenario, with_overrides

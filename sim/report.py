@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator, MultipleLocator
 
-from rlaxkit.trace import GenerationRecord, TraceEvent, generation_records, step_span
+from rlaxkit.rules.trace import GenerationRecord, TraceEvent, generation_records, step_span
 
 from .metrics import SimResult
 from .studies import CheckpointStudy, EtaPoint

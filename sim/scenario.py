@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from rlaxkit.faults import FaultPlan
-from rlaxkit.policies import (
+from rlaxkit.rules.fault_plan import FaultPlan
+from rlaxkit.rules.policies import (
     BatchPolicy,
     CheckpointPolicy,
     RecoveryPolicy,
@@ -26,7 +26,7 @@ from rlaxkit.policies import (
     WeightSyncPolicy,
     check_admission,
 )
-from rlaxkit.validation import check_int
+from rlaxkit.rules.validation import check_int
 
 from .distributions import distribution_from_dict, distribution_to_dict
 
@@ -101,7 +101,7 @@ class Scenario:
         name: Label used in tables and figures.
         trainer, fleet, param_server, verifier, checkpoint, workload: Entity specs.
         staleness, weight_sync, checkpointing, batching, recovery: The shared
-            ``rlaxkit.policies`` objects (the last two default to what the runtime does:
+            ``rlaxkit.rules.policies`` objects (the last two default to what the runtime does:
             oldest groups first, equal-reward groups dropped, lost work re-issued).
         preemptions: Random preemptions (turned into a FaultPlan at start).
         host: How trainer and workers are scheduled: a parallel fleet (default) or

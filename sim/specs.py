@@ -29,8 +29,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from rlaxkit.faults import InterArrival
-from rlaxkit.validation import is_int, is_number
+from rlaxkit.rules.fault_plan import InterArrival
+from rlaxkit.rules.validation import is_int, is_number
 
 from .distributions import Constant, Distribution
 
@@ -173,7 +173,7 @@ class FleetSpec:
             re-prefills its whole context when it comes back (``None``: always held).
         kv_pool_tokens: A paged KV cache of this many token slots per worker: a worker
             decodes as many rows as the pages hold at the workload's lengths
-            (``rlaxkit.paging.rows_that_fit``, the engine's admission rule), at most
+            (``rlaxkit.rules.paging.rows_that_fit``, the engine's admission rule), at most
             ``slots_per_worker``. ``None``: a dense cache, ``slots_per_worker`` rows.
         page_size: Token slots per page of the paged cache.
     """
@@ -527,7 +527,7 @@ class WorkloadSpec:
         pass_rate: Distribution of a prompt's pass rate ``p`` (clipped to [0, 1]): each
             of its samples is correct with probability ``p``. Only the distribution
             audit reads it (``SimResult.audit``: sampled against trained pass rate and
-            length, ``rlaxkit.audit``).
+            length, ``rlaxkit.rules.audit``).
         hard_length_factor: How much longer a hard prompt's completions are: a prompt of
             pass rate ``p`` draws ``response_tokens × (1 + (factor − 1)(1 − p))`` (1: length
             and difficulty are independent). A single-turn workload's setting.

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import simpy
 
-from rlaxkit.trace import TraceEvent
+from rlaxkit.rules.trace import TraceEvent
 
 if TYPE_CHECKING:
     from .engine import Simulation

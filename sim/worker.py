@@ -43,7 +43,7 @@ import numpy as np
 import simpy
 from simpy.events import ProcessGenerator
 
-from rlaxkit.paging import rows_that_fit
+from rlaxkit.rules.paging import rows_that_fit
 
 from .buffer import Group, SimSample
 
@@ -64,7 +64,7 @@ PAGED_LENGTH_DRAWS = 4096  # rows' lengths drawn to apply the page rule (seeded)
 
 def paged_rows(scenario: Scenario) -> int:
     """Rows a worker with a paged KV cache decodes at once: the engine's page rule
-    (``rlaxkit.paging.rows_that_fit``) over the workload's prompt + completion lengths
+    (``rlaxkit.rules.paging.rows_that_fit``) over the workload's prompt + completion lengths
     (completions capped at ``max_response_tokens``), at most ``slots_per_worker``."""
     fleet, workload = scenario.fleet, scenario.workload
     assert fleet.kv_pool_tokens is not None

@@ -6,7 +6,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("MPLBACKEND", "Agg")
 # Tests compile far more than they run, so they compile as ``TieredJit``'s quick tier
-# does (``rlaxkit.jaxutil.QUICK_COMPILER_OPTIONS``): LLVM at -O0 took about a quarter
+# does (``rlaxkit.util.jaxutil.QUICK_COMPILER_OPTIONS``): LLVM at -O0 took about a quarter
 # off the suite, and XLA:CPU's loop emitters for fusions instead of its MLIR emitters
 # took a further 23-36 % off six compile-heavy modules from an empty cache (95-97 s
 # against 123-152 s). Each LLVM module compiles whole rather than split for a thread

@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from rlaxkit.config import RunConfig
+from rlaxkit.config.run import RunConfig
 from rlaxkit.runtime import Experiment
 
 GO_WAIT_S = 600.0  # how long a pause waits for the test

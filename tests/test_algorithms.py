@@ -133,7 +133,7 @@ def test_advantage_config_names_the_bad_field(kwargs, field):
 
 
 def test_unknown_names_fail_in_one_line_naming_the_field_and_the_registered_ones():
-    from rlaxkit.config import AlgorithmSpec
+    from rlaxkit.config.run import AlgorithmSpec
 
     for slot, bad, allowed in [
         ("loss", {"surrogate": "clipcov"}, SURROGATES.names()),
@@ -167,7 +167,7 @@ def test_registry_rejects_duplicates_and_lists_names():
 
 
 def test_a_run_samples_each_prompt_once_only_with_the_reward_baseline():
-    from rlaxkit.config import small_run_config
+    from rlaxkit.config.run import small_run_config
 
     with pytest.raises(ValueError, match="group_of_one=reward"):
         small_run_config("sampling.n=1", "algorithm.preset=dapo")

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from rlaxkit.audit import AuditBook, AuditRecord, audit_distributions, ks_statistic
+from rlaxkit.rules.audit import AuditBook, AuditRecord, audit_distributions, ks_statistic
 
 
 def test_ks_statistic_matches_hand_derived_values():

@@ -6,7 +6,7 @@ import shutil
 import jax.numpy as jnp
 import pytest
 
-from rlaxkit.checkpoint import CheckpointDamaged, CheckpointManager, verify_step
+from rlaxkit.trainer.checkpoint import CheckpointDamaged, CheckpointManager, verify_step
 
 
 def _two_steps(directory):
@@ -92,7 +92,7 @@ def test_a_target_that_does_not_fit_is_not_called_damage(tmp_path):
 def test_a_run_on_a_damaged_checkpoint_says_which_and_resumes_from_the_previous(tmp_path):
     """The newest checkpoint of a run lost its data files: the next run on the directory
     names the damaged step and the one to resume from; without it, the run resumes."""
-    from rlaxkit.config import small_run_config
+    from rlaxkit.config.run import small_run_config
     from rlaxkit.runtime import Experiment
 
     config = small_run_config(

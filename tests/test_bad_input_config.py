@@ -3,8 +3,8 @@ the run's defaults exactly as ``--set`` overrides do."""
 
 import pytest
 
-from rlaxkit.config import RunConfig, small_run_config
-from rlaxkit.configio import apply_overrides, merge
+from rlaxkit.config.io import apply_overrides, merge
+from rlaxkit.config.run import RunConfig, small_run_config
 from rlaxkit.tasks import make_task
 
 

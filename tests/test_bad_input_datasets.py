@@ -138,7 +138,7 @@ def test_a_file_with_nothing_in_the_train_split_is_named(tmp_path, name):
 def test_a_run_on_a_bad_dataset_fails_before_it_makes_its_folder(tmp_path):
     """Experiment reads the training data first: an empty file is named, and no run
     folder, warm start or worker exists yet."""
-    from rlaxkit.config import small_run_config
+    from rlaxkit.config.run import small_run_config
     from rlaxkit.runtime import Experiment
     from rlaxkit.tasks import EmptyDatasetError
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from rlaxkit.config import RunConfig
+from rlaxkit.config.run import RunConfig
 from rlaxkit.models import CharTokenizer, Transformer, load_hf_checkpoint, save_hf_checkpoint
-from rlaxkit.validation import check_tokenizer_fits
+from rlaxkit.rules.validation import check_tokenizer_fits
 
 QWEN3 = Path(__file__).parent / "fixtures" / "hf" / "qwen3"
 

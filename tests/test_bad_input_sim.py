@@ -88,7 +88,7 @@ def test_a_pull_faster_than_the_clock_resolves_finishes(rate):
 def test_a_staleness_setting_admission_accepts_reaches_its_target(
     eta, lag, push_every, workers, prompts, pull_mode
 ):
-    """``rlaxkit.policies.check_admission`` refuses the settings under which a fleet can
+    """``rlaxkit.rules.policies.check_admission`` refuses the settings under which a fleet can
     make nothing the trainer takes; whatever it lets through, the simulator runs to its
     target within the horizon (no stall, no endless round of stale drops)."""
     overrides = {

@@ -8,9 +8,9 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlaxkit.batch import BucketSpec, Sample, TrainBatch, collate
-from rlaxkit.logprobs import token_logprobs
+from rlaxkit.data.batch import BucketSpec, Sample, TrainBatch, collate
 from rlaxkit.models import positions_from_mask
+from rlaxkit.trainer.logprobs import token_logprobs
 
 jitted_logprobs = nnx.jit(token_logprobs)
 

@@ -53,7 +53,7 @@ def test_runtime_benchmark_reports_samples_per_s_by_eta_and_overhead(capsys):
     assert set(report["samples_per_s"]) == {"0", "1", "2", "4"}
     assert all(finite(v) and v > 0 for v in report["samples_per_s"].values())
     assert finite(report["overhead_fraction"]) and report["overhead_fraction"] <= 1.0
-    if report["compute_timed_in_the_same_steps"]:  # XLA:CPU under rlaxkit.hostmem
+    if report["compute_timed_in_the_same_steps"]:  # XLA:CPU under rlaxkit.util.hostmem
         assert report["overhead_fraction"] > 0.0  # compute within the steps' wall time
     # Otherwise the compute is timed in other steps than the wall time, so under load the
     # fraction can come out below zero.

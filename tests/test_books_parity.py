@@ -4,15 +4,15 @@ admission, drops and their reasons, whether a batch is ready (``batch_ready``, w
 the rounds beside a train step ask, agrees with ``take_batch`` on both sides), batch
 order, re-issued work after a worker
 preemption, requeued and dropped groups after a trainer restore. Both keep their books
-in ``rlaxkit.ledger.GroupLedger``; this pins that each side feeds it the same events."""
+in ``rlaxkit.rules.ledger.GroupLedger``; this pins that each side feeds it the same events."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlaxkit.buffer import RolloutBuffer
-from rlaxkit.rollout import Rollout
+from rlaxkit.data.buffer import RolloutBuffer
+from rlaxkit.data.rollout import Rollout
 from sim import Simulation, presets
 
 GROUP_SIZE = 2

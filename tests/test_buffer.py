@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlaxkit.buffer import RolloutBuffer
-from rlaxkit.controller import PromptController
-from rlaxkit.policies import BatchPolicy, StalenessPolicy
-from rlaxkit.rollout import Rollout, RolloutGroup
+from rlaxkit.data.buffer import RolloutBuffer
+from rlaxkit.data.rollout import Rollout, RolloutGroup
+from rlaxkit.rules.controller import PromptController
+from rlaxkit.rules.policies import BatchPolicy, StalenessPolicy
 
 
 def rollout(group, index, reward, version=0, n=3):

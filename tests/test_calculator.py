@@ -11,8 +11,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from rlaxkit.config import RunConfig
-from rlaxkit.episodes import Action, Episode, StepRecord
+from rlaxkit.config.run import RunConfig
 from rlaxkit.tasks import (
     CalcError,
     CalculatorEnvironment,
@@ -24,6 +23,7 @@ from rlaxkit.tasks import (
     tool_use_metrics,
 )
 from rlaxkit.tasks.calculator import MAX_CALC_CHARS, MAX_CALC_VALUE, CalculatorConfig, render
+from rlaxkit.tasks.episodes import Action, Episode, StepRecord
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
@@ -219,7 +219,7 @@ def test_tool_use_metrics():
 def test_tasks_and_the_environment_contract_import_without_jax():
     # Reward pools and light tools import rlaxkit.tasks; the episode driver's JAX waits.
     code = (
-        "import sys, rlaxkit.tasks, rlaxkit.episodes;"
+        "import sys, rlaxkit.tasks, rlaxkit.tasks.episodes;"
         "bad = [m for m in ('jax', 'flax') if m in sys.modules];"
         "sys.exit(repr(bad) if bad else 0)"
     )

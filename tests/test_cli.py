@@ -8,10 +8,10 @@ import time
 import pytest
 
 from rlaxkit.cli import StopRequest, main
-from rlaxkit.config import SMALL_RUN, RunConfig
-from rlaxkit.metrics import read_metrics
-from rlaxkit.rundirs import claim_run_dir
-from rlaxkit.trace import read_trace
+from rlaxkit.config.run import SMALL_RUN, RunConfig
+from rlaxkit.observe.metrics import read_metrics
+from rlaxkit.rules.trace import read_trace
+from rlaxkit.util.rundirs import claim_run_dir
 
 SMALL = [
     *SMALL_RUN,

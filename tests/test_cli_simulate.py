@@ -7,8 +7,8 @@ import yaml
 
 import sim
 from rlaxkit.cli import _simulate_in_chunks, load_scenario_with_overrides, main
-from rlaxkit.perfetto import validate
-from rlaxkit.trace import MemoryTrace, read_trace
+from rlaxkit.observe.perfetto import validate
+from rlaxkit.rules.trace import MemoryTrace, read_trace
 
 TOY = "configs/sim/toy.yaml"
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlaxkit.episodes import Action, EpisodeConfig, episode_sampling, run_episodes
 from rlaxkit.inference import InferenceEngine, SamplingConfig
 from rlaxkit.models import CharTokenizer, ModelConfig, Transformer
 from rlaxkit.tasks import (
@@ -26,6 +25,7 @@ from rlaxkit.tasks import (
     task_names,
 )
 from rlaxkit.tasks.code_tools import NO_PROGRAM_TEXT
+from rlaxkit.tasks.episodes import Action, EpisodeConfig, episode_sampling, run_episodes
 
 # Doubles its input; the second test is named, the third is not.
 DOUBLE = Problem(
@@ -225,7 +225,7 @@ def test_a_local_run_trains_on_attempts_and_their_test_feedback(tmp_path):
     """In the runtime's worker, each attempt ends at the end token and parks no row: the
     next attempt is a request of the whole context (prompt, attempts, feedback). The
     trained rows are the sampled ids plus the feedback's ids, and the books balance."""
-    from rlaxkit.config import RunConfig
+    from rlaxkit.config.run import RunConfig
     from rlaxkit.runtime import Experiment
 
     config = RunConfig.from_overrides(

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from rlaxkit.config import small_run_config
+from rlaxkit.config.run import small_run_config
 from rlaxkit.runtime import Experiment
 
 # The tiny run of test_runtime.py: a 2-layer, 32-wide char model, short warm start.

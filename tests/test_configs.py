@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rlaxkit.config import RunConfig
+from rlaxkit.config.run import RunConfig
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 

@@ -14,7 +14,7 @@ from flax import nnx
 from rlaxkit.inference import SamplingConfig, compile_generate, generate, programs
 from rlaxkit.inference.engine import engine_views
 from rlaxkit.inference.results import key_data, split_model
-from rlaxkit.jaxutil import count_compilations
+from rlaxkit.util.jaxutil import count_compilations
 
 generate_module = sys.modules["rlaxkit.inference.generate"]
 
@@ -279,7 +279,7 @@ def test_runtime_cache_views_is_the_same_run_on_fewer_slots(cache, monkeypatch):
     run over the whole cache (log-prob metrics to float32 ulps)."""
     from test_runtime import SMALL, learning_metrics
 
-    from rlaxkit.config import RuntimeConfig, small_run_config
+    from rlaxkit.config.run import RuntimeConfig, small_run_config
     from rlaxkit.runtime import Experiment
 
     decode_steps = programs.decode_steps

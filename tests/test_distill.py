@@ -15,20 +15,20 @@ from rlaxkit.algorithms import (
     distillation_advantages,
     distillation_rewards,
 )
-from rlaxkit.batch import BucketSpec, Sample, collate
-from rlaxkit.config import small_run_config
-from rlaxkit.logprobs import token_logprobs
+from rlaxkit.config.run import small_run_config
+from rlaxkit.data.batch import BucketSpec, Sample, collate
 from rlaxkit.models import ModelConfig, Transformer, positions_from_mask, save_hf_checkpoint
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.build import build_task, char_tokenizer, check_inputs
-from rlaxkit.teacher import distill_config, initial_train_state
-from rlaxkit.trainer import (
+from rlaxkit.trainer.logprobs import token_logprobs
+from rlaxkit.trainer.step import (
     OptimizerConfig,
     TrainConfig,
     create_train_state,
     make_prepare_fn,
     make_train_step,
 )
+from rlaxkit.trainer.teacher import distill_config, initial_train_state
 
 CONFIG = ModelConfig(
     family="qwen3",

@@ -20,12 +20,12 @@ import pytest
 from test_trainer import OPTIMIZER, batch_of, model_parts
 
 from rlaxkit.algorithms import algorithm
-from rlaxkit.distributed import (
+from rlaxkit.trainer.distributed import (
     DistributedConfig,
     initialize,
     resolve_mesh_shape,
 )
-from rlaxkit.trainer import TrainConfig, create_train_state, make_train_step
+from rlaxkit.trainer.step import TrainConfig, create_train_state, make_train_step
 
 # Weights split over the two processes by fsdp, then by model (tensor) parallelism.
 MESHES = ((1, 2, 1), (1, 1, 2))
@@ -34,8 +34,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from rlaxkit import distributed
-
+    from rlaxkit.trainer import distributed
     process_id, out = int(sys.argv[1]), sys.argv[2]
     # Settings from the environment, as a launcher would give them (rank from argv).
     distributed.initialize(distributed.DistributedConfig.from_env(process_id=process_id))
@@ -43,8 +42,8 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp
     from test_trainer import OPTIMIZER, batch_of, model_parts
     from rlaxkit.algorithms import algorithm
-    from rlaxkit.checkpoint import CheckpointManager, restore_train_state, save_train_state
-    from rlaxkit.trainer import TrainConfig, create_train_state, make_train_step
+    from rlaxkit.trainer.checkpoint import CheckpointManager, restore_train_state, save_train_state
+    from rlaxkit.trainer.step import TrainConfig, create_train_state, make_train_step
 
     assert jax.process_count() == 2 and jax.local_device_count() == 1, jax.devices()
     graphdef, params = model_parts()

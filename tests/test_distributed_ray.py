@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from test_runtime import SMALL, learning_metrics
 
-from rlaxkit.config import RunConfig, small_run_config
+from rlaxkit.config.run import RunConfig, small_run_config
 from rlaxkit.runtime import Experiment
 
 ray = pytest.importorskip("ray")
 
-from rlaxkit.ray_config import RayConfig, small_cluster_config  # noqa: E402
+from rlaxkit.config.ray import RayConfig, small_cluster_config  # noqa: E402
 from rlaxkit.runtime import RayExperiment  # noqa: E402
 
 pytestmark = pytest.mark.ray

@@ -5,13 +5,13 @@ import pytest
 from flax import nnx
 
 from rlaxkit.algorithms import algorithm
-from rlaxkit.batch import BucketSpec, Sample, collate
-from rlaxkit.config import small_run_config
-from rlaxkit.drift import DriftProbe, drift_metrics
+from rlaxkit.config.run import small_run_config
+from rlaxkit.data.batch import BucketSpec, Sample, collate
 from rlaxkit.models import ModelConfig, Transformer
+from rlaxkit.observe.drift import DriftProbe, drift_metrics
 from rlaxkit.param_server import InProcessParameterServer
 from rlaxkit.runtime import Experiment
-from rlaxkit.trainer import OptimizerConfig, TrainConfig, create_train_state, make_train_step
+from rlaxkit.trainer.step import OptimizerConfig, TrainConfig, create_train_state, make_train_step
 
 CONFIG = ModelConfig(
     family="qwen3",
@@ -141,8 +141,8 @@ def test_a_bfloat16_sampler_shows_mismatch_and_no_staleness(cache):
 
 
 def test_drift_and_audit_figures_draw_a_run_of_attributed_steps(tmp_path):
-    from rlaxkit.metrics import MetricsLogger
-    from rlaxkit.plotting import plot_run
+    from rlaxkit.observe.metrics import MetricsLogger
+    from rlaxkit.observe.plotting import plot_run
 
     logger = MetricsLogger(tmp_path / "metrics.jsonl", progress=False)
     for step in range(1, 5):

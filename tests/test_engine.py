@@ -13,9 +13,9 @@ from flax import nnx
 
 from rlaxkit.inference import InferenceEngine, SamplingConfig, generate
 from rlaxkit.inference.results import packed
-from rlaxkit.jaxutil import count_compilations
-from rlaxkit.logprobs import token_logprobs
 from rlaxkit.models import ModelConfig, abstract_model
+from rlaxkit.trainer.logprobs import token_logprobs
+from rlaxkit.util.jaxutil import count_compilations
 
 VOCAB = 64
 CONFIG = SamplingConfig(temperature=1.0, max_new_tokens=16)

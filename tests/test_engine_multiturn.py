@@ -12,8 +12,8 @@ from flax import nnx
 from test_engine import assert_same, peaked_model
 
 from rlaxkit.inference import InferenceEngine, SamplingConfig, bucket_length, generate
-from rlaxkit.jaxutil import count_compilations
-from rlaxkit.logprobs import token_logprobs
+from rlaxkit.trainer.logprobs import token_logprobs
+from rlaxkit.util.jaxutil import count_compilations
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=8)
 SLOTS, MAX_PROMPT, MAX_CONTEXT = 2, 16, 36

@@ -10,11 +10,11 @@ import pytest
 from flax import nnx
 
 from rlaxkit.cli import main
-from rlaxkit.episodes import Action, EpisodeConfig, StepResult, run_episodes
 from rlaxkit.evaluation import evaluate_episodes, make_episode_engine, pass_at_k
 from rlaxkit.inference import SamplingConfig
 from rlaxkit.models import CharTokenizer, ModelConfig, Transformer
 from rlaxkit.tasks import CalculatorEnvironment, CalculatorTask, tool_use_metrics
+from rlaxkit.tasks.episodes import Action, EpisodeConfig, StepResult, run_episodes
 
 
 class EvenAnswerEnvironment(CalculatorEnvironment):
@@ -131,7 +131,7 @@ def test_the_tool_learning_benchmark_reports_both_runs(tmp_path, capsys, monkeyp
     figures (so the script cannot rot; its real figures need minutes)."""
     import importlib.util
 
-    from rlaxkit.config import RunConfig
+    from rlaxkit.config.run import RunConfig
 
     path = Path(__file__).parents[1] / "benchmarks" / "tool_learning.py"
     spec = importlib.util.spec_from_file_location("bench_tool_learning", path)

@@ -16,21 +16,21 @@ from flax import nnx
 
 from rlaxkit.algorithms import PRESETS, AdvantageInputs, LossInputs, compute_advantages, rl_loss
 from rlaxkit.algorithms import algorithm as preset
-from rlaxkit.batch import Sample, collate
-from rlaxkit.buffer import RolloutBuffer
-from rlaxkit.episodes import (
+from rlaxkit.data.batch import Sample, collate
+from rlaxkit.data.buffer import RolloutBuffer
+from rlaxkit.data.rollout import Rollout
+from rlaxkit.inference import InferenceEngine, SamplingConfig
+from rlaxkit.models import CharTokenizer, ModelConfig, Transformer
+from rlaxkit.rules.policies import StalenessPolicy
+from rlaxkit.rules.trace import MemoryTrace
+from rlaxkit.tasks import CalculatorEnvironment, CalculatorTask, tool_use_metrics
+from rlaxkit.tasks.episodes import (
     EpisodeConfig,
     StepResult,
     episode_sampling,
     run_episodes,
 )
-from rlaxkit.inference import InferenceEngine, SamplingConfig
-from rlaxkit.logprobs import logprobs_and_entropy
-from rlaxkit.models import CharTokenizer, ModelConfig, Transformer
-from rlaxkit.policies import StalenessPolicy
-from rlaxkit.rollout import Rollout
-from rlaxkit.tasks import CalculatorEnvironment, CalculatorTask, tool_use_metrics
-from rlaxkit.trace import MemoryTrace
+from rlaxkit.trainer.logprobs import logprobs_and_entropy
 from sim.calibrate_turns import fit_turns
 
 TASK = CalculatorTask()

@@ -10,12 +10,12 @@ import re
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlaxkit.config import small_run_config
-from rlaxkit.faults import FaultPlan
-from rlaxkit.metrics import read_metrics
+from rlaxkit.config.run import small_run_config
+from rlaxkit.observe.metrics import read_metrics
+from rlaxkit.rules.fault_plan import FaultPlan
+from rlaxkit.rules.trace import read_trace
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.faults import FaultInjector, plausible_end_s
-from rlaxkit.trace import read_trace
 
 SMALL = ["runtime.chunk_steps=2", "runtime.restart_s=1", "steps=2", "checkpoint.every_steps=1"]
 

@@ -8,13 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from rlaxkit.config import small_run_config
-from rlaxkit.faults import Fault, FaultPlan, random_preemptions
-from rlaxkit.metrics import read_metrics
+from rlaxkit.config.run import small_run_config
+from rlaxkit.observe.metrics import read_metrics
+from rlaxkit.rules.fault_plan import Fault, FaultPlan, random_preemptions
+from rlaxkit.rules.trace import drop_counts, read_trace, summarize
 from rlaxkit.runtime import Experiment
 from rlaxkit.tasks import RewardRunner, make_task
 from rlaxkit.tasks.base import REWARD_TIMEOUT
-from rlaxkit.trace import drop_counts, read_trace, summarize
 
 STANDARD = Path(__file__).resolve().parents[1] / "configs" / "faults" / "standard.yaml"
 SMALL = [

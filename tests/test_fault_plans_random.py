@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from test_fault_injection import learning
 
-from rlaxkit.config import small_run_config
-from rlaxkit.faults import FaultKind
+from rlaxkit.config.run import small_run_config
+from rlaxkit.rules.fault_plan import FaultKind
 from rlaxkit.runtime import Experiment
 
 KINDS = get_args(FaultKind)  # the first four have a downtime

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rlaxkit.faults import Fault, FaultPlan, random_preemptions
+from rlaxkit.rules.fault_plan import Fault, FaultPlan, random_preemptions
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "configs" / "sim" / "faults_example.yaml"
 

@@ -11,7 +11,7 @@ from test_decode_views import assert_same
 from rlaxkit.inference import SamplingConfig, compile_generate, generate
 from rlaxkit.inference import chunks as chunk_module
 from rlaxkit.inference.chunks import ChunkLayout
-from rlaxkit.jaxutil import count_compilations
+from rlaxkit.util.jaxutil import count_compilations
 
 # Ragged prompts and budgets, a stop token: rows end at different steps in every chunk.
 PROMPTS = [[1, 7, 9], [4], [2, 2, 8, 31, 5, 6, 7, 60], [11, 3], [9, 9, 9, 9, 9], [40], [3, 33]]

@@ -1,4 +1,4 @@
-"""``rlaxkit.jaxutil.host_arrays``: a tree's arrays read on the host, the tree kept."""
+"""``rlaxkit.util.jaxutil.host_arrays``: a tree's arrays read on the host, the tree kept."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlaxkit.jaxutil import host_arrays
+from rlaxkit.util.jaxutil import host_arrays
 
 
 @settings(max_examples=20, deadline=None)

@@ -1,4 +1,4 @@
-"""``rlaxkit.hostmem``: XLA:CPU keeps its freed buffers, so a call does not fault its
+"""``rlaxkit.util.hostmem``: XLA:CPU keeps its freed buffers, so a call does not fault its
 output's pages in again; each condition that leaves the settings alone says why."""
 
 import json
@@ -14,13 +14,13 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 GLIBC_VERSION = tuple(int(x) for x in platform.libc_ver()[1].split(".")[:2] if x.isdigit())
 
 # Eight calls of a program whose 64 MiB output is dropped after each: the page faults
-# the eight calls take, and what rlaxkit.hostmem decided.
+# the eight calls take, and what rlaxkit.util.hostmem decided.
 FAULTS = """
 import json, resource
-import rlaxkit.jaxutil
+import rlaxkit.util.jaxutil
 import jax, jax.numpy as jnp
 from jax._src import xla_bridge
-from rlaxkit import hostmem
+from rlaxkit.util import hostmem
 f = jax.jit(lambda x: jnp.sin(x) * 2.0)
 x = jnp.ones((16 * 1024 * 1024,), jnp.float32)
 for _ in range(3):
@@ -56,7 +56,7 @@ def report(script: str, **env: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not GLIBC, reason="rlaxkit.hostmem acts on glibc only")
+@pytest.mark.skipif(not GLIBC, reason="rlaxkit.util.hostmem acts on glibc only")
 def test_kept_memory_spares_each_call_its_page_faults():
     kept = report(FAULTS)
     default = report(FAULTS, RLAXKIT_HOST_MEMORY="default")
@@ -114,7 +114,7 @@ def test_settings_are_left_alone_for_an_accelerator_platform():
     assert decided == {"kept": False, "reason": "JAX runs on cuda"}
 
 
-@pytest.mark.skipif(not GLIBC, reason="rlaxkit.hostmem acts on glibc only")
+@pytest.mark.skipif(not GLIBC, reason="rlaxkit.util.hostmem acts on glibc only")
 def test_a_backend_created_first_is_named():
     decided = report(
         "import json; import jax.numpy as jnp; jnp.ones(2); import rlaxkit.models;"
@@ -135,7 +135,7 @@ def test_long_lived_objects_leave_full_collections_while_the_loop_runs():
     import gc
     import weakref
 
-    from rlaxkit.hostmem import FreezeAfterFullCollection
+    from rlaxkit.util.hostmem import FreezeAfterFullCollection
 
     class Node:
         pass
@@ -177,7 +177,7 @@ def test_long_lived_objects_leave_full_collections_while_the_loop_runs():
 def test_young_collections_wait_longer_while_a_loop_runs():
     import gc
 
-    from rlaxkit.hostmem import YOUNG_THRESHOLD, FreezeAfterFullCollection
+    from rlaxkit.util.hostmem import YOUNG_THRESHOLD, FreezeAfterFullCollection
 
     saved = gc.get_threshold()
     one, two = FreezeAfterFullCollection(), FreezeAfterFullCollection()

@@ -17,7 +17,7 @@ from rlaxkit.param_server import (
     tree_nbytes,
 )
 from rlaxkit.param_server.ray_store import ParameterServerActor
-from rlaxkit.trainer import create_train_state, make_train_step
+from rlaxkit.trainer.step import create_train_state, make_train_step
 
 STEPS = 4
 
@@ -184,7 +184,7 @@ def test_merged_weights_pass_through_unmerged(trained):
 def test_a_local_lora_run_publishes_adapters_and_its_workers_merge_them(tmp_path):
     from test_runtime import SMALL
 
-    from rlaxkit.config import small_run_config
+    from rlaxkit.config.run import small_run_config
     from rlaxkit.runtime import Experiment
 
     config = small_run_config(*SMALL, "trainer.lora.rank=4")
@@ -284,7 +284,7 @@ def test_the_simulated_parameter_server_moves_adapters_after_the_base():
     the base record (102 B, 0.51 s); each push moves 2 B (0.02 s) and each later pull
     2 B (0.01 s). Step 1 ends at 3.76 s (3.75 without adapters, the first pull 0.01 s
     longer); each later step costs pull + 3.25 s + push."""
-    from rlaxkit.trace import MemoryTrace
+    from rlaxkit.rules.trace import MemoryTrace
     from sim import presets, simulate
     from sim.specs import ParamServerSpec
 
@@ -318,8 +318,8 @@ def test_a_local_lora_run_survives_worker_trainer_and_parameter_server_faults(tm
     preempted worker comes back with a new client that reads the base again, the
     trainer's rollback starts a new lineage with a base record, the store's outage holds
     a push; the workers end on the trainer's merged weights, bit for bit."""
-    from rlaxkit.config import small_run_config
-    from rlaxkit.faults import Fault, FaultPlan
+    from rlaxkit.config.run import small_run_config
+    from rlaxkit.rules.fault_plan import Fault, FaultPlan
     from rlaxkit.runtime import Experiment
 
     plan = FaultPlan(

@@ -199,10 +199,10 @@ def test_the_trainer_drops_rejected_tokens_from_the_loss_and_the_normaliser():
     from flax import nnx
 
     from rlaxkit.algorithms import algorithm
-    from rlaxkit.batch import BucketSpec, Sample, collate
-    from rlaxkit.logprobs import token_logprobs
+    from rlaxkit.data.batch import BucketSpec, Sample, collate
     from rlaxkit.models import ModelConfig, Transformer, positions_from_mask
-    from rlaxkit.trainer import TrainConfig, create_train_state, make_gradient_fn
+    from rlaxkit.trainer.logprobs import token_logprobs
+    from rlaxkit.trainer.step import TrainConfig, create_train_state, make_gradient_fn
 
     config = ModelConfig(
         family="qwen3", vocab_size=16, hidden_size=16, intermediate_size=32,

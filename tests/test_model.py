@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlaxkit.jaxutil import count_compilations
 from rlaxkit.models import KVCache, ModelConfig, Transformer, positions_from_mask
 from rlaxkit.models.transformer import rope_frequencies, rope_tables
+from rlaxkit.util.jaxutil import count_compilations
 
 FAMILIES = {
     "qwen2": dict(family="qwen2"),

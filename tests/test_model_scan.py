@@ -15,8 +15,6 @@ from test_trainer import CONFIG, OPTIMIZER, batch_of, relative_error
 from test_trainer_sharding import run_on_forced_devices
 
 from rlaxkit.algorithms import algorithm
-from rlaxkit.checkpoint import CheckpointManager, restore_train_state, save_train_state
-from rlaxkit.jaxutil import count_compilations
 from rlaxkit.models import (
     KVCache,
     ModelConfig,
@@ -29,7 +27,8 @@ from rlaxkit.models import (
     stack_layers,
     unstack_layers,
 )
-from rlaxkit.trainer import (
+from rlaxkit.trainer.checkpoint import CheckpointManager, restore_train_state, save_train_state
+from rlaxkit.trainer.step import (
     OptimizerConfig,
     TrainConfig,
     create_train_state,
@@ -38,6 +37,7 @@ from rlaxkit.trainer import (
     make_train_step,
     param_partition_spec,
 )
+from rlaxkit.util.jaxutil import count_compilations
 
 SCAN = CONFIG.replace(scan_layers=True)
 
@@ -194,7 +194,7 @@ SHARDED = textwrap.dedent(
     from test_trainer import CONFIG, OPTIMIZER, batch_of, relative_error
     from rlaxkit.algorithms import algorithm
     from rlaxkit.models import Transformer, unstack_layers
-    from rlaxkit.trainer import (
+    from rlaxkit.trainer.step import (
         TrainConfig, create_train_state, make_mesh, make_train_step, shard_batch,
         shard_train_state,
     )

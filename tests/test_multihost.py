@@ -28,10 +28,10 @@ from netns_cluster import NetnsCluster, leftovers, unavailable_reason
 from test_distributed_ray import close_to
 from test_runtime import SMALL, learning_metrics
 
-from rlaxkit.config import small_run_config
-from rlaxkit.metrics import read_metrics
+from rlaxkit.config.run import small_run_config
+from rlaxkit.observe.metrics import read_metrics
+from rlaxkit.rules.trace import read_trace
 from rlaxkit.runtime import Experiment
-from rlaxkit.trace import read_trace
 
 pytest.importorskip("ray")
 
@@ -421,7 +421,7 @@ def test_a_trainer_of_two_processes_on_two_hosts_learns_as_one(cluster, cache, l
 
 
 def test_worker_start_wait_is_checked():
-    from rlaxkit.ray_config import RayConfig
+    from rlaxkit.config.ray import RayConfig
 
     assert RayConfig().worker_start_wait_s == 300.0
     with pytest.raises(ValueError, match="worker_start_wait_s: must be a number"):

@@ -8,12 +8,12 @@ import threading
 import pytest
 from test_runtime import SMALL, learning_metrics
 
-from rlaxkit.config import small_run_config
-from rlaxkit.faults import Fault, FaultPlan
-from rlaxkit.perfetto import trace_event_format
+from rlaxkit.config.run import small_run_config
+from rlaxkit.observe.perfetto import trace_event_format
+from rlaxkit.rules.fault_plan import Fault, FaultPlan
+from rlaxkit.rules.trace import MemoryTrace, step_span
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.trainer_client import beside
-from rlaxkit.trace import MemoryTrace, step_span
 from sim import fit_scenario
 
 OVERLAP = [*SMALL, "runtime.overlap_training=true", "staleness.max_staleness=1"]

@@ -21,12 +21,12 @@ from test_worker import (
     weights,  # noqa: F401 (a fixture)
 )
 
-from rlaxkit.config import RunConfig
-from rlaxkit.configio import apply_overrides
+from rlaxkit.config.io import apply_overrides
+from rlaxkit.config.run import RunConfig
 from rlaxkit.inference import InferenceConfig, InferenceEngine
-from rlaxkit.paging import check_pages, rows_that_fit
 from rlaxkit.param_server import InProcessParameterServer
-from rlaxkit.trace import MemoryTrace
+from rlaxkit.rules.paging import check_pages, rows_that_fit
+from rlaxkit.rules.trace import MemoryTrace
 
 # 4 rows of 16 prompt + 16 new tokens: 32 slots, 8 pages of 4 a row. 20 pages (19 usable,
 # 76 slots) is less than the dense cache's 128 slots: rows are admitted by pages.

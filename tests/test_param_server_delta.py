@@ -362,7 +362,7 @@ def test_delta_pulls_through_the_ray_object_store(ray_cluster):
 
 # ----------------------------------------------------------------- the run config
 def test_the_config_turns_delta_on_and_checks_it():
-    from rlaxkit.config import RunConfig
+    from rlaxkit.config.run import RunConfig
     from rlaxkit.param_server import ParamServerConfig
 
     config = RunConfig.from_overrides(["param_server.delta=true", "param_server.snapshot_every=2"])
@@ -374,7 +374,7 @@ def test_the_config_turns_delta_on_and_checks_it():
 
 
 def test_a_local_run_learns_the_same_with_delta_publication(tmp_path):
-    from rlaxkit.config import small_run_config
+    from rlaxkit.config.run import small_run_config
     from rlaxkit.runtime import Experiment
 
     runs = {}

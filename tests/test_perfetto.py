@@ -15,9 +15,9 @@ import pytest
 
 import sim
 from rlaxkit.cli import main
-from rlaxkit.faults import Fault, FaultPlan
-from rlaxkit.perfetto import export_perfetto, trace_event_format, validate
-from rlaxkit.trace import MemoryTrace, read_trace
+from rlaxkit.observe.perfetto import export_perfetto, trace_event_format, validate
+from rlaxkit.rules.fault_plan import Fault, FaultPlan
+from rlaxkit.rules.trace import MemoryTrace, read_trace
 
 REAL_TRACE = Path(__file__).parent / "fixtures" / "tiny_run_trace.jsonl"
 
@@ -143,7 +143,9 @@ def test_a_simulated_fleet_with_preemptions_exports_by_the_rules(tmp_path):
     scenario = sim.presets.rlax_like(inference_chips=64, hours=1.0)
     scenario = sim.with_overrides(scenario, {"preemptions.worker_mtbf_s": 3600.0})
     result = sim.simulate(scenario, trace=trace)
-    written = result.to_perfetto(tmp_path / "sim.perfetto.json", trace)
+    written = export_perfetto(
+        trace, tmp_path / "sim.perfetto.json", metadata={"sim_result": result.to_row()}
+    )
     document = json.loads(written.path.read_text())
     validate(document)
     assert written.events == document["metadata"]["events_written"]

@@ -15,8 +15,8 @@ from flax import nnx
 
 import rlaxkit
 from rlaxkit.algorithms import algorithm
-from rlaxkit.batch import TrainBatch
 from rlaxkit.cli import main as cli_main
+from rlaxkit.data.batch import TrainBatch
 from rlaxkit.models import ModelConfig, Transformer
 from rlaxkit.planning import (
     CHIPS,
@@ -27,7 +27,12 @@ from rlaxkit.planning import (
     load_plan_config,
 )
 from rlaxkit.planning.compile import compile_train
-from rlaxkit.trainer import TrainConfig, create_train_state, make_train_step, param_partition_spec
+from rlaxkit.trainer.step import (
+    TrainConfig,
+    create_train_state,
+    make_train_step,
+    param_partition_spec,
+)
 
 GIB = 1024**3
 TINY = ModelConfig(

@@ -8,13 +8,13 @@ import pytest
 from matplotlib.figure import Figure
 
 import sim
-from rlaxkit import plotting
 from rlaxkit.cli import main
-from rlaxkit.config import small_run_config
-from rlaxkit.metrics import MetricsLogger
-from rlaxkit.perfetto import validate
+from rlaxkit.config.run import small_run_config
+from rlaxkit.observe import plotting
+from rlaxkit.observe.metrics import MetricsLogger
+from rlaxkit.observe.perfetto import validate
+from rlaxkit.rules.trace import JsonlTraceWriter, MemoryTrace
 from rlaxkit.runtime import Experiment
-from rlaxkit.trace import JsonlTraceWriter, MemoryTrace
 
 WIDTH, HEIGHT = (round(s * plotting.DPI) for s in plotting.SIZE_IN)  # 700 x 400
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""Unit and property tests of the shared, JAX-free policies (rlaxkit.policies)."""
+"""Unit and property tests of the shared, JAX-free policies (rlaxkit.rules.policies)."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlaxkit.policies import (
+from rlaxkit.rules.policies import (
     CheckpointPolicy,
     StalenessPolicy,
     WeightSyncPolicy,
@@ -18,7 +18,7 @@ from rlaxkit.policies import (
 
 def test_policies_trace_faults_import_neither_jax_nor_simpy():
     code = (
-        "import sys, rlaxkit.policies, rlaxkit.trace, rlaxkit.faults;"
+        "import sys, rlaxkit.rules.policies, rlaxkit.rules.trace, rlaxkit.rules.fault_plan;"
         "bad = [m for m in ('jax', 'simpy', 'flax') if m in sys.modules];"
         "sys.exit(repr(bad) if bad else 0)"
     )

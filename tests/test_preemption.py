@@ -18,10 +18,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from rlaxkit.cli import main
-from rlaxkit.config import SMALL_RUN, small_run_config
-from rlaxkit.metrics import read_metrics
+from rlaxkit.config.run import SMALL_RUN, small_run_config
+from rlaxkit.observe.metrics import read_metrics
+from rlaxkit.rules.trace import read_trace
 from rlaxkit.runtime import Experiment
-from rlaxkit.trace import read_trace
 
 # chunk_steps=1: prompts take several rounds, so every checkpoint has prompts in flight.
 SMALL = [
@@ -116,7 +116,7 @@ KILLED_WRITER = textwrap.dedent(
     import orbax.checkpoint._src.path.async_path as async_path
     sys.path.insert(0, {tests!r})
     from test_preemption import SMALL
-    from rlaxkit.config import small_run_config
+    from rlaxkit.config.run import small_run_config
     from rlaxkit.runtime import Experiment
 
     rename = async_path.rename

@@ -11,15 +11,15 @@ import pytest
 from test_runtime import SMALL, learning_metrics
 
 from rlaxkit.cli import run_job
-from rlaxkit.config import RunConfig, small_run_config
-from rlaxkit.configio import apply_overrides
-from rlaxkit.metrics import read_metrics
+from rlaxkit.config.io import apply_overrides
+from rlaxkit.config.run import RunConfig, small_run_config
+from rlaxkit.observe.metrics import read_metrics
+from rlaxkit.rules.trace import read_trace
 from rlaxkit.runtime import Experiment
-from rlaxkit.trace import read_trace
 
 ray = pytest.importorskip("ray")
 
-from rlaxkit.ray_config import ActorResources, RayConfig, small_cluster_config  # noqa: E402
+from rlaxkit.config.ray import ActorResources, RayConfig, small_cluster_config  # noqa: E402
 from rlaxkit.runtime import RayExperiment  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -226,7 +226,7 @@ def test_a_request_no_node_can_hold_is_refused_naming_the_field():
     """Ray keeps an actor whose request no node holds pending for ever: a trainer asking
     for 1 000 CPUs waited without end, and workers asking for a resource no node has
     waited ``worker_start_wait_s`` (300 s) before the loop called itself stalled."""
-    from rlaxkit.ray_config import infeasible_requests
+    from rlaxkit.config.ray import infeasible_requests
 
     nodes = [{"CPU": 8.0, "node:10.0.0.1": 1.0, "memory": 1e9}, {"CPU": 4.0, "GPU": 1.0}]
     assert infeasible_requests(RayConfig(trainer=ActorResources(num_gpus=1)), nodes) == []
@@ -277,7 +277,7 @@ def test_ray_settings_live_in_the_run_config_and_round_trip_through_yaml(tmp_pat
 
 def test_importing_the_runtime_does_not_import_ray():
     code = (
-        "import sys, rlaxkit.runtime, rlaxkit.config; "
+        "import sys, rlaxkit.runtime, rlaxkit.config.run; "
         "assert 'ray' not in sys.modules, 'ray imported'; "
         "from rlaxkit.runtime.ray_placement import start_ray; assert 'ray' in sys.modules"
     )

@@ -5,12 +5,12 @@ Ray run learns exactly as the local one and keeps its books."""
 import pytest
 from test_worker_multiturn import CONFIG, learning_metrics
 
-from rlaxkit.config import RunConfig
+from rlaxkit.config.run import RunConfig
 from rlaxkit.runtime import Experiment
 
 pytest.importorskip("ray")
 
-from rlaxkit.ray_config import small_cluster_config  # noqa: E402
+from rlaxkit.config.ray import small_cluster_config  # noqa: E402
 from rlaxkit.runtime import RayExperiment  # noqa: E402
 
 pytestmark = pytest.mark.ray

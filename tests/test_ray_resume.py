@@ -17,16 +17,16 @@ import pytest
 from test_runtime import learning_metrics
 
 from rlaxkit.cli import run_job
-from rlaxkit.config import small_run_config
-from rlaxkit.metrics import read_metrics
+from rlaxkit.config.run import small_run_config
+from rlaxkit.observe.metrics import read_metrics
+from rlaxkit.rules.trace import read_trace
 from rlaxkit.runtime import Experiment
-from rlaxkit.trace import read_trace
 
 ray = pytest.importorskip("ray")
 
-from rlaxkit.checkpoint import CheckpointManager  # noqa: E402
-from rlaxkit.ray_config import small_cluster_config  # noqa: E402
+from rlaxkit.config.ray import small_cluster_config  # noqa: E402
 from rlaxkit.runtime import RayExperiment  # noqa: E402
+from rlaxkit.trainer.checkpoint import CheckpointManager  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

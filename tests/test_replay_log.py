@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rlaxkit import replay_log
-from rlaxkit.replay_log import Decode, ReplayLog, Submit, UpdateWeights, parse_ops
+from rlaxkit.worker.replay_log import Decode, ReplayLog, Submit, UpdateWeights, parse_ops
+from rlaxkit.worker.worker import replay_log
 
 
 def recorded_log() -> ReplayLog:

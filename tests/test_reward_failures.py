@@ -7,8 +7,9 @@ import zlib
 
 import pytest
 
-from rlaxkit.config import small_run_config
-from rlaxkit.metrics import read_metrics
+from rlaxkit.config.run import small_run_config
+from rlaxkit.observe.metrics import read_metrics
+from rlaxkit.rules.trace import read_trace
 from rlaxkit.runtime import Experiment
 from rlaxkit.tasks import (
     ArithmeticConfig,
@@ -17,7 +18,6 @@ from rlaxkit.tasks import (
     register_task,
     unregister_task,
 )
-from rlaxkit.trace import read_trace
 
 
 class HalfNaN(ArithmeticTask):

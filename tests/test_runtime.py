@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rlaxkit.algorithms.advantages import grpo_advantages
-from rlaxkit.config import small_run_config
+from rlaxkit.config.run import small_run_config
 from rlaxkit.runtime import Experiment
 
 # A few seconds per run: a 2-layer, 32-wide char model with a short warm start.
@@ -138,8 +138,8 @@ def test_reissued_prompts_need_no_admission_room(cache):
 def test_run_trace_keeps_the_newest_events_in_memory_and_every_event_in_its_file(tmp_path):
     import threading
 
+    from rlaxkit.rules.trace import read_trace
     from rlaxkit.runtime.common import RunTrace
-    from rlaxkit.trace import read_trace
 
     def fill(path, limit):
         trace = RunTrace(path, 0, threading.RLock(), {}, memory_limit=limit)
@@ -169,8 +169,8 @@ def test_a_long_run_holds_neither_its_trained_rollouts_nor_its_whole_trace(cache
     process holds does not grow with the steps it has taken."""
     import gc
 
-    from rlaxkit.rollout import Rollout
-    from rlaxkit.trace import read_trace
+    from rlaxkit.data.rollout import Rollout
+    from rlaxkit.rules.trace import read_trace
 
     config = small_run_config(*SMALL, "runtime.trace_memory=60")
     # Rollouts another test of this process left alive are not this run's: held here, so

@@ -27,9 +27,9 @@ from rlaxkit.inference import (
 )
 from rlaxkit.inference.results import key_data, split_model
 from rlaxkit.inference.sampler import inverse_cdf_sample
-from rlaxkit.jaxutil import count_compilations
-from rlaxkit.logprobs import token_logprobs
 from rlaxkit.models import CharTokenizer, ModelConfig, abstract_model, load_hf_checkpoint
+from rlaxkit.trainer.logprobs import token_logprobs
+from rlaxkit.util.jaxutil import count_compilations
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 VOCAB = 64
@@ -290,7 +290,7 @@ def _trainer_logprobs(model, sequence, length, temperature, width):
 
 
 def trainer_logprobs(model, prompt, completion, temperature):
-    """``rlaxkit.logprobs.token_logprobs`` of the completion tokens given the prompt (the
+    """``rlaxkit.trainer.logprobs.token_logprobs`` of the completion tokens given the prompt (the
     sequence right-padded to 32 tokens, so one program serves every length)."""
     sequence = np.concatenate([prompt, completion]).astype(np.int32)
     padded = np.zeros(32, np.int32)

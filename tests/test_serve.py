@@ -17,11 +17,11 @@ import pytest
 from flax import nnx
 from openai.types.chat import ChatCompletion
 
-from rlaxkit.buffer import RolloutBuffer
+from rlaxkit.data.buffer import RolloutBuffer
+from rlaxkit.data.rollout import ENVIRONMENT_VERSION
 from rlaxkit.inference import Completion
 from rlaxkit.models import ModelConfig, Transformer, load_tokenizer
-from rlaxkit.policies import StalenessPolicy
-from rlaxkit.rollout import ENVIRONMENT_VERSION
+from rlaxkit.rules.policies import StalenessPolicy
 from rlaxkit.serve import (
     SESSION_HEADER,
     ChatEndpoint,

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from rlaxkit.config import small_run_config
+from rlaxkit.config.run import small_run_config
 from rlaxkit.runtime import Experiment
 from rlaxkit.serve.agents import attach_agent
 

@@ -11,8 +11,8 @@ import pytest
 from matplotlib.figure import Figure
 
 import sim
-from rlaxkit.faults import FaultPlan
-from rlaxkit.trace import MemoryTrace
+from rlaxkit.rules.fault_plan import FaultPlan
+from rlaxkit.rules.trace import MemoryTrace
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "sim"
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlaxkit.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
+from rlaxkit.rules.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
 from sim import calibrate, fit_scenario, presets, simulate
 from sim.calibrate import window_start, window_summary
 from sim.scenario import with_overrides
@@ -88,7 +88,7 @@ def test_missing_config_is_an_error():
 
 def test_trace_preemptions_are_replayed():
     scenario = presets.local_runtime(target_steps=20)
-    from rlaxkit.faults import Fault, FaultPlan
+    from rlaxkit.rules.fault_plan import Fault, FaultPlan
     from sim import with_overrides
 
     plan = FaultPlan(

@@ -35,9 +35,9 @@ import statistics
 import pytest
 
 import sim
-from rlaxkit.config import small_run_config
+from rlaxkit.config.run import small_run_config
+from rlaxkit.rules.trace import TraceEvent
 from rlaxkit.runtime.record import record_local_run
-from rlaxkit.trace import TraceEvent
 from sim.calibrate import window_summary
 
 pytestmark = pytest.mark.slow  # eight real runs, ~18 s with a warm compilation cache

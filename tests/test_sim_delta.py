@@ -11,7 +11,7 @@ pulls at 200 B/s. With ``delta_changed_fraction = 0.5`` and ``snapshot_every = 2
 
 import pytest
 
-from rlaxkit.trace import MemoryTrace
+from rlaxkit.rules.trace import MemoryTrace
 from sim import presets, simulate
 from sim.specs import ParamServerSpec
 

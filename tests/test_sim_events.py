@@ -8,7 +8,7 @@ pull 100 B / 200 B/s = 0.5 s.
 
 import pytest
 
-from rlaxkit.trace import MemoryTrace
+from rlaxkit.rules.trace import MemoryTrace
 from sim import presets, simulate, with_overrides
 
 

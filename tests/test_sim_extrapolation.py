@@ -3,8 +3,8 @@ background write read from the steps after it."""
 
 import pytest
 
-from rlaxkit.faults import FaultPlan
-from rlaxkit.trace import MemoryTrace
+from rlaxkit.rules.fault_plan import FaultPlan
+from rlaxkit.rules.trace import MemoryTrace
 from sim import calibrate, presets, simulate
 
 
@@ -31,7 +31,7 @@ def test_a_prediction_beyond_its_calibration_names_the_extrapolation(caplog):
 
 
 def test_a_saves_background_write_is_read_from_the_steps_after_it():
-    from rlaxkit.trace import TraceEvent
+    from rlaxkit.rules.trace import TraceEvent
     from sim.calibrate_fits import fit_save_cost
 
     # Steps 1 s apart; the save after step 10 blocks 0.1 s and its write adds 0.5 s to

@@ -3,8 +3,8 @@ same FaultPlan format as the runtime drives them. Timings as in test_sim_events.
 
 import pytest
 
-from rlaxkit.faults import Fault, FaultPlan
-from rlaxkit.trace import MemoryTrace
+from rlaxkit.rules.fault_plan import Fault, FaultPlan
+from rlaxkit.rules.trace import MemoryTrace
 from sim import presets, simulate, with_overrides
 
 

@@ -7,8 +7,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from rlaxkit.faults import FaultPlan
-from rlaxkit.trace import MemoryTrace, generation_records
+from rlaxkit.rules.fault_plan import FaultPlan
+from rlaxkit.rules.trace import MemoryTrace, generation_records
 from sim import fit_scenario, presets, simulate
 from sim.distributions import CorrelatedLengths, Lognormal, Uniform
 from sim.scenario import scenario_from_dict, scenario_to_dict, with_overrides

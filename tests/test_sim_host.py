@@ -2,8 +2,8 @@
 
 import pytest
 
-from rlaxkit.faults import Fault, FaultPlan
-from rlaxkit.trace import MemoryTrace, step_span
+from rlaxkit.rules.fault_plan import Fault, FaultPlan
+from rlaxkit.rules.trace import MemoryTrace, step_span
 from sim import (
     Constant,
     HostSpec,

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 from test_sim_host import _serial
 
-from rlaxkit.faults import Fault, FaultPlan
-from rlaxkit.trace import MemoryTrace, TraceEvent
+from rlaxkit.rules.fault_plan import Fault, FaultPlan
+from rlaxkit.rules.trace import MemoryTrace, TraceEvent
 from sim import Uniform, calibrate, fit_scenario, simulate, with_overrides
 from sim.calibrate_host import restart_costs
 

@@ -13,8 +13,8 @@ import pytest
 from test_sim_host import COSTS
 from test_sim_host import _serial as serial_scenario
 
-from rlaxkit.faults import Fault, FaultPlan
-from rlaxkit.trace import MemoryTrace, summarize
+from rlaxkit.rules.fault_plan import Fault, FaultPlan
+from rlaxkit.rules.trace import MemoryTrace, summarize
 from sim import (
     HostSpec,
     PreemptionSpec,

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import sim
-from rlaxkit.faults import Fault, FaultPlan
-from rlaxkit.trace import MemoryTrace, TraceEvent
+from rlaxkit.rules.fault_plan import Fault, FaultPlan
+from rlaxkit.rules.trace import MemoryTrace, TraceEvent
 from sim import Constant, Empirical, Lognormal, presets, simulate, with_overrides
 from sim.calibrate_turns import fit_turns
 

@@ -1,9 +1,9 @@
 """The simulator's worker on a paged KV cache decodes as many rows as its pages hold at
-the workload's lengths (the engine's rule, ``rlaxkit.paging.rows_that_fit``)."""
+the workload's lengths (the engine's rule, ``rlaxkit.rules.paging.rows_that_fit``)."""
 
 import pytest
 
-from rlaxkit.trace import MemoryTrace
+from rlaxkit.rules.trace import MemoryTrace
 from sim import presets, simulate
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from rlaxkit.cli import main
-from rlaxkit.faults import FaultPlan
+from rlaxkit.rules.fault_plan import FaultPlan
 from sim import presets, simulate, with_overrides
 from sim.tune import TuneSpace, tune
 

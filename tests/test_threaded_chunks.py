@@ -12,12 +12,12 @@ from test_runtime import SMALL, learning_metrics
 from test_sim_host import COSTS, _serial
 from test_worker_multiturn import RUN as MULTI_TURN
 
-from rlaxkit.config import RunConfig, RuntimeConfig, small_run_config
-from rlaxkit.faults import Fault, FaultPlan
+from rlaxkit.config.run import RunConfig, RuntimeConfig, small_run_config
+from rlaxkit.rules.fault_plan import Fault, FaultPlan
+from rlaxkit.rules.trace import MemoryTrace
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.record import record_local_run
-from rlaxkit.runtime.worker_host import WorkerHost
-from rlaxkit.trace import MemoryTrace
+from rlaxkit.worker.host import WorkerHost
 from sim import HostSpec, Uniform, fit_scenario, simulate
 from sim.specs import HOST_COSTS
 

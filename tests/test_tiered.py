@@ -1,4 +1,4 @@
-"""Two-tier compilation (``rlaxkit.jaxutil.TieredJit``): static arguments key the tiers,
+"""Two-tier compilation (``rlaxkit.util.jaxutil.TieredJit``): static arguments key the tiers,
 ``hold_background_compiles`` keeps a block on the quick executables, and
 ``generate(..., tiered=True)`` samples what the one-tier ``generate`` samples."""
 
@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from rlaxkit.inference import SamplingConfig, compile_generate, generate, programs
-from rlaxkit.jaxutil import TieredJit, count_compilations, hold_background_compiles
+from rlaxkit.util.jaxutil import TieredJit, count_compilations, hold_background_compiles
 
 
 def fresh_scaled():

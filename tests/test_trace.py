@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rlaxkit.trace import (
+from rlaxkit.rules.trace import (
     KINDS,
     JsonlTraceWriter,
     MemoryTrace,

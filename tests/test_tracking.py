@@ -13,9 +13,9 @@ from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from wandb.proto import wandb_internal_pb2
 
-from rlaxkit import tracking
-from rlaxkit.config import RunConfig, small_run_config
-from rlaxkit.metrics import MetricsLogger, read_metrics
+from rlaxkit.config.run import RunConfig, small_run_config
+from rlaxkit.observe import tracking
+from rlaxkit.observe.metrics import MetricsLogger, read_metrics
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.state import config_differences
 

@@ -10,11 +10,10 @@ import pytest
 from flax import nnx
 
 from rlaxkit.algorithms import ValueModel, aggregation_weights, algorithm
-from rlaxkit.batch import BucketSpec, Sample, collate
-from rlaxkit.jaxutil import count_compilations
-from rlaxkit.logprobs import token_logprobs
+from rlaxkit.data.batch import BucketSpec, Sample, collate
 from rlaxkit.models import ModelConfig, Transformer, positions_from_mask
-from rlaxkit.trainer import (
+from rlaxkit.trainer.logprobs import token_logprobs
+from rlaxkit.trainer.step import (
     OptimizerConfig,
     TrainConfig,
     create_train_state,
@@ -23,6 +22,7 @@ from rlaxkit.trainer import (
     make_optimizer,
     make_train_step,
 )
+from rlaxkit.util.jaxutil import count_compilations
 
 CONFIG = ModelConfig(
     family="qwen3",
@@ -329,8 +329,8 @@ def test_a_tree_rebuilt_from_a_packed_packs_back_to_it_without_a_flatten():
     # came from, with the same leaves a flatten gives.
     import gc
 
-    from rlaxkit.jaxutil import _BUILT, Packed, tree_leaves
     from rlaxkit.param_server.base import tree_nbytes
+    from rlaxkit.util.jaxutil import _BUILT, Packed, tree_leaves
 
     _, params = model_parts()
     source = Packed.of(params)

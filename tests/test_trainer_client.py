@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from rlaxkit.api import PublishReply, SaveReply, TrainResult
-from rlaxkit.config import RuntimeConfig
-from rlaxkit.runtime.books import RunBooks
+from rlaxkit.config.run import RuntimeConfig
+from rlaxkit.rules.books import RunBooks
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.trainer_client import TrainerClient
 
@@ -134,7 +134,7 @@ def test_a_checkpoint_after_the_bound_makes_a_death_healable_again():
 
 
 def test_a_collated_batch_counts_its_arrays():
-    from rlaxkit.batch import Sample, collate
+    from rlaxkit.data.batch import Sample, collate
 
     one = collate(
         [

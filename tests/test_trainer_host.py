@@ -6,17 +6,17 @@ import math
 import jax
 import pytest
 
-from rlaxkit.batch import collate
-from rlaxkit.checkpoint import abstract_tree
-from rlaxkit.config import small_run_config
-from rlaxkit.episodes import EpisodicTask
-from rlaxkit.jaxutil import count_compilations
+from rlaxkit.config.run import small_run_config
+from rlaxkit.data.batch import collate
 from rlaxkit.models import CharTokenizer
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.build import build_task, task_alphabet
 from rlaxkit.runtime.common import TRAIN_BUCKETS
-from rlaxkit.runtime.trainer_host import first_batch
-from rlaxkit.trainer import check_finite
+from rlaxkit.tasks.episodes import EpisodicTask
+from rlaxkit.trainer.checkpoint import abstract_tree
+from rlaxkit.trainer.host import first_batch
+from rlaxkit.trainer.step import check_finite
+from rlaxkit.util.jaxutil import count_compilations
 
 
 def test_the_first_train_step_runs_the_program_compiled_ahead(tmp_path, no_persistent_cache):

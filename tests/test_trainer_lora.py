@@ -11,9 +11,9 @@ from flax import nnx
 from test_trainer import OPTIMIZER, batch_of, model_parts, relative_error
 
 from rlaxkit.algorithms import algorithm
-from rlaxkit.jaxutil import count_compilations
 from rlaxkit.models.lora import LoraConfig, adapter_nbytes, merge_adapters
-from rlaxkit.trainer import TrainConfig, create_train_state, make_gradient_fn, make_train_step
+from rlaxkit.trainer.step import TrainConfig, create_train_state, make_gradient_fn, make_train_step
+from rlaxkit.util.jaxutil import count_compilations
 
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "up_proj", "down_proj"))
 
@@ -115,7 +115,7 @@ def test_a_lora_run_learns_through_the_runtime_and_resumes_to_the_uninterrupted_
     merged policy), and a run resumed from its checkpoint continues bit for bit."""
     from test_runtime import SMALL, learning_metrics
 
-    from rlaxkit.config import small_run_config
+    from rlaxkit.config.run import small_run_config
     from rlaxkit.runtime import Experiment
 
     overrides = (*SMALL, "trainer.lora.rank=4", "checkpoint.every_steps=2")

@@ -11,7 +11,7 @@ from test_trainer import CONFIG, OPTIMIZER, batch_of, model_parts, on_policy
 
 from rlaxkit.algorithms import PRESETS, ValueModel, algorithm
 from rlaxkit.models import positions_from_mask
-from rlaxkit.trainer import (
+from rlaxkit.trainer.step import (
     PreparedBatch,
     TrainConfig,
     create_train_state,

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from test_trainer import OPTIMIZER, batch_of, model_parts
     from rlaxkit.algorithms import algorithm
-    from rlaxkit.trainer import (
+    from rlaxkit.trainer.step import (
         TrainConfig, create_train_state, make_mesh, make_train_step, shard_batch,
         shard_train_state,
     )

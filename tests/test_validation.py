@@ -1,4 +1,4 @@
-"""rlaxkit.validation: an integer is an ``int`` that is not a ``bool``."""
+"""rlaxkit.rules.validation: an integer is an ``int`` that is not a ``bool``."""
 
 import enum
 import math
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlaxkit.validation import check_int, is_int, is_number
+from rlaxkit.rules.validation import check_int, is_int, is_number
 
 
 class Colour(enum.IntEnum):

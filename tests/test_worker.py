@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlaxkit.controller import Issue
 from rlaxkit.inference import SamplingConfig
 from rlaxkit.models import CharTokenizer, ModelConfig, Transformer
 from rlaxkit.param_server import InProcessParameterServer
-from rlaxkit.policies import StalenessPolicy, WeightSyncPolicy
+from rlaxkit.rules.controller import Issue
+from rlaxkit.rules.policies import StalenessPolicy, WeightSyncPolicy
+from rlaxkit.rules.trace import MemoryTrace
 from rlaxkit.tasks import RewardRunner, make_task
-from rlaxkit.trace import MemoryTrace
-from rlaxkit.worker import InferenceWorker
+from rlaxkit.worker.worker import InferenceWorker
 
 TASK = make_task("arithmetic", max_digits=1)  # prompts like "3+5=", 4 characters
 TOKENIZER = CharTokenizer(TASK.alphabet())

@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlaxkit.batch import collate
-from rlaxkit.config import RunConfig
-from rlaxkit.controller import Issue
+from rlaxkit.config.run import RunConfig
+from rlaxkit.data.batch import collate
 from rlaxkit.param_server import InProcessParameterServer
-from rlaxkit.policies import StalenessPolicy, WeightSyncPolicy
+from rlaxkit.rules.controller import Issue
+from rlaxkit.rules.policies import StalenessPolicy, WeightSyncPolicy
+from rlaxkit.rules.trace import MemoryTrace
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.build import build_policy, build_task, warm_start
 from rlaxkit.tasks import RewardRunner
-from rlaxkit.trace import MemoryTrace
-from rlaxkit.worker import InferenceWorker
+from rlaxkit.worker.worker import InferenceWorker
 from sim.calibrate_turns import fit_turns
 
 # Two-digit by one-digit products ("65*2="), a 2-layer, 32-wide char model and a short

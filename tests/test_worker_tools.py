@@ -14,15 +14,15 @@ from test_engine import assert_same, peaked_model
 from test_engine_multiturn import GREEDY, OBSERVATION, engine_for, tool_call
 from test_worker_multiturn import CONFIG, PROBLEMS, TASK, Clock, issue
 
-from rlaxkit.config import RunConfig
-from rlaxkit.episodes import Action, DelayedEnvironment, EpisodeConfig, encode_observation
+from rlaxkit.config.run import RunConfig
 from rlaxkit.param_server import InProcessParameterServer
-from rlaxkit.policies import StalenessPolicy, WeightSyncPolicy
+from rlaxkit.rules.policies import StalenessPolicy, WeightSyncPolicy
+from rlaxkit.rules.trace import MemoryTrace
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.build import build_policy, warm_start
 from rlaxkit.tasks import RewardRunner
-from rlaxkit.trace import MemoryTrace
-from rlaxkit.worker import InferenceWorker
+from rlaxkit.tasks.episodes import Action, DelayedEnvironment, EpisodeConfig, encode_observation
+from rlaxkit.worker.worker import InferenceWorker
 
 
 @pytest.fixture(scope="module")

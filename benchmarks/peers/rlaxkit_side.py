@@ -39,11 +39,11 @@ import workloads  # noqa: E402
 from flax import nnx  # noqa: E402
 from grpo_step import GRPOLoop, Setting, qwen3, timed_steps  # noqa: E402
 
-from rlaxkit import hostmem  # noqa: E402
 from rlaxkit.inference import SamplingConfig, generate  # noqa: E402
 from rlaxkit.inference.chunks import HELPER_THREAD_NAME  # noqa: E402
-from rlaxkit.jaxutil import Packed, count_compilations, matmul_peak_flops  # noqa: E402
 from rlaxkit.models import ModelConfig, Transformer  # noqa: E402
+from rlaxkit.util import hostmem  # noqa: E402
+from rlaxkit.util.jaxutil import Packed, count_compilations, matmul_peak_flops  # noqa: E402
 
 
 def model_config(shape: workloads.ModelShape) -> ModelConfig:

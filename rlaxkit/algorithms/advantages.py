@@ -9,7 +9,7 @@ Conventions shared by every function here:
   ``loss_mask [B, T]`` marks the completion tokens the policy sampled (a tool's
   observation inside a multi-turn completion is 0). Results are zero where masked.
 * ``group_ids [B]`` are dense integers in ``[0, B)``: rows with the same id answer the
-  same prompt (``rlaxkit.batch.collate`` builds them).
+  same prompt (``rlaxkit.data.batch.collate`` builds them).
 
 The registered estimators (``ADVANTAGE_ESTIMATORS``) all take ``(AdvantageInputs,
 AdvantageConfig)`` and return ``(advantages [B, T], returns [B, T] | None)``; they are thin

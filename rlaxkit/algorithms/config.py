@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 from rlaxkit.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from rlaxkit.algorithms.objective import KL_ESTIMATORS, SURROGATES
 from rlaxkit.algorithms.off_policy import REJECTION_MASKS
-from rlaxkit.validation import is_int, is_number
+from rlaxkit.rules.validation import is_int, is_number
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
 Aggregation = Literal["sequence_mean", "token_mean", "fixed_length", "token_sum"]

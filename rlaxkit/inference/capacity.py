@@ -2,7 +2,7 @@
 cache: the planner's arithmetic, fed with the bytes a TPU compile reports.
 
 A dense row reserves its longest context (``context_tokens`` slots); a paged row holds
-the pages of its real length (``rlaxkit.paging.rows_that_fit`` over a sample of
+the pages of its real length (``rlaxkit.rules.paging.rows_that_fit`` over a sample of
 lengths, e.g. a lognormal's draws or a measured histogram). Both share what the chip's
 HBM holds after the weights and the decode step's scratch.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rlaxkit.paging import rows_that_fit
+from rlaxkit.rules.paging import rows_that_fit
 
 
 def rows_per_worker(

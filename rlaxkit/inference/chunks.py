@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from rlaxkit.inference.config import bucket_rows
-from rlaxkit.validation import check_int
+from rlaxkit.rules.validation import check_int
 
 T = TypeVar("T")
 

@@ -59,8 +59,8 @@ from rlaxkit.inference.results import (
     split_model,
 )
 from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED, NO_TOKEN, STOP
-from rlaxkit.jaxutil import host_arrays
-from rlaxkit.paging import check_pages
+from rlaxkit.rules.paging import check_pages
+from rlaxkit.util.jaxutil import host_arrays
 
 # A chunk decodes on one of at most this many cache prefixes (the last the whole cache).
 ENGINE_VIEWS = 8
@@ -510,7 +510,7 @@ class InferenceEngine:
         rows and dispatches one chunk of decode steps. Returns whether a chunk runs;
         ``finish`` waits for it. With asynchronous dispatch (accelerators) this returns
         before the chunk has run, and another engine's chunk, or host work, runs in
-        between; XLA:CPU under ``rlaxkit.hostmem`` runs the chunk on this thread first."""
+        between; XLA:CPU under ``rlaxkit.util.hostmem`` runs the chunk on this thread first."""
         self._extend()
         if self._pages is not None:
             self._grow()

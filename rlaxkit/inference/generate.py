@@ -29,8 +29,8 @@ from rlaxkit.inference.results import (
     split_model,
 )
 from rlaxkit.inference.rows import FINISH_REASONS, Rows
-from rlaxkit.jaxutil import host_arrays
-from rlaxkit.validation import check_int
+from rlaxkit.rules.validation import check_int
+from rlaxkit.util.jaxutil import host_arrays
 
 
 def as_prompts(
@@ -113,7 +113,7 @@ def generate(
         max_new_tokens: per-prompt budgets (one value or ``B``), at most
             ``config.max_new_tokens``; default ``config.max_new_tokens``.
         tiered: the first call of a batch shape runs quickly compiled programs while
-            the optimised ones compile in the background (``rlaxkit.jaxutil.TieredJit``):
+            the optimised ones compile in the background (``rlaxkit.util.jaxutil.TieredJit``):
             for a loop whose first step should start soon. Later calls are as fast as
             untiered ones; the first call's tokens and log-probs may differ from theirs
             in the last float32 bits.
@@ -290,7 +290,7 @@ def collect_result(
 
 def fetch_rows(rows: Rows, count: int) -> tuple[np.ndarray, ...]:
     """The first ``count`` rows' tokens, log-probs, plain log-probs, versions, lengths and
-    finish codes, on the host (``rlaxkit.jaxutil.host_arrays``)."""
+    finish codes, on the host (``rlaxkit.util.jaxutil.host_arrays``)."""
     fetched = host_arrays(
         (
             rows.tokens,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlaxkit.paging import NULL_PAGE, PagePool, pages_for, shared_prompt_pages
+from rlaxkit.rules.paging import NULL_PAGE, PagePool, pages_for, shared_prompt_pages
 
 
 class RowPages:

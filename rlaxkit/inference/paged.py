@@ -6,7 +6,7 @@ keys and values interleaved on the head axis (key head ``j`` at ``2j``, its valu
 (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``), so the TPU kernel reads the
 pool as it is, and one page copy moves a token's keys and values together. Row ``b``'s
 slot ``s`` is in page ``page_table[b, s // page_size]`` at offset ``s % page_size``; the
-host decides which pages a row holds (``rlaxkit.paging.PagePool``) and several rows may
+host decides which pages a row holds (``rlaxkit.rules.paging.PagePool``) and several rows may
 hold the same page (the full pages of a shared prompt). Page 0 is the null page: writes
 that must land nowhere (padding, rows that are not generating) go there.
 
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from rlaxkit.models import KVCache, ModelConfig, Transformer
 from rlaxkit.models.transformer import Block, rope_frequencies, rope_tables
-from rlaxkit.paging import NULL_PAGE
+from rlaxkit.rules.paging import NULL_PAGE
 
 Attention = Literal["reference", "kernel"]
 ATTENTION: tuple[str, ...] = ("reference", "kernel")

@@ -16,7 +16,7 @@ rebuilt under new weights, treat it like any other row.
 
 ``begin_rows`` (``init_state`` and ``start_rows`` in one program, ``generate``'s) and
 ``decode_steps`` also come in two tiers (``tiered=True``,
-``rlaxkit.jaxutil.TieredJit``): a shape's first call runs a quickly compiled program
+``rlaxkit.util.jaxutil.TieredJit``): a shape's first call runs a quickly compiled program
 while the optimised one compiles in the background, for a loop's first step.
 """
 
@@ -42,8 +42,8 @@ from rlaxkit.inference.paged import (
 )
 from rlaxkit.inference.results import StaticGraph
 from rlaxkit.inference.rows import Rows, sample_and_record
-from rlaxkit.jaxutil import Packed, TieredJit
 from rlaxkit.models import KVCache, ModelConfig, Transformer
+from rlaxkit.util.jaxutil import Packed, TieredJit
 
 
 @jax.tree_util.register_dataclass

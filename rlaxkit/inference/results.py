@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rlaxkit.jaxutil import Packed
 from rlaxkit.models import ModelConfig, Transformer
+from rlaxkit.util.jaxutil import Packed
 
 # A model, or its graph definition and weights (``nnx.split(model)``).
 ModelLike = Transformer | tuple["nnx.GraphDef | StaticGraph", nnx.State]
@@ -104,7 +104,7 @@ def split_model(model: ModelLike) -> tuple[StaticGraph, nnx.State]:
 
 
 def packed(params: nnx.State | Packed) -> Packed:
-    """``params`` as the programs take them: flattened once (``rlaxkit.jaxutil.Packed``),
+    """``params`` as the programs take them: flattened once (``rlaxkit.util.jaxutil.Packed``),
     instead of once in every program call of a ``generate`` or an engine's chunk."""
     return params if isinstance(params, Packed) else Packed.of(params)
 

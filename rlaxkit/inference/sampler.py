@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from rlaxkit.inference.config import SamplingConfig
-from rlaxkit.logprobs import logprobs_from_logits
+from rlaxkit.trainer.logprobs import logprobs_from_logits
 
 
 def kept_tokens(
@@ -126,7 +126,7 @@ def sample_tokens(
 
     The *sampled* distribution is the truncated, renormalised ``softmax(logits / T)`` the
     token was drawn from; the *plain* one is ``softmax(logits / T)`` without truncation,
-    computed with ``rlaxkit.logprobs.logprobs_from_logits``, exactly what the trainer
+    computed with ``rlaxkit.trainer.logprobs.logprobs_from_logits``, exactly what the trainer
     recomputes. They are equal when ``config.truncates`` is false. Greedy
     (``T == 0``) takes the exact argmax (lowest id among ties) and records both log-probs
     under ``softmax(logits)``, i.e. temperature 1, since ``T = 0`` has no finite density.

@@ -1,6 +1,5 @@
 """The Qwen2 / Qwen3 / Llama-3 decoder, its KV cache, checkpoints and tokenizers."""
 
-from rlaxkit import hostmem
 from rlaxkit.models.config import ModelConfig, RopeScaling
 from rlaxkit.models.hf import (
     abstract_model,
@@ -29,8 +28,9 @@ from rlaxkit.models.transformer import (
     Transformer,
     positions_from_mask,
 )
+from rlaxkit.util import hostmem
 
-# Before any program runs: XLA:CPU then keeps its freed buffers (``rlaxkit.hostmem``).
+# Before any program runs: XLA:CPU then keeps its freed buffers (``rlaxkit.util.hostmem``).
 hostmem.keep()
 
 __all__ = [

@@ -25,7 +25,7 @@ from rlaxkit.models.config import ModelConfig
 from rlaxkit.models.layout import relayout
 from rlaxkit.models.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
 from rlaxkit.models.transformer import Transformer
-from rlaxkit.validation import check_tokenizer_fits
+from rlaxkit.rules.validation import check_tokenizer_fits
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"

@@ -51,7 +51,7 @@ from flax import nnx
 
 from rlaxkit.models.config import ModelConfig
 from rlaxkit.models.layout import stack_layers, unstack_layers
-from rlaxkit.validation import check_int
+from rlaxkit.rules.validation import check_int
 
 __all__ = [
     "LORA_TARGETS",

@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from rlaxkit.validation import check_int, is_int
+from rlaxkit.rules.validation import check_int, is_int
 
 __all__ = [
     "EventHook",
@@ -151,7 +151,7 @@ def tree_nbytes(tree: Any) -> int:
     160
     """
     # Imported here so the module stays cheap for pure-Python callers.
-    from rlaxkit.jaxutil import tree_leaves
+    from rlaxkit.util.jaxutil import tree_leaves
 
     total = 0
     for leaf in tree_leaves(tree):

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rlaxkit.validation import check_int
+from rlaxkit.rules.validation import check_int
 
 __all__ = [
     "CHECKSUM_BYTES",

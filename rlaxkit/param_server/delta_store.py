@@ -92,7 +92,7 @@ from rlaxkit.param_server.delta import (
     word_patches,
 )
 from rlaxkit.param_server.layout import aligned_empty
-from rlaxkit.validation import check_int
+from rlaxkit.rules.validation import check_int
 
 __all__ = ["FORMAT", "DeltaParameterServer", "ParamServerConfig", "ReadableStore", "delta_keep"]
 

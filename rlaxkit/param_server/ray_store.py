@@ -70,7 +70,7 @@ from rlaxkit.param_server.base import (
     record_transfer,
     tree_nbytes,
 )
-from rlaxkit.validation import check_int
+from rlaxkit.rules.validation import check_int
 
 __all__ = [
     "RAY_SYSTEM_CONFIG",

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from rlaxkit.validation import is_int
+from rlaxkit.rules.validation import is_int
 
 __all__ = ["KeyPath", "encode_path", "flatten", "nested_dict", "path_str", "unflatten_like"]
 

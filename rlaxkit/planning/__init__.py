@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from rlaxkit.configio import apply_overrides, from_dict, to_dict
+from rlaxkit.config.io import apply_overrides, from_dict, to_dict
 from rlaxkit.planning.costs import Plan, ProgramCost, kv_bytes_per_token
 from rlaxkit.planning.specs import CHIPS, MODEL_PRESETS, ChipSpec, PlanConfig
 from rlaxkit.planning.tpu import check_shardable, parse_topology, require_libtpu, tpu_mesh

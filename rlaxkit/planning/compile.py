@@ -8,7 +8,7 @@ batches and caches are ``jax.ShapeDtypeStruct``\\ s with their shardings.
 
 Programs, each the one rlaxkit runs:
 
-* ``train``: ``rlaxkit.trainer.make_train_step`` on the trainer's mesh;
+* ``train``: ``rlaxkit.trainer.step.make_train_step`` on the trainer's mesh;
 * ``prefill``: ``rlaxkit.inference.programs.start_rows`` (prefill ``slots /
   samples_per_prompt`` prompts, start ``slots`` rows) on one worker's chips;
 * ``decode``: ``rlaxkit.inference.programs.decode_steps`` (its loop body is one
@@ -48,8 +48,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rlaxkit.algorithms import algorithm
-from rlaxkit.batch import TrainBatch
-from rlaxkit.configio import from_dict, to_dict
+from rlaxkit.config.io import from_dict, to_dict
+from rlaxkit.data.batch import TrainBatch
 from rlaxkit.inference.config import SamplingConfig
 from rlaxkit.inference.programs import (
     _decode_steps,
@@ -65,7 +65,7 @@ from rlaxkit.models.lora import LoraConfig
 from rlaxkit.planning.costs import ProgramCost
 from rlaxkit.planning.specs import PlanConfig, Remat
 from rlaxkit.planning.tpu import parse_topology, topology_for, tpu_mesh
-from rlaxkit.trainer import (
+from rlaxkit.trainer.step import (
     BATCH_AXES,
     TrainConfig,
     create_train_state,

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from rlaxkit.configio import from_dict, to_dict
+from rlaxkit.config.io import from_dict, to_dict
 from rlaxkit.models.config import ModelConfig
 from rlaxkit.planning.specs import CHIPS, GIB, ChipSpec, PlanConfig
 

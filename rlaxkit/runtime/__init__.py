@@ -7,8 +7,9 @@ import Ray (an optional extra: ``pip install -e ".[ray]"``). ``RayExperiment`` i
 same class as ``Experiment``: the backend comes from the config.
 """
 
+from rlaxkit.runtime.build import build_policy, build_task, warm_start
 from rlaxkit.runtime.driver import Experiment
 
 RayExperiment = Experiment
 
-__all__ = ["Experiment", "RayExperiment"]
+__all__ = ["Experiment", "RayExperiment", "build_policy", "build_task", "warm_start"]

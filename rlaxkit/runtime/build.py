@@ -15,8 +15,8 @@ from typing import Any
 from flax import nnx
 
 from rlaxkit.algorithms import algorithm
-from rlaxkit.config import RunConfig
-from rlaxkit.configio import to_dict
+from rlaxkit.config.io import to_dict
+from rlaxkit.config.run import RunConfig
 from rlaxkit.models import (
     CharTokenizer,
     Tokenizer,
@@ -25,11 +25,11 @@ from rlaxkit.models import (
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
-from rlaxkit.sft import supervised_warm_start
+from rlaxkit.rules.validation import check_tokenizer_fits
 from rlaxkit.tasks import Task, make_task
-from rlaxkit.teacher import check_teacher, distill_config
-from rlaxkit.trainer import TrainConfig
-from rlaxkit.validation import check_tokenizer_fits
+from rlaxkit.trainer.sft import supervised_warm_start
+from rlaxkit.trainer.step import TrainConfig
+from rlaxkit.trainer.teacher import check_teacher, distill_config
 
 
 def build_task(config: RunConfig) -> Task:

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from rlaxkit.batch import BucketSpec
-from rlaxkit.metrics import replace_lines
-from rlaxkit.rollout import Rollout, RolloutGroup
-from rlaxkit.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
+from rlaxkit.data.batch import BucketSpec
+from rlaxkit.data.rollout import Rollout, RolloutGroup
+from rlaxkit.observe.metrics import replace_lines
+from rlaxkit.rules.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
 
 # Sequence lengths a train batch is padded to: one step program per length seen.
 TRAIN_BUCKETS = BucketSpec(lengths=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096))

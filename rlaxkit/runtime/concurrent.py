@@ -35,7 +35,7 @@ trainer waits for rollouts; when every worker is idle, has seen the latest chang
 still no batch is ready, nothing can ever change, and ``collect`` raises instead of
 hanging. A worker whose episodes all wait for tool steps holds prompts, so it is busy,
 never idle: its ``step`` waits a few tens of milliseconds for a step to end
-(``rlaxkit.worker_episodes``, free-running) and comes back to pull and take prompts,
+(``rlaxkit.worker.multi_turn``, free-running) and comes back to pull and take prompts,
 neither spinning nor counting toward a stall. An exception in a worker thread stops
 all threads and is raised by ``collect`` (so by ``Experiment.step()``).
 """
@@ -46,14 +46,14 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from rlaxkit.rollout import RolloutGroup
+from rlaxkit.data.rollout import RolloutGroup
 from rlaxkit.runtime.stalls import check_drops, stalled
 
 if TYPE_CHECKING:
-    from rlaxkit.config import RunConfig
+    from rlaxkit.config.run import RunConfig
     from rlaxkit.runtime.driver import Experiment
     from rlaxkit.tasks import RewardRunner
-    from rlaxkit.worker import InferenceWorker
+    from rlaxkit.worker.worker import InferenceWorker
 
 __all__ = ["ConcurrentCollector", "check_supported"]
 

@@ -22,15 +22,15 @@ import jax
 from flax import nnx
 
 from rlaxkit.api import Work
-from rlaxkit.audit import AuditBook
-from rlaxkit.buffer import RolloutBuffer
-from rlaxkit.config import RunConfig
-from rlaxkit.controller import PromptController
+from rlaxkit.config.run import RunConfig
+from rlaxkit.data.buffer import RolloutBuffer
 from rlaxkit.evaluation import EvalReport, evaluate_model
-from rlaxkit.faults import FaultPlan
-from rlaxkit.hostmem import FreezeAfterFullCollection
+from rlaxkit.observe.tracking import check_run_dir, open_trackers
+from rlaxkit.rules.audit import AuditBook
+from rlaxkit.rules.books import RunBooks, Window
+from rlaxkit.rules.controller import PromptController
+from rlaxkit.rules.fault_plan import FaultPlan
 from rlaxkit.runtime import state as codec
-from rlaxkit.runtime.books import RunBooks, Window
 from rlaxkit.runtime.build import check_inputs
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.concurrent import check_supported
@@ -39,7 +39,7 @@ from rlaxkit.runtime.loop import Loop
 from rlaxkit.runtime.placement import start_placement
 from rlaxkit.tasks import CodeTask, isolation_mode
 from rlaxkit.tasks.datasets import write_run_skipped_rows
-from rlaxkit.tracking import check_run_dir, open_trackers
+from rlaxkit.util.hostmem import FreezeAfterFullCollection
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class Experiment(Loop):
     def run(self, steps: int | None = None) -> list[dict[str, Any]]:
         """``Loop.run``; while it runs, Python's full collections leave the objects the
         run holds alone from the first step after one of them on
-        (``rlaxkit.hostmem.FreezeAfterFullCollection``)."""
+        (``rlaxkit.util.hostmem.FreezeAfterFullCollection``)."""
         with self.collections:
             return super().run(steps)
 

@@ -3,7 +3,7 @@
 Faults are wrappers applied only when a plan is given: without one the driver holds
 ``NO_FAULTS``, whose every method is a no-op. With one, ``FaultInjector`` fires the due
 faults through the placement's parts (the fleet, the trainer client, the store) and
-keeps what is down. The plan format is the simulator's (``rlaxkit.faults``); what each
+keeps what is down. The plan format is the simulator's (``rlaxkit.rules.fault_plan``); what each
 fault does:
 
 - ``preempt_worker`` / ``preempt_slice``: the worker(s) lose their engine, weights and
@@ -39,14 +39,14 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rlaxkit.fault_clock import FaultState
-from rlaxkit.faults import Fault, FaultPlan
+from rlaxkit.rules.fault_clock import FaultState
+from rlaxkit.rules.fault_plan import Fault, FaultPlan
 from rlaxkit.runtime.faulty_store import UnreliableParameterServer
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from rlaxkit.config import RunConfig
+    from rlaxkit.config.run import RunConfig
     from rlaxkit.runtime.loop import Loop as Experiment
 
 __all__ = [
@@ -93,7 +93,7 @@ def plausible_end_s(plan: FaultPlan, config: RunConfig) -> float:
     one chunk a round plus one round to start, times ``runtime.round_s``, plus every
     downtime of the plan.
 
-    >>> from rlaxkit.config import small_run_config
+    >>> from rlaxkit.config.run import small_run_config
     >>> plausible_end_s(FaultPlan(), small_run_config("steps=2", "runtime.chunk_steps=4"))
     520.0
     """

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rlaxkit.api import ChunkReply, FleetCheckpoint, SyncReply, Work
-from rlaxkit.controller import Issue
+from rlaxkit.rules.controller import Issue
 from rlaxkit.runtime.common import RunTrace
 
 _GATHER_ATTEMPTS = 3  # Worker deaths while a checkpoint gathers their state.

@@ -3,7 +3,7 @@ runs, in this process (``runtime.backend=local``) or as Ray actors (``ray``).
 
 ``TrainerHost`` holds the ``TrainState`` and the jitted ``make_train_step``, pushes to
 the parameter server and checkpoints; ``WorkerHost`` holds one
-``rlaxkit.worker.InferenceWorker`` and its reward runner. Both record trace events in
+``rlaxkit.worker.worker.InferenceWorker`` and its reward runner. Both record trace events in
 memory and hand them to the driver with each reply (typed messages of
 ``rlaxkit.api``), so one trace with one schema comes out of every placement. Running in
 this process changes only where arrays live: the local trainer's step keeps its
@@ -25,7 +25,7 @@ from typing import Any, Literal
 import jax
 
 from rlaxkit.param_server import ParameterServer, ParamServerConfig, TensorStoreParameterServer
-from rlaxkit.trace import MemoryTrace, TraceEvent
+from rlaxkit.rules.trace import MemoryTrace, TraceEvent
 
 # jax.config options copied from the driver into every actor (same platform, same
 # persistent compilation cache: a restarted actor does not compile again).

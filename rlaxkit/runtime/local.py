@@ -16,8 +16,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from rlaxkit.checkpoint import abstract_tree
-from rlaxkit.config import RunConfig
+from rlaxkit.config.run import RunConfig
 from rlaxkit.param_server import InProcessParameterServer, ParameterServer
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.concurrent import ConcurrentCollector
@@ -28,9 +27,10 @@ from rlaxkit.runtime.hosts import WeightStore, published_params, read_published
 from rlaxkit.runtime.placement import Parts
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
 from rlaxkit.runtime.trainer_client import InProcessTrainer, TrainerClient
-from rlaxkit.runtime.trainer_host import TrainerHost
-from rlaxkit.runtime.worker_host import WorkerHost
 from rlaxkit.tasks import RewardRunner
+from rlaxkit.trainer.checkpoint import abstract_tree
+from rlaxkit.trainer.host import TrainerHost
+from rlaxkit.worker.host import WorkerHost
 
 
 class InProcess:
@@ -58,7 +58,7 @@ class InProcess:
         Either way the results are fetched and scored on this thread, in worker order,
         so the run is the same run.
 
-        On XLA:CPU, ``rlaxkit.hostmem`` runs each program on the calling thread and a
+        On XLA:CPU, ``rlaxkit.util.hostmem`` runs each program on the calling thread and a
         chunk of the workers' engines runs on one core, so on a machine with a core per
         worker the threaded chunks decode side by side: 115.2-117.9 ms a step of the
         demo configuration at η = 2 against 126.9-131.4 ms one after another (two

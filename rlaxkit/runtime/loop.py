@@ -34,20 +34,20 @@ from typing import Any
 import numpy as np
 
 from rlaxkit.api import Fleet, SyncReply, TrainerClient, Work
-from rlaxkit.audit import AuditBook, AuditRecord
-from rlaxkit.batch import collate
-from rlaxkit.buffer import RolloutBuffer
-from rlaxkit.config import RunConfig
-from rlaxkit.controller import Issue, PromptController
-from rlaxkit.rollout import Rollout, RolloutGroup
-from rlaxkit.runtime.books import RunBooks, Window
+from rlaxkit.config.run import RunConfig
+from rlaxkit.data.batch import collate
+from rlaxkit.data.buffer import RolloutBuffer
+from rlaxkit.data.rollout import Rollout, RolloutGroup
+from rlaxkit.observe.tracking import Trackers
+from rlaxkit.rules.audit import AuditBook, AuditRecord
+from rlaxkit.rules.books import RunBooks, Window
+from rlaxkit.rules.controller import Issue, PromptController
+from rlaxkit.rules.validation import is_int
 from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
 from rlaxkit.runtime.faults import NoFaults
 from rlaxkit.runtime.placement import Parts
 from rlaxkit.runtime.stalls import check_drops, stalled
 from rlaxkit.tasks import REWARD_FAILURES
-from rlaxkit.tracking import Trackers
-from rlaxkit.validation import is_int
 
 SYNC_ATTEMPTS = 10  # syncs per round before a worker is left to retry next round
 
@@ -305,7 +305,7 @@ class Loop:
         staleness = [step - 1 - g.first_version for g in groups]
         now = self.clock()
         # Beside rounds the event comes after them, the push and the books: how long
-        # after the compute's end (``rlaxkit.trace.step_span``).
+        # after the compute's end (``rlaxkit.rules.trace.step_span``).
         after = {"after_s": max(0.0, now - t_call - result.duration_s)} if ahead else {}
         self.trace.record(
             now,

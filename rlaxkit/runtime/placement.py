@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlaxkit.config import RunConfig
+from rlaxkit.config.run import RunConfig
 
 if TYPE_CHECKING:
-    from rlaxkit.runtime.books import RunBooks
+    from rlaxkit.rules.books import RunBooks
     from rlaxkit.runtime.common import RunTrace
     from rlaxkit.runtime.faults import NoFaults
 

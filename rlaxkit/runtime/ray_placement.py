@@ -30,12 +30,11 @@ import ray
 from flax import nnx
 from ray.exceptions import RayActorError
 
-from rlaxkit.checkpoint import abstract_tree
-from rlaxkit.config import RunConfig
+from rlaxkit.config.ray import RayConfig, infeasible_requests, scheduled_workers
+from rlaxkit.config.run import RunConfig
 from rlaxkit.param_server import layout
 from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG, parameter_server_actor
-from rlaxkit.ray_config import RayConfig, infeasible_requests, scheduled_workers
-from rlaxkit.runtime.books import RunBooks
+from rlaxkit.rules.books import RunBooks
 from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.fleet import Fleet
@@ -44,8 +43,9 @@ from rlaxkit.runtime.placement import Parts
 from rlaxkit.runtime.ray_trainer_group import TrainerGroup, remote, stop_actor
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
 from rlaxkit.runtime.trainer_client import TrainerClient
-from rlaxkit.runtime.worker_host import WorkerHost
 from rlaxkit.tasks import RewardRunner
+from rlaxkit.trainer.checkpoint import abstract_tree
+from rlaxkit.worker.host import WorkerHost
 
 
 class RayTransport:

@@ -3,7 +3,7 @@
 ``RayConfig.trainer_processes = 1`` (the default) is one ``TrainerHost``, which Ray
 restarts when it dies. With ``N > 1`` the trainer is ``N``
 :class:`TrainerProcessActor`\\ s, usually one per host, forming one ``jax.distributed``
-process group (``rlaxkit.distributed``): SPMD, every process runs the same jitted train
+process group (``rlaxkit.trainer.distributed``): SPMD, every process runs the same jitted train
 step on the same batch over a ``(data, fsdp, model)`` mesh of all their devices, with
 the parameters and optimizer state sharded over it. The driver keeps talking to "the
 trainer" through :class:`TrainerGroup`, which sends every call to all processes and
@@ -48,13 +48,13 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlaxkit import distributed
 from rlaxkit.api import PublishReply
-from rlaxkit.batch import TrainBatch
-from rlaxkit.ray_config import RayConfig
+from rlaxkit.config.ray import RayConfig
+from rlaxkit.data.batch import TrainBatch
 from rlaxkit.runtime.build import warm_start
 from rlaxkit.runtime.hosts import configure_jax
-from rlaxkit.runtime.trainer_host import TrainerHost
+from rlaxkit.trainer import distributed
+from rlaxkit.trainer.host import TrainerHost
 
 
 @functools.cache
@@ -82,7 +82,7 @@ class TrainerProcess:
         process_id: its rank; 0 hosts the coordinator, pushes and reports.
         num_processes: processes in the group.
         mesh_shape: ``(data, fsdp, model)`` over every process's devices (one ``-1``
-            allowed: see ``rlaxkit.distributed.resolve_mesh_shape``).
+            allowed: see ``rlaxkit.trainer.distributed.resolve_mesh_shape``).
         coordinator_port: the coordinator's port on process 0's host (``None``: free).
     """
 

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlaxkit.rules.trace import TraceEvent
 from rlaxkit.runtime.driver import Experiment
-from rlaxkit.trace import TraceEvent
 from sim.calibrate import compiled_in_window
 
 __all__ = ["record_local_run"]

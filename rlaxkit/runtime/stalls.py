@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rlaxkit.config import RunConfig
+    from rlaxkit.config.run import RunConfig
     from rlaxkit.runtime.loop import Loop
 
 WARM_START_ADVICE = (
@@ -37,7 +37,7 @@ def check_start(
     (the held-out mean@1) other than ``p`` is a reward with partial credit, whose groups
     may differ without a correct sample: not refused.
 
-    >>> from rlaxkit.config import RunConfig
+    >>> from rlaxkit.config.run import RunConfig
     >>> check_start(RunConfig(), 0.2, 800)
     >>> check_start(RunConfig(), 0.0, 16)  # too few samples to tell
     >>> check_start(RunConfig(), 0.0, 800, mean_score=0.3)  # partial credit

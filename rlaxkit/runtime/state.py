@@ -1,7 +1,7 @@
 """One checkpoint codec for every placement: what a checkpoint holds, how the driver's
 books go in and come back, and the checks made before anything is read.
 
-A run's checkpoints live in ``RUN_DIR/checkpoints/<step>/`` (``rlaxkit.checkpoint.
+A run's checkpoints live in ``RUN_DIR/checkpoints/<step>/`` (``rlaxkit.trainer.checkpoint.
 CheckpointManager``: Orbax, atomic, newest ``CheckpointPolicy.keep`` kept), written by
 the trainer (in process, or every process of a Ray trainer group) with the driver's
 items in the same Orbax step, so a checkpoint half written when a process died is never
@@ -38,11 +38,11 @@ from typing import Any
 import jax
 
 from rlaxkit.api import FleetCheckpoint
-from rlaxkit.checkpoint import CheckpointManager
-from rlaxkit.config import RunConfig
-from rlaxkit.metrics import replace_lines
-from rlaxkit.runtime.books import RunBooks
-from rlaxkit.tracking import flatten
+from rlaxkit.config.run import RunConfig
+from rlaxkit.observe.metrics import replace_lines
+from rlaxkit.observe.tracking import flatten
+from rlaxkit.rules.books import RunBooks
+from rlaxkit.trainer.checkpoint import CheckpointManager
 
 FORMAT = 2
 JSON_ITEMS = ("meta", "controller", "buffer", "workers", "fleet", "faults", "history", "extra")

@@ -11,10 +11,10 @@ from typing import Any
 
 from rlaxkit.api import TrainResult
 from rlaxkit.param_server.base import tree_nbytes
-from rlaxkit.runtime.books import RunBooks
+from rlaxkit.rules.books import RunBooks
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.hosts import TrainerRestartedError
-from rlaxkit.runtime.trainer_host import TrainerHost
+from rlaxkit.trainer.host import TrainerHost
 
 _RECOVERY_WAIT_S = 120.0  # How long a restarting actor may take to answer again.
 logger = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ class TrainerClient:
         self, batch: Any, step: int, push: bool, during: Callable[[threading.Event], None]
     ) -> TrainResult:
         """The step with ``during`` beside it. A trainer in this process steps on this
-        thread (XLA:CPU's buffers stay in the main heap, ``rlaxkit.hostmem``) and
+        thread (XLA:CPU's buffers stay in the main heap, ``rlaxkit.util.hostmem``) and
         ``during`` runs on a helper thread; a Ray trainer steps in its own process(es)
         while ``during`` runs here. Either way ``during`` has returned, and the step
         too, before this returns or raises."""

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlaxkit.data.rollout import Rollout, RolloutGroup
 from rlaxkit.inference.results import ModelLike
-from rlaxkit.rollout import Rollout, RolloutGroup
 from rlaxkit.runtime.stalls import check_drops
 from rlaxkit.serve.config import AgentConfig, EndpointConfig
 from rlaxkit.serve.server import SESSION_HEADER, ChatEndpoint

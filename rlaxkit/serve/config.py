@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlaxkit.validation import check_int, check_number
+from rlaxkit.rules.validation import check_int, check_number
 
 __all__ = ["AgentConfig", "EndpointConfig"]
 

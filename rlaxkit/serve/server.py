@@ -37,11 +37,11 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from rlaxkit.data.rollout import Rollout
 from rlaxkit.inference import Completion, InferenceEngine, SamplingConfig
 from rlaxkit.inference.engine import WeightSource
 from rlaxkit.inference.results import ModelLike
 from rlaxkit.models.tokenizer import Tokenizer
-from rlaxkit.rollout import Rollout
 from rlaxkit.serve.chat import ChatFormat
 from rlaxkit.serve.config import EndpointConfig
 from rlaxkit.serve.protocol import ApiError, ChatRequest, error_body, parse_chat_request

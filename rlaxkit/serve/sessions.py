@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rlaxkit.rollout import ENVIRONMENT_VERSION, Rollout
+from rlaxkit.data.rollout import ENVIRONMENT_VERSION, Rollout
 from rlaxkit.serve.protocol import ApiError
 
 __all__ = ["Session", "SessionBook"]

@@ -74,6 +74,17 @@ from rlaxkit.tasks.datasets import (
     load_problems,
     write_problems,
 )
+from rlaxkit.tasks.episodes import (
+    Action,
+    Environment,
+    Episode,
+    EpisodeConfig,
+    EpisodicTask,
+    StepRecord,
+    StepResult,
+    episode_sampling,
+    run_episodes,
+)
 from rlaxkit.tasks.expressions import ExpressionError, evaluate_expression
 from rlaxkit.tasks.math_answers import (
     MathConfig,
@@ -101,6 +112,15 @@ from rlaxkit.tasks.sandbox import (
 )
 
 __all__ = [
+    "Action",
+    "Environment",
+    "Episode",
+    "EpisodeConfig",
+    "EpisodicTask",
+    "StepRecord",
+    "StepResult",
+    "episode_sampling",
+    "run_episodes",
     "CPU_TIME_LIMIT",
     "FORBIDDEN_OPERATION",
     "INVALID_EXPRESSION",

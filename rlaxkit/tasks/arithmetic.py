@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from rlaxkit.rules.validation import check_int
 from rlaxkit.tasks.base import (
     NO_ANSWER,
     WRONG_ANSWER,
@@ -29,7 +30,6 @@ from rlaxkit.tasks.base import (
 )
 from rlaxkit.tasks.expressions import ExpressionError, evaluate_expression
 from rlaxkit.tasks.registry import register_task
-from rlaxkit.validation import check_int
 
 if TYPE_CHECKING:
     from rlaxkit.tasks.datasets import SkippedRow

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, get_args, runtime_checkable
 
-from rlaxkit.validation import is_number
+from rlaxkit.rules.validation import is_number
 
 if TYPE_CHECKING:
     from rlaxkit.tasks.datasets import SkippedRow

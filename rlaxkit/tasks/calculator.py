@@ -3,7 +3,7 @@ and a calculator it may call in the middle of its answer.
 
 A problem is ``"417*38="``. The model may write ``<calc>417*38</calc>``; generation
 stops there, the calculator answers ``=15846`` and a newline, and the model goes on
-(``rlaxkit.episodes``). Its last turn is the answer, read like the arithmetic task's.
+(``rlaxkit.tasks.episodes``). Its last turn is the answer, read like the arithmetic task's.
 The calculator evaluates with ``ast`` (``calculate``), never ``eval``: numbers,
 ``+ - * / // %``, parentheses and unary minus, every value bounded; anything else gives
 an error observation (``=error: ...``), which the model sees and may learn from.
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from rlaxkit.episodes import Action, Episode, StepOutcome, StepResult
+from rlaxkit.rules.validation import check_int
 from rlaxkit.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from rlaxkit.tasks.base import (
     ChatTemplate,
@@ -46,8 +46,8 @@ from rlaxkit.tasks.base import (
     format_prompt,
     stable_id,
 )
+from rlaxkit.tasks.episodes import Action, Episode, StepOutcome, StepResult
 from rlaxkit.tasks.registry import register_task
-from rlaxkit.validation import check_int
 
 if TYPE_CHECKING:
     from rlaxkit.tasks.datasets import SkippedRow
@@ -183,7 +183,7 @@ class CalculatorTask(SeededProblems):
         self._observation = re.compile(close + r"=[^\n]*\n")
 
     def make_environment(self) -> CalculatorEnvironment:
-        """A fresh environment for one episode (``rlaxkit.episodes.EpisodicTask``)."""
+        """A fresh environment for one episode (``rlaxkit.tasks.episodes.EpisodicTask``)."""
         return CalculatorEnvironment(self)
 
     def format_prompt(self, problem: Problem, chat: ChatTemplate | None = None) -> str:
@@ -258,7 +258,7 @@ _ERROR_TEXTS: Final = (
 
 
 class CalculatorEnvironment:
-    """One calculator episode (``rlaxkit.episodes.Environment``).
+    """One calculator episode (``rlaxkit.tasks.episodes.Environment``).
 
     A turn that ends with ``call_close`` is a tool call: the expression after the last
     ``call_open`` is calculated and ``=value`` (or ``=error: ...``; without the tool,

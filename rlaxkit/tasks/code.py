@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlaxkit.rules.validation import check_int, is_number
 from rlaxkit.tasks.base import (
     NO_ANSWER,
     TESTS_FAILED,
@@ -41,7 +42,6 @@ from rlaxkit.tasks.datasets import (
 )
 from rlaxkit.tasks.registry import register_task
 from rlaxkit.tasks.sandbox import SandboxLimits, run_python
-from rlaxkit.validation import check_int, is_number
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 

@@ -1,6 +1,6 @@
 """Code with test feedback: the model writes a program, the sandbox runs it on the
 problem's tests, the failing tests come back as the observation, and the model may try
-again, up to ``max_attempts`` turns (``rlaxkit.episodes``).
+again, up to ``max_attempts`` turns (``rlaxkit.tasks.episodes``).
 
 Every policy turn is one attempt: the program is read from it as the code task reads a
 completion (``extract_code``: the last fenced block, else the whole turn), and each test
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from rlaxkit.episodes import Action, Episode, StepOutcome, StepResult
+from rlaxkit.rules.validation import check_int
 from rlaxkit.tasks.base import (
     NO_ANSWER,
     TESTS_FAILED,
@@ -54,9 +54,9 @@ from rlaxkit.tasks.code import (
     extract_code,
     outputs_match,
 )
+from rlaxkit.tasks.episodes import Action, Episode, StepOutcome, StepResult
 from rlaxkit.tasks.registry import register_task
 from rlaxkit.tasks.sandbox import run_python
-from rlaxkit.validation import check_int
 
 __all__ = [
     "CodeToolsConfig",
@@ -137,7 +137,7 @@ class CodeToolsTask:
         return self.code.problems(split, n)
 
     def make_environment(self) -> CodeToolsEnvironment:
-        """A fresh environment for one episode (``rlaxkit.episodes.EpisodicTask``)."""
+        """A fresh environment for one episode (``rlaxkit.tasks.episodes.EpisodicTask``)."""
         return CodeToolsEnvironment(self)
 
     def format_prompt(self, problem: Problem, chat: ChatTemplate | None = None) -> str:
@@ -209,7 +209,7 @@ class CodeToolsTask:
 
 
 class CodeToolsEnvironment:
-    """One episode of code with test feedback (``rlaxkit.episodes.Environment``).
+    """One episode of code with test feedback (``rlaxkit.tasks.episodes.Environment``).
 
     Each ``step`` is an attempt: it is numbered when it starts (so a step cut by the
     episode's timeout still uses up its attempt) and ends the episode when all tests

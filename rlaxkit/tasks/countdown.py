@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
+from rlaxkit.rules.validation import check_int
 from rlaxkit.tasks.base import (
     INVALID_EXPRESSION,
     NO_ANSWER,
@@ -33,7 +34,6 @@ from rlaxkit.tasks.base import (
 )
 from rlaxkit.tasks.expressions import ExpressionError, evaluate_expression, render
 from rlaxkit.tasks.registry import register_task
-from rlaxkit.validation import check_int
 
 if TYPE_CHECKING:
     from rlaxkit.tasks.datasets import SkippedRow

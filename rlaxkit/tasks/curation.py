@@ -28,11 +28,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from rlaxkit.rules.validation import is_number
 from rlaxkit.tasks.base import ChatTemplate, Problem, Task, check_choice, check_range, split_of
 from rlaxkit.tasks.datasets import write_problems
 from rlaxkit.tasks.policy import TextPolicy, sample_and_score
 from rlaxkit.tasks.runner import RewardRunner
-from rlaxkit.validation import is_number
 
 DedupMode = Literal["none", "exact", "normalised"]
 HoldoutBy = Literal["none", "id", "time"]

@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rlaxkit.rules.validation import is_int
 from rlaxkit.tasks.base import Problem, check_choice, stable_id
-from rlaxkit.validation import is_int
 
 FileFormat = Literal["auto", "jsonl", "parquet"]
 OnError = Literal["raise", "skip"]

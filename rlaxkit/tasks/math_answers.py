@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
+from rlaxkit.rules.validation import check_int
 from rlaxkit.tasks.base import (
     NO_ANSWER,
     WRONG_ANSWER,
@@ -40,7 +41,6 @@ from rlaxkit.tasks.datasets import (
 )
 from rlaxkit.tasks.expressions import render
 from rlaxkit.tasks.registry import register_task
-from rlaxkit.validation import check_int
 
 AnswerFallback = Literal["none", "last_number"]
 _BOX_COMMANDS = ("\\boxed", "\\fbox")

@@ -7,7 +7,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from rlaxkit.configio import convert
+from rlaxkit.config.io import convert
 from rlaxkit.tasks.base import Task
 
 _REGISTRY: dict[str, tuple[type, Callable[[Any], Task]]] = {}

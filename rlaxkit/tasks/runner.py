@@ -44,6 +44,7 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
+from rlaxkit.rules.validation import check_int
 from rlaxkit.tasks.base import (
     INVALID_REWARD,
     REWARD_CRASHED,
@@ -55,7 +56,6 @@ from rlaxkit.tasks.base import (
     Task,
     check_choice,
 )
-from rlaxkit.validation import check_int
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,104 @@
+"""What a run shows of itself: metrics files, trackers (TensorBoard, W&B, MLflow), the
+figures of a run, Perfetto exports of its trace, and the drift attribution of its
+importance ratios.
+
+Names are imported on first use: importing one module of the package does not import
+the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlaxkit.observe.drift import DriftProbe, drift_metrics
+    from rlaxkit.observe.metrics import MetricsLogger, read_metrics
+    from rlaxkit.observe.perfetto import PerfettoExport, export_perfetto
+    from rlaxkit.observe.plotting import (
+        audit_figure,
+        compare_runs_figure,
+        comparison_figure,
+        curves_figure,
+        drift_figure,
+        drops_figure,
+        overlay_figure,
+        pass_at_k_figure,
+        plot_run,
+        reward_figure,
+        scaling_figure,
+        staleness_figure,
+        throughput_figure,
+        timeline_figure,
+        trace_overlay_figure,
+        update_figure,
+    )
+    from rlaxkit.observe.tracking import Tracker, TrackerName, Trackers, open_trackers
+
+_MODULES = {
+    "drift_metrics": "drift",
+    "DriftProbe": "drift",
+    "MetricsLogger": "metrics",
+    "read_metrics": "metrics",
+    "export_perfetto": "perfetto",
+    "PerfettoExport": "perfetto",
+    "audit_figure": "plotting",
+    "compare_runs_figure": "plotting",
+    "comparison_figure": "plotting",
+    "curves_figure": "plotting",
+    "drift_figure": "plotting",
+    "drops_figure": "plotting",
+    "overlay_figure": "plotting",
+    "pass_at_k_figure": "plotting",
+    "plot_run": "plotting",
+    "reward_figure": "plotting",
+    "scaling_figure": "plotting",
+    "staleness_figure": "plotting",
+    "throughput_figure": "plotting",
+    "timeline_figure": "plotting",
+    "trace_overlay_figure": "plotting",
+    "update_figure": "plotting",
+    "open_trackers": "tracking",
+    "Tracker": "tracking",
+    "TrackerName": "tracking",
+    "Trackers": "tracking",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "audit_figure",
+    "compare_runs_figure",
+    "comparison_figure",
+    "curves_figure",
+    "drift_figure",
+    "drift_metrics",
+    "DriftProbe",
+    "drops_figure",
+    "export_perfetto",
+    "MetricsLogger",
+    "open_trackers",
+    "overlay_figure",
+    "pass_at_k_figure",
+    "PerfettoExport",
+    "plot_run",
+    "read_metrics",
+    "reward_figure",
+    "scaling_figure",
+    "staleness_figure",
+    "throughput_figure",
+    "timeline_figure",
+    "trace_overlay_figure",
+    "Tracker",
+    "TrackerName",
+    "Trackers",
+    "update_figure",
+]

@@ -1,0 +1,104 @@
+"""The trainer: its configs and state, the optimizer, sharding, the jitted train step,
+log-probs, supervised warm starts, checkpoints, multi-process training and the
+distillation teacher. The trainer's host (``rlaxkit.trainer.host``), which the runtime
+drives, is not part of this surface.
+
+Names are imported on first use: importing one module of the package does not import
+the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlaxkit.trainer.checkpoint import (
+        CheckpointDamaged,
+        CheckpointManager,
+        restore_train_state,
+        save_train_state,
+    )
+    from rlaxkit.trainer.distributed import DistributedConfig
+    from rlaxkit.trainer.logprobs import (
+        entropy_from_logits,
+        logprobs_and_entropy,
+        logprobs_from_logits,
+        token_logprobs,
+    )
+    from rlaxkit.trainer.sft import SFTConfig, encode_demonstrations, supervised_warm_start
+    from rlaxkit.trainer.step import (
+        OptimizerConfig,
+        PackedTrainStep,
+        PreparedBatch,
+        TrainConfig,
+        TrainState,
+        create_train_state,
+        make_mesh,
+        make_optimizer,
+        make_train_step,
+        shard_batch,
+        shard_train_state,
+    )
+
+_MODULES = {
+    "CheckpointDamaged": "checkpoint",
+    "CheckpointManager": "checkpoint",
+    "restore_train_state": "checkpoint",
+    "save_train_state": "checkpoint",
+    "DistributedConfig": "distributed",
+    "entropy_from_logits": "logprobs",
+    "logprobs_and_entropy": "logprobs",
+    "logprobs_from_logits": "logprobs",
+    "token_logprobs": "logprobs",
+    "encode_demonstrations": "sft",
+    "SFTConfig": "sft",
+    "supervised_warm_start": "sft",
+    "create_train_state": "step",
+    "make_mesh": "step",
+    "make_optimizer": "step",
+    "make_train_step": "step",
+    "OptimizerConfig": "step",
+    "PackedTrainStep": "step",
+    "PreparedBatch": "step",
+    "shard_batch": "step",
+    "shard_train_state": "step",
+    "TrainConfig": "step",
+    "TrainState": "step",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "CheckpointDamaged",
+    "CheckpointManager",
+    "create_train_state",
+    "DistributedConfig",
+    "encode_demonstrations",
+    "entropy_from_logits",
+    "logprobs_and_entropy",
+    "logprobs_from_logits",
+    "make_mesh",
+    "make_optimizer",
+    "make_train_step",
+    "OptimizerConfig",
+    "PackedTrainStep",
+    "PreparedBatch",
+    "restore_train_state",
+    "save_train_state",
+    "SFTConfig",
+    "shard_batch",
+    "shard_train_state",
+    "supervised_warm_start",
+    "token_logprobs",
+    "TrainConfig",
+    "TrainState",
+]
