@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rlaxkit.worker.replay_log import Decode, ReplayLog, Submit, UpdateWeights, parse_ops
-from rlaxkit.worker.worker import replay_log
+from rlaxkit.worker import replay_log
 
 
 def recorded_log() -> ReplayLog:
