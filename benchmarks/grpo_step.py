@@ -76,12 +76,9 @@ from rlaxkit.inference import SamplingConfig, compile_generate, generate  # noqa
 from rlaxkit.inference.config import MIN_LENGTH_BUCKET  # noqa: E402
 from rlaxkit.models import CharTokenizer, ModelConfig, Transformer  # noqa: E402
 from rlaxkit.tasks.arithmetic import ArithmeticConfig, ArithmeticTask  # noqa: E402
-from rlaxkit.trainer.step import (  # noqa: E402
-    OptimizerConfig,
-    TrainConfig,
-    create_train_state,
-    make_train_step,
-)
+from rlaxkit.trainer.config import OptimizerConfig, TrainConfig  # noqa: E402
+from rlaxkit.trainer.state import create_train_state  # noqa: E402
+from rlaxkit.trainer.step import make_train_step  # noqa: E402
 from rlaxkit.util.jaxutil import (  # noqa: E402
     count_compilations,
     hold_background_compiles,

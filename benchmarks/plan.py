@@ -55,7 +55,8 @@ from train_step import QUICK, make_batch, step_flops  # noqa: E402
 from rlaxkit.algorithms import algorithm  # noqa: E402
 from rlaxkit.models import Transformer  # noqa: E402
 from rlaxkit.planning import Plan, load_plan_config, plan  # noqa: E402
-from rlaxkit.trainer.step import TrainConfig, create_train_state  # noqa: E402
+from rlaxkit.trainer.config import TrainConfig  # noqa: E402
+from rlaxkit.trainer.state import create_train_state  # noqa: E402
 
 GIB = 1024**3
 

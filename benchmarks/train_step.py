@@ -61,12 +61,9 @@ from flax import nnx  # noqa: E402
 from rlaxkit.algorithms import algorithm  # noqa: E402
 from rlaxkit.data.batch import TrainBatch  # noqa: E402
 from rlaxkit.models import ModelConfig, Transformer  # noqa: E402
-from rlaxkit.trainer.step import (  # noqa: E402
-    OptimizerConfig,
-    TrainConfig,
-    create_train_state,
-    make_train_step,
-)
+from rlaxkit.trainer.config import OptimizerConfig, TrainConfig  # noqa: E402
+from rlaxkit.trainer.state import create_train_state  # noqa: E402
+from rlaxkit.trainer.step import make_train_step  # noqa: E402
 from rlaxkit.util.jaxutil import count_compilations, matmul_peak_flops  # noqa: E402
 
 TARGET_MFU = 0.4

@@ -60,12 +60,9 @@ from rlaxkit.param_server.delta import (  # noqa: E402
     chunk_checksums,
 )
 from rlaxkit.param_server.delta_store import DeltaParameterServer, delta_keep  # noqa: E402
-from rlaxkit.trainer.step import (  # noqa: E402
-    OptimizerConfig,
-    TrainConfig,
-    create_train_state,
-    make_train_step,
-)
+from rlaxkit.trainer.config import OptimizerConfig, TrainConfig  # noqa: E402
+from rlaxkit.trainer.state import create_train_state  # noqa: E402
+from rlaxkit.trainer.step import make_train_step  # noqa: E402
 
 VOCAB = 4096
 CHUNK_SIZES = (4096, 65536, 1 << 20)

@@ -8,7 +8,9 @@ from test_trainer import OPTIMIZER, batch_of, model_parts
 
 from rlaxkit.algorithms import algorithm
 from rlaxkit.trainer.checkpoint import CheckpointManager, restore_train_state, save_train_state
-from rlaxkit.trainer.step import TrainConfig, create_train_state, make_train_step
+from rlaxkit.trainer.config import TrainConfig
+from rlaxkit.trainer.state import create_train_state
+from rlaxkit.trainer.step import make_train_step
 
 CFG = TrainConfig(algorithm=algorithm("grpo"), optimizer=OPTIMIZER)
 

@@ -20,14 +20,10 @@ from rlaxkit.data.batch import BucketSpec, Sample, collate
 from rlaxkit.models import ModelConfig, Transformer, positions_from_mask, save_hf_checkpoint
 from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.build import build_task, char_tokenizer, check_inputs
+from rlaxkit.trainer.config import OptimizerConfig, TrainConfig
 from rlaxkit.trainer.logprobs import token_logprobs
-from rlaxkit.trainer.step import (
-    OptimizerConfig,
-    TrainConfig,
-    create_train_state,
-    make_prepare_fn,
-    make_train_step,
-)
+from rlaxkit.trainer.state import create_train_state
+from rlaxkit.trainer.step import make_prepare_fn, make_train_step
 from rlaxkit.trainer.teacher import distill_config, initial_train_state
 
 CONFIG = ModelConfig(

@@ -20,12 +20,14 @@ import pytest
 from test_trainer import OPTIMIZER, batch_of, model_parts
 
 from rlaxkit.algorithms import algorithm
+from rlaxkit.trainer.config import TrainConfig
 from rlaxkit.trainer.distributed import (
     DistributedConfig,
     initialize,
     resolve_mesh_shape,
 )
-from rlaxkit.trainer.step import TrainConfig, create_train_state, make_train_step
+from rlaxkit.trainer.state import create_train_state
+from rlaxkit.trainer.step import make_train_step
 
 # Weights split over the two processes by fsdp, then by model (tensor) parallelism.
 MESHES = ((1, 2, 1), (1, 1, 2))
@@ -43,7 +45,9 @@ SCRIPT = textwrap.dedent(
     from test_trainer import OPTIMIZER, batch_of, model_parts
     from rlaxkit.algorithms import algorithm
     from rlaxkit.trainer.checkpoint import CheckpointManager, restore_train_state, save_train_state
-    from rlaxkit.trainer.step import TrainConfig, create_train_state, make_train_step
+    from rlaxkit.trainer.config import TrainConfig
+    from rlaxkit.trainer.state import create_train_state
+    from rlaxkit.trainer.step import make_train_step
 
     assert jax.process_count() == 2 and jax.local_device_count() == 1, jax.devices()
     graphdef, params = model_parts()

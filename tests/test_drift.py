@@ -11,7 +11,9 @@ from rlaxkit.models import ModelConfig, Transformer
 from rlaxkit.observe.drift import DriftProbe, drift_metrics
 from rlaxkit.param_server import InProcessParameterServer
 from rlaxkit.runtime import Experiment
-from rlaxkit.trainer.step import OptimizerConfig, TrainConfig, create_train_state, make_train_step
+from rlaxkit.trainer.config import OptimizerConfig, TrainConfig
+from rlaxkit.trainer.state import create_train_state
+from rlaxkit.trainer.step import make_train_step
 
 CONFIG = ModelConfig(
     family="qwen3",

@@ -24,8 +24,6 @@ KNOWN_CYCLES = [
     # advantages and objective name their config types; the configs check names against
     # their registries.
     ["rlaxkit.algorithms.advantages", "rlaxkit.algorithms.config", "rlaxkit.algorithms.objective"],
-    # drift names the configs whose step calls it.
-    ["rlaxkit.config.run", "rlaxkit.observe.drift", "rlaxkit.trainer.step"],
     # a plan's target is checked by the TPU module, which reads the chip table.
     ["rlaxkit.planning.specs", "rlaxkit.planning.tpu"],
     # the driver and its placements and faults name one another.
@@ -59,7 +57,7 @@ KNOWN_CYCLES = [
 MAX_LINES = 500
 # Modules over the limit and their size when listed: a module may shrink, not grow.
 LONG_MODULES = {
-    "rlaxkit/trainer/step.py": 962,
+    "rlaxkit/trainer/step.py": 607,
     "rlaxkit/inference/engine.py": 923,
     "rlaxkit/cli.py": 780,
     "rlaxkit/tasks/sandbox.py": 677,

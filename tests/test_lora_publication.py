@@ -17,7 +17,8 @@ from rlaxkit.param_server import (
     tree_nbytes,
 )
 from rlaxkit.param_server.ray_store import ParameterServerActor
-from rlaxkit.trainer.step import create_train_state, make_train_step
+from rlaxkit.trainer.state import create_train_state
+from rlaxkit.trainer.step import make_train_step
 
 STEPS = 4
 

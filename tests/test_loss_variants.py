@@ -201,8 +201,10 @@ def test_the_trainer_drops_rejected_tokens_from_the_loss_and_the_normaliser():
     from rlaxkit.algorithms import algorithm
     from rlaxkit.data.batch import BucketSpec, Sample, collate
     from rlaxkit.models import ModelConfig, Transformer, positions_from_mask
+    from rlaxkit.trainer.config import TrainConfig
     from rlaxkit.trainer.logprobs import token_logprobs
-    from rlaxkit.trainer.step import TrainConfig, create_train_state, make_gradient_fn
+    from rlaxkit.trainer.state import create_train_state
+    from rlaxkit.trainer.step import make_gradient_fn
 
     config = ModelConfig(
         family="qwen3", vocab_size=16, hidden_size=16, intermediate_size=32,

@@ -28,15 +28,10 @@ from rlaxkit.models import (
     unstack_layers,
 )
 from rlaxkit.trainer.checkpoint import CheckpointManager, restore_train_state, save_train_state
-from rlaxkit.trainer.step import (
-    OptimizerConfig,
-    TrainConfig,
-    create_train_state,
-    make_gradient_fn,
-    make_optimizer,
-    make_train_step,
-    param_partition_spec,
-)
+from rlaxkit.trainer.config import OptimizerConfig, TrainConfig
+from rlaxkit.trainer.sharding import param_partition_spec
+from rlaxkit.trainer.state import create_train_state, make_optimizer
+from rlaxkit.trainer.step import make_gradient_fn, make_train_step
 from rlaxkit.util.jaxutil import count_compilations
 
 SCAN = CONFIG.replace(scan_layers=True)
@@ -194,10 +189,10 @@ SHARDED = textwrap.dedent(
     from test_trainer import CONFIG, OPTIMIZER, batch_of, relative_error
     from rlaxkit.algorithms import algorithm
     from rlaxkit.models import Transformer, unstack_layers
-    from rlaxkit.trainer.step import (
-        TrainConfig, create_train_state, make_mesh, make_train_step, shard_batch,
-        shard_train_state,
-    )
+    from rlaxkit.trainer.config import TrainConfig
+    from rlaxkit.trainer.state import create_train_state
+    from rlaxkit.trainer.sharding import make_mesh, shard_batch, shard_train_state
+    from rlaxkit.trainer.step import make_train_step
 
     def run(config, remat, mesh):
         graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))

@@ -27,12 +27,10 @@ from rlaxkit.planning import (
     load_plan_config,
 )
 from rlaxkit.planning.compile import compile_train
-from rlaxkit.trainer.step import (
-    TrainConfig,
-    create_train_state,
-    make_train_step,
-    param_partition_spec,
-)
+from rlaxkit.trainer.config import TrainConfig
+from rlaxkit.trainer.sharding import param_partition_spec
+from rlaxkit.trainer.state import create_train_state
+from rlaxkit.trainer.step import make_train_step
 
 GIB = 1024**3
 TINY = ModelConfig(

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rlaxkit.worker.replay_log import Decode, ReplayLog, Submit, UpdateWeights, parse_ops
 from rlaxkit.worker import replay_log
+from rlaxkit.worker.replay_log import Decode, ReplayLog, Submit, UpdateWeights, parse_ops
 
 
 def recorded_log() -> ReplayLog:

@@ -70,7 +70,7 @@ def test_plan_figures_equal_a_direct_compile():
     from rlaxkit.inference.programs import _decode_steps, init_state, step_config
     from rlaxkit.inference.results import StaticGraph
     from rlaxkit.planning.compile import compile_programs
-    from rlaxkit.trainer.step import state_shardings
+    from rlaxkit.trainer.sharding import state_shardings
 
     config = PlanConfig(
         model="qwen2.5-0.5b",

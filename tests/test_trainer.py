@@ -12,16 +12,10 @@ from flax import nnx
 from rlaxkit.algorithms import ValueModel, aggregation_weights, algorithm
 from rlaxkit.data.batch import BucketSpec, Sample, collate
 from rlaxkit.models import ModelConfig, Transformer, positions_from_mask
+from rlaxkit.trainer.config import OptimizerConfig, TrainConfig
 from rlaxkit.trainer.logprobs import token_logprobs
-from rlaxkit.trainer.step import (
-    OptimizerConfig,
-    TrainConfig,
-    create_train_state,
-    learning_rate_schedule,
-    make_gradient_fn,
-    make_optimizer,
-    make_train_step,
-)
+from rlaxkit.trainer.state import create_train_state, learning_rate_schedule, make_optimizer
+from rlaxkit.trainer.step import make_gradient_fn, make_train_step
 from rlaxkit.util.jaxutil import count_compilations
 
 CONFIG = ModelConfig(

@@ -12,7 +12,9 @@ from test_trainer import OPTIMIZER, batch_of, model_parts, relative_error
 
 from rlaxkit.algorithms import algorithm
 from rlaxkit.models.lora import LoraConfig, adapter_nbytes, merge_adapters
-from rlaxkit.trainer.step import TrainConfig, create_train_state, make_gradient_fn, make_train_step
+from rlaxkit.trainer.config import TrainConfig
+from rlaxkit.trainer.state import create_train_state
+from rlaxkit.trainer.step import make_gradient_fn, make_train_step
 from rlaxkit.util.jaxutil import count_compilations
 
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "up_proj", "down_proj"))

@@ -11,12 +11,9 @@ from test_trainer import CONFIG, OPTIMIZER, batch_of, model_parts, on_policy
 
 from rlaxkit.algorithms import PRESETS, ValueModel, algorithm
 from rlaxkit.models import positions_from_mask
-from rlaxkit.trainer.step import (
-    PreparedBatch,
-    TrainConfig,
-    create_train_state,
-    make_prepare_fn,
-)
+from rlaxkit.trainer.config import TrainConfig
+from rlaxkit.trainer.state import create_train_state
+from rlaxkit.trainer.step import PreparedBatch, make_prepare_fn
 
 OPTIONAL = ("returns", "old_values", "ref_logprobs", "proximal_logprobs")
 

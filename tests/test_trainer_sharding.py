@@ -18,10 +18,10 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from test_trainer import OPTIMIZER, batch_of, model_parts
     from rlaxkit.algorithms import algorithm
-    from rlaxkit.trainer.step import (
-        TrainConfig, create_train_state, make_mesh, make_train_step, shard_batch,
-        shard_train_state,
-    )
+    from rlaxkit.trainer.config import TrainConfig
+    from rlaxkit.trainer.state import create_train_state
+    from rlaxkit.trainer.sharding import make_mesh, shard_batch, shard_train_state
+    from rlaxkit.trainer.step import make_train_step
 
     assert jax.device_count() == 4, jax.devices()
     graphdef, params = model_parts()

@@ -40,8 +40,8 @@ from rlaxkit.rules.validation import check_int, check_number
 from rlaxkit.serve.config import AgentConfig
 from rlaxkit.tasks.episodes import EpisodeConfig
 from rlaxkit.tasks.registry import build_config, task_config_class
+from rlaxkit.trainer.config import OptimizerConfig
 from rlaxkit.trainer.sft import SFTConfig
-from rlaxkit.trainer.step import OptimizerConfig
 
 
 def _tiny_model() -> ModelConfig:
@@ -135,7 +135,7 @@ class AlgorithmSpec:
 @dataclass(frozen=True, kw_only=True)
 class TrainerSpec:
     """How a batch is cut into updates, and what is trained (see
-    ``rlaxkit.trainer.step.TrainConfig``): every weight, or LoRA adapters (``lora``, e.g.
+    ``rlaxkit.trainer.config.TrainConfig``): every weight, or LoRA adapters (``lora``, e.g.
     ``--set trainer.lora.rank=8``)."""
 
     micro_batches: int = 1

@@ -50,7 +50,7 @@ from rlaxkit.util.jaxutil import Packed
 
 if TYPE_CHECKING:  # both import this module's users; annotations only
     from rlaxkit.config.run import RunConfig
-    from rlaxkit.trainer.step import TrainConfig
+    from rlaxkit.trainer.config import TrainConfig
 
 __all__ = [
     "DriftProbe",

@@ -65,14 +65,10 @@ from rlaxkit.models.lora import LoraConfig
 from rlaxkit.planning.costs import ProgramCost
 from rlaxkit.planning.specs import PlanConfig, Remat
 from rlaxkit.planning.tpu import parse_topology, topology_for, tpu_mesh
-from rlaxkit.trainer.step import (
-    BATCH_AXES,
-    TrainConfig,
-    create_train_state,
-    make_mesh,
-    make_train_step,
-    state_shardings,
-)
+from rlaxkit.trainer.config import TrainConfig
+from rlaxkit.trainer.sharding import BATCH_AXES, make_mesh, state_shardings
+from rlaxkit.trainer.state import create_train_state
+from rlaxkit.trainer.step import make_train_step
 
 
 def _with_shardings(tree: Any, shardings: Any) -> Any:

@@ -152,7 +152,7 @@ class PlanConfig:
         rows: sequences per train step (the global batch).
         prompt_tokens, completion_tokens: the trained sequence is their sum.
         micro_batches: gradient-accumulation chunks per step.
-        remat: activation checkpointing (``rlaxkit.trainer.step.TrainConfig.remat``).
+        remat: activation checkpointing (``rlaxkit.trainer.config.TrainConfig.remat``).
         scan_layers: stacked blocks under ``lax.scan`` (``ModelConfig.scan_layers``).
         master_dtype: dtype of the trained weights and the AdamW moments.
         compute_dtype: dtype of the forward and backward pass, of the sampler's weights

@@ -27,8 +27,8 @@ from rlaxkit.models import (
 )
 from rlaxkit.rules.validation import check_tokenizer_fits
 from rlaxkit.tasks import Task, make_task
+from rlaxkit.trainer.config import TrainConfig
 from rlaxkit.trainer.sft import supervised_warm_start
-from rlaxkit.trainer.step import TrainConfig
 from rlaxkit.trainer.teacher import check_teacher, distill_config
 
 

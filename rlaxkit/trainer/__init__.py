@@ -1,7 +1,8 @@
-"""The trainer: its configs and state, the optimizer, sharding, the jitted train step,
-log-probs, supervised warm starts, checkpoints, multi-process training and the
-distillation teacher. The trainer's host (``rlaxkit.trainer.host``), which the runtime
-drives, is not part of this surface.
+"""The trainer: its configs (``config``), its state and optimizer (``state``), how both
+lie on a mesh (``sharding``), the jitted train step (``step``), log-probs, supervised
+warm starts, checkpoints, multi-process training and the distillation teacher. The
+trainer's host (``rlaxkit.trainer.host``), which the runtime drives, is not part of this
+surface.
 
 Names are imported on first use: importing one module of the package does not import
 the others.
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
         restore_train_state,
         save_train_state,
     )
+    from rlaxkit.trainer.config import OptimizerConfig, TrainConfig
     from rlaxkit.trainer.distributed import DistributedConfig
     from rlaxkit.trainer.logprobs import (
         entropy_from_logits,
@@ -27,19 +29,9 @@ if TYPE_CHECKING:
         token_logprobs,
     )
     from rlaxkit.trainer.sft import SFTConfig, encode_demonstrations, supervised_warm_start
-    from rlaxkit.trainer.step import (
-        OptimizerConfig,
-        PackedTrainStep,
-        PreparedBatch,
-        TrainConfig,
-        TrainState,
-        create_train_state,
-        make_mesh,
-        make_optimizer,
-        make_train_step,
-        shard_batch,
-        shard_train_state,
-    )
+    from rlaxkit.trainer.sharding import make_mesh, shard_batch, shard_train_state
+    from rlaxkit.trainer.state import TrainState, create_train_state, make_optimizer
+    from rlaxkit.trainer.step import PackedTrainStep, PreparedBatch, make_train_step
 
 _MODULES = {
     "CheckpointDamaged": "checkpoint",
@@ -54,17 +46,17 @@ _MODULES = {
     "encode_demonstrations": "sft",
     "SFTConfig": "sft",
     "supervised_warm_start": "sft",
-    "create_train_state": "step",
-    "make_mesh": "step",
-    "make_optimizer": "step",
+    "create_train_state": "state",
+    "make_mesh": "sharding",
+    "make_optimizer": "state",
     "make_train_step": "step",
-    "OptimizerConfig": "step",
+    "OptimizerConfig": "config",
     "PackedTrainStep": "step",
     "PreparedBatch": "step",
-    "shard_batch": "step",
-    "shard_train_state": "step",
-    "TrainConfig": "step",
-    "TrainState": "step",
+    "shard_batch": "sharding",
+    "shard_train_state": "sharding",
+    "TrainConfig": "config",
+    "TrainState": "state",
 }
 
 

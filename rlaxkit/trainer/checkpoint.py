@@ -34,7 +34,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from rlaxkit.rules.validation import check_int
-from rlaxkit.trainer.step import TrainState, state_shardings
+from rlaxkit.trainer.sharding import state_shardings
+from rlaxkit.trainer.state import TrainState
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 TRAIN_STATE = "train_state"

@@ -12,7 +12,7 @@ from one process:
   variables (:meth:`DistributedConfig.from_env`), with errors that name the field.
   It must run before anything touches a JAX device.
 - :func:`global_mesh` builds the trainer's ``(data, fsdp, model)`` mesh over all
-  processes' devices (``rlaxkit.trainer.step.make_mesh``).
+  processes' devices (``rlaxkit.trainer.sharding.make_mesh``).
 - :func:`place_global` (and :func:`place_train_state`, :func:`place_batch`) turn a
   value every process holds in full, in host memory, into global arrays laid out on the
   mesh: each process contributes the shards its own devices hold.
@@ -45,7 +45,8 @@ from jax.sharding import PartitionSpec as P
 
 from rlaxkit.data.batch import TrainBatch
 from rlaxkit.rules.validation import check_int, is_int
-from rlaxkit.trainer.step import BATCH_AXES, TrainState, make_mesh, state_shardings
+from rlaxkit.trainer.sharding import BATCH_AXES, make_mesh, state_shardings
+from rlaxkit.trainer.state import TrainState
 
 __all__ = [
     "DistributedConfig",
@@ -304,14 +305,14 @@ def place_global(tree: Any, shardings: Any) -> Any:
 
 
 def place_train_state(state: TrainState, mesh: Mesh) -> TrainState:
-    """``state`` laid out on ``mesh`` with ``rlaxkit.trainer.step.state_shardings``: the
-    multi-process counterpart of ``rlaxkit.trainer.step.shard_train_state``."""
+    """``state`` laid out on ``mesh`` with ``rlaxkit.trainer.sharding.state_shardings``: the
+    multi-process counterpart of ``rlaxkit.trainer.sharding.shard_train_state``."""
     return place_global(state, state_shardings(state, mesh))
 
 
 def place_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
     """``batch`` with its rows split over ``data × fsdp``: the multi-process counterpart
-    of ``rlaxkit.trainer.step.shard_batch``."""
+    of ``rlaxkit.trainer.sharding.shard_batch``."""
     rows = NamedSharding(mesh, P(BATCH_AXES))
     return place_global(batch, jax.tree.map(lambda _: rows, batch))
 

@@ -1,4 +1,4 @@
-"""The trainer: ``TrainState``, AdamW, and one jitted, sharded RL train step.
+"""One jitted, sharded RL train step over a ``TrainState`` (``rlaxkit.trainer.state``).
 
 ``make_train_step(cfg, graphdef)`` returns ``train_step(state, batch) -> (state, metrics)``.
 One call consumes one ``TrainBatch`` (one weight version):
@@ -26,22 +26,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rlaxkit.algorithms import (
     AdvantageInputs,
-    AlgorithmConfig,
-    DistillConfig,
     LossInputs,
     aggregation_weights,
     compute_advantages,
@@ -50,369 +47,20 @@ from rlaxkit.algorithms import (
     rl_loss,
 )
 from rlaxkit.data.batch import TrainBatch
-from rlaxkit.models import (
-    REMAT_POLICIES,
-    RematPolicy,
-    abstract_model,
-    is_stacked,
-    positions_from_mask,
-)
-from rlaxkit.models.lora import LoraConfig, init_adapters, merge_adapters
+from rlaxkit.models import abstract_model, positions_from_mask
+from rlaxkit.models.lora import merge_adapters
 from rlaxkit.observe.drift import DriftProbe
-from rlaxkit.rules.validation import check_int, check_number, is_number
+from rlaxkit.trainer.config import TrainConfig
 from rlaxkit.trainer.logprobs import logprobs_and_entropy
+from rlaxkit.trainer.sharding import BATCH_AXES, _batch_shards, state_shardings
+from rlaxkit.trainer.state import _FIELD_INDEX, TrainState, make_optimizer
 from rlaxkit.util.jaxutil import Packed, TieredJit
 
-MESH_AXES = ("data", "fsdp", "model")
-BATCH_AXES = ("data", "fsdp")
-_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
-_ROW_PARALLEL = ("o_proj", "down_proj")
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimizerConfig:
-    """AdamW with global-norm clipping and a linear-warmup + cosine schedule.
-
-    ``lr(n) = lr · (n + 1) / warmup_steps`` for ``n < warmup_steps``, then cosine from
-    ``lr`` to ``lr · end_lr_ratio`` over ``decay_steps`` updates (constant when 0). ``n``
-    counts optimizer updates (mini-batches), not train steps.
-    """
-
-    learning_rate: float = 1e-6
-    warmup_steps: int = 0
-    decay_steps: int = 0
-    end_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("learning_rate", "eps"):
-            value = getattr(self, name)
-            if not (is_number(value) and value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
-        for name in ("warmup_steps", "decay_steps"):
-            check_int(name, getattr(self, name), minimum=0)
-        check_number("end_lr_ratio", self.end_lr_ratio, minimum=0, maximum=1)
-        for name in ("b1", "b2"):
-            # Adam divides by 1 - b^t: a decay of 1 makes every update NaN.
-            value = getattr(self, name)
-            if not (is_number(value) and 0 <= value < 1):
-                raise ValueError(f"{name}: must be in [0, 1), got {value!r}")
-        check_number("weight_decay", self.weight_decay, minimum=0, allowed="a finite number >= 0")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm: must be > 0 or None, got {self.max_grad_norm!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Everything ``make_train_step`` needs besides the model.
-
-    Attributes:
-        algorithm: advantage estimator and loss (``rlaxkit.algorithms.algorithm(name)``).
-        optimizer: AdamW settings.
-        micro_batches: gradient-accumulation chunks per mini-batch.
-        mini_batches: optimizer updates per pass over the batch.
-        epochs: passes over the batch (PPO epochs).
-        shuffle: permute rows (with ``state.rng``) before each pass.
-        temperature: the sampler's temperature, so log-probs match the behaviour's.
-        compute_dtype: cast parameters to this dtype for the forward pass (build the
-            graphdef with the same ``param_dtype``; master weights stay as given). ``None``
-            computes in the parameters' dtype. bfloat16 is for accelerators.
-        remat: activation checkpointing of the policy's blocks in the backward pass:
-            ``none`` keeps every activation, ``dots`` keeps the weight matmuls' outputs
-            and recomputes the rest (attention scores included), ``full`` keeps only
-            each block's input. Memory for time; the numbers do not change.
-        lora: train low-rank adapters on these projections instead of every weight
-            (``rlaxkit.models.lora``): the optimizer holds state for the adapters only,
-            the base weights stay frozen in ``TrainState.base_params``, and
-            ``TrainState.params`` is the merged policy the trainer samples, pushes and
-            evaluates. ``None`` trains every weight.
-        update_norm: report the global norm of the optimizer's update (metric
-            ``update_norm``), which ``check_finite`` reads to stop a run before it
-            publishes weights that an update overflowed. Off, the step skips that pass
-            over every parameter (1.5 ms of a 23 ms train call of the 1M-parameter
-            benchmark model, docs/performance.md), and such an update shows only in the
-            next step's loss, after its weights were published. The runtime keeps it on.
-        distill: on-policy distillation (``rlaxkit.algorithms.distill``): the teacher in
-            ``TrainState.teacher_params`` scores the batch's tokens before the updates and
-            its per-token reward enters the advantages. ``None``: no teacher.
-        drift_every: every this many steps the step splits its batch's drift into
-            staleness and engine mismatch first (``rlaxkit.observe.drift``, ``drift/*`` metrics;
-            it reads old versions from ``PackedTrainStep.drift.reader``, a parameter
-            server, and runs without a mesh only). 0: never.
-    """
-
-    algorithm: AlgorithmConfig
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    micro_batches: int = 1
-    mini_batches: int = 1
-    epochs: int = 1
-    shuffle: bool = False
-    temperature: float = 1.0
-    compute_dtype: Literal["float32", "bfloat16"] | None = None
-    remat: RematPolicy = "none"
-    lora: LoraConfig | None = None
-    update_norm: bool = True
-    distill: DistillConfig | None = None
-    drift_every: int = 0
-
-    def __post_init__(self) -> None:
-        if self.distill is not None and not isinstance(self.distill, DistillConfig):
-            raise ValueError(f"distill: must be a DistillConfig or None, got {self.distill!r}")
-        check_int("drift_every", self.drift_every, minimum=0)
-        if not isinstance(self.update_norm, bool):
-            raise ValueError(f"update_norm: must be true or false, got {self.update_norm!r}")
-        if self.lora is not None and not isinstance(self.lora, LoraConfig):
-            raise ValueError(f"lora: must be a LoraConfig or None, got {self.lora!r}")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat: must be one of {REMAT_POLICIES}, got {self.remat!r}")
-        for name in ("micro_batches", "mini_batches", "epochs"):
-            check_int(name, getattr(self, name), minimum=1)
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature: must be a positive number, got {self.temperature!r}")
-        if self.compute_dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(
-                "compute_dtype: must be one of (None, 'float32', 'bfloat16'), got "
-                f"{self.compute_dtype!r}"
-            )
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class TrainState:
-    """Immutable training state; ``step`` is the number of train steps (weight version).
-
-    Attributes:
-        step: int32 scalar.
-        params: policy parameters (an ``nnx.State`` from ``nnx.split(model)``).
-        opt_state: optax state of ``(params, value_params)``.
-        rng: uint32 ``[2]`` PRNG key data (mini-batch shuffling).
-        value_params: critic parameters, or ``None``.
-        ref_params: frozen reference policy, or ``None``.
-        adapters: with ``TrainConfig.lora``, the trained LoRA adapters (``params`` is
-            then ``base_params`` merged with them); else ``None``.
-        base_params: with ``TrainConfig.lora``, the frozen base weights; else ``None``.
-        teacher_params: with ``TrainConfig.distill``, the frozen teacher (its graph is
-            ``distill.teacher_model``'s, or the policy's); else ``None``.
-    """
-
-    step: jax.Array
-    params: Any
-    opt_state: Any
-    rng: jax.Array
-    value_params: Any = None
-    ref_params: Any = None
-    adapters: Any = None
-    base_params: Any = None
-    teacher_params: Any = None
-
-    def replace(self, **changes: Any) -> TrainState:
-        """A copy with ``changes`` applied (a packed state stays packed)."""
-        packed = self.__dict__.get("_packed")
-        if packed is None:
-            return dataclasses.replace(self, **changes)
-        fields = list(packed)
-        for name, value in changes.items():
-            if name not in _FIELD_INDEX:
-                raise TypeError(f"TrainState has no field {name!r}")
-            fields[_FIELD_INDEX[name]] = Packed.of(value)
-        return TrainState.unpack(tuple(fields))
-
-    # A train step's state crosses ``jax.jit`` packed: each field flattened once, its
-    # structure interned (``rlaxkit.util.jaxutil.Packed``). A state a step returns is built
-    # lazily: a field is rebuilt from its leaves when first read, so a loop that reads
-    # ``step`` and ``params`` never rebuilds the optimizer state's Variables, and passing
-    # the state to the next step flattens nothing. The fields' trees must not be changed
-    # in place (``replace`` makes a new state), as a packed field would not see it.
-
-    def pack(self) -> tuple[Packed, ...]:
-        """Each field's tree as a ``Packed``, in field order (computed once per state)."""
-        packed = self.__dict__.get("_packed")
-        if packed is None:
-            packed = tuple(Packed.of(getattr(self, name)) for name in _FIELD_INDEX)
-            object.__setattr__(self, "_packed", packed)
-        return packed
-
-    def packed(self, name: str) -> Packed:
-        """Field ``name`` as a ``Packed``, without rebuilding its tree: e.g.
-        ``generate((graphdef, state.packed("params")), ...)`` after a train step."""
-        return self.pack()[_FIELD_INDEX[name]]
-
-    @classmethod
-    def unpack(cls, packed: Sequence[Packed]) -> TrainState:
-        """The state whose fields are ``packed`` (``pack``'s), each rebuilt when read."""
-        state = object.__new__(cls)
-        object.__setattr__(state, "_packed", tuple(packed))
-        return state
-
-    if not TYPE_CHECKING:  # a type checker still sees the fields alone
-
-        def __getattr__(self, name: str) -> Any:
-            # Reached only for a field not yet rebuilt from the packed state.
-            packed = self.__dict__.get("_packed")
-            index = _FIELD_INDEX.get(name)
-            if packed is None or index is None:
-                raise AttributeError(f"'TrainState' object has no attribute {name!r}")
-            value = packed[index].tree()
-            object.__setattr__(self, name, value)
-            return value
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (TrainState, tuple(getattr(self, name) for name in _FIELD_INDEX))
-
-
-_FIELD_INDEX = {f.name: i for i, f in enumerate(dataclasses.fields(TrainState))}
 # The defaults live in the generated ``__init__``; as class attributes they would answer
 # for a packed state's fields before ``__getattr__`` could rebuild them.
 for _name in _FIELD_INDEX:
     if _name in TrainState.__dict__:
         delattr(TrainState, _name)
-
-
-def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
-    """Linear warmup to ``cfg.learning_rate``, then cosine decay (see ``OptimizerConfig``)."""
-    peak, end = cfg.learning_rate, cfg.learning_rate * cfg.end_lr_ratio
-
-    def schedule(count: jax.Array) -> jax.Array:
-        n = jnp.asarray(count, jnp.float32)
-        warm = peak * jnp.minimum((n + 1.0) / max(cfg.warmup_steps, 1), 1.0)
-        progress = jnp.clip((n - cfg.warmup_steps) / max(cfg.decay_steps, 1), 0.0, 1.0)
-        if cfg.decay_steps == 0:
-            progress = jnp.zeros_like(progress)
-        cosine = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
-        return jnp.where(n < cfg.warmup_steps, warm, cosine)
-
-    return schedule
-
-
-def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW; no weight decay on vectors (norms, biases), also
-    when layers are stacked (``ModelConfig.scan_layers``: the layer axis is not counted)."""
-    # ``mask`` must be static: inject_hyperparams would call a callable mask as a schedule.
-    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
-        learning_rate=learning_rate_schedule(cfg),
-        b1=cfg.b1,
-        b2=cfg.b2,
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        mask=lambda tree: jax.tree_util.tree_map_with_path(
-            lambda path, x: jnp.ndim(x) - is_stacked(path) >= 2, tree
-        ),
-    )
-    clip = optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm else optax.identity()
-    return optax.chain(clip, adamw)
-
-
-def create_train_state(
-    cfg: TrainConfig,
-    params: Any,
-    *,
-    seed: int = 0,
-    value_params: Any = None,
-    ref_params: Any = None,
-    teacher_params: Any = None,
-) -> TrainState:
-    """A step-0 state: optimizer initialised on ``(params, value_params)``.
-
-    ``ref_params`` are copied, so the initial ``params`` can serve as the reference:
-    the step donates and overwrites the policy's buffers.
-    """
-    if cfg.algorithm.needs_value_model and value_params is None:
-        raise ValueError(f"algorithm {cfg.algorithm.name!r} trains a critic: pass value_params")
-    if ref_params is not None:
-        ref_params = jax.tree.map(jnp.copy, ref_params)
-    adapters = base_params = None
-    trained = params
-    if cfg.lora is not None:
-        # B starts at zero, so the merged policy is the base one, bit for bit; the base
-        # is copied, as the step donates and overwrites the policy's buffers.
-        lora = cfg.lora
-        key = jax.random.fold_in(jax.random.key(seed), 1)
-        # One compiled program instead of an eager dispatch per kernel shape.
-        adapters = jax.jit(lambda p, k: init_adapters(p, lora, k))(params, key)
-        base_params = jax.tree.map(jnp.copy, params)
-        trained = adapters
-    # One compiled program: eagerly, every schedule term and zeros_like is a compile.
-    opt_state = jax.jit(make_optimizer(cfg.optimizer).init)((trained, value_params))
-    return TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        opt_state=opt_state,
-        rng=jax.random.PRNGKey(seed),
-        value_params=value_params,
-        ref_params=ref_params,
-        adapters=adapters,
-        base_params=base_params,
-        teacher_params=teacher_params,
-    )
-
-
-def make_mesh(
-    data: int = 1, fsdp: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None
-) -> Mesh:
-    """A ``(data, fsdp, model)`` mesh with automatic (GSPMD) sharding propagation."""
-    devices = list(devices if devices is not None else jax.devices())[: data * fsdp * model]
-    return jax.make_mesh(
-        (data, fsdp, model), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices
-    )
-
-
-def _path_names(path: Sequence[Any]) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
-def param_partition_spec(path: Sequence[Any], shape: tuple[int, ...], mesh: Mesh) -> P:
-    """Sharding of one parameter (or optimizer moment) from its path and shape.
-
-    Column-parallel kernels ``[in, out]`` (q/k/v, gate/up, LM head) put ``fsdp`` on
-    ``in`` and ``model`` on ``out``; row-parallel ones (o, down) the reverse; the
-    embedding puts ``model`` on the vocabulary and ``fsdp`` on the width. Other
-    matrices shard their largest dimension over ``fsdp``; vectors and scalars are
-    replicated. An axis that does not divide its dimension is dropped. Stacked blocks
-    (``ModelConfig.scan_layers``) keep their leading layer axis whole and shard the rest
-    as one layer's parameter.
-    """
-    names = _path_names(path)
-    if is_stacked(path) and len(shape) >= 1:
-        return P(None, *_layer_partition_spec(names, tuple(shape[1:]), mesh))
-    return _layer_partition_spec(names, tuple(shape), mesh)
-
-
-def _layer_partition_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
-    """``param_partition_spec`` of one layer's parameter (no layer axis)."""
-    if len(shape) < 2:
-        return P()
-    axes: list[str | None]
-    if any(n in _COLUMN_PARALLEL for n in names):
-        axes = ["fsdp", "model"]
-    elif any(n in _ROW_PARALLEL for n in names) or "embed_tokens" in names:
-        axes = ["model", "fsdp"]
-    else:
-        axes = [None] * len(shape)
-        axes[int(np.argmax(shape))] = "fsdp"
-    axes += [None] * (len(shape) - len(axes))
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-    return P(*(a if a and shape[i] % sizes[a] == 0 else None for i, a in enumerate(axes)))
-
-
-def state_shardings(tree: Any, mesh: Mesh) -> Any:
-    """``NamedSharding`` of every leaf of a state (or any parameter-shaped tree)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_partition_spec(path, jnp.shape(x), mesh)), tree
-    )
-
-
-def shard_train_state(state: TrainState, mesh: Mesh) -> TrainState:
-    """Places ``state`` on ``mesh`` with ``state_shardings``."""
-    return jax.device_put(state, state_shardings(state, mesh))
-
-
-def shard_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
-    """Places ``batch`` on ``mesh``, rows split over ``data × fsdp``."""
-    return jax.device_put(batch, NamedSharding(mesh, P(BATCH_AXES)))
 
 
 def _split_rows(x: jax.Array, *counts: int) -> jax.Array:
@@ -481,6 +129,8 @@ class PreparedBatch:
 
 
 _Prepare: TypeAlias = Callable[[TrainState, TrainBatch], tuple[PreparedBatch, dict[str, jax.Array]]]
+
+
 # What ``_build`` returns: ``prepare``, ``minibatch_gradients``, ``update``, the optax
 # transformation and ``policy_of`` (the policy from the trained tree and the base);
 # ``minibatch_gradients`` and ``update`` close over traced pytrees and are left untyped.
@@ -716,11 +366,6 @@ def _build(
         return (optax.apply_updates(trainable, updates), opt_state), (metrics, logprobs)
 
     return prepare, minibatch_gradients, update, tx, policy_of
-
-
-def _batch_shards(mesh: Mesh) -> int:
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-    return math.prod(sizes.get(a, 1) for a in BATCH_AXES)
 
 
 def check_finite(step: int, metrics: dict[str, float]) -> None:

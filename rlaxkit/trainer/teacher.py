@@ -17,7 +17,8 @@ from flax import nnx
 from rlaxkit.algorithms import DistillConfig
 from rlaxkit.config.run import DistillSpec, RunConfig
 from rlaxkit.models import ModelConfig, check_hf_checkpoint, load_hf_checkpoint
-from rlaxkit.trainer.step import TrainConfig, TrainState, create_train_state
+from rlaxkit.trainer.config import TrainConfig
+from rlaxkit.trainer.state import TrainState, create_train_state
 
 
 def teacher_config(spec: DistillSpec) -> ModelConfig:

@@ -1,0 +1,100 @@
+"""How the trainer lays its state and batches over a mesh (axes ``data``, ``fsdp``,
+``model``): parameters by name (column- and row-parallel projections), rows over
+``data × fsdp``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rlaxkit.data.batch import TrainBatch
+from rlaxkit.models import is_stacked
+from rlaxkit.trainer.state import TrainState
+
+MESH_AXES = ("data", "fsdp", "model")
+
+
+BATCH_AXES = ("data", "fsdp")
+
+
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
+
+
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def make_mesh(
+    data: int = 1, fsdp: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """A ``(data, fsdp, model)`` mesh with automatic (GSPMD) sharding propagation."""
+    devices = list(devices if devices is not None else jax.devices())[: data * fsdp * model]
+    return jax.make_mesh(
+        (data, fsdp, model), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices
+    )
+
+
+def _path_names(path: Sequence[Any]) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def param_partition_spec(path: Sequence[Any], shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Sharding of one parameter (or optimizer moment) from its path and shape.
+
+    Column-parallel kernels ``[in, out]`` (q/k/v, gate/up, LM head) put ``fsdp`` on
+    ``in`` and ``model`` on ``out``; row-parallel ones (o, down) the reverse; the
+    embedding puts ``model`` on the vocabulary and ``fsdp`` on the width. Other
+    matrices shard their largest dimension over ``fsdp``; vectors and scalars are
+    replicated. An axis that does not divide its dimension is dropped. Stacked blocks
+    (``ModelConfig.scan_layers``) keep their leading layer axis whole and shard the rest
+    as one layer's parameter.
+    """
+    names = _path_names(path)
+    if is_stacked(path) and len(shape) >= 1:
+        return P(None, *_layer_partition_spec(names, tuple(shape[1:]), mesh))
+    return _layer_partition_spec(names, tuple(shape), mesh)
+
+
+def _layer_partition_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+    """``param_partition_spec`` of one layer's parameter (no layer axis)."""
+    if len(shape) < 2:
+        return P()
+    axes: list[str | None]
+    if any(n in _COLUMN_PARALLEL for n in names):
+        axes = ["fsdp", "model"]
+    elif any(n in _ROW_PARALLEL for n in names) or "embed_tokens" in names:
+        axes = ["model", "fsdp"]
+    else:
+        axes = [None] * len(shape)
+        axes[int(np.argmax(shape))] = "fsdp"
+    axes += [None] * (len(shape) - len(axes))
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    return P(*(a if a and shape[i] % sizes[a] == 0 else None for i, a in enumerate(axes)))
+
+
+def state_shardings(tree: Any, mesh: Mesh) -> Any:
+    """``NamedSharding`` of every leaf of a state (or any parameter-shaped tree)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, param_partition_spec(path, jnp.shape(x), mesh)), tree
+    )
+
+
+def shard_train_state(state: TrainState, mesh: Mesh) -> TrainState:
+    """Places ``state`` on ``mesh`` with ``state_shardings``."""
+    return jax.device_put(state, state_shardings(state, mesh))
+
+
+def shard_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
+    """Places ``batch`` on ``mesh``, rows split over ``data × fsdp``."""
+    return jax.device_put(batch, NamedSharding(mesh, P(BATCH_AXES)))
+
+
+def _batch_shards(mesh: Mesh) -> int:
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    return math.prod(sizes.get(a, 1) for a in BATCH_AXES)
