@@ -34,7 +34,7 @@ import numpy as np
 
 from rlaxkit.config.run import RunConfig
 from rlaxkit.observe.perfetto import MAX_EVENTS, MAX_EVENTS_PER_TRACK
-from rlaxkit.runtime.stalls import TrainingStalled
+from rlaxkit.rules.stalls import TrainingStalled
 from rlaxkit.util.rundirs import Choice, claim_run_dir
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ def _run_job(
     from rlaxkit import runtime
     from rlaxkit.models import save_hf_checkpoint
     from rlaxkit.observe.plotting import TRAIN_JOB_FIGURES, plot_run
-    from rlaxkit.runtime.stalls import check_start
+    from rlaxkit.rules.stalls import check_start
 
     start = time.perf_counter()
     summary: dict[str, Any]
@@ -223,9 +223,8 @@ def _run_job(
             evals.append({"step": 0, **_row(before, 1)})
             log(f"held-out pass@1 before RL: {evals[0]['pass@1']:.3f}{_extras(before)}")
             mean_score = next(r["mean@k"] for r in before.rows if r["k"] == 1)
-            check_start(
-                config, evals[0]["pass@1"], before.num_problems * before.samples, mean_score
-            )
+            p1, samples = evals[0]["pass@1"], before.num_problems * before.samples
+            check_start(config.batching.equal_rewards, config.sampling.n, p1, samples, mean_score)
         every = config.eval.every_steps
         with stop.steps():
             # more_steps: a trainer preempted at the last step restores and redoes its steps.

@@ -204,7 +204,8 @@ def test_the_drops_error_counts_the_groups_it_names():
     and the run's total. Both figures are now the drops in a row."""
     from types import SimpleNamespace
 
-    from rlaxkit.runtime.stalls import TrainingStalled, check_drops
+    from rlaxkit.rules.stalls import TrainingStalled
+    from rlaxkit.runtime.loop import Loop
 
     dropped = {i: "stale" for i in range(5)} | {i: "filtered" for i in range(5, 211)}
     exp = SimpleNamespace(
@@ -212,9 +213,10 @@ def test_the_drops_error_counts_the_groups_it_names():
         buffer=SimpleNamespace(dropped=dropped),
         reward_failures=lambda: {},
         fleet=SimpleNamespace(reward_counters=lambda: {"scored": 800}),
-        books=SimpleNamespace(history=[]),
+        books=SimpleNamespace(history=[], first_reward_error=None),
     )
     with pytest.raises(TrainingStalled, match=r"^203 prompt groups in a row were dropped "):
-        check_drops(exp, dropped_before=8)  # 203 > 50 batches of 4
+        Loop.check_drops(exp, dropped_before=8)  # 203 > 50 batches of 4
     with pytest.raises(TrainingStalled, match=r"\(\{'filtered': 203\}\) without one batch"):
-        check_drops(exp, dropped_before=8)
+        Loop.check_drops(exp, dropped_before=8)
+    Loop.check_drops(exp, dropped_before=11)  # 200 in a row: not yet

@@ -3,8 +3,8 @@
 Plain Python (no JAX, no SimPy), called by the local runtime, the Ray runtime and the
 simulator alike: the policies (admission, batching, recovery, weight sync, checkpoints),
 the group ledger and its books, the prompt controller, the fault plan and its clock, the
-KV-cache page rule, the sampled-vs-trained audit, the trace schema and the validation
-helpers every config uses.
+KV-cache page rule, the sampled-vs-trained audit, when a run has stalled, the trace
+schema and the validation helpers every config uses.
 """
 
 from __future__ import annotations
@@ -41,6 +41,13 @@ from rlaxkit.rules.policies import (
     policy_from_dict,
     policy_to_dict,
 )
+from rlaxkit.rules.stalls import (
+    TrainingStalled,
+    check_start,
+    drop_patience,
+    drops_error,
+    stall_error,
+)
 from rlaxkit.rules.trace import (
     KINDS,
     REQUIRED_FIELDS,
@@ -68,6 +75,11 @@ from rlaxkit.rules.validation import (
 )
 
 __all__ = [
+    "TrainingStalled",
+    "check_start",
+    "drop_patience",
+    "drops_error",
+    "stall_error",
     "audit_distributions",
     "AuditBook",
     "AuditRecord",

@@ -47,7 +47,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from rlaxkit.data.rollout import RolloutGroup
-from rlaxkit.runtime.stalls import check_drops, stalled
+from rlaxkit.rules.stalls import stall_error
 
 if TYPE_CHECKING:
     from rlaxkit.config.run import RunConfig
@@ -144,9 +144,9 @@ class ConcurrentCollector:
                     self.wake()
                 if batch is not None:
                     return batch
-                check_drops(exp, dropped_before)
+                exp.check_drops(dropped_before)
                 if all(t.idle for t in self.threads):
-                    raise stalled(exp)
+                    raise stall_error(exp.buffer.counts())
                 self.cond.wait()
 
     def wake(self) -> None:

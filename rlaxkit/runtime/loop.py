@@ -1,27 +1,19 @@
 """The loop of an RL run, written once for every placement (``Loop``; the run itself is
-``rlaxkit.runtime.driver.Experiment``).
+``rlaxkit.runtime.driver.Experiment``; docs/architecture.md walks one step through it).
 
-One round (``round``):
-
-1. faults of the plan that are due fire (only when a plan is given);
-2. every live worker pulls if its ``StalenessPolicy`` says it lags too far;
-3. the controller issues prompts in worker order while the policy admits more
-   (``accepted + running < (η + published + 1) · batch``; re-issued prompts are
-   already counted running and need no new room);
-4. every live worker starts its prompts and decodes one chunk; finished, scored
-   rollouts go to the buffer in worker order.
-
-When the buffer yields a batch (oldest first, stale groups dropped) the trainer steps,
-pushes per the ``WeightSyncPolicy`` and the run checkpoints per the
-``CheckpointPolicy``. In ``deterministic`` mode the order of everything is fixed, so a
-seed fixes every metric except wall-clock timings (``time/*``, ``throughput/*``), on
-either placement. The fault clock is logical there: ``rounds · runtime.round_s``.
+One round (``round``): due faults fire; every live worker pulls if its
+``StalenessPolicy`` says it lags too far; the controller issues prompts in worker order
+while the policy admits more (re-issued prompts need no new room); every live worker
+starts its prompts and decodes one chunk, and finished, scored rollouts go to the
+buffer in worker order. When the buffer yields a batch the trainer steps, pushes per
+the ``WeightSyncPolicy`` and the run checkpoints per the ``CheckpointPolicy``. In
+``deterministic`` mode the order of everything is fixed, so a seed fixes every metric
+but wall-clock timings, on either placement; the fault clock is then logical
+(``rounds · runtime.round_s``).
 
 With ``runtime.overlap_training`` the rounds of the next batch run while the trainer
 takes a step (``Loop.run_ahead``), on the weights published before it, and the step's
-push waits for them: on the local placement they run on a helper thread beside the
-step, on Ray beside the trainer's processes. Their number is set by the buffer, never
-the clock, so such a run too is the same run after run.
+push waits for them; their number is set by the buffer, never the clock.
 """
 
 from __future__ import annotations
@@ -42,19 +34,18 @@ from rlaxkit.observe.tracking import Trackers
 from rlaxkit.rules.audit import AuditBook, AuditRecord
 from rlaxkit.rules.books import RunBooks, Window
 from rlaxkit.rules.controller import Issue, PromptController
+from rlaxkit.rules.stalls import drop_patience, drops_error, stall_error
 from rlaxkit.rules.validation import is_int
 from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
 from rlaxkit.runtime.faults import NoFaults
 from rlaxkit.runtime.placement import Parts
-from rlaxkit.runtime.stalls import check_drops, stalled
 from rlaxkit.tasks import REWARD_FAILURES
 
 SYNC_ATTEMPTS = 10  # syncs per round before a worker is left to retry next round
 
 
 class Loop:
-    """The loop over a placement's parts; ``Experiment`` builds them and adds
-    checkpoints, results and teardown. Every attribute is set by ``Experiment``."""
+    """The loop over a placement's parts; ``Experiment`` sets every attribute."""
 
     config: RunConfig
     run_dir: Path | None
@@ -81,7 +72,7 @@ class Loop:
         return self.books.version
 
     def save_checkpoint(self, wait: bool = True) -> bool:
-        raise NotImplementedError
+        raise NotImplementedError  # Experiment's
 
     def clock(self) -> float:
         """Wall seconds since this process started the run."""
@@ -131,8 +122,7 @@ class Loop:
         self.controller.requeue([issue for issue in lost if issue.group_id in again])
 
     def round(self) -> bool:
-        """One round over the fleet; returns whether anything moved. ``step`` repeats it
-        until a batch is ready; call it directly to stop mid-generation."""
+        """One round over the fleet; whether anything moved (``step`` repeats it)."""
         now = self.fault_now()
         self.faults.before_round(self, now)
         published = self.ensure_published()
@@ -237,19 +227,18 @@ class Loop:
                 if batch is not None:
                     return batch
             progressed = self.round()
-            check_drops(self, dropped_before)
+            self.check_drops(dropped_before)
             waiting = self.faults.waiting()
             idle_rounds = 0 if progressed or waiting else idle_rounds + 1
             if idle_rounds > 2:
-                raise stalled(self)
+                raise stall_error(self.buffer.counts())
 
     def run_ahead(self, step: int, stop: threading.Event) -> int:
         """With ``runtime.overlap_training``: the rounds that run while the trainer takes
-        ``step``, on the weights published before it (the step's push waits for them).
-        They go on until the buffer holds the batch of step ``step + 1``, a round moves
-        nothing, a fault is due or something is down (faults fire between steps, as in
-        the serial loop), or ``stop`` is set (the step failed). A count ends them, never
-        the clock: the run is the same run after run. Returns how many ran."""
+        ``step``, on the weights published before it (the step's push waits for them),
+        until the buffer holds the batch of step ``step + 1``, a round moves nothing, a
+        fault is due or something is down (faults fire between steps), or ``stop`` is set
+        (the step failed). A count ends them, never the clock. Returns how many ran."""
         rounds = 0
         while (
             not stop.is_set()
@@ -363,7 +352,19 @@ class Loop:
             progressed = self.round()
             idle_rounds = 0 if progressed or self.faults.waiting() else idle_rounds + 1
             if idle_rounds > 2:
-                raise stalled(self)
+                raise stall_error(self.buffer.counts())
+
+    def check_drops(self, dropped_before: int) -> None:
+        """Raises when more groups in a row than ``drop_patience`` were dropped."""
+        in_a_row = len(self.buffer.dropped) - dropped_before
+        if in_a_row > drop_patience(self.config.staleness.batch_size):
+            raise drops_error(
+                list(self.buffer.dropped.values())[dropped_before:],
+                failures=self.reward_failures(),
+                scored=self.fleet.reward_counters().get("scored", 0),
+                first_reward_error=self.books.first_reward_error,
+                last_step=self.books.history[-1] if self.books.history else None,
+            )
 
     def reward_failures(self) -> dict[str, int]:
         """Scored samples whose reward failed so far, by reason (``REWARD_FAILURES``)."""

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 from rlaxkit.data.rollout import Rollout, RolloutGroup
 from rlaxkit.inference.results import ModelLike
-from rlaxkit.runtime.stalls import check_drops
 from rlaxkit.serve.config import AgentConfig, EndpointConfig
 from rlaxkit.serve.server import SESSION_HEADER, ChatEndpoint
 from rlaxkit.serve.sessions import Session
@@ -151,7 +150,7 @@ class AgentCollector:
                 batch = exp.buffer.take_batch(exp.version)
                 if batch is not None:
                     return batch
-                check_drops(exp, dropped_before)
+                exp.check_drops(dropped_before)
                 self._issue()
                 self.cond.wait(timeout=1.0)
 

@@ -1,13 +1,11 @@
 """Why a loop cannot yield a batch: the errors a stalled loop, or one that drops group
-after group, stops with (the deterministic loop and the concurrent mode's collector)."""
+after group, stops with. Pure functions of what the loop counts (the deterministic
+loop, the concurrent mode's collector and the agent endpoint's collector call them)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rlaxkit.config.run import RunConfig
-    from rlaxkit.runtime.loop import Loop
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 WARM_START_ADVICE = (
     "with 'filtered', the policy always or never solves the task; warm start longer "
@@ -26,7 +24,11 @@ class TrainingStalled(RuntimeError):
 
 
 def check_start(
-    config: RunConfig, pass_at_1: float, eval_samples: int, mean_score: float | None = None
+    equal_rewards: str,
+    n: int,
+    pass_at_1: float,
+    eval_samples: int,
+    mean_score: float | None = None,
 ) -> None:
     """Refuses to start RL when the held-out pass@1 ``p`` before it (over
     ``eval_samples`` samples, at least ``MIN_EVAL_SAMPLES``) says almost no group would
@@ -37,20 +39,19 @@ def check_start(
     (the held-out mean@1) other than ``p`` is a reward with partial credit, whose groups
     may differ without a correct sample: not refused.
 
-    >>> from rlaxkit.config.run import RunConfig
-    >>> check_start(RunConfig(), 0.2, 800)
-    >>> check_start(RunConfig(), 0.0, 16)  # too few samples to tell
-    >>> check_start(RunConfig(), 0.0, 800, mean_score=0.3)  # partial credit
-    >>> check_start(RunConfig(), 0.0, 800)
+    >>> check_start("drop", 8, 0.2, 800)
+    >>> check_start("drop", 8, 0.0, 16)  # too few samples to tell
+    >>> check_start("drop", 8, 0.0, 800, mean_score=0.3)  # partial credit
+    >>> check_start("keep", 8, 0.0, 800)  # groups of equal rewards train
+    >>> check_start("drop", 8, 0.0, 800)
     Traceback (most recent call last):
     ...
-    rlaxkit.runtime.stalls.TrainingStalled: held-out pass@1 before RL is 0.000 ...
+    rlaxkit.rules.stalls.TrainingStalled: held-out pass@1 before RL is 0.000 ...
     """
-    if config.batching.equal_rewards != "drop" or eval_samples < MIN_EVAL_SAMPLES:
+    if equal_rewards != "drop" or eval_samples < MIN_EVAL_SAMPLES:
         return
     if mean_score is not None and abs(mean_score - pass_at_1) > 1e-9:
         return
-    n = config.sampling.n
     trained = 1.0 - pass_at_1**n - (1.0 - pass_at_1) ** n
     if trained >= MIN_TRAINED_SHARE:
         return
@@ -61,39 +62,52 @@ def check_start(
     )
 
 
-def check_drops(exp: Loop, dropped_before: int) -> None:
-    """Raises when more than 50 batches' worth of groups in a row were dropped, saying
-    whether the reward is failing (then with its first failure) or the policy."""
-    patience = 50 * exp.config.staleness.batch_size
-    in_a_row = len(exp.buffer.dropped) - dropped_before
-    if in_a_row <= patience:
-        return
-    failures = exp.reward_failures()
-    scored = exp.fleet.reward_counters().get("scored", 0)
+def drop_patience(batch_size: int) -> int:
+    """How many groups in a row may be dropped before a run is called stalled: 50
+    batches' worth."""
+    return 50 * batch_size
+
+
+def drops_error(
+    reasons: Sequence[str],
+    *,
+    failures: Mapping[str, int],
+    scored: int,
+    first_reward_error: str | None,
+    last_step: Mapping[str, Any] | None,
+) -> TrainingStalled:
+    """The error of a run that dropped the groups ``reasons`` names in a row (more than
+    ``drop_patience``), saying whether the reward is failing (then with its first
+    failure: ``failures`` of ``scored`` samples) or the policy; ``last_step`` is the
+    metrics of the trainer's last step, if it took one.
+
+    >>> str(drops_error(["stale", "filtered", "filtered"], failures={}, scored=6,
+    ...                 first_reward_error=None, last_step=None))[:68]
+    "3 prompt groups in a row were dropped ({'filtered': 2, 'stale': 1})"
+    """
+    in_a_row = len(reasons)
     if scored and sum(failures.values()) >= scored / 2:
-        raise TrainingStalled(
+        return TrainingStalled(
             f"{in_a_row} prompt groups in a row were dropped and the reward failed on "
-            f"{sum(failures.values())} of {scored} samples ({failures}): the reward "
+            f"{sum(failures.values())} of {scored} samples ({dict(failures)}): the reward "
             f"function is failing, not the policy. First failure: "
-            f"{exp.books.first_reward_error}. Fix the reward (try it on a few "
+            f"{first_reward_error}. Fix the reward (try it on a few "
             "completions with rlaxkit.tasks.RewardRunner), or raise its timeout"
         )
-    reasons = list(exp.buffer.dropped.values())[dropped_before:]
     by_reason = {reason: reasons.count(reason) for reason in sorted(set(reasons))}
-    raise TrainingStalled(
+    return TrainingStalled(
         f"{in_a_row} prompt groups in a row were dropped ({by_reason}) without one "
-        f"batch: {WARM_START_ADVICE}" + _since_last_step(exp)
+        f"batch: {WARM_START_ADVICE}" + _since_last_step(last_step)
     )
 
 
-def _since_last_step(exp: Loop) -> str:
+def _since_last_step(last: Mapping[str, Any] | None) -> str:
     """What the drops' error adds when the trainer has stepped: the drops in a row all
     came after its last step, and a policy that solved some problems before an update
     and none after was broken by it (its weights still finite, or ``check_finite``
     would have stopped the run)."""
-    if not exp.books.history:
+    if not last:
         return ""
-    last = exp.books.history[-1]
     figures = ", ".join(
         f"{name} {last[key]:.3g}"
         for name, key in (
@@ -110,10 +124,10 @@ def _since_last_step(exp: Loop) -> str:
     )
 
 
-def stalled(exp: Loop) -> RuntimeError:
-    """The error of a loop that can never yield a batch."""
+def stall_error(buffer_counts: Mapping[str, int]) -> TrainingStalled:
+    """The error of a loop that can never yield a batch (its buffer's counts)."""
     return TrainingStalled(
         "the loop stalled: no prompt is in flight and no batch is ready "
-        f"(buffer {exp.buffer.counts()}); check staleness.batch_size against "
+        f"(buffer {dict(buffer_counts)}); check staleness.batch_size against "
         "runtime.num_workers * slots_per_worker / sampling.n"
     )
