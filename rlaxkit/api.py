@@ -132,7 +132,7 @@ class FleetCheckpoint:
 
 
 class Fleet(Protocol):
-    """The inference workers, as the driver sees them (``rlaxkit.runtime.fleet.Fleet``
+    """The inference workers, as the driver sees them (``rlaxkit.runtime.fleet.WorkerFleet``
     over an in-process or a Ray transport).
 
     A round is ``sync`` then ``step``: every live worker pulls if it must and reports its

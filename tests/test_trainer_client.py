@@ -12,7 +12,7 @@ from rlaxkit.api import PublishReply, SaveReply, TrainResult
 from rlaxkit.config.run import RuntimeConfig
 from rlaxkit.rules.books import RunBooks
 from rlaxkit.runtime.common import RunTrace
-from rlaxkit.runtime.trainer_client import TrainerClient
+from rlaxkit.runtime.trainer_client import HealingTrainerClient
 
 MB = 1_000_000
 
@@ -73,7 +73,7 @@ def client(limit_mb):
     books = RunBooks()
     trace = RunTrace(None, 0, threading.RLock(), {})
     trainer = FakeTrainer()
-    kept = TrainerClient(
+    kept = HealingTrainerClient(
         trainer, trace, books, lambda: 0.0, 2, died=(Died,), replay_limit_mb=limit_mb
     )
     return kept, trainer, books
@@ -192,7 +192,7 @@ def test_a_trainer_that_dies_beside_the_rounds_is_healed_after_them(death):
     books = RunBooks()
     trace = RunTrace(None, 0, threading.RLock(), {})
     trainer = StartedTrainer()
-    kept = TrainerClient(trainer, trace, books, lambda: 0.0, 2, died=(Died,))
+    kept = HealingTrainerClient(trainer, trace, books, lambda: 0.0, 2, died=(Died,))
     rounds = []
     for step in (1, 2):
         books.record_step(kept.train(batch(1.0), step, False, rounds.append).duration_s)

@@ -62,7 +62,7 @@ class WorkerSlot:
     reward_counters: dict[str, int] = field(default_factory=dict)
 
 
-class Fleet:
+class WorkerFleet:
     """Inference workers behind a transport (``rlaxkit.api.Fleet``).
 
     Args:

@@ -22,11 +22,11 @@ from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.concurrent import ConcurrentCollector
 from rlaxkit.runtime.faults import FaultInjector, NoFaults
 from rlaxkit.runtime.faulty_store import UnreliableParameterServer
-from rlaxkit.runtime.fleet import Calls, Fleet
+from rlaxkit.runtime.fleet import Calls, WorkerFleet
 from rlaxkit.runtime.hosts import WeightStore, published_params, read_published
 from rlaxkit.runtime.placement import Parts
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
-from rlaxkit.runtime.trainer_client import InProcessTrainer, TrainerClient
+from rlaxkit.runtime.trainer_client import HealingTrainerClient, InProcessTrainer
 from rlaxkit.tasks import RewardRunner
 from rlaxkit.trainer.checkpoint import abstract_tree
 from rlaxkit.trainer.host import TrainerHost
@@ -161,7 +161,7 @@ def start_local(
     checkpoints = str(checkpoint_dir(run_dir)) if run_dir else None
     cache = str(cache_dir) if cache_dir else None
     host = TrainerHost(config, weights, cache, checkpoints, clock, {}, trace)
-    trainer = TrainerClient(InProcessTrainer(host), trace, books, clock)
+    trainer = HealingTrainerClient(InProcessTrainer(host), trace, books, clock)
     scorer = RewardRunner.for_task(host.task).start()
 
     def start_host(worker_id: str) -> WorkerHost:
@@ -179,7 +179,7 @@ def start_local(
         )
 
     transport = InProcess(threaded=config.runtime.threaded_chunks, clock=clock)
-    fleet = Fleet(start_host, transport, trace, clock, False, 0, scorer=scorer)
+    fleet = WorkerFleet(start_host, transport, trace, clock, False, 0, scorer=scorer)
     fleet.scale(config.runtime.num_workers)
     concurrent = config.runtime.mode == "concurrent"
 

@@ -4,7 +4,7 @@
 parts with the resources ``config.ray`` asks for: a ``TrainerGroup`` (one
 ``TrainerHost`` actor, or ``trainer_processes`` of them training one sharded model), a
 ``ParameterServerActor`` over Ray's object store or a TensorStore directory, and a
-``Fleet`` of ``WorkerHost`` actors. The driver (``rlaxkit.runtime.driver``) keeps the books,
+``WorkerFleet`` of ``WorkerHost`` actors. The driver (``rlaxkit.runtime.driver``) keeps the books,
 so the accounting survives any actor's death.
 
 The hosts are those of the local placement (``rlaxkit.runtime.hosts``), in actors; the
@@ -37,12 +37,12 @@ from rlaxkit.param_server.ray_store import RAY_SYSTEM_CONFIG, parameter_server_a
 from rlaxkit.rules.books import RunBooks
 from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.common import RunTrace
-from rlaxkit.runtime.fleet import Fleet
+from rlaxkit.runtime.fleet import WorkerFleet
 from rlaxkit.runtime.hosts import WallClock, WeightStore, driver_jax_options, published_params
 from rlaxkit.runtime.placement import Parts
 from rlaxkit.runtime.ray_trainer_group import TrainerGroup, remote, stop_actor
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
-from rlaxkit.runtime.trainer_client import TrainerClient
+from rlaxkit.runtime.trainer_client import HealingTrainerClient
 from rlaxkit.tasks import RewardRunner
 from rlaxkit.trainer.checkpoint import abstract_tree
 from rlaxkit.worker.host import WorkerHost
@@ -241,7 +241,7 @@ def _place(
     arguments = (config, store, str(cache_dir) if cache_dir else None, checkpoints, wall)
     group = TrainerGroup(rc, (*arguments, jax_options))
     parts.teardown.append(lambda: group.stop(timeout_s=60.0))
-    parts.trainer = TrainerClient(
+    parts.trainer = HealingTrainerClient(
         group,
         trace,
         books,
@@ -261,7 +261,7 @@ def _place(
             .remote(worker_id, config, parts.graphdef, parts.tokenizer, store, wall, jax_options)
         )
 
-    fleet = Fleet(
+    fleet = WorkerFleet(
         start_actor,
         transport,
         trace,

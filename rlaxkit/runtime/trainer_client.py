@@ -69,7 +69,7 @@ class InProcessTrainer:
         self.leader.close()
 
 
-class TrainerClient:
+class HealingTrainerClient:
     """The driver's client of the trainer host(s) (``rlaxkit.api.TrainerClient``).
 
     A trainer that dies on its own (Ray restarts one actor; the client restarts a
