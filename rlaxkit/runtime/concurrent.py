@@ -213,8 +213,8 @@ class ConcurrentCollector:
         with cond:
             if self._stopping:
                 return False
-            latest = exp.parts.store.latest_version()
-            if not exp.config.staleness.must_pull(worker.version, latest):
+            latest = exp.parts.store.latest_version()  # None: nothing published yet
+            if latest is not None and not exp.config.staleness.must_pull(worker.version, latest):
                 work = exp.issue({worker.worker_id: worker.free}, latest)
                 for issue, problem in work[worker.worker_id]:
                     worker.submit(issue, problem)

@@ -12,20 +12,39 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlaxkit.config.run import RunConfig
 
 if TYPE_CHECKING:
+    from flax import nnx
+
+    from rlaxkit.api import Fleet, TrainerClient
+    from rlaxkit.data.rollout import RolloutGroup
+    from rlaxkit.models.tokenizer import Tokenizer
+    from rlaxkit.param_server.base import ParameterServer
     from rlaxkit.rules.books import RunBooks
     from rlaxkit.runtime.common import RunTrace
     from rlaxkit.runtime.faults import NoFaults
+    from rlaxkit.tasks.base import Task
+    from rlaxkit.tasks.runner import RewardRunner
+
+
+class Collector(Protocol):
+    """What runs the rounds in concurrent mode (threads), or the agents' endpoint: the
+    loop asks it for a batch instead of running rounds itself."""
+
+    def collect(self, exp: Any) -> list[RolloutGroup]: ...
+
+    def wake(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
 class Parts:
-    """A placement's parts, as the driver uses them (the Ray placement fills them in as
-    it starts each).
+    """A placement's parts, as the driver uses them, typed by the contracts of
+    ``rlaxkit.api`` (each placement builds them all before it hands them over).
 
     Attributes:
         task, tokenizer, graphdef: the run's task, tokenizer and model graph.
@@ -43,17 +62,17 @@ class Parts:
         teardown: stops what the placement started.
     """
 
-    task: Any
-    tokenizer: Any = None
-    graphdef: Any = None
+    task: Task
+    tokenizer: Tokenizer
+    graphdef: nnx.GraphDef
+    fleet: Fleet
+    trainer: TrainerClient
+    store: ParameterServer
+    scorer: RewardRunner
+    template: Any  # a pytree of abstract arrays
     warm_start: dict[str, Any] = field(default_factory=dict)
-    fleet: Any = None
-    trainer: Any = None
-    store: Any = None
-    scorer: Any = None
     shapes: dict[str, list] = field(default_factory=dict)
-    template: Any = None
-    collector: Any = None
+    collector: Collector | None = None
     published_weights: Callable[[int], Any] = lambda version: None
     schedule: Callable[[int], int | None] = lambda step: None
     kill_store: Callable[[], None] = lambda: None

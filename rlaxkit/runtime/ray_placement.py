@@ -44,6 +44,7 @@ from rlaxkit.runtime.ray_trainer_group import TrainerGroup, remote, stop_actor
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
 from rlaxkit.runtime.trainer_client import HealingTrainerClient
 from rlaxkit.tasks import RewardRunner
+from rlaxkit.tasks.base import Task
 from rlaxkit.trainer.checkpoint import abstract_tree
 from rlaxkit.worker.host import WorkerHost
 
@@ -164,13 +165,14 @@ def start_ray(
             "unset release_after_s"
         )
     rc = ray_config or config.ray
-    parts = Parts(task=build_task(config))  # the rest once each is started
+    task = build_task(config)
+    teardown: list[Callable[[], None]] = []  # what started so far, stopped on a failure
     if not ray.is_initialized():
         # A cluster this run starts frees evicted weight versions at once, so pushes
         # reuse warm shared memory (see rlaxkit.param_server.ray_store).
         system: dict[str, Any] = {} if rc.address else {"_system_config": RAY_SYSTEM_CONFIG}
         ray.init(address=rc.address, include_dashboard=False, **system)
-        parts.teardown.append(ray.shutdown)
+        teardown.append(ray.shutdown)
     try:
         if rc.check_resources:
             nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
@@ -179,15 +181,18 @@ def start_ray(
                     "; ".join(problems) + ". Lower the request, start nodes that hold it, "
                     "or set ray.check_resources=false on a cluster that adds nodes on demand"
                 )
-        _place(parts, config, rc, trace, clock, books, run_dir, cache_dir, worker_ids)
+        return _place(
+            task, teardown, config, rc, trace, clock, books, run_dir, cache_dir, worker_ids
+        )
     except BaseException:
-        parts.close()  # A failed start leaves no actors behind.
+        while teardown:  # A failed start leaves no actors behind.
+            teardown.pop()()
         raise
-    return parts
 
 
 def _place(
-    parts: Parts,
+    task: Task,
+    teardown: list[Callable[[], None]],
     config: RunConfig,
     rc: RayConfig,
     trace: RunTrace,
@@ -196,14 +201,13 @@ def _place(
     run_dir: Path | None,
     cache_dir: Path | None,
     worker_ids: list[str] | None,
-) -> None:
+) -> Parts:
     # Graph and shapes only: the trainer actor builds (or loads) the weights.
-    model, parts.tokenizer = build_policy(config, parts.task, abstract=True)
-    parts.graphdef, params = nnx.split(model)
+    model, tokenizer = build_policy(config, task, abstract=True)
+    graphdef, params = nnx.split(model)
     del model
-    parts.shapes = param_shapes(params)
-    parts.template = abstract_tree(params)
     keep = config.runtime.keep_versions
+    kill_store: Callable[[], None] = lambda: None  # noqa: E731 (a TensorStore is not killed)
     if rc.weight_store == "object_store":
         name = f"rlaxkit-parameter-server-{uuid.uuid4().hex[:12]}"
         actor = parameter_server_actor(
@@ -213,8 +217,8 @@ def _place(
             resources=rc.param_server.resources,
             max_restarts=rc.param_server_max_restarts,
         )
-        parts.teardown.append(lambda: ray.kill(actor))
-        parts.kill_store = lambda: ray.kill(actor, no_restart=False)
+        teardown.append(lambda: ray.kill(actor))
+        kill_store = lambda: ray.kill(actor, no_restart=False)  # noqa: E731
         store = WeightStore("object_store", actor_name=name)
     else:
         if rc.weight_store_dir:
@@ -223,7 +227,7 @@ def _place(
             directory = run_dir / "weights"
         else:
             directory = Path(tempfile.mkdtemp(prefix="rlaxkit-weights-"))
-            parts.teardown.append(lambda: shutil.rmtree(directory, ignore_errors=True))
+            teardown.append(lambda: shutil.rmtree(directory, ignore_errors=True))
         clear_weight_store(directory)  # a resumed run publishes from its checkpoint
         template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         store = WeightStore(
@@ -233,15 +237,15 @@ def _place(
             template=template,
             durable=rc.tensorstore_durable,
         )
-    parts.store = store.connect()  # the driver reads the published version
+    client = store.connect()  # the driver reads the published version
     jax_options = driver_jax_options()
     # Every actor's clock is the run's (its trace's, resumed runs included).
     wall = WallClock(time.time() - clock() - trace.offset_s)
     checkpoints = str(checkpoint_dir(run_dir)) if run_dir else None
     arguments = (config, store, str(cache_dir) if cache_dir else None, checkpoints, wall)
     group = TrainerGroup(rc, (*arguments, jax_options))
-    parts.teardown.append(lambda: group.stop(timeout_s=60.0))
-    parts.trainer = HealingTrainerClient(
+    teardown.append(lambda: group.stop(timeout_s=60.0))
+    trainer = HealingTrainerClient(
         group,
         trace,
         books,
@@ -258,7 +262,7 @@ def _place(
         return transport.started(
             remote(WorkerHost)
             .options(**options)
-            .remote(worker_id, config, parts.graphdef, parts.tokenizer, store, wall, jax_options)
+            .remote(worker_id, config, graphdef, tokenizer, store, wall, jax_options)
         )
 
     fleet = WorkerFleet(
@@ -269,18 +273,31 @@ def _place(
         rc.replace_dead_workers,
         rc.max_worker_replacements,
     )
-    parts.teardown.append(fleet.close)
-    parts.fleet = fleet
+    teardown.append(fleet.close)
     if worker_ids is None:
         fleet.scale(config.runtime.num_workers)  # they start as the trainer does
     else:
         for worker_id in worker_ids:
             fleet.add(worker_id)
         fleet.books["next_worker"] = len(worker_ids)
-    parts.warm_start = parts.trainer.call("warm_start_info")
-    parts.scorer = RewardRunner.for_task(parts.task).start()
-    parts.teardown.append(parts.scorer.close)
-    parts.schedule = lambda step: scheduled_workers(rc, step)
-    parts.published_weights = lambda version: jax.device_get(
-        published_params(parts.store, config.trainer.lora, version)
+    warm_start = trainer.call("warm_start_info")
+    scorer = RewardRunner.for_task(task).start()
+    teardown.append(scorer.close)
+    return Parts(
+        task=task,
+        tokenizer=tokenizer,
+        graphdef=graphdef,
+        warm_start=warm_start,
+        fleet=fleet,
+        trainer=trainer,
+        store=client,
+        scorer=scorer,
+        shapes=param_shapes(params),
+        template=abstract_tree(params),
+        published_weights=lambda version: jax.device_get(
+            published_params(client, config.trainer.lora, version)
+        ),
+        schedule=lambda step: scheduled_workers(rc, step),
+        kill_store=kill_store,
+        teardown=teardown,
     )
