@@ -27,7 +27,7 @@ restarts empty and the trainer publishes to again. The kinds that reach inside a
 worker's process (``fail_pull``, ``hang_reward``) are injected by the local placement
 only; a plan with them is refused on Ray before anything starts.
 
-The fault clock (``Experiment.fault_now``) is logical in deterministic mode: ``rounds ·
+The fault clock (``FaultTarget.fault_now``) is logical in deterministic mode: ``rounds ·
 runtime.round_s``. A timed fault fires at the start of the first round at or after its
 ``at_s``; a step fault right after the trainer finishes that step, before it pushes or
 saves (as in the simulator, a trainer preempted after step ``s`` loses step ``s``).
@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from rlaxkit.config.run import RunConfig
-    from rlaxkit.runtime.loop import Loop as Experiment
+    from rlaxkit.runtime.placement import FaultTarget
+
 
 __all__ = [
     "NO_FAULTS",
@@ -176,7 +177,7 @@ def check_plan_supported(plan: FaultPlan, config: RunConfig, run_dir: Path | Non
 class NoFaults:
     """The driver's fault hooks when no plan is given: nothing fires, nothing is down."""
 
-    def before_round(self, exp: Experiment, now_s: float) -> None:
+    def before_round(self, exp: FaultTarget, now_s: float) -> None:
         pass
 
     def live(self, worker_ids: list[str]) -> list[str]:
@@ -188,13 +189,13 @@ class NoFaults:
     def due_step(self, step: int) -> list[Fault]:
         return []
 
-    def apply(self, exp: Experiment, fault: Fault) -> None:
+    def apply(self, exp: FaultTarget, fault: Fault) -> None:
         raise AssertionError("no fault plan")
 
     def trainer_down(self) -> bool:
         return False
 
-    def restore_trainer_if_due(self, exp: Experiment) -> None:
+    def restore_trainer_if_due(self, exp: FaultTarget) -> None:
         pass
 
     def waiting(self) -> bool:
@@ -252,7 +253,7 @@ class FaultInjector(NoFaults):
         )
 
     # -- the round -------------------------------------------------------------------
-    def before_round(self, exp: Experiment, now_s: float) -> None:
+    def before_round(self, exp: FaultTarget, now_s: float) -> None:
         """Fires due timed faults, then brings back what is due."""
         for fault in self.state.due_timed(now_s):
             self.apply(exp, fault)
@@ -286,7 +287,7 @@ class FaultInjector(NoFaults):
         return self.store is not None and self.store.down_until is not None
 
     # -- firing ----------------------------------------------------------------------
-    def apply(self, exp: Experiment, fault: Fault) -> None:
+    def apply(self, exp: FaultTarget, fault: Fault) -> None:
         """Injects one fault (see the module docstring)."""
         now, down = exp.fault_now(), self.state.downtime(fault)
         if fault.kind in PREEMPTION_KINDS:
@@ -326,13 +327,13 @@ class FaultInjector(NoFaults):
         elif fault.kind == "hang_reward":
             exp.parts.scorer.inject_hang(fault.count)
 
-    def preempt_worker(self, exp: Experiment, worker_id: str, down_s: float) -> None:
+    def preempt_worker(self, exp: FaultTarget, worker_id: str, down_s: float) -> None:
         """Takes a worker down for ``down_s`` fault-clock seconds; its in-flight prompts
         are re-issued (same ids and seeds) to whichever worker has room."""
         self.state.worker_down[worker_id] = exp.fault_now() + down_s
         exp.lose_worker(worker_id, exp.fleet.preempt(worker_id), down_s=down_s)
 
-    def restore_trainer_if_due(self, exp: Experiment) -> None:
+    def restore_trainer_if_due(self, exp: FaultTarget) -> None:
         """After its downtime the trainer restores its last checkpoint: the steps since
         are lost, their groups go back to the buffer's ready queue, the store starts a
         new lineage at the restored version, and workers holding weights of the

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from rlaxkit.models.tokenizer import Tokenizer
     from rlaxkit.param_server.base import ParameterServer
     from rlaxkit.rules.books import RunBooks
+    from rlaxkit.rules.controller import Issue
     from rlaxkit.runtime.common import RunTrace
     from rlaxkit.runtime.faults import NoFaults
     from rlaxkit.tasks.base import Task
@@ -82,6 +83,31 @@ class Parts:
         """Runs the teardowns, newest first (each once)."""
         while self.teardown:
             self.teardown.pop()()
+
+
+class FaultTarget(Protocol):
+    """What a fault touches of the run (``rlaxkit.runtime.loop.Loop`` is one): the
+    books, the trace and its clocks, the fleet and the trainer client, the placement's
+    store and scorer, and the loop's three bookings of a loss."""
+
+    books: RunBooks
+    trace: RunTrace
+    fleet: Fleet
+    trainer: TrainerClient
+    parts: Parts
+
+    @property
+    def version(self) -> int: ...
+
+    def clock(self) -> float: ...
+
+    def fault_now(self) -> float: ...
+
+    def lose_worker(self, worker_id: str, lost: list[Issue], **fields: Any) -> None: ...
+
+    def roll_back(self, step: int) -> None: ...
+
+    def note_published(self, version: int | None) -> None: ...
 
 
 def start_placement(
