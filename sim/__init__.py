@@ -11,9 +11,9 @@ the clock is simulated.
 (2, 0)
 """
 
-from . import presets
-from .calibrate import Calibration, calibrate, fit_scenario, window_summary
-from .distributions import (
+from sim import presets
+from sim.calibrate import Calibration, calibrate, fit_scenario, window_summary
+from sim.distributions import (
     Constant,
     Empirical,
     Lognormal,
@@ -22,17 +22,17 @@ from .distributions import (
     distribution_from_dict,
     distribution_to_dict,
 )
-from .engine import Simulation, run_config, simulate
-from .metrics import SimResult
-from .presets import areal_like, checkpoint_study, local_runtime, planned, rlax_like, toy
-from .report import (
+from sim.engine import Simulation, run_config, simulate
+from sim.metrics import SimResult
+from sim.presets import areal_like, checkpoint_study, local_runtime, planned, rlax_like, toy
+from sim.report import (
     checkpoint_figure,
     eta_curve_figure,
     staleness_figure,
     timeline_figure,
     utilisation_figure,
 )
-from .scenario import (
+from sim.scenario import (
     Scenario,
     load_scenario,
     save_scenario,
@@ -40,7 +40,7 @@ from .scenario import (
     scenario_to_dict,
     with_overrides,
 )
-from .specs import (
+from sim.specs import (
     CheckpointSpec,
     FleetSpec,
     HostSpec,
@@ -50,7 +50,7 @@ from .specs import (
     VerifierSpec,
     WorkloadSpec,
 )
-from .studies import (
+from sim.studies import (
     CheckpointStudy,
     EtaPoint,
     async_vs_sync,
@@ -58,8 +58,8 @@ from .studies import (
     eta_curve,
     young_daly_interval_s,
 )
-from .sweep import SweepPoint, format_table, sweep
-from .tune import TunePoint, TuneResult, TuneSpace, tune
+from sim.sweep import SweepPoint, format_table, sweep
+from sim.tune import TunePoint, TuneResult, TuneSpace, tune
 
 __all__ = [
     "planned",

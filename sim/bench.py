@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from .engine import simulate
-from .presets import areal_like, rlax_like
-from .studies import async_vs_sync, checkpoint_interval_study, eta_curve
-from .sweep import format_table, sweep
+from sim.engine import simulate
+from sim.presets import areal_like, rlax_like
+from sim.studies import async_vs_sync, checkpoint_interval_study, eta_curve
+from sim.sweep import format_table, sweep
 
 ASYNC_ETA = 4  # η compared with sync (η = 0); AReaL's typical range is 2-8 (docs/papers.md [A4])
 

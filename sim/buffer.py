@@ -27,7 +27,7 @@ from rlaxkit.rules.audit import AuditRecord
 from rlaxkit.rules.ledger import GroupLedger
 
 if TYPE_CHECKING:
-    from .engine import Simulation
+    from sim.engine import Simulation
 
 __all__ = ["Group", "SimBuffer", "SimSample"]
 

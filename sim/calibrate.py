@@ -73,20 +73,20 @@ from rlaxkit.rules.trace import (
 )
 from rlaxkit.rules.validation import check_int
 
-from .calibrate_fits import (
+from sim.calibrate_fits import (
     compiled,
     fit_decode,
     fit_length_correlation,
     fit_save_cost,
     fit_trainer,
 )
-from .calibrate_host import fault_figures, fit_host, serial_fault_settings
-from .calibrate_turns import fit_turns
-from .distributions import Constant, Empirical
-from .engine import simulate
-from .metrics import SimResult
-from .scenario import Scenario, with_overrides
-from .specs import (
+from sim.calibrate_host import fault_figures, fit_host, serial_fault_settings
+from sim.calibrate_turns import fit_turns
+from sim.distributions import Constant, Empirical
+from sim.engine import simulate
+from sim.metrics import SimResult
+from sim.scenario import Scenario, with_overrides
+from sim.specs import (
     CheckpointSpec,
     Executor,
     FleetSpec,

@@ -42,8 +42,8 @@ import numpy as np
 from rlaxkit.rules.fault_plan import FaultPlan
 from rlaxkit.rules.trace import TraceEvent
 
-from .calibrate_fits import compiled, nonnegative_lstsq
-from .specs import HOST_COSTS, HostSpec
+from sim.calibrate_fits import compiled, nonnegative_lstsq
+from sim.specs import HOST_COSTS, HostSpec
 
 __all__ = [
     "FAULT_DROPS",

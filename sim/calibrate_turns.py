@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from rlaxkit.rules.trace import TraceEvent, generation_records
 
-from .distributions import Constant, Distribution, Empirical
+from sim.distributions import Constant, Distribution, Empirical
 
 __all__ = ["TurnFit", "fit_turns"]
 

@@ -17,16 +17,16 @@ from rlaxkit.rules.audit import AuditBook
 from rlaxkit.rules.policies import policy_to_dict
 from rlaxkit.rules.trace import TraceSink
 
-from .buffer import Group, SimBuffer, SimSample
-from .distributions import CorrelatedLengths, Stream, Uniform
-from .host import SerialHost
-from .injector import FaultInjector, plan_for
-from .metrics import Counters, SimResult, build_result
-from .param_server import SimParameterServer
-from .scenario import Scenario
-from .trainer import Trainer
-from .verifier import VerifierPool
-from .worker import SimWorker
+from sim.buffer import Group, SimBuffer, SimSample
+from sim.distributions import CorrelatedLengths, Stream, Uniform
+from sim.host import SerialHost
+from sim.injector import FaultInjector, plan_for
+from sim.metrics import Counters, SimResult, build_result
+from sim.param_server import SimParameterServer
+from sim.scenario import Scenario
+from sim.trainer import Trainer
+from sim.verifier import VerifierPool
+from sim.worker import SimWorker
 
 __all__ = ["Simulation", "simulate"]
 

@@ -52,12 +52,12 @@ from simpy.events import ProcessGenerator
 
 from rlaxkit.rules.fault_plan import Fault
 
-from .buffer import Group, SimSample
+from sim.buffer import Group, SimSample
 
 if TYPE_CHECKING:
     from rlaxkit.rules.fault_clock import FaultState
 
-    from .engine import Simulation
+    from sim.engine import Simulation
 
 __all__ = ["ChunkWorker", "SerialHost"]
 

@@ -24,9 +24,9 @@ from rlaxkit.rules.fault_clock import FaultState
 from rlaxkit.rules.fault_plan import Fault, FaultPlan, random_preemptions
 
 if TYPE_CHECKING:
-    from .engine import Simulation
-    from .scenario import Scenario
-    from .worker import SimWorker
+    from sim.engine import Simulation
+    from sim.scenario import Scenario
+    from sim.worker import SimWorker
 
 __all__ = ["FaultInjector", "plan_for"]
 

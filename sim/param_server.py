@@ -35,7 +35,7 @@ import simpy
 from simpy.events import ProcessGenerator
 
 if TYPE_CHECKING:
-    from .engine import Simulation
+    from sim.engine import Simulation
 
 __all__ = ["SimParameterServer", "SimPull"]
 

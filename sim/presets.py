@@ -25,9 +25,9 @@ from typing import Any
 
 from rlaxkit.rules.policies import CheckpointPolicy, PullMode, StalenessPolicy, WeightSyncPolicy
 
-from .distributions import Constant, Lognormal, LongTail
-from .scenario import Scenario, with_overrides
-from .specs import (
+from sim.distributions import Constant, Lognormal, LongTail
+from sim.scenario import Scenario, with_overrides
+from sim.specs import (
     CheckpointSpec,
     FleetSpec,
     ParamServerSpec,

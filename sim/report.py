@@ -28,8 +28,8 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator, MultipleLocator
 
 from rlaxkit.rules.trace import GenerationRecord, TraceEvent, generation_records, step_span
 
-from .metrics import SimResult
-from .studies import CheckpointStudy, EtaPoint
+from sim.metrics import SimResult
+from sim.studies import CheckpointStudy, EtaPoint
 
 __all__ = [
     "checkpoint_figure",

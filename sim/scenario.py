@@ -28,11 +28,11 @@ from rlaxkit.rules.policies import (
 )
 from rlaxkit.rules.validation import check_int
 
-from .distributions import distribution_from_dict, distribution_to_dict
+from sim.distributions import distribution_from_dict, distribution_to_dict
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
-from .specs import (
+from sim.specs import (
     CheckpointSpec,
     FleetSpec,
     HostSpec,
@@ -272,7 +272,7 @@ def scenario_from_dict(data: Mapping[str, Any]) -> Scenario:
     replaces the costs a compiled plan gives (``sim.presets.from_plan``): the trainer's
     step time, the workers' shape and decode cost, the push bytes."""
     if "plan" in data:
-        from .presets import from_plan  # presets builds scenarios: imported when used
+        from sim.presets import from_plan  # presets builds scenarios: imported when used
 
         rest = {k: v for k, v in data.items() if k != "plan"}
         return from_plan(data["plan"], base=scenario_from_dict(rest))

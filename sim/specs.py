@@ -32,7 +32,7 @@ from typing import Any, Literal, get_args
 from rlaxkit.rules.fault_plan import InterArrival
 from rlaxkit.rules.validation import is_int, is_number
 
-from .distributions import Constant, Distribution
+from sim.distributions import Constant, Distribution
 
 __all__ = [
     "CheckpointSpec",

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .presets import checkpoint_study
-from .scenario import Scenario
-from .sweep import sweep
+from sim.presets import checkpoint_study
+from sim.scenario import Scenario
+from sim.sweep import sweep
 
 __all__ = [
     "CheckpointStudy",

@@ -19,9 +19,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .engine import simulate
-from .metrics import SimResult
-from .scenario import Scenario, with_overrides
+from sim.engine import simulate
+from sim.metrics import SimResult
+from sim.scenario import Scenario, with_overrides
 
 __all__ = ["SweepPoint", "format_table", "sweep"]
 

@@ -28,7 +28,7 @@ import simpy
 from rlaxkit.rules.trace import TraceEvent
 
 if TYPE_CHECKING:
-    from .engine import Simulation
+    from sim.engine import Simulation
 
 __all__ = ["Trainer"]
 

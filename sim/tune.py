@@ -32,8 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import simulate
-from .scenario import Scenario, with_overrides
+from sim.engine import simulate
+from sim.scenario import Scenario, with_overrides
 
 __all__ = ["TunePoint", "TuneResult", "TuneSpace", "tune"]
 
@@ -137,7 +137,7 @@ class TuneResult:
 
     def table(self) -> str:
         """The default, the best and the change, as text."""
-        from .sweep import format_table
+        from sim.sweep import format_table
 
         label = "default" if self.default_breaks is None else "default (breaks constraint)"
         rows = [{"": label, **self.default.row()}, {"": "tuned", **self.best.row()}]

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, cast
 
 import simpy
 
-from .buffer import Group, SimSample
-from .distributions import Constant, Stream
+from sim.buffer import Group, SimSample
+from sim.distributions import Constant, Stream
 
 if TYPE_CHECKING:
-    from .engine import Simulation
+    from sim.engine import Simulation
 
 __all__ = ["VerifierPool"]
 

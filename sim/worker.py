@@ -45,11 +45,11 @@ from simpy.events import ProcessGenerator
 
 from rlaxkit.rules.paging import rows_that_fit
 
-from .buffer import Group, SimSample
+from sim.buffer import Group, SimSample
 
 if TYPE_CHECKING:
-    from .engine import Simulation
-    from .scenario import Scenario
+    from sim.engine import Simulation
+    from sim.scenario import Scenario
 
 __all__ = ["HOST_BUSY", "PREEMPTED", "WEIGHT_UPDATE", "SimWorker"]
 
