@@ -3,7 +3,7 @@
 Runs the deterministic local backend on the tests' tiny model (``config.SMALL_RUN``):
 a base run at η = 1 with 2 workers, and runs that change one setting each (η = 0,
 η = 2, 1 worker, 8 prompts per step). ``sim.calibrate`` fits the serial host model
-(``sim/host.py``) to the base trace and predicts each run's samples/s over its
+(``sim/entities/host.py``) to the base trace and predicts each run's samples/s over its
 measured window (after ``--warmup-steps`` train steps); the error is predicted ÷
 measured - 1. ``self`` predicts the base run itself. With ``--repeats`` above 1 every configuration
 runs that many times; ``pooled_errors`` compares the mean prediction with the mean
@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import sim  # noqa: E402
 from rlaxkit.config.run import small_run_config  # noqa: E402
 from rlaxkit.runtime.record import record_local_run  # noqa: E402
-from sim.calibrate import window_summary  # noqa: E402
+from sim.calibration.calibrate import window_summary  # noqa: E402
 
 # On the CPU clock (the default) the threads' seconds add up: one chunk after another.
 BASE = ("staleness.max_staleness=1", "runtime.threaded_chunks=false")

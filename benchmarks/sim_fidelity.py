@@ -4,14 +4,14 @@ Runs the deterministic local backend on the tests' tiny model (``config.SMALL_RU
 = 1, 2 workers in one slice, a checkpoint every ``CHECKPOINT_EVERY`` steps): a
 fault-free base run, then one run per fault plan of :data:`PLANS` (worker preemptions;
 a slice preemption; trainer preemptions, timed and at steps). ``sim.calibrate`` fits
-the serial host (``sim/host.py``) to the base trace and replays each plan on the
+the serial host (``sim/entities/host.py``) to the base trace and replays each plan on the
 runtime's logical clock (``faults=plan``), averaging its figures over ``--repeats``
 seeds; each is compared with the run that had the plan:
 
 - ``samples_per_s`` and ``goodput`` (kept train compute per second) over the window
   after ``--warmup-steps`` train steps;
 - ``lost_samples``: sequences started again after a fault, plus the samples of groups
-  a fault dropped (``sim.calibrate_host.fault_figures``);
+  a fault dropped (``sim.calibration.host.fault_figures``);
 - ``staleness_mean`` and ``staleness_p90`` of the kept steps' rollouts (in versions).
 
 Every error is predicted ÷ measured - 1, staleness predicted - measured (versions).
@@ -54,8 +54,8 @@ ONE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_thread
 import sim  # noqa: E402
 from rlaxkit.rules.fault_plan import Fault, FaultPlan  # noqa: E402
 from rlaxkit.rules.trace import TraceEvent  # noqa: E402
-from sim.calibrate import compiled_in_window, window_start  # noqa: E402
-from sim.calibrate_host import fault_figures, restart_costs  # noqa: E402
+from sim.calibration.calibrate import compiled_in_window, window_start  # noqa: E402
+from sim.calibration.host import fault_figures, restart_costs  # noqa: E402
 
 CHECKPOINT_EVERY = 10  # steps between checkpoints (a restore goes back up to 9 steps)
 BASE = (
@@ -174,7 +174,7 @@ def ray_fidelity(cache: str, *, steps: int, warmup_steps: int, repeats: int) -> 
 
     The round in which a replacement actor first pulls waits for it to be up, and its
     first pull and chunks load its programs (``HostSpec.worker_start_s``,
-    ``sim.calibrate_host.restart_costs``). The fault-free run's trace times only the
+    ``sim.calibration.host.restart_costs``). The fault-free run's trace times only the
     fleet's first actors, which start beside the trainer's and compete with it for the
     CPUs, so a short probe run with one preemption (also the warm-up) times a
     replacement on its own; the prediction is made with both (``predicted``: the

@@ -6,7 +6,7 @@ checkpoint every 10 steps) at a staleness bound η with a fault plan, and the
 simulator's prediction of it, calibrated once per η on a fault-free run of the same
 config (``sim.calibrate(..., faults=plan)``, the serial host). Per cell: samples/s,
 goodput, lost and re-issued samples, staleness mean and p90 (as
-``sim.calibrate_host.fault_figures`` counts them), measured, predicted and the error
+``sim.calibration.host.fault_figures`` counts them), measured, predicted and the error
 (predicted ÷ measured − 1; staleness and counts measured as zero: predicted − measured).
 
 The machine's load: runs are timed on the process's CPU clock with XLA on one thread

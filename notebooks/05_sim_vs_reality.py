@@ -24,7 +24,7 @@
 # The local runtime's deterministic mode is one thread: rounds in which every busy
 # worker decodes one chunk of `runtime.chunk_steps` tokens over all its slots, with
 # the trainer's steps in between. The fit for such a trace is the simulator's
-# *serial host* (`sim/host.py`): chunk cost (fixed, per step, per sequence started
+# *serial host* (`sim/entities/host.py`): chunk cost (fixed, per step, per sequence started
 # and finished, from the trace's `decode` events), scoring, the host's own time per
 # chunk, per issued and scored sequence and per train step, trainer time per token,
 # push/pull latencies, the empirical completion lengths and the share of groups

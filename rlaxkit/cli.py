@@ -692,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _tune(args: argparse.Namespace) -> None:
-    from sim.tune import tune
+    from sim.studies.tune import tune
 
     if args.seeds < 1:
         raise ValueError(f"--seeds: must be at least 1, got {args.seeds}")

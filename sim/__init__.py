@@ -12,7 +12,7 @@ the clock is simulated.
 """
 
 from sim import presets
-from sim.calibrate import Calibration, calibrate, fit_scenario, window_summary
+from sim.calibration.calibrate import Calibration, calibrate, fit_scenario, window_summary
 from sim.distributions import (
     Constant,
     Empirical,
@@ -50,7 +50,7 @@ from sim.specs import (
     VerifierSpec,
     WorkloadSpec,
 )
-from sim.studies import (
+from sim.studies.standard import (
     CheckpointStudy,
     EtaPoint,
     async_vs_sync,
@@ -58,8 +58,8 @@ from sim.studies import (
     eta_curve,
     young_daly_interval_s,
 )
-from sim.sweep import SweepPoint, format_table, sweep
-from sim.tune import TunePoint, TuneResult, TuneSpace, tune
+from sim.studies.sweep import SweepPoint, format_table, sweep
+from sim.studies.tune import TunePoint, TuneResult, TuneSpace, tune
 
 __all__ = [
     "planned",

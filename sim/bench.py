@@ -14,8 +14,8 @@ import json
 
 from sim.engine import simulate
 from sim.presets import areal_like, rlax_like
-from sim.studies import async_vs_sync, checkpoint_interval_study, eta_curve
-from sim.sweep import format_table, sweep
+from sim.studies.standard import async_vs_sync, checkpoint_interval_study, eta_curve
+from sim.studies.sweep import format_table, sweep
 
 ASYNC_ETA = 4  # η compared with sync (η = 0); AReaL's typical range is 2-8 (docs/papers.md [A4])
 

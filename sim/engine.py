@@ -16,17 +16,16 @@ import simpy
 from rlaxkit.rules.audit import AuditBook
 from rlaxkit.rules.policies import policy_to_dict
 from rlaxkit.rules.trace import TraceSink
-
-from sim.buffer import Group, SimBuffer, SimSample
 from sim.distributions import CorrelatedLengths, Stream, Uniform
-from sim.host import SerialHost
-from sim.injector import FaultInjector, plan_for
+from sim.entities.buffer import Group, SimBuffer, SimSample
+from sim.entities.host import SerialHost
+from sim.entities.injector import FaultInjector, plan_for
+from sim.entities.param_server import SimParameterServer
+from sim.entities.trainer import Trainer
+from sim.entities.verifier import VerifierPool
+from sim.entities.worker import SimWorker
 from sim.metrics import Counters, SimResult, build_result
-from sim.param_server import SimParameterServer
 from sim.scenario import Scenario
-from sim.trainer import Trainer
-from sim.verifier import VerifierPool
-from sim.worker import SimWorker
 
 __all__ = ["Simulation", "simulate"]
 
@@ -231,7 +230,7 @@ class Simulation:
 def run_config(scenario: Scenario) -> dict[str, Any]:
     """The configuration a trace's ``run_start`` event carries (policies, fleet shape).
 
-    The runtime writes the same keys so :func:`sim.calibrate.calibrate` can rebuild the
+    The runtime writes the same keys so :func:`sim.calibration.calibrate.calibrate` can rebuild the
     run from either trace.
     """
     fleet = scenario.fleet

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from rlaxkit.rules.policies import CheckpointPolicy, PullMode, StalenessPolicy, WeightSyncPolicy
-
 from sim.distributions import Constant, Lognormal, LongTail
 from sim.scenario import Scenario, with_overrides
 from sim.specs import (

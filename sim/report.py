@@ -27,9 +27,8 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator, MultipleLocator
 
 from rlaxkit.rules.trace import GenerationRecord, TraceEvent, generation_records, step_span
-
 from sim.metrics import SimResult
-from sim.studies import CheckpointStudy, EtaPoint
+from sim.studies.standard import CheckpointStudy, EtaPoint
 
 __all__ = [
     "checkpoint_figure",

@@ -27,7 +27,6 @@ from rlaxkit.rules.policies import (
     check_admission,
 )
 from rlaxkit.rules.validation import check_int
-
 from sim.distributions import distribution_from_dict, distribution_to_dict
 
 if TYPE_CHECKING:
@@ -58,7 +57,7 @@ __all__ = [
 # refused rather than left to run for hours.
 MAX_EXPECTED_PREEMPTIONS = 1_000_000
 
-# Fault kinds the serial host replays (sim.host); the others act inside the parameter
+# Fault kinds the serial host replays (sim.entities.host); the others act inside the parameter
 # server or the reward runner, which it does not model.
 SERIAL_FAULT_KINDS = ("preempt_worker", "preempt_slice", "preempt_trainer", "slow_worker")
 
@@ -105,7 +104,7 @@ class Scenario:
             oldest groups first, equal-reward groups dropped, lost work re-issued).
         preemptions: Random preemptions (turned into a FaultPlan at start).
         host: How trainer and workers are scheduled: a parallel fleet (default) or
-            the serial host of the deterministic local runtime (:mod:`sim.host`).
+            the serial host of the deterministic local runtime (:mod:`sim.entities.host`).
         fault_plan: Explicit faults, added to the random ones.
         target_steps: Stop when the trainer reaches this version (``None``: run to the
             horizon).

@@ -31,7 +31,6 @@ from typing import Any, Literal, get_args
 
 from rlaxkit.rules.fault_plan import InterArrival
 from rlaxkit.rules.validation import is_int, is_number
-
 from sim.distributions import Constant, Distribution
 
 __all__ = [
@@ -239,12 +238,12 @@ class HostSpec:
     ``parallel`` (the default, a real fleet): the trainer and every worker slot are
     concurrent processes; decode time follows :class:`FleetSpec`'s per-token model and
     the other fields here are unused. ``serial``: rlaxkit's deterministic local runtime,
-    where one thread runs everything in a fixed order (:mod:`sim.host`): rounds in
+    where one thread runs everything in a fixed order (:mod:`sim.entities.host`): rounds in
     which every busy worker decodes one chunk of ``chunk_steps`` steps over all its
     rows, and a train step between rounds whenever a full batch is ready. A chunk's
     cost hardly depends on how many rows are occupied (the engine's shapes are
     static), so it is modelled per chunk, not per token. :func:`sim.calibrate` fits
-    these costs from a local trace (:mod:`sim.calibrate_host`).
+    these costs from a local trace (:mod:`sim.calibration.host`).
 
     Costs, in the order the serial host pays them:
 
@@ -506,7 +505,7 @@ class WorkloadSpec:
             while two samples of a group correlate by ``ρ`` in normal scores (0:
             independent; 1: one length per group). GRPO's samples share a prompt and,
             with it, much of their length; drawn independently, a preempted worker's
-            groups hold less work than real ones do. :func:`sim.calibrate.calibrate`
+            groups hold less work than real ones do. :func:`sim.calibration.calibrate.calibrate`
             fits ``ρ`` from a single-turn trace.
         max_response_tokens: Truncation length (finish reason ``length``); ``None``:
             never truncated.
@@ -519,7 +518,7 @@ class WorkloadSpec:
             ``k + 1`` policy turns, each as long as a draw of ``response_tokens``
             (capped by ``max_response_tokens``, as the engine caps a turn): it decodes
             a turn, waits for its tool, appends the observation and goes on
-            (:mod:`sim.worker`).
+            (:mod:`sim.entities.worker`).
         tool_latency_s: Distribution of the seconds one tool call takes (e.g. a
             ``Lognormal`` for a long tail, or an ``Empirical`` fitted from a trace's
             ``tool_call`` events).

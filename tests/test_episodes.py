@@ -31,7 +31,7 @@ from rlaxkit.tasks.episodes import (
     run_episodes,
 )
 from rlaxkit.trainer.logprobs import logprobs_and_entropy
-from sim.calibrate_turns import fit_turns
+from sim.calibration.turns import fit_turns
 
 TASK = CalculatorTask()
 TOKENIZER = CharTokenizer(TASK.alphabet())

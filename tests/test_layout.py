@@ -40,14 +40,14 @@ KNOWN_CYCLES = [
     ["rlaxkit.tasks.base", "rlaxkit.tasks.datasets"],
     # the simulation's engine and the entities it holds name one another.
     [
-        "sim.buffer",
+        "sim.entities.buffer",
         "sim.engine",
-        "sim.host",
-        "sim.injector",
-        "sim.param_server",
-        "sim.trainer",
-        "sim.verifier",
-        "sim.worker",
+        "sim.entities.host",
+        "sim.entities.injector",
+        "sim.entities.param_server",
+        "sim.entities.trainer",
+        "sim.entities.verifier",
+        "sim.entities.worker",
     ],
     # a scenario's ``plan:`` key is read by the presets, which build scenarios.
     ["sim.presets", "sim.scenario"],
@@ -64,7 +64,7 @@ LONG_MODULES = {
     "rlaxkit/param_server/delta_store.py": 621,
     "rlaxkit/inference/programs.py": 621,
     "sim/specs.py": 615,
-    "sim/calibrate.py": 603,
+    "sim/calibration/calibrate.py": 603,
     "rlaxkit/observe/plotting.py": 594,
     "rlaxkit/tasks/episodes.py": 593,
     "rlaxkit/config/run.py": 538,
@@ -83,7 +83,7 @@ WIDE_CLASSES = {
     ("sim/engine.py", "Simulation"): 23,
     ("sim/metrics.py", "Counters"): 22,
     ("sim/metrics.py", "SimResult"): 24,
-    ("sim/worker.py", "SimWorker"): 30,
+    ("sim/entities/worker.py", "SimWorker"): 30,
 }
 
 HEAVY = {"jax", "jaxlib", "flax", "optax", "orbax", "simpy", "ray", "matplotlib"}

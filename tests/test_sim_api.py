@@ -138,7 +138,7 @@ def test_the_simulator_imports_neither_the_runtime_nor_jax():
     import sys
 
     code = (
-        "import sys, sim, sim.calibrate, sim.studies, sim.sweep\n"
+        "import sys, sim, sim.calibration.calibrate, sim.studies.standard, sim.studies.sweep\n"
         "bad = [m for m in sys.modules if m == 'jax' or m.startswith('rlaxkit.runtime')]\n"
         "assert not bad, bad\n"
     )

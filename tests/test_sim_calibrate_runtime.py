@@ -2,7 +2,7 @@
 
 Short runs of the deterministic local runtime (the tiny ``config.SMALL_RUN`` model) at
 η = 1 and η = 0, three times each, alternating. ``sim.calibrate`` fits the serial host model
-(``sim/host.py``) to each η = 1 trace and predicts samples/s over the measured window
+(``sim/entities/host.py``) to each η = 1 trace and predicts samples/s over the measured window
 (after the compiling first steps): each η = 1 run itself, the best within 10%, and
 η = 0: each η = 1 run's prediction is set against the η = 0 run taken after it, and
 the median of those three errors must be within 25%. (Three of
@@ -38,7 +38,7 @@ import sim
 from rlaxkit.config.run import small_run_config
 from rlaxkit.rules.trace import TraceEvent
 from rlaxkit.runtime.record import record_local_run
-from sim.calibrate import window_summary
+from sim.calibration.calibrate import window_summary
 
 pytestmark = pytest.mark.slow  # eight real runs, ~18 s with a warm compilation cache
 
@@ -48,7 +48,7 @@ WARMUP_STEPS = 3  # the first train step compiles; so may the first chunks of a 
 
 
 def _run(cache, steps: int, *overrides: str) -> list[TraceEvent]:
-    """A run's trace on the CPU clock (``sim.calibrate.record_local_run``: run again if
+    """A run's trace on the CPU clock (``rlaxkit.runtime.record.record_local_run``: run again if
     its window compiled a program)."""
     # The CPU clock adds up the threads' seconds: chunks one after another.
     config = small_run_config("runtime.threaded_chunks=false", *overrides)

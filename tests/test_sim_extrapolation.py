@@ -32,7 +32,7 @@ def test_a_prediction_beyond_its_calibration_names_the_extrapolation(caplog):
 
 def test_a_saves_background_write_is_read_from_the_steps_after_it():
     from rlaxkit.rules.trace import TraceEvent
-    from sim.calibrate_fits import fit_save_cost
+    from sim.calibration.fits import fit_save_cost
 
     # Steps 1 s apart; the save after step 10 blocks 0.1 s and its write adds 0.5 s to
     # each of the next three intervals: 0.1 + 1.5 = 1.6 s in all.

@@ -1,4 +1,4 @@
-"""The serial host (sim/host.py): hand-derived timings, exact fits, clear errors."""
+"""The serial host (sim/entities/host.py): hand-derived timings, exact fits, clear errors."""
 
 import pytest
 

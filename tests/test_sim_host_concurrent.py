@@ -10,7 +10,7 @@ from test_sim_host import _serial
 from rlaxkit.rules.fault_plan import Fault, FaultPlan
 from rlaxkit.rules.trace import MemoryTrace, TraceEvent
 from sim import Uniform, calibrate, fit_scenario, simulate, with_overrides
-from sim.calibrate_host import restart_costs
+from sim.calibration.host import restart_costs
 
 
 def _concurrent(**kwargs):

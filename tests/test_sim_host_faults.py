@@ -1,4 +1,4 @@
-"""Faults on the serial host (sim/host.py), fired as the deterministic runtime fires them.
+"""Faults on the serial host (sim/entities/host.py), fired as the deterministic runtime fires them.
 
 The fault clock is logical, ``rounds · host.round_s`` (1 s per round here): a timed
 fault fires before the first round at or after its ``at_s``; a step fault after that

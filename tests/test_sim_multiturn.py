@@ -18,7 +18,7 @@ import sim
 from rlaxkit.rules.fault_plan import Fault, FaultPlan
 from rlaxkit.rules.trace import MemoryTrace, TraceEvent
 from sim import Constant, Empirical, Lognormal, presets, simulate, with_overrides
-from sim.calibrate_turns import fit_turns
+from sim.calibration.turns import fit_turns
 
 MULTI_TURN = {
     "workload.turns": Constant(value=1),

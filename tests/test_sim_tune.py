@@ -8,7 +8,7 @@ import pytest
 from rlaxkit.cli import main
 from rlaxkit.rules.fault_plan import FaultPlan
 from sim import presets, simulate, with_overrides
-from sim.tune import TuneSpace, tune
+from sim.studies.tune import TuneSpace, tune
 
 SPACE = TuneSpace(max_staleness=(0, 1, 4), push_every_steps=(1, 2), pull_mode=("between_requests",))
 

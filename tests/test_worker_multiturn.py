@@ -21,7 +21,7 @@ from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.build import build_policy, build_task, warm_start
 from rlaxkit.tasks import RewardRunner
 from rlaxkit.worker.worker import InferenceWorker
-from sim.calibrate_turns import fit_turns
+from sim.calibration.turns import fit_turns
 
 # Two-digit by one-digit products ("65*2="), a 2-layer, 32-wide char model and a short
 # warm start on the demonstrations (call, observation, answer): most episodes call the

@@ -15,7 +15,7 @@ class FaultState:
 
     The runtime keeps one (``rlaxkit.runtime.faults``; its clock is logical in
     deterministic mode, ``rounds · runtime.round_s``) and so does the simulator's serial
-    host (``sim.host``), so both fire a plan's faults at the same moments and keep the
+    host (``sim.entities.host``), so both fire a plan's faults at the same moments and keep the
     same things down.
 
     Args:

@@ -2,7 +2,7 @@
 
 ``GroupLedger`` is plain Python on group ids and weight versions; what a group carries
 (a ``RolloutGroup`` in the runtime's ``RolloutBuffer``, a simulated group in
-``sim.buffer``) rides along as an opaque payload. Every decision that shapes staleness
+``sim.entities.buffer``) rides along as an opaque payload. Every decision that shapes staleness
 or lost work is made here, by the policies of ``rlaxkit.rules.policies``:
 
 - **admission**: ``StalenessPolicy.capacity(accepted, in_flight, published)``;

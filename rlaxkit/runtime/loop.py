@@ -179,7 +179,7 @@ class Loop:
             if version is not None and version > step
             for issue in self.fleet.drop_weights(worker_id)
         ]
-        # In id order, as the simulator requeues them (``sim.buffer.SimBuffer.on_restore``).
+        # In id order, as the simulator requeues them (``SimBuffer.on_restore``, sim/entities).
         self.requeue(sorted(void, key=lambda issue: issue.group_id), reason="rolled_back")
 
     def lose_worker(self, worker_id: str, lost: list[Issue], **fields: Any) -> None:

@@ -24,7 +24,7 @@ each part costed by :class:`~sim.specs.HostSpec`.
 A sequence of ``t`` completion tokens takes ``t`` decode steps, all rows of a worker
 step together, and rows start at chunk boundaries.
 
-This is a different machine from the parallel fleet of :mod:`sim.worker` (per-token
+This is a different machine from the parallel fleet of :mod:`sim.entities.worker` (per-token
 decode, workers and trainer concurrent); it exists to calibrate on, and predict, local
 runs. It writes the same trace as the runtime, ``decode`` events included, so a
 simulated serial trace calibrates like a real one.
@@ -40,7 +40,7 @@ the clock passes its restart time, while the rounds go on; then it restores its 
 checkpoint (``restore_s``): the lost steps' groups go back to the buffer, workers
 holding weights of the discarded branch drop them and their groups, and the restored
 version is pushed. A fault of ``at_step`` fires after that step's compute, before its
-push or save (:mod:`sim.trainer`).
+push or save (:mod:`sim.entities.trainer`).
 """
 
 from __future__ import annotations
@@ -51,12 +51,10 @@ from typing import TYPE_CHECKING, TypeAlias
 from simpy.events import ProcessGenerator
 
 from rlaxkit.rules.fault_plan import Fault
-
-from sim.buffer import Group, SimSample
+from sim.entities.buffer import Group, SimSample
 
 if TYPE_CHECKING:
     from rlaxkit.rules.fault_clock import FaultState
-
     from sim.engine import Simulation
 
 __all__ = ["ChunkWorker", "SerialHost"]

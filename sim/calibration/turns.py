@@ -15,7 +15,7 @@ them :func:`fit_turns` takes, as empirical distributions (tails included):
 - ``response_tokens``: per policy turn (``turn_tokens``), not per episode.
 
 It also gives, per completed episode, what the decode fit must take out of its latency
-(:func:`sim.calibrate_fits.fit_decode`): the seconds of its tool calls, and its policy
+(:func:`sim.calibration.fits.fit_decode`): the seconds of its tool calls, and its policy
 and observation tokens. The rest of an episode's time is modelled as one sequence's
 decode, with the observations prefilled as prompt; a released slot's wait for a free
 slot and its re-prefill of the whole context are not separated out (they are absent
@@ -28,7 +28,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from rlaxkit.rules.trace import TraceEvent, generation_records
-
 from sim.distributions import Constant, Distribution, Empirical
 
 __all__ = ["TurnFit", "fit_turns"]

@@ -84,7 +84,7 @@ def fit_decode(
 ) -> dict[str, float]:
     """The decode model ``latency = prompt / prefill_rate + tokens · (a + b ·
     (occupancy - 1))`` by least squares over uninterrupted generations. ``adjust``
-    (multi-turn episodes, :func:`sim.calibrate_turns.fit_turns`): per ``(actor,
+    (multi-turn episodes, :func:`sim.calibration.turns.fit_turns`): per ``(actor,
     sample)``, the tool seconds taken out of its latency, its policy tokens (the
     decoded ones) and observation tokens (prefilled, added to the prompt)."""
     adjust = adjust or {}

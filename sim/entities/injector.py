@@ -6,7 +6,7 @@ trainer preemption is never the trainer interrupting itself). Random preemptions
 :class:`~sim.specs.PreemptionSpec` are generated as a plan first, so a simulated run and
 a runtime run can replay the very same faults.
 
-On the serial host (:mod:`sim.host`) the plan is kept by the runtime's own
+On the serial host (:mod:`sim.entities.host`) the plan is kept by the runtime's own
 ``rlaxkit.rules.fault_clock.FaultState`` instead: faults fire on the logical clock ``rounds ·
 host.round_s``, timed ones before the first round at or after their ``at_s``, step ones
 after that step's compute and before its push or save, as the deterministic local
@@ -25,8 +25,8 @@ from rlaxkit.rules.fault_plan import Fault, FaultPlan, random_preemptions
 
 if TYPE_CHECKING:
     from sim.engine import Simulation
+    from sim.entities.worker import SimWorker
     from sim.scenario import Scenario
-    from sim.worker import SimWorker
 
 __all__ = ["FaultInjector", "plan_for"]
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from sim.presets import checkpoint_study
 from sim.scenario import Scenario
-from sim.sweep import sweep
+from sim.studies.sweep import sweep
 
 __all__ = [
     "CheckpointStudy",

@@ -1,4 +1,4 @@
-"""Fitting the serial host (:mod:`sim.host`) to a trace of the deterministic local runtime.
+"""Fitting the serial host (:mod:`sim.entities.host`) to a trace of the deterministic local runtime.
 
 In that runtime one thread does everything, so the run's wall time is the sum of what
 it did, and the trace times most of it directly:
@@ -41,8 +41,7 @@ import numpy as np
 
 from rlaxkit.rules.fault_plan import FaultPlan
 from rlaxkit.rules.trace import TraceEvent
-
-from sim.calibrate_fits import compiled, nonnegative_lstsq
+from sim.calibration.fits import compiled, nonnegative_lstsq
 from sim.specs import HOST_COSTS, HostSpec
 
 __all__ = [

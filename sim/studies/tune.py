@@ -137,7 +137,7 @@ class TuneResult:
 
     def table(self) -> str:
         """The default, the best and the change, as text."""
-        from sim.sweep import format_table
+        from sim.studies.sweep import format_table
 
         label = "default" if self.default_breaks is None else "default (breaks constraint)"
         rows = [{"": label, **self.default.row()}, {"": "tuned", **self.best.row()}]

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, cast
 
 import simpy
 
-from sim.buffer import Group, SimSample
 from sim.distributions import Constant, Stream
+from sim.entities.buffer import Group, SimSample
 
 if TYPE_CHECKING:
     from sim.engine import Simulation

@@ -1,7 +1,7 @@
 """The simulated trainer: batches in, steps, pushes, checkpoints, preemptions.
 
 One process loops: wait for a full batch (on a serial host, run the host's rounds
-until there is one: :mod:`sim.host`), compute for ``TrainerCostSpec.step_s(tokens)``,
+until there is one: :mod:`sim.entities.host`), compute for ``TrainerCostSpec.step_s(tokens)``,
 bump the version, push when ``WeightSyncPolicy.should_push`` says so (the push blocks
 the trainer for its transfer), save when ``CheckpointPolicy.should_save`` says so (the
 save blocks it for ``save_s``).
@@ -14,7 +14,7 @@ runtime does), pushes the restored weights as a new lineage and goes on. What th
 checkpoint holds is kept; a preemption during the restore starts the recovery over.
 
 On a serial host nothing interrupts the trainer: the host fires faults between its
-rounds and after a step's compute, as the deterministic runtime does (:mod:`sim.host`).
+rounds and after a step's compute, as the deterministic runtime does (:mod:`sim.entities.host`).
 A preempted trainer keeps its steps until its restart time on the logical clock has
 come, then restores (:meth:`Trainer.restore_serial`) and loses them.
 """

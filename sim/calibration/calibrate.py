@@ -18,17 +18,17 @@ simulator trace calibrate the same way:
 - ``tool_call`` (multi-turn episodes): tool calls per episode, tool latencies and
   observation lengths as empirical distributions, completion lengths per policy turn,
   and the tool time taken out of each episode's latency before the decode fit
-  (:mod:`sim.calibrate_turns`);
+  (:mod:`sim.calibration.turns`);
 - ``preemption``/``restart``: replayed as a FaultPlan at the same times (parallel
   fleet). A serial host replays the plan the run was given (``faults=``) on the
-  runtime's logical clock, as the runtime fired it (:func:`sim.calibrate_host.
+  runtime's logical clock, as the runtime fired it (:func:`sim.calibration.host.
   serial_fault_settings` says why the trace cannot give it back exactly).
 
 **Two machines.** A real fleet (and the local runtime's concurrent mode) is the
 *parallel* model above. The local runtime's deterministic mode runs trainer and
 workers in one thread, round by round, decoding in chunks: the *serial host*
-(:mod:`sim.host`), fitted from the trace's ``decode`` events and the untimed host time
-between chunks (:mod:`sim.calibrate_host`); on the Ray placement the same rounds run
+(:mod:`sim.entities.host`), fitted from the trace's ``decode`` events and the untimed host time
+between chunks (:mod:`sim.calibration.host`); on the Ray placement the same rounds run
 every busy worker's chunk at once (``HostSpec.concurrent_chunks``), and on the local
 placement they decode at once too, with ``runtime.threaded_chunks``
 (``HostSpec.threaded_chunks``: the costs are fitted the same way, from the host's
@@ -72,16 +72,15 @@ from rlaxkit.rules.trace import (
     summarize,
 )
 from rlaxkit.rules.validation import check_int
-
-from sim.calibrate_fits import (
+from sim.calibration.fits import (
     compiled,
     fit_decode,
     fit_length_correlation,
     fit_save_cost,
     fit_trainer,
 )
-from sim.calibrate_host import fault_figures, fit_host, serial_fault_settings
-from sim.calibrate_turns import fit_turns
+from sim.calibration.host import fault_figures, fit_host, serial_fault_settings
+from sim.calibration.turns import fit_turns
 from sim.distributions import Constant, Empirical
 from sim.engine import simulate
 from sim.metrics import SimResult
@@ -135,7 +134,7 @@ def _shape(config: Mapping[str, Any]) -> dict[str, Any]:
             local and runtime.get("mode", "deterministic") == "deterministic",
         ),
         "weight_bytes": config.get("weight_bytes"),
-        # The deterministic loop runs in rounds (sim.host): in one thread on the local
+        # The deterministic loop runs in rounds (sim.entities.host): in one thread on the local
         # placement, with the workers' chunks at once on Ray.
         "executor": config.get(
             "host_executor",
@@ -242,8 +241,8 @@ def fit_scenario(
     Timings are fitted on the window after ``warmup_steps`` train steps (compilation
     and pipeline fill left out); lengths and counts use the whole trace.
 
-    ``executor`` picks the model: ``serial`` (:mod:`sim.host`, fitted by
-    :mod:`sim.calibrate_host` from the trace's ``decode`` events) or ``parallel`` (the
+    ``executor`` picks the model: ``serial`` (:mod:`sim.entities.host`, fitted by
+    :mod:`sim.calibration.host` from the trace's ``decode`` events) or ``parallel`` (the
     per-token fleet). By default it is ``serial`` when the config says the run was the
     deterministic loop (local, or Ray with ``concurrent_chunks``; or a simulated serial
     host), else ``parallel``.
@@ -255,7 +254,7 @@ def fit_scenario(
     unless a plan is given.
 
     ``length_correlation``: also fit how alike a group's lengths are
-    (``WorkloadSpec.length_correlation``, :func:`sim.calibrate_fits.fit_length_correlation`).
+    (``WorkloadSpec.length_correlation``, :func:`sim.calibration.fits.fit_length_correlation`).
     Off by default: on the runtime's η = 1 → η = 0 check
     (``tests/test_sim_calibrate_runtime.py``) the tiny model's groups read ρ ≈ 0.85 and
     the prediction came out further off (median −0.29 against within ±0.25 without), so
@@ -435,7 +434,7 @@ class Calibration:
         }
 
     def figure_errors(self) -> dict[str, float]:
-        """Per :func:`~sim.calibrate_host.fault_figures` figure: predicted / measured - 1
+        """Per :func:`~sim.calibration.host.fault_figures` figure: predicted / measured - 1
         (``_abs``: predicted - measured, for staleness in versions and for counts the
         run measured as zero)."""
         out = {}

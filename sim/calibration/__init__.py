@@ -1,0 +1,59 @@
+"""Calibration: a scenario fitted from a run's trace (the trainer's step cost, the
+workers' decode cost, the host's gaps, saves and restarts, multi-turn tool time), and the
+simulation of it checked against the run. ``sim.calibrate`` is the entry point.
+
+Names are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sim.calibration.calibrate import Calibration, extrapolations, fit_scenario, window_summary
+    from sim.calibration.fits import fit_decode, fit_length_correlation, fit_save_cost, fit_trainer
+    from sim.calibration.host import fault_figures, fit_host, restart_costs
+    from sim.calibration.turns import TurnFit, fit_turns
+
+_MODULES = {
+    "Calibration": "calibrate",
+    "extrapolations": "calibrate",
+    "fit_scenario": "calibrate",
+    "window_summary": "calibrate",
+    "fit_decode": "fits",
+    "fit_length_correlation": "fits",
+    "fit_save_cost": "fits",
+    "fit_trainer": "fits",
+    "fault_figures": "host",
+    "fit_host": "host",
+    "restart_costs": "host",
+    "fit_turns": "turns",
+    "TurnFit": "turns",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "Calibration",
+    "extrapolations",
+    "fault_figures",
+    "fit_decode",
+    "fit_host",
+    "fit_length_correlation",
+    "fit_save_cost",
+    "fit_scenario",
+    "fit_trainer",
+    "fit_turns",
+    "restart_costs",
+    "TurnFit",
+    "window_summary",
+]

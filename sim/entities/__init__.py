@@ -1,0 +1,53 @@
+"""The simulated fleet's entities, each a SimPy process or the state it keeps: the
+buffer, the serial host that carries out a round, the fault injector, the parameter
+server, the trainer, the verifier pool and the workers. ``sim.engine.Simulation`` holds
+them.
+
+Names are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sim.entities.buffer import SimBuffer, SimSample
+    from sim.entities.host import SerialHost
+    from sim.entities.injector import FaultInjector
+    from sim.entities.param_server import SimParameterServer
+    from sim.entities.trainer import Trainer
+    from sim.entities.verifier import VerifierPool
+    from sim.entities.worker import SimWorker
+
+_MODULES = {
+    "SimBuffer": "buffer",
+    "SimSample": "buffer",
+    "SerialHost": "host",
+    "FaultInjector": "injector",
+    "SimParameterServer": "param_server",
+    "Trainer": "trainer",
+    "VerifierPool": "verifier",
+    "SimWorker": "worker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "FaultInjector",
+    "SerialHost",
+    "SimBuffer",
+    "SimParameterServer",
+    "SimSample",
+    "SimWorker",
+    "Trainer",
+    "VerifierPool",
+]
