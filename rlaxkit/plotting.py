@@ -33,7 +33,13 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator, ScalarFormatter
+from matplotlib.ticker import (
+    FuncFormatter,
+    LogLocator,
+    MaxNLocator,
+    NullFormatter,
+    NullLocator,
+)
 
 from rlaxkit.metrics import read_metrics
 from rlaxkit.trace import (
@@ -69,6 +75,8 @@ __all__ = [
 
 DPI = 100
 SIZE_IN = (7.0, 4.0)  # every PNG plot_run writes: 700 x 400 pixels at DPI
+LOG_SPAN = 10.0  # times spanning more than this factor are drawn on a log axis
+SHARE_RATIO = 3.0  # runs this many times apart in samples are each drawn as a share
 
 
 def _figure(width: float = SIZE_IN[0], height: float = SIZE_IN[1]) -> Figure:
@@ -84,6 +92,16 @@ def _style(axes: Axes, *, legend: bool = False) -> Axes:
     if legend and axes.get_legend_handles_labels()[0]:
         axes.legend(frameon=False, fontsize="small")
     return axes
+
+
+def _log_ticks(axis: Any, limits: tuple[float, float]) -> None:
+    """Labels on a log axis that do not collide: 1-2-5 steps within two decades,
+    the decades only beyond, plain numbers, no minor labels."""
+    low, high = limits
+    steps = (1.0, 2.0, 5.0) if high / max(low, 1e-300) < 100 else (1.0,)
+    axis.set_major_locator(LogLocator(base=10, subs=steps))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def _smooth(values: Sequence[float], window: int) -> np.ndarray:
@@ -385,17 +403,20 @@ def scaling_figure(
     *,
     xlabel: str = "inference chips",
     ylabel: str = "trained samples/s",
-    ceiling: float | None = None,
+    ceiling: float | Mapping[str, float] | None = None,
     ceiling_label: str = "trainer bound",
+    title: str = "throughput by fleet size",
 ) -> Figure:
     """Throughput against fleet size on log-log axes, with ideal linear scaling.
 
-    The dotted line is linear scaling from each series' first point; ``ceiling`` draws a
-    horizontal bound (e.g. the trainer's samples/s when it never waits).
+    The dotted line is linear scaling from each series' first point. ``ceiling`` draws
+    horizontal bounds (e.g. the trainer's samples/s when it never waits): one value,
+    labelled ``ceiling_label``, or label -> value, each in its own line style. The y
+    axis labels 1-2-5 steps, or its decades past two, never every minor tick.
     """
     if not sizes:
         raise ValueError("sizes: give at least one fleet size")
-    figure = _figure(6.0, 4.0)
+    figure = _figure(*SIZE_IN)
     axes = figure.add_subplot()
     x = np.asarray(sizes, float)
     for label, values in series.items():
@@ -404,18 +425,23 @@ def scaling_figure(
             raise ValueError(f"series {label!r} has {len(y)} values for {len(x)} sizes")
         line = axes.plot(x, y, "o-", label=label)[0]
         axes.plot(x, y[0] * x / x[0], ":", color=line.get_color(), lw=1)
-    if ceiling is not None:
-        axes.axhline(ceiling, color="black", ls="--", lw=1, label=ceiling_label)
+    bounds = {ceiling_label: ceiling} if isinstance(ceiling, int | float) else dict(ceiling or {})
+    for (label, value), style in zip(bounds.items(), ("--", "-.", (0, (5, 1, 1, 1))), strict=False):
+        axes.axhline(value, color="black", ls=style, lw=1, label=label)
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xticks(x, [f"{s:g}" for s in x])
-    plain = ScalarFormatter()
-    plain.set_scientific(False)
-    axes.yaxis.set_major_formatter(plain)
-    axes.yaxis.set_minor_formatter(ScalarFormatter(useOffset=False))
+    axes.xaxis.set_minor_locator(NullLocator())
+    _log_ticks(axes.yaxis, axes.get_ylim())
+    axes.plot([], [], ":", color="0.4", lw=1, label="linear scaling from the first point")
     axes.set_xlabel(xlabel)
-    axes.set_ylabel(ylabel + "  (dotted: linear)")
-    _style(axes, legend=True)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title, fontsize="medium")
+    axes.grid(alpha=0.3, which="major")
+    axes.spines[["top", "right"]].set_visible(False)
+    axes.legend(
+        frameon=False, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2
+    )
     return figure
 
 
@@ -452,17 +478,25 @@ def trace_overlay_figure(
     first: Iterable[TraceEvent],
     second: Iterable[TraceEvent],
     *,
-    labels: tuple[str, str] = ("real", "simulated"),
+    labels: tuple[str, str] = ("measured", "simulated"),
 ) -> Figure:
     """Two traces of the same schema side by side (a real run and its simulation, or any
-    two runs): generation latency and train-step time as CDFs, the staleness of trained
-    rollouts, and trained samples against time.
+    two runs): generation latency and train-step time as CDFs (a log time axis when the
+    times span more than ``LOG_SPAN`` times, as a run's compilations make them), the
+    staleness of trained rollouts, and trained samples against the time since each
+    run's first generation began (a warm start is not part of the comparison). When the
+    two runs trained more than ``SHARE_RATIO`` times apart in samples, each is drawn as
+    a share of its own total, and the axis says so.
     """
     traces = (list(first), list(second))
     figure = _figure(9.0, 6.0)
     (latency, step), (stale, progress) = figure.subplots(2, 2)
     styles = ("-", "--")
-    for events, label, style, colour in zip(traces, labels, styles, ("C0", "C1"), strict=True):
+    totals = [sum(int(e["samples"]) for e in t if e.kind == "train_step") for t in traces]
+    shares = min(totals) > 0 and max(totals) > SHARE_RATIO * min(totals)
+    for events, label, style, colour, total in zip(
+        traces, labels, styles, ("C0", "C1"), totals, strict=True
+    ):
         for axes, values in (
             (latency, [r.latency_s for r in generation_records(events)]),
             (step, durations(events, "train_step")),
@@ -472,11 +506,14 @@ def trace_overlay_figure(
                 cdf = np.arange(1, len(ordered) + 1) / len(ordered)
                 axes.step(ordered, cdf, style, where="post", color=colour, label=label)
         steps = [e for e in events if e.kind == "train_step"]
+        starts = [e.t for e in events if e.kind == "generation_start"]
+        origin = min(starts, default=0.0)
         if steps:
-            trained = np.cumsum([int(e["samples"]) for e in steps])
-            progress.step([e.t for e in steps], trained, style, where="post", color=colour)
+            trained = np.cumsum([int(e["samples"]) for e in steps]) / (total if shares else 1)
+            times = [e.t - origin for e in steps]
+            progress.step(times, trained, style, where="post", color=colour, label=label)
     width = 0.4
-    for i, (events, colour) in enumerate(zip(traces, ("C0", "C1"), strict=True)):
+    for i, (events, colour, label) in enumerate(zip(traces, ("C0", "C1"), labels, strict=True)):
         counts = staleness_distribution(events)
         total = sum(counts.values()) or 1
         ages = np.array(sorted(counts), float)
@@ -487,22 +524,32 @@ def trace_overlay_figure(
             color=colour,
             hatch="//" if i else None,
             edgecolor="white",
+            label=label,
         )
+    for axes in (latency, step):
+        low, high = axes.dataLim.intervalx
+        if low > 0 and high > LOG_SPAN * low:
+            axes.set_xscale("log")
+            _log_ticks(axes.xaxis, (low, high))
     latency.set(xlabel="generation latency (s)", ylabel="CDF", ylim=(0, 1.02))
     step.set(xlabel="train-step time (s)", ylabel="CDF", ylim=(0, 1.02))
     stale.set(xlabel="staleness of trained rollouts (versions)", ylabel="fraction")
     stale.xaxis.set_major_locator(MaxNLocator(integer=True))
-    progress.set(xlabel="time (s)", ylabel="samples trained")
+    progress.set(
+        xlabel="time since the run's first generation began (s)",
+        ylabel="share of the run's samples trained" if shares else "samples trained",
+    )
     for axes, title in (
         (latency, "generation latency, cumulative"),
         (step, "train-step time, cumulative"),
         (stale, "staleness of trained rollouts"),
-        (progress, "samples trained over time"),
+        (progress, "samples trained over time" + (" (each run's own total)" if shares else "")),
     ):
         axes.set_title(title, fontsize="medium")
     for axes in (latency, step, stale, progress):
         _style(axes)
-    latency.legend(frameon=False, fontsize="small")
+    latency.legend(frameon=False, fontsize="small", loc="lower right")
+    stale.legend(frameon=False, fontsize="small")
     return figure
 
 
