@@ -179,7 +179,15 @@ def drift_figure(metrics: Sequence[Mapping[str, Any]]) -> Figure:
     axes.set_yscale("symlog", linthresh=1e-4)
     axes.set_xlabel("trainer step")
     axes.set_ylabel("nats per token")
-    _style(axes, legend=True)
+    axes.set_title(
+        "drift per trained token\nstaleness: the trainer's weights vs the version sampled;"
+        " mismatch: that version vs the sampler",
+        fontsize="small",
+    )
+    _style(axes)
+    axes.legend(
+        frameon=False, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2
+    )
     return figure
 
 
@@ -190,15 +198,19 @@ def audit_figure(metrics: Sequence[Mapping[str, Any]]) -> Figure:
     figure = _figure()
     rows = [m for m in metrics if "audit/length_ks" in m]
     steps = [m["step"] for m in rows]
-    for i, (name, label) in enumerate(
-        (("length", "completion tokens"), ("pass_rate", "pass rate"))
+    for i, (name, label, title) in enumerate(
+        (
+            ("length", "completion tokens", "completion length"),
+            ("pass_rate", "per-prompt pass rate", "pass rate"),
+        )
     ):
         axes = figure.add_subplot(1, 2, i + 1)
         for which, style in (("sampled", "-"), ("trained", "--")):
             values = [m[f"audit/{name}_{which}_mean"] for m in rows]
-            axes.plot(steps, values, style, lw=1, label=which)
+            axes.plot(steps, values, style, lw=1, label=f"{which} by the step")
         axes.set_xlabel("trainer step")
         axes.set_ylabel(f"mean {label}")
+        axes.set_title(f"{title}: sampled vs trained rollouts", fontsize="medium")
         _style(axes, legend=i == 0)
     return figure
 
@@ -292,7 +304,13 @@ def compare_runs_figure(runs: Mapping[str, Mapping[str, Any]], *, smooth: int = 
         stale.set_xticks(sorted(ages))
     timing.set_xticks(range(len(runs)), list(runs), rotation=35, ha="right", fontsize="small")
     timing.set_ylabel("seconds per trainer step")
-    for axes in (reward, passk, stale, timing):
+    for axes, title in (
+        (reward, "train reward by trainer step"),
+        (passk, "held-out pass@k (k samples per problem)"),
+        (stale, "staleness of trained rollouts (versions)"),
+        (timing, "wall-clock seconds per trainer step"),
+    ):
+        axes.set_title(title, fontsize="medium")
         _style(axes)
     reward.legend(frameon=False, fontsize="x-small", ncol=2, loc="lower right")
     return figure
@@ -317,6 +335,7 @@ def pass_at_k_figure(reports: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figu
     axes.set_xlabel("k (samples per problem)")
     axes.set_ylabel("pass@k")
     axes.set_ylim(0, 1.02)
+    axes.set_title("held-out pass@k: a problem solved by any of k samples", fontsize="medium")
     _style(axes, legend=True)
     return figure
 
@@ -366,12 +385,16 @@ def update_figure(
     left.axhline(1.0, color="black", lw=0.8)
     left.set_xlabel("advantage")
     left.set_ylabel("ratio π_new / π_behaviour")
+    left.set_title(
+        f"per-token ratio against advantage (ε = {clip[0]:g}, {clip[1]:g})", fontsize="medium"
+    )
     _style(left, legend=True)
     largest = sorted(update_norms.items(), key=lambda kv: kv[1], reverse=True)[:top]
     names = [_short(name) for name, _ in largest][::-1]
     right.barh(names, [norm for _, norm in largest][::-1], color="tab:blue")
     right.set_xlabel(update_label)
     right.tick_params(axis="y", labelsize="x-small")
+    right.set_title(f"the {len(largest)} tensors that moved most", fontsize="medium")
     _style(right)
     return figure
 
@@ -391,8 +414,7 @@ def comparison_figure(
     axes.bar(range(len(labels)), [values[k] for k in labels], color="tab:blue")
     axes.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
     axes.set_ylabel(ylabel)
-    if title:
-        axes.set_title(title, fontsize="medium")
+    axes.set_title(title or f"{ylabel} by run", fontsize="medium")
     _style(axes)
     return figure
 

@@ -380,12 +380,15 @@ def throughput_figure(events: Iterable[TraceEvent], *, bins: int = 40) -> Figure
 
 def drops_figure(events: Iterable[TraceEvent], *, bins: int = 30) -> Figure:
     """Dropped rollouts per time slice, stacked by reason (``stale``, ``preempted``,
-    ``filtered``, ...); a run without drops says so."""
+    ``filtered``, ...); a run without drops says so. After a set-up over ``CUT_START``
+    of the run, the axis starts at the first generation."""
     events = list(events)
     drops = [e for e in events if e.kind == "drop"]
     figure = _figure(7.0, 4.0)
     axes = figure.add_subplot()
-    edges = _bins(events, bins)
+    first_s = min((e.t for e in events if e.kind == "generation_start"), default=0.0)
+    end_s = max((e.t for e in events), default=1.0)
+    edges = _bins(events, bins, first_s if first_s > CUT_START * end_s else 0.0)
     reasons = sorted({str(e["reason"]) for e in drops})
     bottom = np.zeros(bins)
     for i, reason in enumerate(reasons):
@@ -409,9 +412,10 @@ def drops_figure(events: Iterable[TraceEvent], *, bins: int = 30) -> Figure:
         )
         axes.set_xlim(edges[0], edges[-1])
     _time_axis(axes, edges[-1])
-    axes.set_ylabel("dropped rollouts")
+    axes.set_ylabel(f"dropped rollouts per {edges[1] - edges[0]:.3g} s")
     axes.yaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_title("dropped rollouts by reason", fontsize="medium")
+    cut = f"; axis from the first generation, {edges[0]:.0f} s after the start" if edges[0] else ""
+    axes.set_title(f"dropped rollouts by reason{cut}", fontsize="medium")
     axes.grid(alpha=0.3)
     axes.spines[["top", "right"]].set_visible(False)
     if drops:
