@@ -24,6 +24,7 @@ uses (``sim.report``), so a real run and a simulated one look alike.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -584,13 +585,15 @@ def plot_run(
     *,
     figures: Sequence[str] = FIGURES,
     compare: str | Path | None = None,
+    progress: bool = False,
 ) -> list[Path]:
     """Writes a run directory's figures as ``plots/NAME.png`` (each when its inputs
     exist) and returns the paths: ``reward``, ``drift`` and ``audit`` (from
     ``metrics.jsonl``), ``staleness``,
     ``timeline``, ``throughput`` and ``drops`` (from ``trace.jsonl``); with ``compare``
     (another run directory, real or simulated) also ``compare.png``, the two traces
-    overlaid by :func:`trace_overlay_figure`.
+    overlaid by :func:`trace_overlay_figure`. ``progress``: a bar, one tick a figure
+    (a fleet-scale trace takes tens of seconds).
 
     Every PNG is ``SIZE_IN`` inches at ``DPI`` (700 x 400 pixels), ``compare.png``
     excepted (900 x 600: four panels).
@@ -598,6 +601,8 @@ def plot_run(
     Raises:
         FileNotFoundError: the directory has neither ``metrics.jsonl`` nor ``trace.jsonl``.
     """
+    from tqdm.auto import tqdm
+
     unknown = set(figures) - set(FIGURES)
     if unknown:
         raise ValueError(f"figures: unknown {sorted(unknown)}; allowed: {list(FIGURES)}")
@@ -610,7 +615,8 @@ def plot_run(
         )
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
-    written = []
+    # name -> draws the figure; each entry only when its inputs exist.
+    jobs: dict[str, Callable[[], Figure]] = {}
     if metrics_file.exists() and {"reward", "drift", "audit"} & set(figures):
         metrics = read_metrics(metrics_file)
         summary_file = run_dir / "summary.json"
@@ -618,17 +624,17 @@ def plot_run(
             json.loads(summary_file.read_text()).get("evals", []) if summary_file.exists() else []
         )
         if "reward" in figures and metrics and "reward/mean" in metrics[0]:
-            written.append(_save(reward_figure(metrics, evals), out / "reward.png"))
+            jobs["reward"] = lambda: reward_figure(metrics, evals)
         # Each when the run measured it: drift on attributed steps, the audit every step.
         if "drift" in figures and any("drift/tokens" in m for m in metrics):
-            written.append(_save(drift_figure(metrics), out / "drift.png"))
+            jobs["drift"] = lambda: drift_figure(metrics)
         if "audit" in figures and any("audit/length_ks" in m for m in metrics):
-            written.append(_save(audit_figure(metrics), out / "audit.png"))
+            jobs["audit"] = lambda: audit_figure(metrics)
     if trace_file.exists():
         events = read_trace(trace_file)
         histogram = staleness_distribution(events)
         if histogram and "staleness" in figures:
-            written.append(_save(staleness_figure(histogram), out / "staleness.png"))
+            jobs["staleness"] = lambda: staleness_figure(histogram)
         drawers: dict[str, Callable[[list[TraceEvent]], Figure]] = {
             "timeline": timeline_figure,
             "throughput": throughput_figure,
@@ -636,13 +642,22 @@ def plot_run(
         }
         for name, draw in drawers.items():
             if name in figures:
-                written.append(_save(draw(events), out / f"{name}.png"))
+                jobs[name] = functools.partial(draw, events)
         if compare is not None:
             other = Path(compare)
-            other_trace = read_trace(trace_path(other) if other.is_dir() else other)
             labels = (_source_label(run_dir), _source_label(other))
-            figure = trace_overlay_figure(events, other_trace, labels=labels)
-            written.append(_save(figure, out / "compare.png", size=(9.0, 6.0)))
+
+            def overlay() -> Figure:
+                other_trace = read_trace(trace_path(other) if other.is_dir() else other)
+                return trace_overlay_figure(events, other_trace, labels=labels)
+
+            jobs["compare"] = overlay
+    written = []
+    bar = tqdm(jobs, desc="plots", unit="figure", disable=not progress, leave=False)
+    for name in bar:
+        bar.set_postfix_str(name)
+        size = (9.0, 6.0) if name == "compare" else SIZE_IN
+        written.append(_save(jobs[name](), out / f"{name}.png", size=size))
     return written
 
 

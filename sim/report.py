@@ -491,7 +491,7 @@ def checkpoint_figure(study: CheckpointStudy) -> Figure:
     known = not (np.isnan(study.save_s) or np.isnan(study.mtbf_s))
     young = (
         f"Young: √(2δM) = {study.young_daly_s:.0f} s\n"
-        f"(δ = save {study.save_s:g} s, M = MTBF {study.mtbf_s:g} s)"
+        f"δ = {study.save_s:g} s (checkpoint save)\nM = {study.mtbf_s:g} s (MTBF)"
         if known
         else f"Young: √(2δM) = {study.young_daly_s:.0f} s"
     )

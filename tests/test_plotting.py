@@ -216,7 +216,7 @@ def test_the_checkpoint_figure_marks_the_fitted_optimum_and_defines_its_symbols(
     )
     (axes,) = sim.checkpoint_figure(study).axes
     labels = axes.get_legend_handles_labels()[1]
-    assert "Young: √(2δM) = 230 s\n(δ = save 60 s, M = MTBF 440 s)" in labels
+    assert "Young: √(2δM) = 230 s\nδ = 60 s (checkpoint save)\nM = 440 s (MTBF)" in labels
     assert "fitted optimum 220 s" in labels
     assert axes.get_title()
 
@@ -244,3 +244,12 @@ def test_compare_draws_runs_of_different_sizes_each_as_a_share_of_its_total():
     assert progress.get_ylabel() == "share of the run's samples trained"
     assert max(line.get_ydata().max() for line in progress.get_lines()) == pytest.approx(1.0)
     assert figure.axes[0].get_legend_handles_labels()[1] == ["measured", "simulated"]
+
+
+def test_plot_shows_a_bar_a_tick_a_figure_unless_told_not_to(tmp_path, capsys):
+    with JsonlTraceWriter(tmp_path / "trace.jsonl") as trace:
+        sim.simulate(sim.presets.toy(target_steps=2), trace=trace)
+    assert main(["plot", str(tmp_path)]) == 0
+    assert "plots: 100%" in capsys.readouterr().err.replace("\r", "\n")
+    assert main(["plot", str(tmp_path), "--no-progress"]) == 0
+    assert "plots" not in capsys.readouterr().err
