@@ -146,7 +146,8 @@ def reward_figure(metrics: Sequence[Mapping[str, Any]], evals: Sequence[Mapping]
     axes.set_ylabel("reward / accuracy")
     axes.set_ylim(0, 1)
     axes.set_title("train reward and held-out pass@1 by trainer step", fontsize="medium")
-    _style(axes, legend=True)
+    _style(axes)
+    axes.legend(frameon=False, fontsize="small", loc="lower right")  # rewards rise: room below
     return figure
 
 
@@ -387,7 +388,8 @@ def update_figure(
     left.set_xlabel("advantage")
     left.set_ylabel("ratio π_new / π_behaviour")
     left.set_title(
-        f"per-token ratio against advantage (ε = {clip[0]:g}, {clip[1]:g})", fontsize="medium"
+        f"per-token ratio against advantage (ε_low {clip[0]:g}, ε_high {clip[1]:g})",
+        fontsize="medium",
     )
     _style(left, legend=True)
     largest = sorted(update_norms.items(), key=lambda kv: kv[1], reverse=True)[:top]

@@ -378,6 +378,10 @@ def throughput_figure(events: Iterable[TraceEvent], *, bins: int = 40) -> Figure
     return figure
 
 
+# A drop reason in words, where its name alone does not say it (``rlaxkit.ledger``).
+REASONS = {"filtered": "filtered: a group of equal rewards"}
+
+
 def drops_figure(events: Iterable[TraceEvent], *, bins: int = 30) -> Figure:
     """Dropped rollouts per time slice, stacked by reason (``stale``, ``preempted``,
     ``filtered``, ...); a run without drops says so. After a set-up over ``CUT_START``
@@ -400,7 +404,7 @@ def drops_figure(events: Iterable[TraceEvent], *, bins: int = 30) -> Figure:
             np.diff(edges),
             bottom=bottom,
             align="edge",
-            label=f"{reason} ({total})",
+            label=f"{REASONS.get(reason, reason)} ({total})",
             color=f"C{i}",
             edgecolor="white",
             lw=0.5,
@@ -419,7 +423,8 @@ def drops_figure(events: Iterable[TraceEvent], *, bins: int = 30) -> Figure:
     axes.grid(alpha=0.3)
     axes.spines[["top", "right"]].set_visible(False)
     if drops:
-        axes.legend(frameon=False, fontsize="small", title="reason (total)")
+        axes.set_ylim(0, bottom.max() * 1.3)  # headroom for the legend above the bars
+        axes.legend(frameon=False, fontsize="small", title="reason (total)", loc="upper left")
     return figure
 
 

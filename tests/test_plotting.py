@@ -86,7 +86,7 @@ def test_trace_figures_draw_preemptions_drops_and_lost_steps():
     assert push.get_label() == f"push (1 in {every} of {pushes} marked)"
     assert len(push.get_xdata()) == len(range(0, pushes, every)) <= sim.report.MAX_MARKS_PER_ROW
     drops = plotting.drops_figure(trace)
-    reasons = {text.get_text().split(" (")[0] for text in drops.axes[0].get_legend().texts}
+    reasons = {t.get_text().split(" (")[0].split(":")[0] for t in drops.axes[0].get_legend().texts}
     assert reasons == {str(e["reason"]) for e in trace if e.kind == "drop"}
     throughput = plotting.throughput_figure(trace)
     assert all(ax.has_data() for ax in throughput.axes)
