@@ -3,11 +3,12 @@ folder; and the two study figures of notebooks 03 and 04.
 
 Runs ``rlaxkit train`` (the demo's config; ``--quick``: the tests' tiny model,
 ``config.SMALL_RUN``, for a few steps), fits the simulator to that run's trace
-(``sim.fit_scenario``) and runs ``rlaxkit simulate`` on the fitted scenario, so the
-simulated run is the model of the real one. It then draws each run's figures
-(``reward``, ``staleness``, ``timeline``, ``throughput``, ``drops``, ``audit``) and the
-real run's trace overlaid on the simulated one (``compare``), and copies the PNGs to
-``OUT/real_NAME.png``, ``OUT/sim_NAME.png`` and ``OUT/compare.png``. Last, the
+(``sim.fit_scenario``) and simulates the fitted scenario into a run folder as
+``rlaxkit simulate`` writes one, so the simulated run is the model of the real one. It
+then draws each run's figures (``reward``, ``staleness``, ``timeline``, ``throughput``,
+``drops``, ``audit``) and the real run's trace overlaid on the simulated one
+(``compare``), and copies the PNGs to ``OUT/real_NAME.png``, ``OUT/sim_NAME.png`` and
+``OUT/compare.png``. Last, the
 checkpoint-interval study of notebook 03 (``study_checkpoint.png``) and, without
 ``--quick``, the RLAX-like scaling figure of notebook 04 (``study_scaling.png``, assumed
 and compiled costs), at short simulated horizons. Look at each against the figure rule
@@ -40,7 +41,7 @@ from rlaxkit.cli import main
 from rlaxkit.config import SMALL_RUN
 from rlaxkit.planning import Plan
 from rlaxkit.plotting import DPI, FIGURES, plot_run, scaling_figure
-from rlaxkit.trace import trace_path
+from rlaxkit.trace import JsonlTraceWriter, trace_path
 from sim.presets import planned
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,11 +71,13 @@ def real_and_simulated(work: Path, quick: bool, timings: dict[str, float]) -> tu
     timings["train_s"] = time.perf_counter() - start
     start = time.perf_counter()
     if not trace_path(simulated).exists():
+        # The folder `rlaxkit simulate` writes, less its plots and Perfetto export (drawn
+        # below, or not needed): scenario.yaml marks it simulated for the legends.
         scenario, _ = sim.fit_scenario(trace_path(real), name="fitted", warmup_steps=3)
-        sim.save_scenario(scenario, work / "fitted.yaml")
-        command = ["simulate", str(work / "fitted.yaml"), "--run-dir", str(simulated)]
-        if main([*command, "--no-progress", "--overwrite"]) != 0:
-            raise SystemExit("rlaxkit simulate failed")
+        simulated.mkdir(parents=True, exist_ok=True)
+        sim.save_scenario(scenario, simulated / "scenario.yaml")
+        with JsonlTraceWriter(simulated / "trace.jsonl", append=False) as trace:
+            sim.simulate(scenario, trace=trace)
     timings["simulate_s"] = time.perf_counter() - start
     return real, simulated
 
