@@ -21,7 +21,8 @@
 #
 # - the **checkpoint interval**: save too often and the trainer spends its time
 #   saving; too rarely and a preemption throws away many steps. Young's first-order
-#   optimum is `sqrt(2 · save_s · MTBF)` (Young 1974; Daly 2006 refines it);
+#   optimum is √(2δM), with δ the time to write a checkpoint and M the mean time
+#   between preemptions (Young 1974; Daly 2006 refines it);
 # - the **staleness bound η**: a preempted worker loses its in-flight prompts; with
 #   η > 0 the others keep the trainer fed meanwhile.
 #
@@ -60,7 +61,8 @@ from rlaxkit.runtime import Experiment
 # `sim.checkpoint_study` is a trainer-bound run (120 s steps, 60 s saves) with
 # exponential trainer preemptions (MTBF 1 h). Every interval sees the same preemption
 # times, so the differences come from the interval alone. The fitted optimum of
-# `waste(τ) ≈ a + b/τ + c·τ` should sit near Young's.
+# `waste(τ) ≈ a + b/τ + c·τ` (the star) should sit near Young's √(2δM) (the dashed
+# line), here with δ = 60 s and M = 3600 s.
 
 # %%
 study = sim.checkpoint_interval_study(seeds=SEEDS, horizon_s=CHECKPOINT_HORIZON_H * 3600.0)

@@ -20,7 +20,9 @@
 # fleets of 128 to 1024 chips, RLAX Fig. 3). We simulate that setting with the SimPy
 # model (`sim.presets.rlax_like`: QwQ-32B, long reasoning completions, preemptions;
 # every number is sourced or marked as an assumption in its docstring) from 64 to 1024
-# inference chips, synchronously (η = 0) and asynchronously (η = 2).
+# inference chips, synchronously (η = 0) and asynchronously (η = 2), where η, the
+# staleness bound, is how many weight versions older than the trainer's a rollout it
+# trains on may be.
 #
 # Throughput grows with the fleet until the trainer is the bottleneck; asynchrony moves
 # that point because workers keep generating while the trainer steps and the long tail
@@ -81,7 +83,9 @@ def mean_over_seeds(chips: int, eta: int) -> float:
     return float(np.mean([r["samples_per_s"] for r in runs]))
 
 
-throughput = {f"η = {eta}": [mean_over_seeds(chips, eta) for chips in CHIPS] for eta in ETAS}
+throughput = {
+    f"η = {eta}, assumed costs": [mean_over_seeds(chips, eta) for chips in CHIPS] for eta in ETAS
+}
 workload = base.workload
 tokens_per_step = workload.samples_per_step * (
     workload.prompt_tokens.mean() + workload.response_tokens.mean()
@@ -126,7 +130,10 @@ for workers, rate in zip(LOCAL_WORKERS, measured, strict=True):
     print(f"{workers} workers: {rate:6.1f} trained samples/s")
 
 scaling_figure(
-    LOCAL_WORKERS, {"local runtime (measured)": measured}, xlabel="inference workers (one process)"
+    LOCAL_WORKERS,
+    {"local runtime (measured)": measured},
+    xlabel="inference workers (one process)",
+    title="trained samples/s by local workers (measured)",
 )
 
 # %% [markdown]
@@ -140,6 +147,14 @@ scaling_figure(
 # cores, so the small run reads the plan stored by
 # `rlaxkit plan configs/plan/qwen3_32b_v5p.yaml --json`. Both are estimates from XLA's
 # CPU compiler (`docs/running_at_scale.md`, "Before you rent").
+#
+# The plan says the train step does **not fit**: on the `(1, 64, 4)` mesh its peak is
+# about 162 GiB per chip against the v5p's 95 GiB, and it advises `fsdp=128` (twice the
+# trainer's chips). We keep the plan as it is on purpose: what the simulator reads from
+# it, the FLOPs per token, the decode step's bytes and the push size, are counted the
+# same whether the step fits or not, so the curve below is the cost of this model on
+# this trainer mesh. A run that fits would follow the advice; its trainer has other
+# chips and another step time, so its bound is not the one drawn here.
 
 # %%
 import json
@@ -187,9 +202,19 @@ print(
 # ## The RLAX-style figure
 #
 # Trained samples/s against inference chips on log-log axes; dotted lines are linear
-# scaling from 64 chips; the dashed line is the trainer's bound (samples per step over
-# the step time when it never waits for data) under the assumed rates. The "compiled
-# costs" curve takes the trainer, decode and push costs from the compiled plan.
+# scaling from 64 chips. A trainer bound is the trainer's samples per step over its
+# step time when it never waits for data: the dashed line with the assumed costs (it
+# bounds the two "assumed costs" curves), the dash-dotted one with the compiled costs
+# (it bounds the "compiled costs" curve, which takes the trainer, decode and push costs
+# from the plan). Each curve flattens below its own bound, not the other's.
 
 # %%
-scaling_figure(CHIPS, throughput, ceiling=trainer_bound)
+scaling_figure(
+    CHIPS,
+    throughput,
+    ceiling={
+        "trainer bound, assumed costs": trainer_bound,
+        "trainer bound, compiled costs": compiled_bound,
+    },
+    title="trained samples/s by fleet size (simulated; η: staleness bound, versions)",
+)

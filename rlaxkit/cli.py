@@ -268,7 +268,7 @@ def _run_job(
         }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log(f"drawing {', '.join(TRAIN_JOB_FIGURES)} into {run_dir / 'plots'} ...")
-    plots = plot_run(run_dir, figures=TRAIN_JOB_FIGURES)
+    plots = plot_run(run_dir, figures=TRAIN_JOB_FIGURES, progress=progress)
     log(
         f"held-out pass@1 after RL:  {summary['pass@1_after']:.3f} "
         f"({100 * (summary['pass@1_after'] - summary['pass@1_before']):+.1f} points)"
@@ -319,7 +319,7 @@ def simulate_job(
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log(f"drawing the figures into {run_dir / 'plots'} ...")
-    plots = plot_run(run_dir)
+    plots = plot_run(run_dir, progress=progress)
     log(f"exporting the trace for Perfetto to {run_dir / 'run.perfetto.json'} ...")
     export = export_perfetto(
         run_dir / "trace.jsonl",
@@ -554,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     p_plot.add_argument(
         "--compare", default=None, help="another run directory to overlay (plots/compare.png)"
     )
+    p_plot.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_trace = sub.add_parser("trace", help="export a run's trace for ui.perfetto.dev")
     p_trace.add_argument("run_dir", help="run directory (or its trace.jsonl)")
     p_trace.add_argument("-o", "--output", default=None, help="default RUN_DIR/run.perfetto.json")
@@ -645,7 +646,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "plot":
             from rlaxkit.observe.plotting import plot_run
 
-            for path in plot_run(args.run_dir, compare=args.compare):
+            progress = not args.no_progress
+            for path in plot_run(args.run_dir, compare=args.compare, progress=progress):
                 print(path)
         elif args.command == "trace":
             from rlaxkit.observe.perfetto import export_perfetto

@@ -47,25 +47,32 @@ def _figure(width: float = 7.0, height: float = 4.0) -> Figure:
     return figure
 
 
-MAX_MARKS_PER_ROW = 40  # pull marks a worker's row takes before they hide its slots
+MAX_MARKS_PER_ROW = 40  # push or pull marks a row takes before they merge into a bar
+MAX_LANES = 4  # slots a worker's band draws one by one; more become an occupancy area
+OCCUPANCY_BINS = 350  # time slices of an occupancy area (about one per 2 pixels)
+CUT_START = 0.15  # a set-up longer than this share of a run is cut from a time axis
 
 
 def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> Figure:
     """Gantt chart of a trace: the trainer on top, then one band per worker (the first
-    ``max_workers``), each split into its slots.
+    ``max_workers``).
 
-    A generation is a bar on its slot coloured by its first weight version, and a train
-    step a bar coloured by the version it produced (the colour bar maps both), with a
-    white edge so consecutive steps stay apart (when they are wide enough to show one);
-    grey is idle (a slot with no sequence, the trainer waiting for a batch), hatching the
-    set-up before the first generation (warm start, compilation). Checkpoint saves
-    are black bars on the trainer row; pushes (trainer) and pulls (workers) are tick
-    marks; a red band runs from a preemption (x) to the restart.
+    A worker with at most ``MAX_LANES`` slots has one lane per slot, a generation a bar
+    on its lane coloured by its first weight version; with more slots its band is the
+    number of sequences in flight over time (full height: all its slots busy), stacked
+    by first weight version. A train step is a bar coloured by the version it produced
+    (the colour bar maps both), with a white edge so consecutive steps stay apart (when
+    they are wide enough to show one); grey is idle, hatching the set-up before the
+    first generation (warm start, compilation; over ``CUT_START`` of the run, the axis is
+    cut to a sliver of it and its length written). Checkpoint saves are black bars on
+    the trainer row; pushes (trainer) and pulls (workers) are tick marks, every k-th one
+    past ``MAX_MARKS_PER_ROW`` in a row (the legend says which); a red band runs from a
+    preemption (x) to the restart.
     """
     events = list(events)
     records = generation_records(events)
-    workers = sorted({r.actor for r in records}, key=_actor_number)
-    workers = workers[:max_workers]
+    every_worker = sorted({r.actor for r in records}, key=_actor_number)
+    workers = every_worker[:max_workers]
     end_s = max((e.t for e in events), default=1.0)
     steps = [e for e in events if e.kind == "train_step"]
     versions = [r.first_version or 0 for r in records] + [e.version or 0 for e in steps]
@@ -83,10 +90,28 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
     rows = {name: len(workers) - 1 - i for i, name in enumerate(workers)}
     rows["trainer"] = len(workers)
     height = 0.8
+    # Before the first generation or step: setting up (warm start, first compilations).
+    busy = [r.start_s for r in records] + [step_span(e)[0] for e in steps]
+    setup_s = min(busy) if busy and min(busy) > 0.05 * end_s else 0.0
+    # A long set-up is cut to a sliver: the axis is for the run.
+    start_s = setup_s - 0.05 * (end_s - setup_s) if setup_s > CUT_START * end_s else 0.0
     for row in rows.values():
         axes.broken_barh([(0, end_s)], (row - height / 2, height), color="0.92", lw=0)
     lanes = _slot_lanes([r for r in records if r.actor in rows])
+    slots = max((len(actor_lanes) for actor_lanes in lanes.values()), default=0)
     for actor, actor_lanes in lanes.items():
+        if slots > MAX_LANES:
+            edges = np.linspace(start_s, end_s, OCCUPANCY_BINS + 1)
+            lane_records = [r for lane in actor_lanes for r in lane]
+            _occupancy(
+                axes,
+                lane_records,
+                edges,
+                rows[actor] - height / 2,
+                height / slots,
+                lambda v: colours(norm(v)),
+            )
+            continue
         lane_h = height / len(actor_lanes)
         base = rows[actor] - height / 2
         for i, lane in enumerate(actor_lanes):
@@ -99,7 +124,7 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
     row = rows["trainer"]
     # A white edge keeps consecutive steps apart where a step is a few pixels wide; on
     # narrower ones it would paint the whole lane white.
-    pixels_per_s = figure.get_figwidth() * figure.dpi * 0.8 / max(end_s, 1e-9)
+    pixels_per_s = figure.get_figwidth() * figure.dpi * 0.8 / max(end_s - start_s, 1e-9)
     step_px = float(np.median([e["duration_s"] for e in steps])) * pixels_per_s if steps else 0
     axes.broken_barh(
         [(step_span(e)[0], e["duration_s"]) for e in steps],
@@ -108,14 +133,7 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
         edgecolor="white",
         lw=0.8 if step_px >= 4 else 0,
     )
-    # Before the first generation or step: setting up (warm start, first compilations).
-    busy = [r.start_s for r in records] + [step_span(e)[0] for e in steps]
-    start_s = 0.0
-    if busy and min(busy) > 0.05 * end_s:
-        setup_s = min(busy)
-        # A set-up over a quarter of the axis is cut to a sliver: the axis is for the run.
-        if setup_s > 0.25 * end_s:
-            start_s = setup_s - 0.05 * (end_s - setup_s)
+    if setup_s:
         axes.axvspan(
             start_s,
             setup_s,
@@ -132,12 +150,10 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
         color="black",
         label="checkpoint save" if saves else None,
     )
-    _marks(axes, [e.t for e in events if e.kind == "push"], row + height / 2, "|", "push")
+    pushes = [e for e in events if e.kind == "push"]
+    _marks(axes, pushes, {e.actor: row + height / 2 for e in pushes}, "|", "push")
     pulls = [e for e in events if e.kind == "pull" and e.actor in rows]
-    if len(pulls) <= MAX_MARKS_PER_ROW * len(workers):
-        _marks(axes, [e.t for e in pulls], [rows[e.actor] + height / 2 for e in pulls], 7, "pull")
-    else:  # as many marks as pixels would hide the slots under them
-        axes.plot([], [], ls="", label=f"{len(pulls)} pulls, too many to mark")
+    _marks(axes, pulls, {a: rows[a] + height / 2 for a in workers}, 7, "pull")
     _downtime(axes, events, rows, height)
     axes.set_yticks(list(rows.values()), list(rows))
     axes.set_ylim(-0.6, len(workers) + 0.6)
@@ -145,17 +161,23 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
     _time_axis(axes, end_s)
     axes.spines[["top", "right"]].set_visible(False)
     shown = (
-        f"first {len(workers)} of {len(lanes_all)} workers"
-        if (lanes_all := {r.actor for r in records}) and len(lanes_all) > len(workers)
+        f"first {len(workers)} of {len(every_worker)} workers"
+        if len(every_worker) > len(workers)
         else f"{len(workers)} workers"
     )
-    axes.set_title(f"timeline ({shown}; a worker's band is its slots)", fontsize="medium")
+    band = (
+        f"a worker's band: sequences in flight, full = its {slots} slots"
+        if slots > MAX_LANES
+        else "a worker's band is its slots"
+    )
+    axes.set_title(f"timeline ({shown}; {band})", fontsize="medium")
     handles = [Patch(color="0.92", label="idle")] + axes.get_legend_handles_labels()[0]
+    long_labels = any(len(str(h.get_label())) > 24 for h in handles)
     axes.legend(
         handles=handles,
         loc="upper center",
         bbox_to_anchor=(0.5, -0.14),
-        ncol=min(len(handles), 3),
+        ncol=min(len(handles), 2 if long_labels else 3),
         frameon=False,
         fontsize="small",
     )
@@ -165,6 +187,30 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
     bar.set_label("weight version")
     bar.ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
     return figure
+
+
+def _occupancy(
+    axes: Axes,
+    records: list[GenerationRecord],
+    edges: np.ndarray,
+    base: float,
+    slot_h: float,
+    colour: Any,
+) -> None:
+    """A worker's sequences in flight per time slice (the mean over the slice), stacked
+    by first weight version, from ``base`` up, ``slot_h`` per sequence."""
+    width = edges[1] - edges[0]
+    by_version: dict[int, np.ndarray] = {}
+    for record in records:
+        inside = np.minimum(edges[1:], record.end_s) - np.maximum(edges[:-1], record.start_s)
+        version = record.first_version or 0
+        by_version.setdefault(version, np.zeros(len(edges) - 1))
+        by_version[version] += np.clip(inside, 0, None) / width
+    bottom = np.full(len(edges) - 1, base)
+    for version in sorted(by_version):
+        top = bottom + by_version[version] * slot_h
+        axes.stairs(top, edges, baseline=bottom, fill=True, color=colour(version), lw=0)
+        bottom = top
 
 
 def _time_axis(axes: Axes, end_s: float) -> None:
@@ -195,17 +241,22 @@ def _slot_lanes(records: list[GenerationRecord]) -> dict[str, list[list[Generati
     return lanes
 
 
-def _marks(axes: Axes, times: list[float], y: Any, marker: Any, label: str) -> None:
-    if times:
-        axes.plot(
-            times,
-            np.broadcast_to(y, len(times)),
-            ls="",
-            marker=marker,
-            color="black",
-            markersize=6,
-            label=label,
-        )
+def _marks(
+    axes: Axes, events: list[TraceEvent], rows: Mapping[str, float], marker: Any, label: str
+) -> None:
+    """A tick per event on its actor's row; past ``MAX_MARKS_PER_ROW`` in a row, every
+    k-th event of each actor (k the same for all rows, said in the legend)."""
+    if not events:
+        return
+    per_actor: dict[str, list[float]] = {}
+    for event in events:
+        per_actor.setdefault(event.actor, []).append(event.t)
+    every = -(-max(len(ts) for ts in per_actor.values()) // MAX_MARKS_PER_ROW)
+    times = [t for actor_times in per_actor.values() for t in actor_times[::every]]
+    heights = [rows[a] for a, ts in per_actor.items() for _ in ts[::every]]
+    if every > 1:
+        label = f"{label} (1 in {every} of {len(events)} marked)"
+    axes.plot(times, heights, ls="", marker=marker, color="black", markersize=6, label=label)
 
 
 def _downtime(axes: Axes, events: list[TraceEvent], rows: Mapping[str, int], height: float) -> None:
@@ -241,9 +292,9 @@ def _downtime(axes: Axes, events: list[TraceEvent], rows: Mapping[str, int], hei
         )
 
 
-def _bins(events: list[TraceEvent], bins: int) -> np.ndarray:
+def _bins(events: list[TraceEvent], bins: int, start_s: float = 0.0) -> np.ndarray:
     end_s = max((e.t for e in events), default=1.0) or 1.0
-    return np.linspace(0.0, end_s, bins + 1)
+    return np.linspace(start_s, max(end_s, start_s + 1e-9), bins + 1)
 
 
 def _busy_per_bin(spans: list[tuple[float, float]], edges: np.ndarray) -> np.ndarray:
@@ -261,12 +312,12 @@ def throughput_figure(events: Iterable[TraceEvent], *, bins: int = 40) -> Figure
     the previous step ended; per slice past ``2 * bins`` steps), and samples generated
     per second in ``bins`` equal slices of the run. Bottom: goodput so far, the
     trainer's compute in steps that survived (a trainer preemption's ``lost_steps`` are
-    the steps before it that did not) over the time elapsed, and the share of each
-    slice the trainer was busy, lost steps included.
+    the steps before it that did not) over the time elapsed since the run began, and the
+    share of each slice the trainer was busy, lost steps included. When the first step
+    ends past ``CUT_START`` of the run (a warm start, compilations), the axis starts there
+    and the title says how long the start took.
     """
     events = list(events)
-    edges = _bins(events, bins)
-    width = edges[1] - edges[0]
     steps: list[TraceEvent] = []
     lost: list[TraceEvent] = []
     for event in events:
@@ -277,6 +328,11 @@ def throughput_figure(events: Iterable[TraceEvent], *, bins: int = 40) -> Figure
             if count:
                 lost += steps[-count:]
                 del steps[-count:]
+    end_s = max((e.t for e in events), default=1.0)
+    first_s = min((e.t for e in steps + lost), default=0.0)
+    start_s = first_s if first_s > CUT_START * end_s else 0.0
+    edges = _bins(events, bins, start_s)
+    width = edges[1] - edges[0]
     generated = np.histogram([e.t for e in events if e.kind == "generation_end"], edges)[0]
     useful = _busy_per_bin([(e.t - e["duration_s"], e.t) for e in steps], edges)
     wasted = _busy_per_bin([(e.t - e["duration_s"], e.t) for e in lost], edges)
@@ -289,9 +345,11 @@ def throughput_figure(events: Iterable[TraceEvent], *, bins: int = 40) -> Figure
     if len(steps) > 2 * bins:  # step by step would be a solid block: per slice instead
         trained = np.histogram(ends[1:], edges, weights=samples)[0]
         rate.plot(middles, trained / width, label="trained", color="tab:blue")
-    elif steps:
-        per_step = samples / np.maximum(np.diff(ends), 1e-12)
-        rate.stairs(per_step, ends, label="trained", color="tab:blue", lw=1.5)
+    elif len(steps) > 1 or (steps and not start_s):
+        # From the axis' start, the first step's rate would count the time before it.
+        first = 1 if start_s else 0
+        per_step = samples[first:] / np.maximum(np.diff(ends[first:]), 1e-12)
+        rate.stairs(per_step, ends[first:], label="trained", color="tab:blue", lw=1.5)
     rate.set_ylabel("samples / s")
     rate.set_ylim(0, rate.get_ylim()[1] * 1.25)  # headroom for the legend
     share.plot(middles, (useful + wasted) / width, label="trainer busy", color="0.7")
@@ -300,30 +358,40 @@ def throughput_figure(events: Iterable[TraceEvent], *, bins: int = 40) -> Figure
         share.plot(
             ends[1:],
             done / np.maximum(ends[1:], 1e-12),
-            label="goodput so far",
+            label="goodput so far (since the run began)",
             color="black",
             lw=1.5,
         )
     share.set_ylim(0, 1.4)  # headroom for the legend above the 100% line
     share.set_yticks([0, 0.5, 1])
     share.set_ylabel("share of time")
+    share.set_xlim(edges[0], edges[-1])
     _time_axis(share, edges[-1])
     for axes in (rate, share):
         axes.grid(alpha=0.3)
         axes.spines[["top", "right"]].set_visible(False)
         axes.legend(frameon=False, fontsize="small", loc="upper left", ncol=2)
-    rate.set_title("throughput and goodput", fontsize="medium")
+    cut = f"; axis from the first step, {start_s:.0f} s after the start" if start_s else ""
+    rate.set_title(f"samples per second{cut}", fontsize="medium")
+    share.set_title("trainer busy and goodput", fontsize="medium")
     return figure
+
+
+# A drop reason in words, where its name alone does not say it (``rlaxkit.rules.ledger``).
+REASONS = {"filtered": "filtered: a group of equal rewards"}
 
 
 def drops_figure(events: Iterable[TraceEvent], *, bins: int = 30) -> Figure:
     """Dropped rollouts per time slice, stacked by reason (``stale``, ``preempted``,
-    ``filtered``, ...); a run without drops says so."""
+    ``filtered``, ...); a run without drops says so. After a set-up over ``CUT_START``
+    of the run, the axis starts at the first generation."""
     events = list(events)
     drops = [e for e in events if e.kind == "drop"]
     figure = _figure(7.0, 4.0)
     axes = figure.add_subplot()
-    edges = _bins(events, bins)
+    first_s = min((e.t for e in events if e.kind == "generation_start"), default=0.0)
+    end_s = max((e.t for e in events), default=1.0)
+    edges = _bins(events, bins, first_s if first_s > CUT_START * end_s else 0.0)
     reasons = sorted({str(e["reason"]) for e in drops})
     bottom = np.zeros(bins)
     for i, reason in enumerate(reasons):
@@ -335,7 +403,7 @@ def drops_figure(events: Iterable[TraceEvent], *, bins: int = 30) -> Figure:
             np.diff(edges),
             bottom=bottom,
             align="edge",
-            label=f"{reason} ({total})",
+            label=f"{REASONS.get(reason, reason)} ({total})",
             color=f"C{i}",
             edgecolor="white",
             lw=0.5,
@@ -347,13 +415,15 @@ def drops_figure(events: Iterable[TraceEvent], *, bins: int = 30) -> Figure:
         )
         axes.set_xlim(edges[0], edges[-1])
     _time_axis(axes, edges[-1])
-    axes.set_ylabel("dropped rollouts")
+    axes.set_ylabel(f"dropped rollouts per {edges[1] - edges[0]:.3g} s")
     axes.yaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_title("dropped rollouts by reason", fontsize="medium")
+    cut = f"; axis from the first generation, {edges[0]:.0f} s after the start" if edges[0] else ""
+    axes.set_title(f"dropped rollouts by reason{cut}", fontsize="medium")
     axes.grid(alpha=0.3)
     axes.spines[["top", "right"]].set_visible(False)
     if drops:
-        axes.legend(frameon=False, fontsize="small", title="reason (total)")
+        axes.set_ylim(0, bottom.max() * 1.3)  # headroom for the legend above the bars
+        axes.legend(frameon=False, fontsize="small", title="reason (total)", loc="upper left")
     return figure
 
 
@@ -386,16 +456,18 @@ def utilisation_figure(results: Sequence[SimResult]) -> Figure:
     x = np.arange(len(results))
     width = 0.27
     series = [
-        ("trainer", [r.trainer_utilisation for r in results]),
+        ("trainer busy", [r.trainer_utilisation for r in results]),
         ("goodput", [r.goodput for r in results]),
-        ("workers", [r.worker_utilisation for r in results]),
+        ("workers busy", [r.worker_utilisation for r in results]),
     ]
     for offset, (label, values) in zip((-width, 0.0, width), series, strict=True):
         axes.bar(x + offset, values, width, label=label)
     axes.set_xticks(x, [r.scenario for r in results], rotation=20, ha="right")
-    axes.set_ylim(0, 1.05)
+    axes.set_ylim(0, 1.3)  # headroom for the legend above the bars
+    axes.set_yticks([0, 0.25, 0.5, 0.75, 1])
     axes.set_ylabel("fraction of wall time")
-    axes.legend()
+    axes.set_title("utilisation and goodput per simulated run", fontsize="medium")
+    axes.legend(frameon=False, fontsize="small", ncol=3, loc="upper left")
     return figure
 
 
@@ -404,23 +476,56 @@ def eta_curve_figure(curve: Sequence[EtaPoint]) -> Figure:
     figure = _figure(5.0, 3.5)
     axes = figure.add_subplot()
     etas = [p.max_staleness for p in curve]
-    axes.plot(etas, [p.samples_per_s for p in curve], marker="o")
+    axes.plot(etas, [p.samples_per_s for p in curve], marker="o", label="simulated")
     axes.set_xscale("symlog", base=2, linthresh=1)
     axes.set_xticks(etas, [str(e) for e in etas])
-    axes.set_xlabel("max staleness η")
+    axes.set_xlabel("η, the staleness bound (versions)")
     axes.set_ylabel("trained samples/s")
     axes.set_ylim(bottom=0)
+    axes.set_title("throughput by staleness bound η (simulated)", fontsize="medium")
     return figure
 
 
 def checkpoint_figure(study: CheckpointStudy) -> Figure:
-    """Simulated waste per checkpoint interval, the fitted optimum and Young/Daly's."""
-    figure = _figure(5.0, 3.5)
+    """Simulated waste per checkpoint interval, the curve fitted to it with its
+    optimum (a star), and Young's first-order optimum ``sqrt(2 δ M)`` (dashed)."""
+    figure = _figure(7.0, 3.5)
     axes = figure.add_subplot()
-    axes.plot(study.intervals_s, study.waste, marker="o", label="simulated")
-    axes.axvline(study.fitted_best_s, color="tab:green", label="fitted optimum")
-    axes.axvline(study.young_daly_s, color="tab:red", linestyle="--", label="sqrt(2 δ M)")
-    axes.set_xlabel("checkpoint interval (s of compute)")
+    axes.plot(study.intervals_s, study.waste, "o", label="simulated")
+    known = not (np.isnan(study.save_s) or np.isnan(study.mtbf_s))
+    young = (
+        f"Young: √(2δM) = {study.young_daly_s:.0f} s\n"
+        f"δ = {study.save_s:g} s (checkpoint save)\nM = {study.mtbf_s:g} s (MTBF)"
+        if known
+        else f"Young: √(2δM) = {study.young_daly_s:.0f} s"
+    )
+    axes.axvline(study.young_daly_s, color="tab:red", linestyle="--", lw=1, label=young)
+    if study.fit is not None:
+        a, b, c = study.fit
+        tau = np.linspace(min(study.intervals_s), max(study.intervals_s), 200)
+        axes.plot(tau, a + b / tau + c * tau, color="tab:green", lw=1, label="fit a + b/τ + cτ")
+    if np.isfinite(study.fitted_best_s):
+        best = study.fitted_best_s
+        y = (
+            study.fit[0] + study.fit[1] / best + study.fit[2] * best
+            if study.fit
+            else float(np.interp(best, study.intervals_s, study.waste))
+        )
+        axes.plot(
+            best,
+            y,
+            "*",
+            color="tab:green",
+            ms=14,
+            mec="black",
+            mew=0.6,
+            zorder=5,
+            label=f"fitted optimum {best:.0f} s",
+        )
+    axes.set_xlabel("checkpoint interval τ (s of compute)")
     axes.set_ylabel("waste = 1 - goodput")
-    axes.legend()
+    axes.set_title("waste by checkpoint interval (simulated)", fontsize="medium")
+    axes.grid(alpha=0.3)
+    axes.spines[["top", "right"]].set_visible(False)
+    axes.legend(frameon=False, fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return figure

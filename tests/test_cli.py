@@ -8,6 +8,7 @@ import time
 import pytest
 
 from rlaxkit.cli import StopRequest, main
+from rlaxkit.config import small_run_config
 from rlaxkit.config.run import SMALL_RUN, RunConfig
 from rlaxkit.observe.metrics import read_metrics
 from rlaxkit.rules.trace import read_trace
@@ -184,6 +185,28 @@ def test_run_directory_ownership_rules(tmp_path):
     assert cleared.action == "fresh" and sorted(p.name for p in run.iterdir()) == ["warm_start-abc"]
     with pytest.raises(ValueError, match="holds no run to resume"):
         claim_run_dir(run, "run", config, "resume")
+
+
+def test_a_second_experiment_on_a_folder_without_a_checkpoint_is_refused(tmp_path, cache):
+    """``Experiment(run_dir=D)`` twice from Python follows the CLI's rule: without a
+    checkpoint to resume from, the second would append its lines to the first run's."""
+    from rlaxkit.runtime import Experiment
+
+    config = small_run_config()
+    run = tmp_path / "run"
+    with Experiment(config, run_dir=run, cache_dir=cache) as exp:
+        exp.run(2)
+    lines = (run / "metrics.jsonl").read_text(), (run / "trace.jsonl").read_text()
+    for again in (config, small_run_config("steps=5")):
+        with pytest.raises(ValueError) as refused:
+            Experiment(again, run_dir=run, cache_dir=cache)
+        message = str(refused.value)
+        assert len(message.splitlines()) == 1, message
+        assert f"run directory {run} holds" in message
+        assert f"give another run_dir (e.g. {tmp_path / 'run-2'})" in message
+        assert "delete_run_files" in message and "checkpoint.every_steps" in message
+    assert "differs at steps" in message
+    assert ((run / "metrics.jsonl").read_text(), (run / "trace.jsonl").read_text()) == lines
 
 
 def test_a_signal_outside_the_rl_steps_stops_at_once():

@@ -6,6 +6,7 @@ import struct
 import numpy as np
 import pytest
 from matplotlib.figure import Figure
+from matplotlib.patches import StepPatch
 
 import sim
 from rlaxkit.cli import main
@@ -75,10 +76,17 @@ def test_trace_figures_draw_preemptions_drops_and_lost_steps():
     kinds = {e.kind for e in trace}
     assert {"preemption", "restart", "drop", "checkpoint_save"} <= kinds
     timeline = plotting.timeline_figure(trace)
-    labels = set(timeline.axes[0].get_legend_handles_labels()[1])
-    assert {"preemption", "preempted (down)", "checkpoint save", "push"} <= labels
+    handles, labels = timeline.axes[0].get_legend_handles_labels()
+    assert {"preemption", "preempted (down)", "checkpoint save"} <= set(labels)
+    # Thousands of pushes would merge into a bar: every k-th is marked, and the legend
+    # says which of how many.
+    pushes = sum(e.kind == "push" for e in trace)
+    (push,) = [h for h, label in zip(handles, labels, strict=True) if label.startswith("push")]
+    every = -(-pushes // sim.report.MAX_MARKS_PER_ROW)
+    assert push.get_label() == f"push (1 in {every} of {pushes} marked)"
+    assert len(push.get_xdata()) == len(range(0, pushes, every)) <= sim.report.MAX_MARKS_PER_ROW
     drops = plotting.drops_figure(trace)
-    reasons = {text.get_text().split(" (")[0] for text in drops.axes[0].get_legend().texts}
+    reasons = {t.get_text().split(" (")[0].split(":")[0] for t in drops.axes[0].get_legend().texts}
     assert reasons == {str(e["reason"]) for e in trace if e.kind == "drop"}
     throughput = plotting.throughput_figure(trace)
     assert all(ax.has_data() for ax in throughput.axes)
@@ -157,3 +165,91 @@ def test_held_out_pass_at_1_is_a_curve_with_its_band():
     assert low == pytest.approx(0.2 - 1.96 * 0.02) and high == pytest.approx(0.4 + 1.96 * 0.02)
     labels = [t.get_text() for t in axes.get_legend().get_texts()]
     assert "held-out pass@1" in labels
+
+
+def slow_start_trace(slots: int = 1) -> MemoryTrace:
+    """A run whose set-up takes 50 of its 80 s: generations on ``slots`` slots of one
+    worker from 50 s, train steps ending at 60 and 80 s."""
+    trace = MemoryTrace()
+    trace.record(0.0, "run_start", "controller")
+    for slot in range(slots):
+        trace.record(50.0, "generation_start", "worker-0", 0, sample=f"s{slot}")
+        trace.record(55.0, "generation_end", "worker-0", 0, sample=f"s{slot}", tokens=4)
+    trace.record(60.0, "train_step", "trainer", 1, step=1, samples=2, duration_s=5.0)
+    trace.record(80.0, "train_step", "trainer", 2, step=2, samples=2, duration_s=5.0)
+    return trace
+
+
+def test_a_long_set_up_is_cut_from_the_time_axes_and_its_length_written():
+    trace = slow_start_trace()
+    timeline = plotting.timeline_figure(trace).axes[0]
+    # Cut to a sliver of 5% of the 30 s that follow the 50 s set-up.
+    assert timeline.get_xlim() == pytest.approx((50.0 - 0.05 * 30.0, 80.0))
+    assert "setup (warm start), 50 s, axis cut" in timeline.get_legend_handles_labels()[1]
+    rate, share = plotting.throughput_figure(trace).axes
+    assert share.get_xlim() == pytest.approx((60.0, 80.0))  # from the first finished step
+    assert "from the first step, 60 s after the start" in rate.get_title()
+
+
+def test_many_slots_draw_as_sequences_in_flight_not_one_lane_each():
+    few = plotting.timeline_figure(slow_start_trace(slots=sim.report.MAX_LANES)).axes[0]
+    assert "a worker's band is its slots" in few.get_title()
+    slots = sim.report.MAX_LANES + 1
+    many = plotting.timeline_figure(slow_start_trace(slots=slots)).axes[0]
+    assert f"sequences in flight, full = its {slots} slots" in many.get_title()
+    # All slots busy from 50 to 55 s: the area is the band's full height there.
+    (area,) = [p for p in many.patches if isinstance(p, StepPatch)]  # one version
+    top = area.get_path().vertices[:, 1].max()
+    assert top == pytest.approx(0 - 0.4 + 0.8)  # worker-0's band: row 0, height 0.8
+
+
+def test_the_checkpoint_figure_marks_the_fitted_optimum_and_defines_its_symbols():
+    study = sim.CheckpointStudy(
+        (100.0, 200.0, 400.0),
+        (0.3, 0.2, 0.25),
+        220.0,
+        200.0,
+        230.0,
+        save_s=60.0,
+        mtbf_s=440.0,
+        fit=(0.0, 10.0, 0.0002),
+    )
+    (axes,) = sim.checkpoint_figure(study).axes
+    labels = axes.get_legend_handles_labels()[1]
+    assert "Young: √(2δM) = 230 s\nδ = 60 s (checkpoint save)\nM = 440 s (MTBF)" in labels
+    assert "fitted optimum 220 s" in labels
+    assert axes.get_title()
+
+
+def test_a_log_axis_labels_no_minor_ticks_and_each_bound_says_its_costs():
+    figure = plotting.scaling_figure(
+        [64, 128, 256],
+        {"η = 2, assumed costs": [1.0, 1.8, 3.0], "η = 2, compiled costs": [1.5, 2.5, 4.0]},
+        ceiling={"trainer bound, assumed costs": 4.0, "trainer bound, compiled costs": 5.0},
+    )
+    figure.canvas.draw()
+    (axes,) = figure.axes
+    minor = [t.get_text() for t in axes.yaxis.get_minorticklabels()]
+    assert not any(minor), minor
+    labels = axes.get_legend_handles_labels()[1]
+    assert {"trainer bound, assumed costs", "trainer bound, compiled costs"} <= set(labels)
+
+
+def test_compare_draws_runs_of_different_sizes_each_as_a_share_of_its_total():
+    small, large = MemoryTrace(), MemoryTrace()
+    sim.simulate(sim.presets.toy(target_steps=2), trace=small)
+    sim.simulate(sim.presets.toy(target_steps=20), trace=large)
+    figure = plotting.trace_overlay_figure(small, large)
+    progress = figure.axes[3]
+    assert progress.get_ylabel() == "share of the run's samples trained"
+    assert max(line.get_ydata().max() for line in progress.get_lines()) == pytest.approx(1.0)
+    assert figure.axes[0].get_legend_handles_labels()[1] == ["measured", "simulated"]
+
+
+def test_plot_shows_a_bar_a_tick_a_figure_unless_told_not_to(tmp_path, capsys):
+    with JsonlTraceWriter(tmp_path / "trace.jsonl") as trace:
+        sim.simulate(sim.presets.toy(target_steps=2), trace=trace)
+    assert main(["plot", str(tmp_path)]) == 0
+    assert "plots: 100%" in capsys.readouterr().err.replace("\r", "\n")
+    assert main(["plot", str(tmp_path), "--no-progress"]) == 0
+    assert "plots" not in capsys.readouterr().err

@@ -25,6 +25,7 @@ uses (``sim.report``), so a real run and a simulated one look alike.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -34,7 +35,13 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator, ScalarFormatter
+from matplotlib.ticker import (
+    FuncFormatter,
+    LogLocator,
+    MaxNLocator,
+    NullFormatter,
+    NullLocator,
+)
 
 from rlaxkit.observe.metrics import read_metrics
 from rlaxkit.rules.trace import (
@@ -71,6 +78,8 @@ __all__ = [
 
 DPI = 100
 SIZE_IN = (7.0, 4.0)  # every PNG plot_run writes: 700 x 400 pixels at DPI
+LOG_SPAN = 10.0  # times spanning more than this factor are drawn on a log axis
+SHARE_RATIO = 3.0  # runs this many times apart in samples are each drawn as a share
 
 
 def _figure(width: float = SIZE_IN[0], height: float = SIZE_IN[1]) -> Figure:
@@ -86,6 +95,16 @@ def _style(axes: Axes, *, legend: bool = False) -> Axes:
     if legend and axes.get_legend_handles_labels()[0]:
         axes.legend(frameon=False, fontsize="small")
     return axes
+
+
+def _log_ticks(axis: Any, limits: tuple[float, float]) -> None:
+    """Labels on a log axis that do not collide: 1-2-5 steps within two decades,
+    the decades only beyond, plain numbers, no minor labels."""
+    low, high = limits
+    steps = (1.0, 2.0, 5.0) if high / max(low, 1e-300) < 100 else (1.0,)
+    axis.set_major_locator(LogLocator(base=10, subs=steps))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def _smooth(values: Sequence[float], window: int) -> np.ndarray:
@@ -129,7 +148,8 @@ def reward_figure(metrics: Sequence[Mapping[str, Any]], evals: Sequence[Mapping]
     axes.set_ylabel("reward / accuracy")
     axes.set_ylim(0, 1)
     axes.set_title("train reward and held-out pass@1 by trainer step", fontsize="medium")
-    _style(axes, legend=True)
+    _style(axes)
+    axes.legend(frameon=False, fontsize="small", loc="lower right")  # rewards rise: room below
     return figure
 
 
@@ -163,7 +183,15 @@ def drift_figure(metrics: Sequence[Mapping[str, Any]]) -> Figure:
     axes.set_yscale("symlog", linthresh=1e-4)
     axes.set_xlabel("trainer step")
     axes.set_ylabel("nats per token")
-    _style(axes, legend=True)
+    axes.set_title(
+        "drift per trained token\nstaleness: the trainer's weights vs the version sampled;"
+        " mismatch: that version vs the sampler",
+        fontsize="small",
+    )
+    _style(axes)
+    axes.legend(
+        frameon=False, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2
+    )
     return figure
 
 
@@ -174,15 +202,19 @@ def audit_figure(metrics: Sequence[Mapping[str, Any]]) -> Figure:
     figure = _figure()
     rows = [m for m in metrics if "audit/length_ks" in m]
     steps = [m["step"] for m in rows]
-    for i, (name, label) in enumerate(
-        (("length", "completion tokens"), ("pass_rate", "pass rate"))
+    for i, (name, label, title) in enumerate(
+        (
+            ("length", "completion tokens", "completion length"),
+            ("pass_rate", "per-prompt pass rate", "pass rate"),
+        )
     ):
         axes = figure.add_subplot(1, 2, i + 1)
         for which, style in (("sampled", "-"), ("trained", "--")):
             values = [m[f"audit/{name}_{which}_mean"] for m in rows]
-            axes.plot(steps, values, style, lw=1, label=which)
+            axes.plot(steps, values, style, lw=1, label=f"{which} by the step")
         axes.set_xlabel("trainer step")
         axes.set_ylabel(f"mean {label}")
+        axes.set_title(f"{title}: sampled vs trained rollouts", fontsize="medium")
         _style(axes, legend=i == 0)
     return figure
 
@@ -276,7 +308,13 @@ def compare_runs_figure(runs: Mapping[str, Mapping[str, Any]], *, smooth: int = 
         stale.set_xticks(sorted(ages))
     timing.set_xticks(range(len(runs)), list(runs), rotation=35, ha="right", fontsize="small")
     timing.set_ylabel("seconds per trainer step")
-    for axes in (reward, passk, stale, timing):
+    for axes, title in (
+        (reward, "train reward by trainer step"),
+        (passk, "held-out pass@k (k samples per problem)"),
+        (stale, "staleness of trained rollouts (versions)"),
+        (timing, "wall-clock seconds per trainer step"),
+    ):
+        axes.set_title(title, fontsize="medium")
         _style(axes)
     reward.legend(frameon=False, fontsize="x-small", ncol=2, loc="lower right")
     return figure
@@ -301,6 +339,7 @@ def pass_at_k_figure(reports: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figu
     axes.set_xlabel("k (samples per problem)")
     axes.set_ylabel("pass@k")
     axes.set_ylim(0, 1.02)
+    axes.set_title("held-out pass@k: a problem solved by any of k samples", fontsize="medium")
     _style(axes, legend=True)
     return figure
 
@@ -350,12 +389,17 @@ def update_figure(
     left.axhline(1.0, color="black", lw=0.8)
     left.set_xlabel("advantage")
     left.set_ylabel("ratio π_new / π_behaviour")
+    left.set_title(
+        f"per-token ratio against advantage (ε_low {clip[0]:g}, ε_high {clip[1]:g})",
+        fontsize="medium",
+    )
     _style(left, legend=True)
     largest = sorted(update_norms.items(), key=lambda kv: kv[1], reverse=True)[:top]
     names = [_short(name) for name, _ in largest][::-1]
     right.barh(names, [norm for _, norm in largest][::-1], color="tab:blue")
     right.set_xlabel(update_label)
     right.tick_params(axis="y", labelsize="x-small")
+    right.set_title(f"the {len(largest)} tensors that moved most", fontsize="medium")
     _style(right)
     return figure
 
@@ -375,8 +419,7 @@ def comparison_figure(
     axes.bar(range(len(labels)), [values[k] for k in labels], color="tab:blue")
     axes.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
     axes.set_ylabel(ylabel)
-    if title:
-        axes.set_title(title, fontsize="medium")
+    axes.set_title(title or f"{ylabel} by run", fontsize="medium")
     _style(axes)
     return figure
 
@@ -387,17 +430,20 @@ def scaling_figure(
     *,
     xlabel: str = "inference chips",
     ylabel: str = "trained samples/s",
-    ceiling: float | None = None,
+    ceiling: float | Mapping[str, float] | None = None,
     ceiling_label: str = "trainer bound",
+    title: str = "throughput by fleet size",
 ) -> Figure:
     """Throughput against fleet size on log-log axes, with ideal linear scaling.
 
-    The dotted line is linear scaling from each series' first point; ``ceiling`` draws a
-    horizontal bound (e.g. the trainer's samples/s when it never waits).
+    The dotted line is linear scaling from each series' first point. ``ceiling`` draws
+    horizontal bounds (e.g. the trainer's samples/s when it never waits): one value,
+    labelled ``ceiling_label``, or label -> value, each in its own line style. The y
+    axis labels 1-2-5 steps, or its decades past two, never every minor tick.
     """
     if not sizes:
         raise ValueError("sizes: give at least one fleet size")
-    figure = _figure(6.0, 4.0)
+    figure = _figure(*SIZE_IN)
     axes = figure.add_subplot()
     x = np.asarray(sizes, float)
     for label, values in series.items():
@@ -406,18 +452,23 @@ def scaling_figure(
             raise ValueError(f"series {label!r} has {len(y)} values for {len(x)} sizes")
         line = axes.plot(x, y, "o-", label=label)[0]
         axes.plot(x, y[0] * x / x[0], ":", color=line.get_color(), lw=1)
-    if ceiling is not None:
-        axes.axhline(ceiling, color="black", ls="--", lw=1, label=ceiling_label)
+    bounds = {ceiling_label: ceiling} if isinstance(ceiling, int | float) else dict(ceiling or {})
+    for (label, value), style in zip(bounds.items(), ("--", "-.", (0, (5, 1, 1, 1))), strict=False):
+        axes.axhline(value, color="black", ls=style, lw=1, label=label)
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xticks(x, [f"{s:g}" for s in x])
-    plain = ScalarFormatter()
-    plain.set_scientific(False)
-    axes.yaxis.set_major_formatter(plain)
-    axes.yaxis.set_minor_formatter(ScalarFormatter(useOffset=False))
+    axes.xaxis.set_minor_locator(NullLocator())
+    _log_ticks(axes.yaxis, axes.get_ylim())
+    axes.plot([], [], ":", color="0.4", lw=1, label="linear scaling from the first point")
     axes.set_xlabel(xlabel)
-    axes.set_ylabel(ylabel + "  (dotted: linear)")
-    _style(axes, legend=True)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title, fontsize="medium")
+    axes.grid(alpha=0.3, which="major")
+    axes.spines[["top", "right"]].set_visible(False)
+    axes.legend(
+        frameon=False, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2
+    )
     return figure
 
 
@@ -454,17 +505,25 @@ def trace_overlay_figure(
     first: Iterable[TraceEvent],
     second: Iterable[TraceEvent],
     *,
-    labels: tuple[str, str] = ("real", "simulated"),
+    labels: tuple[str, str] = ("measured", "simulated"),
 ) -> Figure:
     """Two traces of the same schema side by side (a real run and its simulation, or any
-    two runs): generation latency and train-step time as CDFs, the staleness of trained
-    rollouts, and trained samples against time.
+    two runs): generation latency and train-step time as CDFs (a log time axis when the
+    times span more than ``LOG_SPAN`` times, as a run's compilations make them), the
+    staleness of trained rollouts, and trained samples against the time since each
+    run's first generation began (a warm start is not part of the comparison). When the
+    two runs trained more than ``SHARE_RATIO`` times apart in samples, each is drawn as
+    a share of its own total, and the axis says so.
     """
     traces = (list(first), list(second))
     figure = _figure(9.0, 6.0)
     (latency, step), (stale, progress) = figure.subplots(2, 2)
     styles = ("-", "--")
-    for events, label, style, colour in zip(traces, labels, styles, ("C0", "C1"), strict=True):
+    totals = [sum(int(e["samples"]) for e in t if e.kind == "train_step") for t in traces]
+    shares = min(totals) > 0 and max(totals) > SHARE_RATIO * min(totals)
+    for events, label, style, colour, total in zip(
+        traces, labels, styles, ("C0", "C1"), totals, strict=True
+    ):
         for axes, values in (
             (latency, [r.latency_s for r in generation_records(events)]),
             (step, durations(events, "train_step")),
@@ -474,11 +533,14 @@ def trace_overlay_figure(
                 cdf = np.arange(1, len(ordered) + 1) / len(ordered)
                 axes.step(ordered, cdf, style, where="post", color=colour, label=label)
         steps = [e for e in events if e.kind == "train_step"]
+        starts = [e.t for e in events if e.kind == "generation_start"]
+        origin = min(starts, default=0.0)
         if steps:
-            trained = np.cumsum([int(e["samples"]) for e in steps])
-            progress.step([e.t for e in steps], trained, style, where="post", color=colour)
+            trained = np.cumsum([int(e["samples"]) for e in steps]) / (total if shares else 1)
+            times = [e.t - origin for e in steps]
+            progress.step(times, trained, style, where="post", color=colour, label=label)
     width = 0.4
-    for i, (events, colour) in enumerate(zip(traces, ("C0", "C1"), strict=True)):
+    for i, (events, colour, label) in enumerate(zip(traces, ("C0", "C1"), labels, strict=True)):
         counts = staleness_distribution(events)
         total = sum(counts.values()) or 1
         ages = np.array(sorted(counts), float)
@@ -489,22 +551,32 @@ def trace_overlay_figure(
             color=colour,
             hatch="//" if i else None,
             edgecolor="white",
+            label=label,
         )
+    for axes in (latency, step):
+        low, high = axes.dataLim.intervalx
+        if low > 0 and high > LOG_SPAN * low:
+            axes.set_xscale("log")
+            _log_ticks(axes.xaxis, (low, high))
     latency.set(xlabel="generation latency (s)", ylabel="CDF", ylim=(0, 1.02))
     step.set(xlabel="train-step time (s)", ylabel="CDF", ylim=(0, 1.02))
     stale.set(xlabel="staleness of trained rollouts (versions)", ylabel="fraction")
     stale.xaxis.set_major_locator(MaxNLocator(integer=True))
-    progress.set(xlabel="time (s)", ylabel="samples trained")
+    progress.set(
+        xlabel="time since the run's first generation began (s)",
+        ylabel="share of the run's samples trained" if shares else "samples trained",
+    )
     for axes, title in (
         (latency, "generation latency, cumulative"),
         (step, "train-step time, cumulative"),
         (stale, "staleness of trained rollouts"),
-        (progress, "samples trained over time"),
+        (progress, "samples trained over time" + (" (each run's own total)" if shares else "")),
     ):
         axes.set_title(title, fontsize="medium")
     for axes in (latency, step, stale, progress):
         _style(axes)
-    latency.legend(frameon=False, fontsize="small")
+    latency.legend(frameon=False, fontsize="small", loc="lower right")
+    stale.legend(frameon=False, fontsize="small")
     return figure
 
 
@@ -517,13 +589,15 @@ def plot_run(
     *,
     figures: Sequence[str] = FIGURES,
     compare: str | Path | None = None,
+    progress: bool = False,
 ) -> list[Path]:
     """Writes a run directory's figures as ``plots/NAME.png`` (each when its inputs
     exist) and returns the paths: ``reward``, ``drift`` and ``audit`` (from
     ``metrics.jsonl``), ``staleness``,
     ``timeline``, ``throughput`` and ``drops`` (from ``trace.jsonl``); with ``compare``
     (another run directory, real or simulated) also ``compare.png``, the two traces
-    overlaid by :func:`trace_overlay_figure`.
+    overlaid by :func:`trace_overlay_figure`. ``progress``: a bar, one tick a figure
+    (a fleet-scale trace takes tens of seconds).
 
     Every PNG is ``SIZE_IN`` inches at ``DPI`` (700 x 400 pixels), ``compare.png``
     excepted (900 x 600: four panels).
@@ -531,6 +605,8 @@ def plot_run(
     Raises:
         FileNotFoundError: the directory has neither ``metrics.jsonl`` nor ``trace.jsonl``.
     """
+    from tqdm.auto import tqdm
+
     unknown = set(figures) - set(FIGURES)
     if unknown:
         raise ValueError(f"figures: unknown {sorted(unknown)}; allowed: {list(FIGURES)}")
@@ -543,7 +619,8 @@ def plot_run(
         )
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
-    written = []
+    # name -> draws the figure; each entry only when its inputs exist.
+    jobs: dict[str, Callable[[], Figure]] = {}
     if metrics_file.exists() and {"reward", "drift", "audit"} & set(figures):
         metrics = read_metrics(metrics_file)
         summary_file = run_dir / "summary.json"
@@ -551,17 +628,17 @@ def plot_run(
             json.loads(summary_file.read_text()).get("evals", []) if summary_file.exists() else []
         )
         if "reward" in figures and metrics and "reward/mean" in metrics[0]:
-            written.append(_save(reward_figure(metrics, evals), out / "reward.png"))
+            jobs["reward"] = lambda: reward_figure(metrics, evals)
         # Each when the run measured it: drift on attributed steps, the audit every step.
         if "drift" in figures and any("drift/tokens" in m for m in metrics):
-            written.append(_save(drift_figure(metrics), out / "drift.png"))
+            jobs["drift"] = lambda: drift_figure(metrics)
         if "audit" in figures and any("audit/length_ks" in m for m in metrics):
-            written.append(_save(audit_figure(metrics), out / "audit.png"))
+            jobs["audit"] = lambda: audit_figure(metrics)
     if trace_file.exists():
         events = read_trace(trace_file)
         histogram = staleness_distribution(events)
         if histogram and "staleness" in figures:
-            written.append(_save(staleness_figure(histogram), out / "staleness.png"))
+            jobs["staleness"] = lambda: staleness_figure(histogram)
         drawers: dict[str, Callable[[list[TraceEvent]], Figure]] = {
             "timeline": timeline_figure,
             "throughput": throughput_figure,
@@ -569,13 +646,22 @@ def plot_run(
         }
         for name, draw in drawers.items():
             if name in figures:
-                written.append(_save(draw(events), out / f"{name}.png"))
+                jobs[name] = functools.partial(draw, events)
         if compare is not None:
             other = Path(compare)
-            other_trace = read_trace(trace_path(other) if other.is_dir() else other)
             labels = (_source_label(run_dir), _source_label(other))
-            figure = trace_overlay_figure(events, other_trace, labels=labels)
-            written.append(_save(figure, out / "compare.png", size=(9.0, 6.0)))
+
+            def overlay() -> Figure:
+                other_trace = read_trace(trace_path(other) if other.is_dir() else other)
+                return trace_overlay_figure(events, other_trace, labels=labels)
+
+            jobs["compare"] = overlay
+    written = []
+    bar = tqdm(jobs, desc="plots", unit="figure", disable=not progress, leave=False)
+    for name in bar:
+        bar.set_postfix_str(name)
+        size = (9.0, 6.0) if name == "compare" else SIZE_IN
+        written.append(_save(jobs[name](), out / f"{name}.png", size=size))
     return written
 
 

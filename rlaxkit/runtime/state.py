@@ -43,6 +43,7 @@ from rlaxkit.observe.metrics import replace_lines
 from rlaxkit.observe.tracking import flatten
 from rlaxkit.rules.books import RunBooks
 from rlaxkit.trainer.checkpoint import CheckpointManager
+from rlaxkit.util.rundirs import claim_without_checkpoint
 
 FORMAT = 2
 JSON_ITEMS = ("meta", "controller", "buffer", "workers", "fleet", "faults", "history", "extra")
@@ -175,10 +176,13 @@ def find_resume_point(
                 names = [n for n in JSON_ITEMS if n != "meta"]
                 items = manager.restore(steps[-1], json=names)
     if not steps or not resume:
+        if resume:  # nothing to resume from: another run there is refused (rundirs)
+            claim_without_checkpoint(run_dir, config.to_dict())
+            return None
         holds_run = (run_dir / "trace.jsonl").exists() or (
             directory.is_dir() and any(directory.iterdir())
         )
-        if resume or not holds_run:
+        if not holds_run:
             return None
         raise ValueError(
             f"run_dir {run_dir} already holds a run and resume=False: give a new run "

@@ -16,6 +16,10 @@ run to the first one's files. The rule (:func:`claim_run_dir`):
   ``resume`` (continue the directory's run with its own config), ``new`` (a fresh
   directory beside it) and ``overwrite`` (delete the run's files, keep warm-start caches).
 
+``Experiment(run_dir=...)`` follows the same rule (:func:`claim_without_checkpoint`): it
+resumes from a checkpoint when there is one, and otherwise refuses a directory that holds
+another run, or a finished one, in one line naming its choices from Python.
+
 >>> import tempfile
 >>> claim_run_dir(Path(tempfile.mkdtemp()) / "run", "run", {"steps": 3}).action
 'fresh'
@@ -210,3 +214,28 @@ def claim_run_dir(
         "from; choose --new (write to a fresh directory beside it) or --overwrite (delete "
         "its run files and start again)"
     )
+
+
+def claim_without_checkpoint(run_dir: Path, config: Mapping[str, Any]) -> None:
+    """The rule for ``Experiment(run_dir=...)`` where ``run_dir`` has no checkpoint to
+    resume from: a fresh run if it holds none (or one of ``config`` stopped before its
+    first step, whose files go); else refused, since a second run would append its lines
+    to the first one's files.
+
+    Raises:
+        ValueError: one line naming ``run_dir``, why, and the choices from Python.
+    """
+    choices = (
+        f"give another run_dir (e.g. {fresh_beside(run_dir)}), delete its run files first "
+        "(rlaxkit.util.rundirs.delete_run_files), or set checkpoint.every_steps to be able to "
+        "resume a run"
+    )
+    try:
+        claim = claim_run_dir(run_dir, "run", config, has_checkpoint=False)
+    except ValueError as err:
+        raise ValueError(f"{str(err).split('; choose')[0]}; {choices}") from None
+    if claim.action == "finished":
+        raise ValueError(
+            f"run directory {run_dir} holds a finished run of this config with no checkpoint "
+            f"to continue from; {choices}"
+        )

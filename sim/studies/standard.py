@@ -80,7 +80,10 @@ class CheckpointStudy:
 
     ``fitted_best_s`` minimises ``waste(τ) ≈ a + b/τ + c·τ`` (the shape of the
     first-order model: saves cost δ/τ, a failure loses τ/2 on average) fitted by least
-    squares to the simulated points: ``τ* = sqrt(b / c)``.
+    squares to the simulated points: ``τ* = sqrt(b / c)``; ``fit`` holds ``(a, b, c)``.
+    ``young_daly_s`` is ``sqrt(2 δ M)`` with δ = ``save_s`` (the time to write a
+    checkpoint) and M = ``mtbf_s`` (the mean time between trainer preemptions); both are
+    NaN where unknown.
     """
 
     intervals_s: tuple[float, ...]
@@ -88,6 +91,9 @@ class CheckpointStudy:
     fitted_best_s: float
     best_measured_s: float
     young_daly_s: float
+    save_s: float = float("nan")
+    mtbf_s: float = float("nan")
+    fit: tuple[float, float, float] | None = None
 
     @property
     def relative_error(self) -> float:
@@ -123,7 +129,7 @@ def checkpoint_interval_study(
         waste.append(1.0 - float(np.mean([r.goodput for r in runs])))
     tau = np.asarray(intervals)
     design = np.stack([np.ones_like(tau), 1.0 / tau, tau], axis=1)
-    (_, b, c), *_ = np.linalg.lstsq(design, np.asarray(waste), rcond=None)
+    (a, b, c), *_ = np.linalg.lstsq(design, np.asarray(waste), rcond=None)
     fitted = math.sqrt(b / c) if b > 0 and c > 0 else float("nan")
     return CheckpointStudy(
         intervals_s=tuple(intervals),
@@ -131,4 +137,7 @@ def checkpoint_interval_study(
         fitted_best_s=fitted,
         best_measured_s=intervals[int(np.argmin(waste))],
         young_daly_s=young_daly_interval_s(save_s, mtbf_s),
+        save_s=save_s,
+        mtbf_s=mtbf_s,
+        fit=(float(a), float(b), float(c)),
     )
