@@ -39,7 +39,9 @@ from matplotlib.figure import Figure
 import sim
 from rlaxkit.cli import main
 from rlaxkit.config.run import SMALL_RUN
-from rlaxkit.observe.plotting import DPI, FIGURES, plot_run, scaling_figure
+from rlaxkit.observe.comparisons import scaling_figure
+from rlaxkit.observe.plotting import FIGURES, plot_run
+from rlaxkit.observe.style import DPI
 from rlaxkit.planning import Plan
 from rlaxkit.rules.trace import JsonlTraceWriter, trace_path
 from sim.presets import planned

@@ -551,9 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_plot = sub.add_parser("plot", help="write PNG figures of a run directory")
     p_plot.add_argument("run_dir", help="a run directory; figures go to RUN_DIR/plots")
-    p_plot.add_argument(
-        "--compare", default=None, help="another run directory to overlay (plots/compare.png)"
-    )
+    p_plot.add_argument("--compare", help="another run directory to overlay (plots/compare.png)")
     p_plot.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_trace = sub.add_parser("trace", help="export a run's trace for ui.perfetto.dev")
     p_trace.add_argument("run_dir", help="run directory (or its trace.jsonl)")
@@ -646,8 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "plot":
             from rlaxkit.observe.plotting import plot_run
 
-            progress = not args.no_progress
-            for path in plot_run(args.run_dir, compare=args.compare, progress=progress):
+            for path in plot_run(args.run_dir, compare=args.compare, progress=not args.no_progress):
                 print(path)
         elif args.command == "trace":
             from rlaxkit.observe.perfetto import export_perfetto

@@ -25,13 +25,7 @@ from sim.distributions import (
 from sim.engine import Simulation, run_config, simulate
 from sim.metrics import SimResult
 from sim.presets import areal_like, checkpoint_study, local_runtime, planned, rlax_like, toy
-from sim.report import (
-    checkpoint_figure,
-    eta_curve_figure,
-    staleness_figure,
-    timeline_figure,
-    utilisation_figure,
-)
+from sim.report import staleness_figure, timeline_figure
 from sim.scenario import (
     Scenario,
     load_scenario,
@@ -50,6 +44,7 @@ from sim.specs import (
     VerifierSpec,
     WorkloadSpec,
 )
+from sim.studies.figures import checkpoint_figure, eta_curve_figure, utilisation_figure
 from sim.studies.standard import (
     CheckpointStudy,
     EtaPoint,

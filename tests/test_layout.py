@@ -65,7 +65,6 @@ LONG_MODULES = {
     "rlaxkit/inference/programs.py": 621,
     "sim/specs.py": 615,
     "sim/calibration/calibrate.py": 603,
-    "rlaxkit/observe/plotting.py": 594,
     "rlaxkit/tasks/episodes.py": 593,
     "rlaxkit/config/run.py": 538,
     "rlaxkit/observe/tracking.py": 518,

@@ -9,15 +9,16 @@ from matplotlib.figure import Figure
 from matplotlib.patches import StepPatch
 
 import sim
+from rlaxkit import observe
 from rlaxkit.cli import main
 from rlaxkit.config.run import small_run_config
-from rlaxkit.observe import plotting
+from rlaxkit.observe import style
 from rlaxkit.observe.metrics import MetricsLogger
 from rlaxkit.observe.perfetto import validate
 from rlaxkit.rules.trace import JsonlTraceWriter, MemoryTrace
 from rlaxkit.runtime import Experiment
 
-WIDTH, HEIGHT = (round(s * plotting.DPI) for s in plotting.SIZE_IN)  # 700 x 400
+WIDTH, HEIGHT = (round(s * style.DPI) for s in style.SIZE_IN)  # 700 x 400
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -75,7 +76,7 @@ def test_trace_figures_draw_preemptions_drops_and_lost_steps():
     sim.simulate(sim.presets.checkpoint_study(), trace=trace)
     kinds = {e.kind for e in trace}
     assert {"preemption", "restart", "drop", "checkpoint_save"} <= kinds
-    timeline = plotting.timeline_figure(trace)
+    timeline = observe.timeline_figure(trace)
     handles, labels = timeline.axes[0].get_legend_handles_labels()
     assert {"preemption", "preempted (down)", "checkpoint save"} <= set(labels)
     # Thousands of pushes would merge into a bar: every k-th is marked, and the legend
@@ -85,10 +86,10 @@ def test_trace_figures_draw_preemptions_drops_and_lost_steps():
     every = -(-pushes // sim.report.MAX_MARKS_PER_ROW)
     assert push.get_label() == f"push (1 in {every} of {pushes} marked)"
     assert len(push.get_xdata()) == len(range(0, pushes, every)) <= sim.report.MAX_MARKS_PER_ROW
-    drops = plotting.drops_figure(trace)
+    drops = observe.drops_figure(trace)
     reasons = {t.get_text().split(" (")[0].split(":")[0] for t in drops.axes[0].get_legend().texts}
     assert reasons == {str(e["reason"]) for e in trace if e.kind == "drop"}
-    throughput = plotting.throughput_figure(trace)
+    throughput = observe.throughput_figure(trace)
     assert all(ax.has_data() for ax in throughput.axes)
 
 
@@ -118,10 +119,10 @@ def metrics(n, offset=0.0):
 def test_every_figure_function_returns_a_drawn_figure():
     rows = [{"k": 1, "pass@k": 0.2}, {"k": 2, "pass@k": 0.3}, {"k": 4, "pass@k": 0.4}]
     figures = [
-        plotting.reward_figure(metrics(5), [{"step": 0, "pass@1": 0.1}]),
-        plotting.curves_figure({"a": metrics(5), "b": metrics(5, 0.1)}, ["reward/mean"]),
-        plotting.pass_at_k_figure({"before": rows, "after": rows}),
-        plotting.compare_runs_figure(
+        observe.reward_figure(metrics(5), [{"step": 0, "pass@1": 0.1}]),
+        observe.curves_figure({"a": metrics(5), "b": metrics(5, 0.1)}, ["reward/mean"]),
+        observe.pass_at_k_figure({"before": rows, "after": rows}),
+        observe.compare_runs_figure(
             {
                 "η=0 · grpo": {
                     "metrics": metrics(4),
@@ -132,12 +133,12 @@ def test_every_figure_function_returns_a_drawn_figure():
                 "η=2 · decoupled": {"metrics": metrics(4), "staleness": {0: 5, 1: 3}},
             }
         ),
-        plotting.update_figure(
+        observe.update_figure(
             np.array([0.7, 1.0, 1.3]), np.array([-1.0, 0.5, 1.0]), {"a/b": 0.1, "c": 0.2}
         ),
-        plotting.comparison_figure({"a": 1.0, "b": 2.0}, ylabel="s"),
-        plotting.scaling_figure([64, 128, 256], {"η = 0": [1.0, 1.8, 3.0]}, ceiling=4.0),
-        plotting.overlay_figure({"latency (s)": ([0.1, 0.2, 0.3], [0.15, 0.25])}),
+        observe.comparison_figure({"a": 1.0, "b": 2.0}, ylabel="s"),
+        observe.scaling_figure([64, 128, 256], {"η = 0": [1.0, 1.8, 3.0]}, ceiling=4.0),
+        observe.overlay_figure({"latency (s)": ([0.1, 0.2, 0.3], [0.15, 0.25])}),
     ]
     for figure in figures:
         assert isinstance(figure, Figure)
@@ -146,19 +147,19 @@ def test_every_figure_function_returns_a_drawn_figure():
 
 def test_bad_figure_input_names_the_problem():
     with pytest.raises(ValueError, match="one entry per token"):
-        plotting.update_figure(np.ones(3), np.ones(2), {})
+        observe.update_figure(np.ones(3), np.ones(2), {})
     with pytest.raises(ValueError, match="has 2 values for 3 sizes"):
-        plotting.scaling_figure([1, 2, 4], {"x": [1.0, 2.0]})
+        observe.scaling_figure([1, 2, 4], {"x": [1.0, 2.0]})
     with pytest.raises(ValueError, match="keys"):
-        plotting.curves_figure({"a": metrics(2)}, [])
+        observe.curves_figure({"a": metrics(2)}, [])
     with pytest.raises(ValueError, match="panels"):
-        plotting.overlay_figure({})
+        observe.overlay_figure({})
 
 
 def test_held_out_pass_at_1_is_a_curve_with_its_band():
     """Evaluations every eval.every_steps draw a curve; their standard errors a band."""
     evals = [{"step": s, "pass@1": 0.2 + s / 100, "pass@1_se": 0.02} for s in (0, 10, 20)]
-    figure = plotting.reward_figure(metrics(21), evals)
+    figure = observe.reward_figure(metrics(21), evals)
     (axes,) = figure.axes
     (band,) = axes.collections  # fill_between
     low, high = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
@@ -182,20 +183,20 @@ def slow_start_trace(slots: int = 1) -> MemoryTrace:
 
 def test_a_long_set_up_is_cut_from_the_time_axes_and_its_length_written():
     trace = slow_start_trace()
-    timeline = plotting.timeline_figure(trace).axes[0]
+    timeline = observe.timeline_figure(trace).axes[0]
     # Cut to a sliver of 5% of the 30 s that follow the 50 s set-up.
     assert timeline.get_xlim() == pytest.approx((50.0 - 0.05 * 30.0, 80.0))
     assert "setup (warm start), 50 s, axis cut" in timeline.get_legend_handles_labels()[1]
-    rate, share = plotting.throughput_figure(trace).axes
+    rate, share = observe.throughput_figure(trace).axes
     assert share.get_xlim() == pytest.approx((60.0, 80.0))  # from the first finished step
     assert "from the first step, 60 s after the start" in rate.get_title()
 
 
 def test_many_slots_draw_as_sequences_in_flight_not_one_lane_each():
-    few = plotting.timeline_figure(slow_start_trace(slots=sim.report.MAX_LANES)).axes[0]
+    few = observe.timeline_figure(slow_start_trace(slots=sim.report.MAX_LANES)).axes[0]
     assert "a worker's band is its slots" in few.get_title()
     slots = sim.report.MAX_LANES + 1
-    many = plotting.timeline_figure(slow_start_trace(slots=slots)).axes[0]
+    many = observe.timeline_figure(slow_start_trace(slots=slots)).axes[0]
     assert f"sequences in flight, full = its {slots} slots" in many.get_title()
     # All slots busy from 50 to 55 s: the area is the band's full height there.
     (area,) = [p for p in many.patches if isinstance(p, StepPatch)]  # one version
@@ -222,7 +223,7 @@ def test_the_checkpoint_figure_marks_the_fitted_optimum_and_defines_its_symbols(
 
 
 def test_a_log_axis_labels_no_minor_ticks_and_each_bound_says_its_costs():
-    figure = plotting.scaling_figure(
+    figure = observe.scaling_figure(
         [64, 128, 256],
         {"η = 2, assumed costs": [1.0, 1.8, 3.0], "η = 2, compiled costs": [1.5, 2.5, 4.0]},
         ceiling={"trainer bound, assumed costs": 4.0, "trainer bound, compiled costs": 5.0},
@@ -239,7 +240,7 @@ def test_compare_draws_runs_of_different_sizes_each_as_a_share_of_its_total():
     small, large = MemoryTrace(), MemoryTrace()
     sim.simulate(sim.presets.toy(target_steps=2), trace=small)
     sim.simulate(sim.presets.toy(target_steps=20), trace=large)
-    figure = plotting.trace_overlay_figure(small, large)
+    figure = observe.trace_overlay_figure(small, large)
     progress = figure.axes[3]
     assert progress.get_ylabel() == "share of the run's samples trained"
     assert max(line.get_ydata().max() for line in progress.get_lines()) == pytest.approx(1.0)

@@ -1,6 +1,7 @@
 """What a run shows of itself: metrics files, trackers (TensorBoard, W&B, MLflow), the
 figures of a run, Perfetto exports of its trace, and the drift attribution of its
-importance ratios.
+importance ratios. Figures comparing runs are in ``comparisons``, the one style they
+share in ``style``.
 
 Names are imported on first use: importing one module of the package does not import
 the others.
@@ -12,25 +13,27 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rlaxkit.observe.comparisons import (
+        compare_runs_figure,
+        comparison_figure,
+        curves_figure,
+        overlay_figure,
+        pass_at_k_figure,
+        scaling_figure,
+        trace_overlay_figure,
+    )
     from rlaxkit.observe.drift import DriftProbe, drift_metrics
     from rlaxkit.observe.metrics import MetricsLogger, read_metrics
     from rlaxkit.observe.perfetto import PerfettoExport, export_perfetto
     from rlaxkit.observe.plotting import (
         audit_figure,
-        compare_runs_figure,
-        comparison_figure,
-        curves_figure,
         drift_figure,
         drops_figure,
-        overlay_figure,
-        pass_at_k_figure,
         plot_run,
         reward_figure,
-        scaling_figure,
         staleness_figure,
         throughput_figure,
         timeline_figure,
-        trace_overlay_figure,
         update_figure,
     )
     from rlaxkit.observe.tracking import Tracker, TrackerName, Trackers, open_trackers
@@ -43,20 +46,20 @@ _MODULES = {
     "export_perfetto": "perfetto",
     "PerfettoExport": "perfetto",
     "audit_figure": "plotting",
-    "compare_runs_figure": "plotting",
-    "comparison_figure": "plotting",
-    "curves_figure": "plotting",
+    "compare_runs_figure": "comparisons",
+    "comparison_figure": "comparisons",
+    "curves_figure": "comparisons",
     "drift_figure": "plotting",
     "drops_figure": "plotting",
-    "overlay_figure": "plotting",
-    "pass_at_k_figure": "plotting",
+    "overlay_figure": "comparisons",
+    "pass_at_k_figure": "comparisons",
     "plot_run": "plotting",
     "reward_figure": "plotting",
-    "scaling_figure": "plotting",
+    "scaling_figure": "comparisons",
     "staleness_figure": "plotting",
     "throughput_figure": "plotting",
     "timeline_figure": "plotting",
-    "trace_overlay_figure": "plotting",
+    "trace_overlay_figure": "comparisons",
     "update_figure": "plotting",
     "open_trackers": "tracking",
     "Tracker": "tracking",
