@@ -107,7 +107,7 @@ def test_kept_memory_has_no_fast_bins_to_sweep():
 
 def test_settings_are_left_alone_for_an_accelerator_platform():
     decided = report(
-        "import json; from rlaxkit import hostmem; s = hostmem.keep();"
+        "import json; from rlaxkit.util import hostmem; s = hostmem.keep();"
         "print(json.dumps({'kept': s.kept, 'reason': s.reason}))",
         JAX_PLATFORMS="cuda",
     )
@@ -118,7 +118,7 @@ def test_settings_are_left_alone_for_an_accelerator_platform():
 def test_a_backend_created_first_is_named():
     decided = report(
         "import json; import jax.numpy as jnp; jnp.ones(2); import rlaxkit.models;"
-        "from rlaxkit import hostmem; s = hostmem.status();"
+        "from rlaxkit.util import hostmem; s = hostmem.status();"
         "print(json.dumps({'kept': s.kept, 'reason': s.reason}))"
     )
     assert not decided["kept"]
