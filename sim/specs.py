@@ -476,14 +476,28 @@ class VerifierSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSpec:
-    """Costs of the trainer's checkpoints: a save blocks the trainer ``save_s``; a
-    restore after a preemption takes ``restore_s``."""
+    """Costs of the trainer's checkpoints.
+
+    Attributes:
+        save_s: Seconds a save blocks the trainer (an asynchronous save: until its
+            arrays are copied; the checkpoint counts from then on).
+        background_s: Seconds an asynchronous save's background write costs the run
+            after that. The write competes with the trainer's next work for its host's
+            cores (wholly on a process's CPU clock, where every thread's time adds up),
+            so the simulator charges it as a wait of the trainer right after the
+            blocking part, and writes a ``checkpoint_write`` event at its end as the
+            runtime does. A preemption during it keeps the checkpoint (the runtime's
+            restore waits for the write).
+        restore_s: Seconds a restore after a preemption takes.
+    """
 
     save_s: float = 0.0
+    background_s: float = 0.0
     restore_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check("save_s", self.save_s, strict=False)
+        _check("background_s", self.background_s, strict=False)
         _check("restore_s", self.restore_s, strict=False)
 
 

@@ -4,7 +4,8 @@ One process loops: wait for a full batch (on a serial host, run the host's round
 until there is one: :mod:`sim.host`), compute for ``TrainerCostSpec.step_s(tokens)``,
 bump the version, push when ``WeightSyncPolicy.should_push`` says so (the push blocks
 the trainer for its transfer), save when ``CheckpointPolicy.should_save`` says so (the
-save blocks it for ``save_s``).
+save blocks it for ``save_s``, then its background write for ``background_s``:
+:class:`sim.specs.CheckpointSpec`).
 
 A preemption is a ``simpy.Interrupt`` of that process: the steps since the last
 checkpoint are lost (their compute counts against goodput; the batch being computed is
@@ -24,6 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import simpy
+from simpy.events import ProcessGenerator
 
 from rlaxkit.trace import TraceEvent
 
@@ -139,18 +141,25 @@ class Trainer:
             yield from sim.ps.push(self.version)
         policy = sim.scenario.checkpointing
         if up and policy.should_save(self.version, now_s, self.last_save_step, self.last_save_s):
-            start = env.now
-            yield env.timeout(sim.scenario.checkpoint.save_s)
-            self.last_save_step = self.version
-            self.last_save_s = now_s
-            buffer.on_save(self.version)
-            sim.counters.saves += 1
+            yield from self._save(now_s)
+
+    def _save(self, now_s: float) -> ProcessGenerator:
+        """Process body: a save's blocking part, after which the checkpoint counts, then
+        its background write (``CheckpointSpec``)."""
+        env, sim, spec = self.env, self.sim, self.sim.scenario.checkpoint
+        start = env.now
+        yield env.timeout(spec.save_s)
+        self.last_save_step = self.version
+        self.last_save_s = now_s
+        sim.buffer.on_save(self.version)
+        sim.counters.saves += 1
+        step = self.version
+        sim.record(self.name, "checkpoint_save", step, step=step, duration_s=env.now - start)
+        if spec.background_s:
+            returned = env.now
+            yield env.timeout(spec.background_s)
             sim.record(
-                self.name,
-                "checkpoint_save",
-                self.version,
-                step=self.version,
-                duration_s=env.now - start,
+                self.name, "checkpoint_write", step, step=step, duration_s=env.now - returned
             )
 
     def _lose_progress(self) -> None:
