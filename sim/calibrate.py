@@ -349,9 +349,10 @@ def fit_scenario(
     save_s = _mean(saves, 0.0)
     restore_s = _mean(durations(events, "checkpoint_restore"), save_s)
     # The rest of a save's cost to the run, its background write: the fitted costs
-    # above leave it out.
+    # above leave it out. Over how long the write spreads it: the writes in the window.
     whole = fit_save_cost(events, start_s)
     background = None if whole is None else max(0.0, whole - save_s)
+    write_s = _mean(durations(window, "checkpoint_write"), 0.0)
     fitted = {
         **decode,
         "trainer_tokens_per_s": trainer["tokens_per_s"],
@@ -362,6 +363,7 @@ def fit_scenario(
         "reward_s": _mean(rewards, 0.0),
         "save_s": save_s,
         **({} if background is None else {"save_background_s": background}),
+        "save_write_s": write_s,
         "push_s": _mean(pushes, 0.0),
         "pull_s": _mean(pulls, 0.0),
         "filtered_fraction": filtered_fraction,
@@ -394,7 +396,7 @@ def fit_scenario(
             latency_s=Empirical(values=tuple(rewards)) if rewards else Constant(value=0.0)
         ),
         checkpoint=CheckpointSpec(
-            save_s=save_s, background_s=background or 0.0, restore_s=restore_s
+            save_s=save_s, background_s=background or 0.0, write_s=write_s, restore_s=restore_s
         ),
         workload=WorkloadSpec(
             prompts_per_step=staleness.batch_size,
@@ -523,8 +525,10 @@ def calibrate(
             random draws (lengths, which groups filtering drops) once; a longer
             simulated run averages them out, so its window measures the expected
             throughput. ``Calibration.scenario`` keeps the trace's length. With a
-            fault plan the default is the trace's length: the faults fire at fixed
-            times and steps, and a longer run would dilute what they cost.
+            fault plan, or checkpoints, the default is the trace's length: faults and
+            saves fire at fixed times and steps, and a longer run would hold another
+            share of them than the measured window (saves every 10 steps: 2 in the
+            window of a 30-step run after 3 warm-up steps, 20 in that of a 200-step one).
         faults: The FaultPlan the run was given (see :func:`fit_scenario`).
         repeats: Simulations (seeds ``seed, seed + 1, ...``) whose
             ``predicted_figures`` are averaged: a short run's cost of a fault depends
@@ -541,7 +545,8 @@ def calibrate(
         _LOG.warning("sim.calibrate: the prediction extrapolates: %s", what)
     steps = scenario.target_steps or 0
     if simulated_steps is None:
-        floor = 1 if len(scenario.fault_plan) else MIN_SIMULATED_STEPS
+        saves = scenario.checkpointing.every_steps or scenario.checkpointing.every_s
+        floor = 1 if len(scenario.fault_plan) or saves else MIN_SIMULATED_STEPS
         simulated_steps = max(steps, floor)
     longer = with_overrides(
         scenario,

@@ -124,12 +124,35 @@ def test_a_simulated_save_blocks_then_writes_in_the_background():
     ]
 
 
-CHECKPOINT = CheckpointSpec(save_s=0.02, background_s=0.06, restore_s=0.02)
+def test_a_background_write_slows_the_serial_hosts_work_while_it_runs():
+    # As above, but the write takes half the host's time for 20 ms (0.113 to 0.133).
+    # Step 3's rounds: the pull (2 ms, the parameter server's) ends at 0.115; issuing
+    # 2.4 ms of work takes 4.8 ms (0.1198); the first chunk's 21 ms of work: 6.6 ms of it
+    # in the 13.2 ms left of the write, 14.4 ms after it (0.1474, 27.6 ms in all); the
+    # rest as without a write, 28.6 ms: step 3 at 0.176.
+    checkpoint = CheckpointSpec(save_s=0.004, background_s=0.010, write_s=0.020)
+    trace = MemoryTrace()
+    simulate(_serial(checkpoint=checkpoint, **{"checkpointing.every_steps": 2}), trace=trace)
+    kinds = ("train_step", "checkpoint_save", "checkpoint_write", "decode")
+    events = [
+        (round(e.t, 9), e.kind, round(e["duration_s"], 9)) for e in trace.events if e.kind in kinds
+    ]
+    assert events[-5:] == [
+        (0.113, "checkpoint_save", 0.004),
+        (0.133, "checkpoint_write", 0.020),
+        (0.1474, "decode", 0.0276),
+        (0.1614, "decode", 0.0136),  # after 0.4 ms of host work
+        (0.176, "train_step", 0.010),
+    ]
+
+
+CHECKPOINT = CheckpointSpec(save_s=0.02, background_s=0.06, write_s=0.12, restore_s=0.02)
 
 
 def _run(every, *, seed=0, steps=40):
     """η = 0, two workers, lengths of 1-12 tokens, a save every ``every`` steps (``None``:
-    never) that blocks 20 ms and writes 60 ms in the background."""
+    never) that blocks 20 ms, then writes in the background for 120 ms, taking half the
+    host's time (60 ms)."""
     scenario = _serial(
         workers=2, response=Uniform(low=1.0, high=12.0), target_steps=steps, checkpoint=CHECKPOINT
     )
@@ -145,12 +168,14 @@ def test_fitted_costs_do_not_depend_on_the_save_interval():
     never = fits[None][0]
     for every in (4, 8):
         scenario, fitted = fits[every]
-        for name in HOST_COSTS:  # the write's wait stays out of the host's gaps
+        for name in HOST_COSTS:  # the chunks and gaps the write slowed are left out
             assert getattr(scenario.host, name) == pytest.approx(
                 getattr(never.host, name), abs=1e-9
             )
-        assert scenario.trainer == never.trainer
+        assert fitted["trainer_tokens_per_s"] == pytest.approx(8000.0)
+        assert fitted["step_overhead_s"] == pytest.approx(0.0, abs=1e-9)
         assert fitted["save_s"] == pytest.approx(0.02)
+        assert fitted["save_write_s"] == pytest.approx(0.12)
         # Read from the steps' spacing: one interval's spread of lengths per save.
         assert fitted["save_background_s"] == pytest.approx(0.06, rel=0.1)
     assert never.host.chunk_s == pytest.approx(COSTS["chunk_s"])
