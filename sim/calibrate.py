@@ -525,10 +525,11 @@ def calibrate(
             random draws (lengths, which groups filtering drops) once; a longer
             simulated run averages them out, so its window measures the expected
             throughput. ``Calibration.scenario`` keeps the trace's length. With a
-            fault plan, or checkpoints, the default is the trace's length: faults and
-            saves fire at fixed times and steps, and a longer run would hold another
-            share of them than the measured window (saves every 10 steps: 2 in the
-            window of a 30-step run after 3 warm-up steps, 20 in that of a 200-step one).
+            fault plan, or saves that cost time, the default is the trace's length:
+            faults and saves fire at fixed times and steps, and a longer run would
+            hold another share of them than the measured window (saves every 10
+            steps: 2 in the window of a 30-step run after 3 warm-up steps, 20 in that
+            of a 200-step one).
         faults: The FaultPlan the run was given (see :func:`fit_scenario`).
         repeats: Simulations (seeds ``seed, seed + 1, ...``) whose
             ``predicted_figures`` are averaged: a short run's cost of a fault depends
@@ -545,7 +546,8 @@ def calibrate(
         _LOG.warning("sim.calibrate: the prediction extrapolates: %s", what)
     steps = scenario.target_steps or 0
     if simulated_steps is None:
-        saves = scenario.checkpointing.every_steps or scenario.checkpointing.every_s
+        policy, costs = scenario.checkpointing, scenario.checkpoint
+        saves = (policy.every_steps or policy.every_s) and (costs.save_s or costs.background_s)
         floor = 1 if len(scenario.fault_plan) or saves else MIN_SIMULATED_STEPS
         simulated_steps = max(steps, floor)
     longer = with_overrides(
