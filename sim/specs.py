@@ -475,15 +475,45 @@ class VerifierSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSpec:
-    """Costs of the trainer's checkpoints: a save blocks the trainer ``save_s``; a
-    restore after a preemption takes ``restore_s``."""
+    """Costs of the trainer's checkpoints.
+
+    Attributes:
+        save_s: Seconds a save blocks the trainer (an asynchronous save: until its
+            arrays are copied; the checkpoint counts from then on).
+        background_s: Seconds of the trainer host's time an asynchronous save's
+            background write takes after that. The write competes with the work
+            beside it for the host's cores (wholly on a process's CPU clock, where
+            every thread's time adds up): over ``write_s`` seconds it takes the share
+            ``background_s / write_s`` of them, and the trainer's work (on a serial
+            host, all of the host's) runs that much slower (``sim.entities.trainer.
+            CheckpointWrites``). A ``checkpoint_write`` event marks its end, as the
+            runtime's does. A preemption during it keeps the checkpoint (the
+            runtime's restore waits for the write), and the next save starts once it
+            is done (as Orbax's does).
+        write_s: Seconds from a save's return to its write being durable. ``0``, or no
+            more than ``background_s``: the write leaves no time to other work, and
+            the trainer waits ``background_s`` after the blocking part.
+        restore_s: Seconds a restore after a preemption takes.
+    """
 
     save_s: float = 0.0
+    background_s: float = 0.0
+    write_s: float = 0.0
     restore_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check("save_s", self.save_s, strict=False)
+        _check("background_s", self.background_s, strict=False)
+        _check("write_s", self.write_s, strict=False)
         _check("restore_s", self.restore_s, strict=False)
+
+    @property
+    def write_share(self) -> float:
+        """The share of the host's time a background write takes while it runs (1: all
+        of it, the trainer waits)."""
+        if self.write_s <= self.background_s:
+            return 1.0
+        return self.background_s / self.write_s
 
 
 @dataclass(frozen=True, kw_only=True)

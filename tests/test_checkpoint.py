@@ -64,3 +64,19 @@ def test_keep_n_and_missing_items_are_clear(tmp_path):
             manager.save(5, json={"Bad-Name": 1})
     with pytest.raises(ValueError, match="max_to_keep"):
         CheckpointManager(tmp_path / "other", max_to_keep=0)
+
+
+def test_each_asynchronous_write_is_timed_from_the_saves_return_to_its_end(tmp_path):
+    ticks = iter(range(1000))
+    with CheckpointManager(tmp_path, async_save=True, clock=lambda: float(next(ticks))) as manager:
+        for step in (1, 2):
+            manager.save(step, pytrees={"w": {"x": jnp.full(3, float(step))}})
+        manager.wait()
+        first, second = manager.finished_writes()
+        assert manager.finished_writes() == []  # each write is handed out once
+    assert (first.step, second.step) == (1, 2)
+    # The second save starts once the first write is done, so the writes do not overlap.
+    assert first.returned_s < first.written_s < second.returned_s < second.written_s
+    with CheckpointManager(tmp_path / "sync", async_save=False) as manager:
+        manager.save(1, json={"n": 1})
+        assert manager.finished_writes() == []  # written when save returned

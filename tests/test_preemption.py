@@ -197,3 +197,18 @@ def test_checkpoint_of_another_model_or_plan_is_a_clear_error(reference, capsys)
             cache_dir=reference["cache"],
             faults=plan,
         )
+
+
+def test_the_loops_background_writes_are_traced(reference):
+    # The first save, before the loop, waits for its write; the loop's (steps 2, 4, 6
+    # and 8) return once their arrays are copied, and each write is traced when the
+    # trainer next replies: the last one's, after the last step, may not be.
+    events = read_trace(reference["run"] / "trace.jsonl")
+    saves = {e["step"]: e for e in events if e.kind == "checkpoint_save"}
+    writes = {e["step"]: e for e in events if e.kind == "checkpoint_write"}
+    assert sorted(saves) == [0, 2, 4, 6, 8]
+    assert {2, 4, 6} <= set(writes) <= set(saves)
+    for step, write in writes.items():
+        save = saves[step]
+        returned_s = write.t - write["duration_s"]  # the write starts as the save returns
+        assert save.t - save["duration_s"] <= returned_s <= save.t

@@ -40,7 +40,14 @@ Per kind, the keys this module's helpers read (others are free):
   outlasted it, then the push and the step's books), so the compute ran over
   ``step_span``'s interval.
 - ``push`` / ``pull``: ``duration_s``, optional ``bytes``.
-- ``checkpoint_save`` / ``checkpoint_restore``: ``step``, ``duration_s``.
+- ``checkpoint_save`` / ``checkpoint_restore``: ``step``, ``duration_s``. A save's
+  ``duration_s`` is the part the trainer waits for (an asynchronous save returns once
+  its arrays are copied).
+- ``checkpoint_write``: an asynchronous save's background write, ``step`` and
+  ``duration_s`` (from the save's return to the write being durable), stamped with
+  the write's end. The runtime writes it when the trainer next replies, so it may
+  come after events with a later ``t``, and a write still going when the run ends has
+  none. Calibration takes a save without one as written when it returned.
 - ``preemption`` / ``restart``: optional ``lost_steps`` (trainer).
 - ``worker_start``: ``duration_s``, the wall seconds a worker actor took from its start
   to being up (process, imports, constructor); written by the Ray placement at the
@@ -103,6 +110,7 @@ REQUIRED_FIELDS: Mapping[str, tuple[str, ...]] = {
     "push": ("duration_s",),
     "pull": ("duration_s",),
     "checkpoint_save": ("step", "duration_s"),
+    "checkpoint_write": ("step", "duration_s"),
     "checkpoint_restore": ("step",),
     "preemption": (),
     "restart": (),

@@ -8,7 +8,9 @@ rollout buffer, in-flight metadata) by name, without a new checkpoint format.
 
 Saves are asynchronous by default: ``save`` returns once the arrays are copied off the
 device, and writing continues in the background; ``wait`` blocks until it is durable.
-Only the newest ``max_to_keep`` checkpoints are kept.
+``finished_writes`` says when each background write ended (on the manager's ``clock``),
+so that a trace can charge a save its whole cost. Only the newest ``max_to_keep``
+checkpoints are kept.
 
 >>> import tempfile, jax.numpy as jnp
 >>> directory = tempfile.TemporaryDirectory()
@@ -23,10 +25,13 @@ True
 from __future__ import annotations
 
 import json as json_module
+import queue
 import re
-from collections.abc import Iterable, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -39,6 +44,18 @@ from rlaxkit.trainer.state import TrainState
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 TRAIN_STATE = "train_state"
+# Wall seconds between looks at whether a background write has ended: it sleeps between
+# them, so on a CPU clock the end is read within about this much of another thread's work.
+WRITE_POLL_S = 0.002
+
+
+class BackgroundWrite(NamedTuple):
+    """One asynchronous save's write, on the manager's clock: ``returned_s`` when
+    ``save`` returned (the arrays copied), ``written_s`` when the write was durable."""
+
+    step: int
+    returned_s: float
+    written_s: float
 
 
 def abstract_tree(tree: Any, shardings: Any = None) -> Any:
@@ -133,15 +150,26 @@ class CheckpointManager:
         directory: where step directories are written (created if missing).
         max_to_keep: number of checkpoints kept; older ones are deleted.
         async_save: write in the background (call ``wait`` before relying on it).
+        clock: the clock ``finished_writes`` reports on (a run passes its own).
     """
 
-    def __init__(self, directory: str | Path, *, max_to_keep: int = 3, async_save: bool = True):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        max_to_keep: int = 3,
+        async_save: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         check_int("max_to_keep", max_to_keep, minimum=1)
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._async, self._clock = async_save, clock
+        self._written: queue.SimpleQueue[BackgroundWrite] = queue.SimpleQueue()
+        self._watcher: threading.Thread | None = None
 
     def save(
         self,
@@ -168,7 +196,36 @@ class CheckpointManager:
         overlap = set(pytrees or {}) & set(json or {})
         if overlap:
             raise ValueError(f"save: item names used twice: {sorted(overlap)}")
-        return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
+        # Orbax starts a save once the previous write is done; the previous watcher ends
+        # first, so that it cannot take this write's progress for its own.
+        self._join_watcher()
+        started = self._manager.save(step, args=ocp.args.Composite(**items), force=force)
+        if started and self._async:
+            self._watch(step, self._clock())
+        return started
+
+    def _watch(self, step: int, returned_s: float) -> None:
+        def watch() -> None:
+            while self._manager.is_saving_in_progress():
+                time.sleep(WRITE_POLL_S)
+            self._written.put(BackgroundWrite(step, returned_s, self._clock()))
+
+        self._watcher = threading.Thread(target=watch, name=f"checkpoint-write-{step}", daemon=True)
+        self._watcher.start()
+
+    def _join_watcher(self) -> None:
+        if self._watcher is not None:
+            self._manager.wait_until_finished()
+            self._watcher.join()
+            self._watcher = None
+
+    def finished_writes(self) -> list[BackgroundWrite]:
+        """The background writes that ended since the last call, oldest first (none
+        without ``async_save``: ``save`` returns once the checkpoint is written)."""
+        out = []
+        while not self._written.empty():
+            out.append(self._written.get_nowait())
+        return out
 
     def restore(
         self,
@@ -245,11 +302,12 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are written."""
+        self._join_watcher()
         self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Waits for pending saves and releases Orbax's resources."""
-        self._manager.wait_until_finished()
+        self.wait()
         self._manager.close()
 
     def __enter__(self) -> CheckpointManager:

@@ -149,8 +149,7 @@ class TrainerHost:
         abstract = self.mesh is None and cached_warm_start(config, cache) is not None
         model, self.tokenizer = build_policy(config, task, abstract=abstract)
         model, self.warm_start = self._warm_start(config, task, model, self.tokenizer, cache)
-        graphdef, params = nnx.split(model)
-        self.graphdef = graphdef
+        self.graphdef, params = nnx.split(model)
         train_config = train_config_for(config)
         state = initial_train_state(config, train_config, params, model.config.vocab_size)
         self.state = self._place_state(state)
@@ -158,7 +157,7 @@ class TrainerHost:
         # In this process the step keeps its parameters (it donates every other buffer),
         # so the in-process store holds each pushed version without a copy.
         self.train_step = make_train_step(
-            train_config, graphdef, mesh=self.mesh, keep_params=store.in_process
+            train_config, self.graphdef, mesh=self.mesh, keep_params=store.in_process
         )
         # A trainer group's step compiles at its first batch (its shardings are the
         # mesh's); one process compiles it now, while the workers start.
@@ -177,8 +176,9 @@ class TrainerHost:
             self.param_server = self.train_step.drift.reader = server  # drift: versions
         self.checkpoints = None
         if checkpoint_dir is not None:
+            keep, background = config.checkpoint.keep, self.in_process
             self.checkpoints = CheckpointManager(
-                checkpoint_dir, max_to_keep=config.checkpoint.keep, async_save=self.in_process
+                checkpoint_dir, max_to_keep=keep, async_save=background, clock=clock
             )
         self._to_publish: Pending | None = self._newest()
 
@@ -231,6 +231,8 @@ class TrainerHost:
             self.trace.record(self.clock(), "restart", "param_server", None)
 
     def _drain(self) -> list[TraceEvent]:
+        for write in self.checkpoints.finished_writes() if self.checkpoints else ():
+            self._timed("checkpoint_write", write.returned_s, write.written_s, write.step)
         return drain(self.trace)
 
     @property
@@ -245,11 +247,11 @@ class TrainerHost:
             )
 
     # -- checkpoints -----------------------------------------------------------------
-    def _timed(self, kind: str, start: float) -> None:
-        now, version = self.clock(), self.version
-        self.trace.record(
-            now, kind, "trainer", version, step=version, duration_s=self.clock() - start
-        )
+    def _timed(
+        self, kind: str, start: float, end: float | None = None, step: int | None = None
+    ) -> None:
+        end, step = self.clock() if end is None else end, self.version if step is None else step
+        self.trace.record(end, kind, "trainer", step, step=step, duration_s=end - start)
 
     def _save(self, json: dict[str, Any] | None, weights: dict[str, Any] | None, wait: bool) -> int:
         start = self.clock()
@@ -275,9 +277,8 @@ class TrainerHost:
         """
         if self.checkpoints:
             self.checkpoints.wait()  # a save still being written in the background
-        steps = [
-            s for s in (self.checkpoints.all_steps() if self.checkpoints else ()) if s <= max_step
-        ]
+        kept = self.checkpoints.all_steps() if self.checkpoints else ()
+        steps = [s for s in kept if s <= max_step]
         if steps and self.checkpoints:
             start = self.clock()
             self.state = restore_train_state(self.checkpoints, self.state, step=max(steps))
@@ -359,8 +360,7 @@ class TrainerHost:
         return PublishReply(store.latest_version(), self._drain())
 
     def warm_start_info(self) -> dict[str, Any]:
-        """What the warm start did: ``cached``, ``steps`` (and ``final_loss`` or
-        ``path``), as ``rlaxkit.runtime.build.warm_start`` reports it."""
+        """What the warm start did, as ``rlaxkit.runtime.build.warm_start`` reports it."""
         return self.warm_start
 
     def save_checkpoint(

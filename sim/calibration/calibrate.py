@@ -13,8 +13,15 @@ simulator trace calibrate the same way:
   (proportional to tokens when the steps' tokens vary too little to tell the two
   apart);
 - ``reward``: verifier latencies (empirical); ``push``/``pull``: transfer times;
-  ``checkpoint_save``/``checkpoint_restore``: their durations; ``drop`` with reason
-  ``filtered``: the share of finished groups dynamic filtering drops;
+  ``drop`` with reason ``filtered``: the share of finished groups dynamic filtering
+  drops;
+- ``checkpoint_save``/``checkpoint_write``/``checkpoint_restore``: a save's blocking
+  part (``CheckpointSpec.save_s``), the rest of what it costs the run
+  (``background_s``: its background write, read from the train steps' spacing by
+  :func:`sim.calibration.fits.fit_save_cost`), and a restore's duration. Every timing
+  above is fitted from the time away from saves and their writes
+  (:func:`sim.calibration.fits.save_spans`), so a save is charged once, by itself, and a
+  prediction at another checkpoint interval charges its own saves;
 - ``tool_call`` (multi-turn episodes): tool calls per episode, tool latencies and
   observation lengths as empirical distributions, completion lengths per policy turn,
   and the tool time taken out of each episode's latency before the decode fit
@@ -73,13 +80,15 @@ from rlaxkit.rules.trace import (
 )
 from rlaxkit.rules.validation import check_int
 from sim.calibration.fits import (
+    away_from,
     compiled,
     fit_decode,
     fit_length_correlation,
     fit_save_cost,
     fit_trainer,
+    save_spans,
 )
-from sim.calibration.host import fault_figures, fit_host, serial_fault_settings
+from sim.calibration.host import MIN_AWAY_ROWS, fault_figures, fit_host, serial_fault_settings
 from sim.calibration.turns import fit_turns
 from sim.distributions import Constant, Empirical
 from sim.engine import simulate
@@ -220,6 +229,18 @@ def _mean(values: list[float], default: float) -> float:
     return statistics.fmean(values) if values else default
 
 
+def _away(events: list[TraceEvent], kind: str, spans: Sequence[tuple[float, float]]) -> list[float]:
+    """Durations of ``kind``'s events away from the ``spans``, or of all of them when
+    fewer than ``MIN_AWAY_ROWS`` are away."""
+    timed = [e for e in events if e.kind == kind]
+    seconds = [float(e["duration_s"]) for e in timed]
+    away = away_from(
+        spans, [e.t - s for e, s in zip(timed, seconds, strict=True)], [e.t for e in timed]
+    )
+    kept = [s for s, keep in zip(seconds, away, strict=True) if keep]
+    return kept if len(kept) >= MIN_AWAY_ROWS else seconds
+
+
 def fit_scenario(
     trace: Iterable[TraceEvent] | str | os.PathLike,
     *,
@@ -268,6 +289,7 @@ def fit_scenario(
     if executor not in get_args(Executor):
         raise ValueError(f"executor: must be one of {get_args(Executor)}, got {executor!r}")
     start_s = window_start(events, warmup_steps) if warmup_steps else float("-inf")
+    spans = save_spans(events)  # saves and their writes: charged apart from the rest
     host = HostSpec()
     host_fitted: dict[str, float] = {}
     plan = _faults(events) if faults is None else faults
@@ -287,13 +309,14 @@ def fit_scenario(
             start_s=start_s,
             concurrent=bool(shape["concurrent_chunks"]),
             threaded=shape["threaded_chunks"],
+            spans=spans,
         )
         plan, fault_clock = serial_fault_settings(events, config, faults)
     turns = fit_turns(events)
     decode = fit_decode(
         events, pauses_fleet=bool(shape["pauses_fleet"]), start_s=start_s, adjust=turns.adjust
     )
-    trainer = fit_trainer(events, start_s)
+    trainer = fit_trainer(events, start_s, spans)
     records = generation_records(events)
     lengths = turns.response_tokens or Empirical(values=tuple(r.tokens for r in records))
     # Single-turn groups: how alike a group's lengths are (multi-turn episodes keep
@@ -303,10 +326,10 @@ def fit_scenario(
         correlation = fit_length_correlation(records)
     prompts = [r.prompt_tokens for r in records if r.prompt_tokens is not None]
     # Transfer and reward times from the window too (a first push or pull may
-    # compile); checkpoints are rare, so all of them count.
+    # compile), away from saves where enough are; checkpoints are rare, so all of them
+    # count.
     window = [e for e in events if e.t > start_s]
-    rewards = durations(window, "reward")
-    pushes, pulls = durations(window, "push"), durations(window, "pull")
+    rewards, pushes, pulls = (_away(window, kind, spans) for kind in ("reward", "push", "pull"))
     weight_bytes = float(shape["weight_bytes"] or 1.0)
     staleness = policy_from_dict("staleness", config["staleness"])
     steps = [e for e in events if e.kind == "train_step"]
@@ -322,12 +345,13 @@ def fit_scenario(
     # Saves in the window (a run's first save, before its loop, costs more); a run
     # without restores is assumed to restore in the time it saves.
     saves = durations(window, "checkpoint_save") or durations(events, "checkpoint_save")
-    blocking_save_s = _mean(saves, 0.0)
-    restore_s = _mean(durations(events, "checkpoint_restore"), blocking_save_s)
-    # A save's background write (fit_save_cost) is reported, not added: the fitted
-    # step and chunk costs already hold it, spread at this trace's save interval.
-    background = fit_save_cost(events, start_s)
-    save_s = blocking_save_s
+    save_s = _mean(saves, 0.0)
+    restore_s = _mean(durations(events, "checkpoint_restore"), save_s)
+    # The rest of a save's cost to the run, its background write: the fitted costs
+    # above leave it out. Over how long the write spreads it: the writes in the window.
+    whole = fit_save_cost(events, start_s)
+    background = None if whole is None else max(0.0, whole - save_s)
+    write_s = _mean(durations(window, "checkpoint_write"), 0.0)
     fitted = {
         **decode,
         "trainer_tokens_per_s": trainer["tokens_per_s"],
@@ -338,6 +362,7 @@ def fit_scenario(
         "reward_s": _mean(rewards, 0.0),
         "save_s": save_s,
         **({} if background is None else {"save_background_s": background}),
+        "save_write_s": write_s,
         "push_s": _mean(pushes, 0.0),
         "pull_s": _mean(pulls, 0.0),
         "filtered_fraction": filtered_fraction,
@@ -369,7 +394,9 @@ def fit_scenario(
         verifier=VerifierSpec(
             latency_s=Empirical(values=tuple(rewards)) if rewards else Constant(value=0.0)
         ),
-        checkpoint=CheckpointSpec(save_s=save_s, restore_s=restore_s),
+        checkpoint=CheckpointSpec(
+            save_s=save_s, background_s=background or 0.0, write_s=write_s, restore_s=restore_s
+        ),
         workload=WorkloadSpec(
             prompts_per_step=staleness.batch_size,
             group_size=int(shape["group_size"]),
@@ -497,8 +524,11 @@ def calibrate(
             random draws (lengths, which groups filtering drops) once; a longer
             simulated run averages them out, so its window measures the expected
             throughput. ``Calibration.scenario`` keeps the trace's length. With a
-            fault plan the default is the trace's length: the faults fire at fixed
-            times and steps, and a longer run would dilute what they cost.
+            fault plan, or saves that cost time, the default is the trace's length:
+            faults and saves fire at fixed times and steps, and a longer run would
+            hold another share of them than the measured window (saves every 10
+            steps: 2 in the window of a 30-step run after 3 warm-up steps, 20 in that
+            of a 200-step one).
         faults: The FaultPlan the run was given (see :func:`fit_scenario`).
         repeats: Simulations (seeds ``seed, seed + 1, ...``) whose
             ``predicted_figures`` are averaged: a short run's cost of a fault depends
@@ -515,7 +545,9 @@ def calibrate(
         _LOG.warning("sim.calibrate: the prediction extrapolates: %s", what)
     steps = scenario.target_steps or 0
     if simulated_steps is None:
-        floor = 1 if len(scenario.fault_plan) else MIN_SIMULATED_STEPS
+        policy, costs = scenario.checkpointing, scenario.checkpoint
+        saves = (policy.every_steps or policy.every_s) and (costs.save_s or costs.background_s)
+        floor = 1 if len(scenario.fault_plan) or saves else MIN_SIMULATED_STEPS
         simulated_steps = max(steps, floor)
     longer = with_overrides(
         scenario,

@@ -1,5 +1,15 @@
-"""Least-squares fits shared by calibration: the parallel fleet's decode model and the
-trainer's step time (see :mod:`sim.calibrate` for what each reads from a trace)."""
+"""Least-squares fits shared by calibration: the parallel fleet's decode model, the
+trainer's step time and what a checkpoint save costs (see :mod:`sim.calibrate` for what
+each reads from a trace).
+
+A save costs the run more than it blocks the trainer: an asynchronous save returns once
+its arrays are copied and writes them in a thread, which competes with the work beside
+it (wholly on the process's CPU clock). The costs of steps, chunks and host work are
+fitted from the time away from saves (:func:`save_spans`, :func:`away_from`), and each
+save is charged its own cost (:func:`fit_save_cost`), so that a prediction for another
+checkpoint interval charges its own saves, not the calibration run's spread over every
+step.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +20,12 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
-from rlaxkit.rules.trace import GenerationRecord, TraceEvent, generation_records
+from rlaxkit.rules.trace import GenerationRecord, TraceEvent, generation_records, step_span
 
 __all__ = [
     "COMPILE_FACTOR",
+    "MIN_BASELINE_INTERVALS",
+    "away_from",
     "compiled",
     "fit_decode",
     "fit_length_correlation",
@@ -21,6 +33,7 @@ __all__ = [
     "fit_trainer",
     "nonnegative_lstsq",
     "pause_overlap",
+    "save_spans",
 ]
 
 # Fewest groups with two or more finished samples that fit a within-group spread;
@@ -127,10 +140,21 @@ def fit_decode(
     }
 
 
-def fit_trainer(events: list[TraceEvent], start_s: float = float("-inf")) -> dict[str, float]:
+def fit_trainer(
+    events: list[TraceEvent],
+    start_s: float = float("-inf"),
+    spans: Sequence[tuple[float, float]] = (),
+) -> dict[str, float]:
+    """``duration_s = step_overhead_s + tokens / tokens_per_s`` over the train steps after
+    ``start_s`` whose compute lies outside the ``spans`` (:func:`save_spans`; all of them
+    when fewer than two do), compiling steps left out."""
     steps = [e for e in events if e.kind == "train_step" and "tokens" in e.fields and e.t > start_s]
     if not steps:
         raise ValueError("trace: no train_step events with tokens to fit the trainer")
+    bounds = np.array([step_span(e) for e in steps], dtype=float)
+    away = away_from(spans, bounds[:, 0], bounds[:, 1])
+    if np.count_nonzero(away) >= 2:
+        steps = [e for e, keep in zip(steps, away, strict=True) if keep]
     tokens = np.array([e["tokens"] for e in steps], dtype=float)
     seconds = np.array([e["duration_s"] for e in steps], dtype=float)
     # A step that compiled its program (a new shape) says nothing about the next ones.
@@ -160,47 +184,75 @@ def fit_trainer(events: list[TraceEvent], start_s: float = float("-inf")) -> dic
     }
 
 
-# Steps after a checkpoint save whose time can hold its background write (an
-# asynchronous save returns once the arrays are copied; the write goes on in a thread).
-SAVE_TAIL_STEPS = 8
+def save_spans(events: Sequence[TraceEvent]) -> list[tuple[float, float]]:
+    """Per ``checkpoint_save``, in trace order, the time it took on the run's timeline:
+    from the start of its blocking part to the end of its background write (its
+    ``checkpoint_write`` event, the first of its step that ends after the save began).
+    A save without one ended when it returned: a synchronous save, or a trace recorded
+    before the runtime timed its writes (whose writes then stay in the fitted costs)."""
+    writes: dict[int, list[float]] = {}
+    for event in events:
+        if event.kind == "checkpoint_write":
+            writes.setdefault(int(event["step"]), []).append(event.t)
+    spans = []
+    for event in events:
+        if event.kind == "checkpoint_save":
+            begin = event.t - float(event["duration_s"])
+            ends = [t for t in writes.get(int(event["step"]), ()) if t >= begin]
+            spans.append((begin, max(event.t, min(ends, default=event.t))))
+    return spans
+
+
+def away_from(
+    spans: Sequence[tuple[float, float]], begins: ArrayLike, ends: ArrayLike
+) -> np.ndarray:
+    """Which intervals ``[begins[i], ends[i]]`` overlap none of the ``spans``.
+
+    >>> away_from([(1.0, 2.0)], [0.0, 1.5, 2.5], [0.9, 3.0, 4.0]).tolist()
+    [True, False, True]
+    """
+    begin, end = np.asarray(begins, dtype=float), np.asarray(ends, dtype=float)
+    away = np.ones(begin.shape, dtype=bool)
+    for lo, hi in spans:
+        away &= (end <= lo) | (begin >= hi)
+    return away
+
+
+# Fewest train-step intervals away from every save that give the baseline a save's
+# cost is measured against.
+MIN_BASELINE_INTERVALS = 4
 
 
 def fit_save_cost(events: Sequence[TraceEvent], start_s: float = float("-inf")) -> float | None:
-    """What a checkpoint save costs the run, background write included.
+    """What a checkpoint save costs the run, its background write included.
 
-    A save's ``duration_s`` is its blocking part: Orbax's asynchronous save returns once
-    the arrays are copied off the device and writes them in a thread, whose time lands
-    in the steps after it (on the process's CPU clock wholly; on the wall clock where it
-    competes for the cores). So the cost is read from the train steps' spacing: for each
-    save after ``start_s``, the interval between train steps that holds it and the
-    ``SAVE_TAIL_STEPS - 1`` after, less the mean interval of the steps away from every
-    save (the mean, not the median: steps come in bursts when rollouts wait, and only
-    the mean of such intervals adds up), summed; the mean over saves.
+    Read from the train steps' spacing: every interval between train steps after
+    ``start_s`` that overlaps a save's span (:func:`save_spans`), less the mean interval
+    of the steps away from every save (the mean, not the median: steps come in bursts
+    when rollouts wait, and only the mean of such intervals adds up), summed, and
+    divided among the saves whose spans lie between the window's first and last train
+    step. An interval that two saves' spans overlap counts once; one that only the span
+    of a save outside the window overlaps (a save before the loop writing on into it)
+    counts neither way.
 
     Returns:
-        Seconds per save, or ``None`` when the window holds no save or too few steps
-        away from saves to give a baseline.
+        Seconds per save, or ``None`` when the window holds no save or fewer than
+        ``MIN_BASELINE_INTERVALS`` intervals away from saves.
     """
-    ends = sorted(
-        e.t for e in events if e.kind == "train_step" and not e.discarded and e.t > start_s
+    ends = np.array(
+        sorted(e.t for e in events if e.kind == "train_step" and not e.discarded and e.t > start_s)
     )
-    saves = [e.t for e in events if e.kind == "checkpoint_save" and e.t > start_s]
-    if not saves or len(ends) < 2:
+    spans = save_spans(events)
+    if not spans or len(ends) < 2:
         return None
-    intervals = np.diff(ends)
-    tails = np.zeros(len(intervals), dtype=bool)
-    holding = []
-    for t in saves:
-        first = int(np.searchsorted(ends, t))  # the step after the save ends interval first-1
-        if not 1 <= first < len(ends):
-            continue
-        holding.append(first - 1)
-        tails[first - 1 : first - 1 + SAVE_TAIL_STEPS] = True
-    if not holding or np.count_nonzero(~tails) < SAVE_TAIL_STEPS:
+    intervals, lo, hi = np.diff(ends), ends[:-1], ends[1:]
+    inside = [(b, e) for b, e in spans if ends[0] <= b and e <= ends[-1]]
+    away = away_from(spans, lo, hi)
+    if not inside or np.count_nonzero(away) < MIN_BASELINE_INTERVALS:
         return None
-    baseline = float(np.mean(intervals[~tails]))
-    costs = [float(np.sum(intervals[i : i + SAVE_TAIL_STEPS] - baseline)) for i in holding]
-    return max(0.0, statistics.fmean(costs))
+    baseline = float(np.mean(intervals[away]))
+    held = ~away_from(inside, lo, hi)
+    return max(0.0, float(np.sum(intervals[held] - baseline)) / len(inside))
 
 
 def fit_length_correlation(records: Sequence[GenerationRecord]) -> float | None:

@@ -34,14 +34,14 @@ does little per round besides issuing, so ``chunk_host_s`` carries it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from rlaxkit.rules.fault_plan import FaultPlan
 from rlaxkit.rules.trace import TraceEvent
-from sim.calibration.fits import compiled, nonnegative_lstsq
+from sim.calibration.fits import away_from, compiled, nonnegative_lstsq
 from sim.specs import HOST_COSTS, HostSpec
 
 __all__ = [
@@ -110,7 +110,7 @@ def host_gaps(
     *,
     opens_after_step: bool,
     concurrent: bool = False,
-) -> tuple[np.ndarray, np.ndarray, list[bool]]:
+) -> tuple[np.ndarray, np.ndarray, list[bool], np.ndarray]:
     """The gaps of the window ``(start_s, end_s]`` (see the module docstring);
     ``opens_after_step``: the window starts at the end of a train step. With
     ``concurrent`` (workers that decode at once, :attr:`HostSpec.concurrent_chunks`)
@@ -118,9 +118,10 @@ def host_gaps(
     overlap (concurrent pulls) count once.
 
     Returns:
-        ``(untimed_s, features, after_step)``: per gap its untimed seconds and its
-        features ``[after_chunk, scored, issued, train_steps]``; and per chunk, in
-        time order, whether it is (in) the first chunk (round) after a train step.
+        ``(untimed_s, features, after_step, bounds)``: per gap its untimed seconds, its
+        features ``[after_chunk, scored, issued, train_steps]`` and its ``(begin,
+        end)`` seconds; and per chunk, in time order, whether it is (in) the first
+        chunk (round) after a train step.
     """
     events = sorted(events, key=lambda e: e.t)
     chunk_round: dict[int, int] = {}
@@ -136,7 +137,7 @@ def host_gaps(
             merged.append(TraceEvent(last, "decode", "fleet", None, fields))
             chunk_round |= {id(e): index for e in members}
         events = sorted([e for e in events if e.kind != "decode"] + merged, key=lambda e: e.t)
-    untimed, rows, after_step = [], [], []
+    untimed, rows, after_step, bounds = [], [], [], []
     gap = _Gap(start_s, after_chunk=False)
     trained = opens_after_step
     for event in events:
@@ -147,6 +148,7 @@ def host_gaps(
             seconds, features = gap.row(event.t - float(event["duration_s"]))
             untimed.append(seconds)
             rows.append(features)
+            bounds.append((gap.begin_s, event.t - float(event["duration_s"])))
             after_step.append(trained)
             trained = False
             gap = _Gap(event.t, after_chunk=True)
@@ -166,9 +168,10 @@ def host_gaps(
     seconds, features = gap.row(end_s)
     untimed.append(seconds)
     rows.append(features)
+    bounds.append((gap.begin_s, end_s))
     if concurrent:  # per chunk: whether its round was the first after a train step
         after_step = [after_step[chunk_round[id(e)]] for e in chunks]
-    return np.array(untimed), np.array(rows), after_step
+    return np.array(untimed), np.array(rows), after_step, np.array(bounds, dtype=float)
 
 
 def fit_host(
@@ -178,6 +181,7 @@ def fit_host(
     start_s: float = float("-inf"),
     concurrent: bool = False,
     threaded: bool = False,
+    spans: Sequence[tuple[float, float]] = (),
 ) -> tuple[HostSpec, dict[str, float]]:
     """A serial :class:`HostSpec` fitted to the events after ``start_s``;
     ``concurrent``: the workers decode at once (the Ray placement's rounds,
@@ -185,6 +189,11 @@ def fit_host(
     local placement (:attr:`HostSpec.threaded_chunks`). The local placement's costs
     are fitted the same way either way: a chunk after a round's first is ``pipelined``
     and its event times only the host thread's wait and fetch.
+
+    Chunks, gaps and scoring calls that overlap one of the ``spans`` (checkpoint saves
+    and their background writes, :func:`sim.calibration.fits.save_spans`) are left out
+    of the fits, unless fewer than ``MIN_AWAY_ROWS`` of a kind are away from them: a
+    save is charged on its own (:attr:`sim.specs.CheckpointSpec.background_s`).
 
     ``worker_start_s`` is the median of the trace's :func:`restart_costs`, or without a
     restart of its ``worker_start`` events (0 without any: the local placement's
@@ -205,7 +214,7 @@ def fit_host(
     windowed = bool(np.isfinite(start_s))  # a window opens at the end of a train step
     begin = start_s if windowed else min(e.t for e in events)
     end = max(steps)
-    untimed, features, after_step = host_gaps(
+    untimed, features, after_step, gap_bounds = host_gaps(
         events, begin, end, opens_after_step=windowed, concurrent=concurrent
     )
     inside = [e for e in chunks if e.t <= end]
@@ -227,18 +236,22 @@ def fit_host(
     # A pipelined chunk ran while the host scored an earlier one: its duration is only
     # the wait left over, not its cost, so only the round's first chunk fits the costs.
     costed = ~compiling & np.array([not e.get("pipelined", False) for e in inside])
+    costed &= _away(spans, [e.t - float(e["duration_s"]) for e in inside], [e.t for e in inside])
     chunk = nonnegative_lstsq(design[costed], duration[costed], drop_constant=True)
 
     scoring = [e for e in events if e.kind == "reward" and start_s < e.t <= end]
     score = np.zeros(2)
     if scoring:
+        away = _away(spans, [e.t - float(e["duration_s"]) for e in scoring], [e.t for e in scoring])
+        scoring = [e for e, keep in zip(scoring, away, strict=True) if keep]
         seconds = np.array([float(e["duration_s"]) for e in scoring])
         samples = np.array([float(e.get("samples", 1)) for e in scoring])
         ones = np.ones_like(samples)
         score = nonnegative_lstsq(np.stack([ones, samples], axis=1), seconds, drop_constant=True)
 
     # Host terms: the intercept column (a chunk before the gap) is the first.
-    host = nonnegative_lstsq(features, np.maximum(untimed, 0.0), drop_constant=True)
+    away = _away(spans, gap_bounds[:, 0], gap_bounds[:, 1])
+    host = nonnegative_lstsq(features[away], np.maximum(untimed[away], 0.0), drop_constant=True)
     # A replacement's start when the trace has one; else the first actors' (which
     # start beside the trainer's and compete with it for the CPUs).
     starts = restart_costs(events) or [
@@ -269,6 +282,17 @@ def fit_host(
     fitted["host_compiling_s"] = float(duration[compiling].sum())
     fitted["host_untimed_s"] = float(untimed.sum())
     return spec, fitted
+
+
+# Fewest rows of a kind (chunks, gaps, scoring calls) away from saves that fit its costs
+# without the rest.
+MIN_AWAY_ROWS = 10
+
+
+def _away(spans: Sequence[tuple[float, float]], begins: Any, ends: Any) -> np.ndarray:
+    """``away_from``, or every row when fewer than ``MIN_AWAY_ROWS`` are away."""
+    away = away_from(spans, begins, ends)
+    return away if np.count_nonzero(away) >= MIN_AWAY_ROWS else np.ones_like(away)
 
 
 def restart_costs(events: Iterable[TraceEvent]) -> list[float]:

@@ -48,7 +48,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import TYPE_CHECKING, TypeAlias
 
-from simpy.events import ProcessGenerator
+from simpy.events import ProcessGenerator, Timeout
 
 from rlaxkit.rules.fault_plan import Fault
 from sim.entities.buffer import Group, SimSample
@@ -193,7 +193,7 @@ class SerialHost:
                 yield from self._sync(worker)
         issued = self._issue(live)
         if issued and self.spec.issue_s_per_seq:
-            yield self.env.timeout(self.spec.issue_s_per_seq * issued)
+            yield self._work(self.spec.issue_s_per_seq * issued)
         chunked = live
         if faults is not None:  # every live worker's credit moves, busy or not
             chunked = [w for w in live if faults.takes_chunk(w.name, now_s)]
@@ -225,6 +225,7 @@ class SerialHost:
         # dispatched when the previous worker's results are fetched, and decodes while
         # the host scores them.
         start = self.env.now
+        plans[0] = self._dilated(plans[0])
         done = start + plans[0][0]
         for i, (worker, plan) in enumerate(zip(busy, plans, strict=True)):
             waited_from = self.env.now
@@ -232,9 +233,20 @@ class SerialHost:
                 yield self.env.timeout(done - self.env.now)
             self._record_chunk(worker, plan, self.env.now - waited_from, pipelined=i > 0)
             if i + 1 < len(busy):
+                if not threaded:  # dispatched now: a background write slows it from now
+                    plans[i + 1] = self._dilated(plans[i + 1])
                 done = (start if threaded else self.env.now) + plans[i + 1][0]
             yield from self._finish_chunk(worker, plan)
         return True
+
+    def _work(self, seconds: float) -> Timeout:
+        """A timeout for ``seconds`` of the host's work, slowed by a checkpoint's
+        background write (:class:`sim.entities.trainer.CheckpointWrites`)."""
+        return self.env.timeout(self.sim.trainer.writes.dilate(seconds))
+
+    def _dilated(self, plan: _ChunkPlan) -> _ChunkPlan:
+        """``plan`` with its duration slowed by a background write from now."""
+        return (self.sim.trainer.writes.dilate(plan[0]), *plan[1:])
 
     def _concurrent_chunks(
         self, busy: list[ChunkWorker], plans: list[_ChunkPlan]
@@ -243,12 +255,13 @@ class SerialHost:
         the round waits for the slowest, then the driver takes the results in turn."""
 
         def work(worker: ChunkWorker, plan: _ChunkPlan) -> ProcessGenerator:
+            plan = self._dilated(plan)
             yield self.env.timeout(plan[0])
             self._record_chunk(worker, plan, plan[0], pipelined=False)
             done = Counter(sample.group for sample in plan[3])
             scored = sum(len(g.samples) for g, n in done.items() if g.unfinished == n)
             if scored and self.spec.score_time_s(scored):
-                yield self.env.timeout(self.spec.score_time_s(scored))
+                yield self._work(self.spec.score_time_s(scored))
 
         yield self.env.all_of(
             [self.env.process(work(w, p)) for w, p in zip(busy, plans, strict=True)]
@@ -419,7 +432,7 @@ class SerialHost:
         """Process body: delivers what the chunk finished, scoring and buffering the
         groups it completed. ``scoring``: the host waits for the scoring here (else the
         worker scored in its own time); ``per_chunk``: the host pays ``chunk_host_s``."""
-        env, spec, sim = self.env, self.spec, self.sim
+        spec, sim = self.spec, self.sim
         chunk_host_s = spec.chunk_host_s if per_chunk else 0.0
         counters = sim.counters
         finished = plan[3]
@@ -432,13 +445,13 @@ class SerialHost:
         complete = [group for group in worker.groups if group.unfinished == 0]
         if not complete:
             if chunk_host_s:
-                yield env.timeout(chunk_host_s)
+                yield self._work(chunk_host_s)
             return
         worker.groups = [group for group in worker.groups if group.unfinished > 0]
         scored = sum(len(group.samples) for group in complete)
         score_s = spec.score_time_s(scored)
         if score_s and scoring:
-            yield env.timeout(score_s)
+            yield self._work(score_s)
         sim.record(
             "verifier",
             "reward",
@@ -453,7 +466,7 @@ class SerialHost:
                 sim.record_end(worker.name, last_version, sample, first_version)
         host_s = chunk_host_s + spec.sample_s * scored
         if host_s:
-            yield env.timeout(host_s)
+            yield self._work(host_s)
         for group in complete:
             group.unscored = 0
             sim.buffer.deliver(group)

@@ -4,7 +4,8 @@ One process loops: wait for a full batch (on a serial host, run the host's round
 until there is one: :mod:`sim.entities.host`), compute for ``TrainerCostSpec.step_s(tokens)``,
 bump the version, push when ``WeightSyncPolicy.should_push`` says so (the push blocks
 the trainer for its transfer), save when ``CheckpointPolicy.should_save`` says so (the
-save blocks it for ``save_s``).
+save blocks it for ``save_s``, then its background write slows the work beside it:
+:class:`CheckpointWrites`).
 
 A preemption is a ``simpy.Interrupt`` of that process: the steps since the last
 checkpoint are lost (their compute counts against goodput; the batch being computed is
@@ -24,15 +25,58 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import simpy
+from simpy.events import ProcessGenerator
 
 from rlaxkit.rules.trace import TraceEvent
 
 if TYPE_CHECKING:
     from sim.engine import Simulation
 
-__all__ = ["Trainer"]
+__all__ = ["CheckpointWrites", "Trainer"]
 
 PREEMPTED = "preempted"
+
+
+class CheckpointWrites:
+    """The background write of the trainer's newest save, beside the host's work.
+
+    A write takes the share ``s = background_s / write_s`` of the trainer host's time
+    for ``write_s`` seconds (:class:`sim.specs.CheckpointSpec`): work that starts in
+    that span runs at ``1 - s`` of its speed until the write ends (:meth:`dilate`).
+    The trainer's compute is slowed so, and on a serial host every cost of the host
+    (its one thread carries all of them, as the process's CPU clock adds up every
+    thread's time). The write is assumed to keep its share to its end, whether the
+    host works or waits meanwhile.
+
+    >>> from sim import presets
+    >>> from sim.engine import Simulation
+    >>> from sim.specs import CheckpointSpec
+    >>> scenario = presets.toy(checkpoint=CheckpointSpec(background_s=1.0, write_s=4.0))
+    >>> writes = Simulation(scenario).trainer.writes
+    >>> writes.start()  # at 0 s: a quarter of the host's time until 4 s
+    4.0
+    >>> writes.dilate(1.5), writes.dilate(6.0)  # 3 s of work fit in the span
+    (2.0, 7.0)
+    """
+
+    def __init__(self, sim: Simulation) -> None:
+        self.env = sim.env
+        self.spec = sim.scenario.checkpoint
+        self.until_s = float("-inf")  # when the newest write ends
+
+    def start(self) -> float:
+        """Starts a write now (a share below 1); returns when it ends."""
+        self.until_s = self.env.now + self.spec.write_s
+        return self.until_s
+
+    def dilate(self, seconds: float) -> float:
+        """Seconds that ``seconds`` of the host's work starting now takes."""
+        now, until = self.env.now, self.until_s
+        if seconds <= 0 or now >= until:
+            return seconds
+        speed = 1.0 - self.spec.write_share
+        fits = (until - now) * speed  # work done before the write ends
+        return seconds / speed if seconds <= fits else until - now + seconds - fits
 
 
 class Trainer:
@@ -50,6 +94,7 @@ class Trainer:
         self.up = True
         self._recovering = False
         self._down_until = 0.0
+        self.writes = CheckpointWrites(sim)
         self.done = self.env.event()
         self.process = self.env.process(self._run())
 
@@ -84,7 +129,7 @@ class Trainer:
         sim.counters.trainer_wait_s += env.now - waited_from
         tokens = sum(group.tokens for group in batch)
         samples = sum(len(group.samples) for group in batch)
-        compute_s = self.spec.step_s(tokens)
+        compute_s = self.writes.dilate(self.spec.step_s(tokens))
         faults = None if host is None else host.faults
         computed_at = None  # with rounds beside the compute: when it ended
         if (
@@ -111,7 +156,7 @@ class Trainer:
         if host is not None:
             host.note_step()
             if host.spec.step_s:
-                yield env.timeout(host.spec.step_s)
+                yield env.timeout(self.writes.dilate(host.spec.step_s))
         self.version += 1
         staleness = [self.version - 1 - group.versions[0] for group in batch]
         sim.counters.record_step((compute_s, samples, tokens, env.now), staleness)
@@ -139,19 +184,36 @@ class Trainer:
             yield from sim.ps.push(self.version)
         policy = sim.scenario.checkpointing
         if up and policy.should_save(self.version, now_s, self.last_save_step, self.last_save_s):
-            start = env.now
-            yield env.timeout(sim.scenario.checkpoint.save_s)
-            self.last_save_step = self.version
-            self.last_save_s = now_s
-            buffer.on_save(self.version)
-            sim.counters.saves += 1
-            sim.record(
-                self.name,
-                "checkpoint_save",
-                self.version,
-                step=self.version,
-                duration_s=env.now - start,
-            )
+            yield from self._save(now_s)
+
+    def _save(self, now_s: float) -> ProcessGenerator:
+        """Process body: a save's blocking part (after the previous write, as Orbax's
+        save waits for it), after which the checkpoint counts, then its background
+        write (:class:`CheckpointWrites`; with a share of 1 the trainer waits it)."""
+        env, sim, spec = self.env, self.sim, self.sim.scenario.checkpoint
+        start = env.now
+        if self.writes.until_s > env.now:
+            yield env.timeout(self.writes.until_s - env.now)
+        yield env.timeout(spec.save_s)
+        self.last_save_step = self.version
+        self.last_save_s = now_s
+        sim.buffer.on_save(self.version)
+        sim.counters.saves += 1
+        step = self.version
+        sim.record(self.name, "checkpoint_save", step, step=step, duration_s=env.now - start)
+        if not spec.background_s:
+            return
+        if spec.write_share < 1.0:
+            env.process(self._written(step, env.now, self.writes.start()))
+        else:
+            yield env.timeout(spec.background_s)
+            sim.record(self.name, "checkpoint_write", step, step=step, duration_s=spec.background_s)
+
+    def _written(self, step: int, returned_s: float, until_s: float) -> ProcessGenerator:
+        """Process body: the ``checkpoint_write`` event at the write's end."""
+        yield self.env.timeout(until_s - self.env.now)
+        duration_s = until_s - returned_s
+        self.sim.record(self.name, "checkpoint_write", step, step=step, duration_s=duration_s)
 
     def _lose_progress(self) -> None:
         """Drop the steps after the last checkpoint (called on a preemption)."""
