@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import sim  # noqa: E402
 from rlaxkit.config.run import small_run_config  # noqa: E402
 from rlaxkit.runtime.record import record_local_run  # noqa: E402
-from sim.calibration.calibrate import window_summary  # noqa: E402
+from sim.calibration.window import window_summary  # noqa: E402
 
 # On the CPU clock (the default) the threads' seconds add up: one chunk after another.
 BASE = ("staleness.max_staleness=1", "runtime.threaded_chunks=false")

@@ -54,8 +54,8 @@ ONE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_thread
 import sim  # noqa: E402
 from rlaxkit.rules.fault_plan import Fault, FaultPlan  # noqa: E402
 from rlaxkit.rules.trace import TraceEvent  # noqa: E402
-from sim.calibration.calibrate import compiled_in_window, window_start  # noqa: E402
 from sim.calibration.host import fault_figures, restart_costs  # noqa: E402
+from sim.calibration.window import compiled_in_window, window_start  # noqa: E402
 
 CHECKPOINT_EVERY = 10  # steps between checkpoints (a restore goes back up to 9 steps)
 BASE = (

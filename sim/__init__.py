@@ -12,7 +12,8 @@ the clock is simulated.
 """
 
 from sim import presets
-from sim.calibration.calibrate import Calibration, calibrate, fit_scenario, window_summary
+from sim.calibration.calibrate import Calibration, calibrate, fit_scenario
+from sim.calibration.window import window_summary
 from sim.distributions import (
     Constant,
     Empirical,
@@ -23,6 +24,7 @@ from sim.distributions import (
     distribution_to_dict,
 )
 from sim.engine import Simulation, run_config, simulate
+from sim.host_spec import HostSpec
 from sim.metrics import SimResult
 from sim.presets import areal_like, checkpoint_study, local_runtime, planned, rlax_like, toy
 from sim.report import staleness_figure, timeline_figure
@@ -37,7 +39,6 @@ from sim.scenario import (
 from sim.specs import (
     CheckpointSpec,
     FleetSpec,
-    HostSpec,
     ParamServerSpec,
     PreemptionSpec,
     TrainerCostSpec,

@@ -31,10 +31,10 @@ from sim.distributions import distribution_from_dict, distribution_to_dict
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+from sim.host_spec import HostSpec
 from sim.specs import (
     CheckpointSpec,
     FleetSpec,
-    HostSpec,
     ParamServerSpec,
     PreemptionSpec,
     TrainerCostSpec,

@@ -4,7 +4,7 @@ import pytest
 
 from rlaxkit.rules.trace import JsonlTraceWriter, MemoryTrace, TraceEvent
 from sim import calibrate, fit_scenario, presets, simulate
-from sim.calibration.calibrate import window_start, window_summary
+from sim.calibration.window import window_start, window_summary
 from sim.scenario import with_overrides
 
 

@@ -38,7 +38,7 @@ import sim
 from rlaxkit.config.run import small_run_config
 from rlaxkit.rules.trace import TraceEvent
 from rlaxkit.runtime.record import record_local_run
-from sim.calibration.calibrate import window_summary
+from sim.calibration.window import window_summary
 
 pytestmark = pytest.mark.slow  # eight real runs, ~18 s with a warm compilation cache
 

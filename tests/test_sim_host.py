@@ -17,7 +17,7 @@ from sim import (
     simulate,
     with_overrides,
 )
-from sim.specs import HOST_COSTS
+from sim.host_spec import HOST_COSTS
 
 COSTS = {
     "chunk_s": 0.010,

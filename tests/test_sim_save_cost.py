@@ -10,9 +10,9 @@ from test_sim_host import COSTS, _serial
 
 from rlaxkit.rules.trace import MemoryTrace, TraceEvent
 from sim import CheckpointSpec, Uniform, calibrate, fit_scenario, simulate, with_overrides
-from sim.calibration.calibrate import window_summary
 from sim.calibration.fits import MIN_BASELINE_INTERVALS, away_from, fit_save_cost
-from sim.specs import HOST_COSTS
+from sim.calibration.window import window_summary
+from sim.host_spec import HOST_COSTS
 
 
 def _steps(intervals):

@@ -19,7 +19,7 @@ from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.record import record_local_run
 from rlaxkit.worker.host import WorkerHost
 from sim import HostSpec, Uniform, fit_scenario, simulate
-from sim.specs import HOST_COSTS
+from sim.host_spec import HOST_COSTS
 
 _TIMINGS = ("duration_s", "after_s")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from rlaxkit.rules.trace import TraceEvent
 from rlaxkit.runtime.driver import Experiment
-from sim.calibration.calibrate import compiled_in_window
+from sim.calibration.window import compiled_in_window
 
 __all__ = ["record_local_run"]
 

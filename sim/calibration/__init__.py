@@ -11,16 +11,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sim.calibration.calibrate import Calibration, extrapolations, fit_scenario, window_summary
+    from sim.calibration.calibrate import Calibration, fit_scenario
+    from sim.calibration.extrapolation import extrapolations
     from sim.calibration.fits import fit_decode, fit_length_correlation, fit_save_cost, fit_trainer
     from sim.calibration.host import fault_figures, fit_host, restart_costs
     from sim.calibration.turns import TurnFit, fit_turns
+    from sim.calibration.window import window_summary
 
 _MODULES = {
     "Calibration": "calibrate",
-    "extrapolations": "calibrate",
+    "extrapolations": "extrapolation",
     "fit_scenario": "calibrate",
-    "window_summary": "calibrate",
+    "window_summary": "window",
     "fit_decode": "fits",
     "fit_length_correlation": "fits",
     "fit_save_cost": "fits",

@@ -76,12 +76,11 @@ from rlaxkit.rules.trace import (
     generation_records,
     read_trace,
     staleness_distribution,
-    summarize,
 )
 from rlaxkit.rules.validation import check_int
+from sim.calibration.extrapolation import EXTRAPOLATION_FACTOR, extrapolations
 from sim.calibration.fits import (
     away_from,
-    compiled,
     fit_decode,
     fit_length_correlation,
     fit_save_cost,
@@ -90,15 +89,16 @@ from sim.calibration.fits import (
 )
 from sim.calibration.host import MIN_AWAY_ROWS, fault_figures, fit_host, serial_fault_settings
 from sim.calibration.turns import fit_turns
+from sim.calibration.window import compiled_in_window, window_start, window_summary
 from sim.distributions import Constant, Empirical
 from sim.engine import simulate
+from sim.host_spec import HostSpec
 from sim.metrics import SimResult
 from sim.scenario import Scenario, with_overrides
 from sim.specs import (
     CheckpointSpec,
     Executor,
     FleetSpec,
-    HostSpec,
     ParamServerSpec,
     TrainerCostSpec,
     VerifierSpec,
@@ -167,40 +167,6 @@ def _shape(config: Mapping[str, Any]) -> dict[str, Any]:
         if (config.get(key) if key == "staleness" else shape[key]) is None:
             raise ValueError(f"trace.run_start.config.{key}: required for calibration")
     return shape
-
-
-def window_start(events: list[TraceEvent], warmup_steps: int) -> float:
-    """Start of the measured window (see the module docstring)."""
-    check_int("warmup_steps", warmup_steps, minimum=0)
-    steps = sorted(e.t for e in events if e.kind == "train_step")
-    if warmup_steps:
-        if len(steps) <= warmup_steps:
-            raise ValueError(
-                f"warmup_steps: the trace has {len(steps)} train steps; it needs more than "
-                f"warmup_steps = {warmup_steps} to measure anything (lower warmup_steps or "
-                "run longer)"
-            )
-        return steps[warmup_steps - 1]
-    loop = [e.t for e in events if e.kind != "run_start"]
-    return min(loop) if loop else 0.0
-
-
-def compiled_in_window(events: list[TraceEvent], warmup_steps: int) -> bool:
-    """Whether a chunk or train step in the measured window compiled a program (took
-    over ``COMPILE_FACTOR`` times the median of its kind): the window then measured
-    the compiler too, and a benchmark or test may run it again."""
-    start = window_start(events, warmup_steps)
-    return any(
-        compiled([e["duration_s"] for e in events if e.kind == kind and e.t > start]).any()
-        for kind in ("decode", "train_step")
-    )
-
-
-def window_summary(events: list[TraceEvent], warmup_steps: int) -> TraceSummary:
-    """``summarize`` over the measured window: the steps that end after its start."""
-    start = window_start(events, warmup_steps)
-    inside = [e for e in events if e.t > start and e.kind != "run_start"]
-    return summarize([TraceEvent(start, "run_start", "controller", None, {}), *inside])
 
 
 def _faults(events: list[TraceEvent]) -> FaultPlan:
@@ -575,53 +541,6 @@ def calibrate(
         predicted_figures={k: statistics.fmean(f[k] for f in figures) for k in figures[0]},
         extrapolations=tuple(beyond),
     )
-
-
-# A fleet or trainer this many times larger (or smaller) than the calibrated one is
-# named as an extrapolation: contention, collectives and the parameter server's egress
-# were measured at the calibrated size only.
-EXTRAPOLATION_FACTOR = 10.0
-
-
-def extrapolations(
-    events: Sequence[TraceEvent], fitted: Scenario, predicted: Scenario
-) -> list[str]:
-    """What a prediction assumes beyond its calibration run, one sentence each.
-
-    Named: a fault kind the calibration trace never saw fire (its costs, such as restart
-    and restore times, come from the scenario's assumptions, not a measurement), and a
-    fleet, slot count or trainer ``EXTRAPOLATION_FACTOR`` times the calibrated size or
-    more (or as much smaller).
-    """
-    seen = {str(e["fault"]) for e in events if e.kind == "fault" and "fault" in e.fields}
-    for event in events:
-        if event.kind == "preemption":
-            seen.add("preempt_trainer" if event.actor == "trainer" else "preempt_worker")
-    wanted: set[str] = {fault.kind for fault in predicted.fault_plan}
-    random_kinds = {
-        "preempt_worker": predicted.preemptions.worker_mtbf_s,
-        "preempt_slice": predicted.preemptions.slice_mtbf_s,
-        "preempt_trainer": predicted.preemptions.trainer_mtbf_s,
-    }
-    wanted |= {kind for kind, mtbf in random_kinds.items() if mtbf is not None}
-    out = [
-        f"fault kind {kind!r} never fired in the calibration run; its costs (restart, "
-        "restore, lost work) are the scenario's assumptions"
-        for kind in sorted(wanted - seen)
-    ]
-    sizes = {
-        "fleet.num_workers": (fitted.fleet.num_workers, predicted.fleet.num_workers),
-        "fleet.slots_per_worker": (fitted.fleet.slots_per_worker, predicted.fleet.slots_per_worker),
-        "trainer.chips": (fitted.trainer.chips, predicted.trainer.chips),
-    }
-    for name, (calibrated, asked) in sizes.items():
-        ratio = asked / calibrated
-        if ratio >= EXTRAPOLATION_FACTOR or ratio <= 1 / EXTRAPOLATION_FACTOR:
-            out.append(
-                f"{name} = {asked} predicted from a run with {calibrated} ({ratio:.3g}x); "
-                "contention and transfer costs were measured at the calibrated size only"
-            )
-    return out
 
 
 def _figures(events: list[TraceEvent], warmup_steps: int, group_size: int) -> dict[str, float]:

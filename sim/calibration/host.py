@@ -42,7 +42,7 @@ import numpy as np
 from rlaxkit.rules.fault_plan import FaultPlan
 from rlaxkit.rules.trace import TraceEvent
 from sim.calibration.fits import away_from, compiled, nonnegative_lstsq
-from sim.specs import HOST_COSTS, HostSpec
+from sim.host_spec import HOST_COSTS, HostSpec
 
 __all__ = [
     "FAULT_DROPS",

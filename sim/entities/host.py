@@ -20,7 +20,7 @@ One thing overlaps, as in the runtime: in step 3 the workers' chunks decode at o
 a core each), or else each worker's chunk is dispatched as soon as the previous
 worker's results are fetched, so it decodes while the host scores those; either way
 the host fetches and scores the chunks in worker order. Everything else is serial,
-each part costed by :class:`~sim.specs.HostSpec`.
+each part costed by :class:`~sim.host_spec.HostSpec`.
 A sequence of ``t`` completion tokens takes ``t`` decode steps, all rows of a worker
 step together, and rows start at chunk boundaries.
 
