@@ -26,13 +26,11 @@ KNOWN_CYCLES = [
     ["rlaxkit.algorithms.advantages", "rlaxkit.algorithms.config", "rlaxkit.algorithms.objective"],
     # a plan's target is checked by the TPU module, which reads the chip table.
     ["rlaxkit.planning.specs", "rlaxkit.planning.tpu"],
-    # the driver and its placements and faults name one another.
+    # the placements, the faults and the concurrent collector name one another.
     [
         "rlaxkit.runtime.concurrent",
-        "rlaxkit.runtime.driver",
         "rlaxkit.runtime.faults",
         "rlaxkit.runtime.local",
-        "rlaxkit.runtime.loop",
         "rlaxkit.runtime.placement",
         "rlaxkit.runtime.ray_placement",
     ],

@@ -51,7 +51,7 @@ from rlaxkit.rules.stalls import stall_error
 
 if TYPE_CHECKING:
     from rlaxkit.config.run import RunConfig
-    from rlaxkit.runtime.driver import Experiment
+    from rlaxkit.runtime.placement import RoundTarget
     from rlaxkit.tasks import RewardRunner
     from rlaxkit.worker.worker import InferenceWorker
 
@@ -111,7 +111,7 @@ class ConcurrentCollector:
     """
 
     def __init__(self, workers: list[InferenceWorker], scorer: Any):
-        self.exp: Experiment | None = None
+        self.exp: RoundTarget | None = None
         self.cond: threading.Condition | None = None
         self.error: BaseException | None = None
         self.failed_worker: str | None = None
@@ -123,7 +123,7 @@ class ConcurrentCollector:
         self._started = False
 
     # -- the trainer's side ------------------------------------------------------------
-    def collect(self, exp: Experiment) -> list[RolloutGroup]:
+    def collect(self, exp: RoundTarget) -> list[RolloutGroup]:
         """Waits until the buffer yields a batch for the trainer's current version.
 
         Raises:

@@ -9,6 +9,7 @@ so ``import rlaxkit.runtime`` does not import Ray.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +20,9 @@ from rlaxkit.config.run import RunConfig
 if TYPE_CHECKING:
     from flax import nnx
 
-    from rlaxkit.api import Fleet, TrainerClient
-    from rlaxkit.data.rollout import RolloutGroup
+    from rlaxkit.api import Fleet, TrainerClient, Work
+    from rlaxkit.data.buffer import RolloutBuffer
+    from rlaxkit.data.rollout import Rollout, RolloutGroup
     from rlaxkit.models.tokenizer import Tokenizer
     from rlaxkit.param_server.base import ParameterServer
     from rlaxkit.rules.books import RunBooks
@@ -35,7 +37,7 @@ class Collector(Protocol):
     """What runs the rounds in concurrent mode (threads), or the agents' endpoint: the
     loop asks it for a batch instead of running rounds itself."""
 
-    def collect(self, exp: Any) -> list[RolloutGroup]: ...
+    def collect(self, exp: RoundTarget) -> list[RolloutGroup]: ...
 
     def wake(self) -> None: ...
 
@@ -83,6 +85,26 @@ class Parts:
         """Runs the teardowns, newest first (each once)."""
         while self.teardown:
             self.teardown.pop()()
+
+
+class RoundTarget(Protocol):
+    """What a collector that runs rounds on threads touches of the run
+    (``rlaxkit.runtime.loop.Loop`` is one): its config and lock, the buffer and the
+    parts, the trainer's version, and the loop's issue, admit and drop check."""
+
+    config: RunConfig
+    lock: threading.RLock
+    buffer: RolloutBuffer
+    parts: Parts
+
+    @property
+    def version(self) -> int: ...
+
+    def issue(self, rooms: dict[str, int], published: int | None) -> dict[str, list[Work]]: ...
+
+    def admit(self, rollouts: list[Rollout]) -> None: ...
+
+    def check_drops(self, dropped_before: int) -> None: ...
 
 
 class FaultTarget(Protocol):

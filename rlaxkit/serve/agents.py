@@ -38,6 +38,7 @@ from rlaxkit.serve.sessions import Session
 
 if TYPE_CHECKING:
     from rlaxkit.runtime import Experiment
+    from rlaxkit.runtime.placement import RoundTarget
     from rlaxkit.tasks import Problem
 
 __all__ = ["AgentCollector", "attach_agent", "endpoint_for_run", "load_agent"]
@@ -138,7 +139,7 @@ class AgentCollector:
             thread.start()
 
     # -- the trainer's side ------------------------------------------------------------
-    def collect(self, exp: Experiment) -> list[RolloutGroup]:
+    def collect(self, exp: RoundTarget) -> list[RolloutGroup]:
         """Issues prompts while admission allows and waits for a batch."""
         with self.cond:
             dropped_before = len(exp.buffer.dropped)
