@@ -185,3 +185,27 @@ def test_capacity_grows_with_version(eta, batch, accepted, running, version):
     policy = StalenessPolicy(max_staleness=eta, batch_size=batch)
     now = policy.capacity(accepted, running, version)
     assert policy.capacity(accepted, running, version + 1) >= now >= 0
+
+
+@given(
+    version=st.none() | st.integers(0, 20),
+    latest=st.none() | st.integers(0, 20),
+    lag=st.integers(0, 4),
+    busy=st.booleans(),
+    mode=st.sampled_from(["between_requests", "in_flight"]),
+)
+def test_a_workers_sync_action_is_keep_drain_or_pull_by_the_two_policies(
+    version, latest, lag, busy, mode
+):
+    """The one decision the runtime's workers and the simulator's two worker models take
+    about their weights: pull when too stale, unless busy between requests (drain)."""
+    staleness = StalenessPolicy(batch_size=4, max_worker_lag=lag)
+    weight_sync = WeightSyncPolicy(pull_mode=mode)
+    action = weight_sync.sync_action(staleness, version, latest, busy=busy)
+    due = latest is not None and staleness.must_pull(version, latest)
+    if not due:
+        assert action == "keep"
+    elif busy and mode == "between_requests":
+        assert action == "drain"
+    else:
+        assert action == "pull"

@@ -36,12 +36,14 @@ __all__ = [
     "PullMode",
     "StalenessPolicy",
     "WeightSyncPolicy",
+    "SyncAction",
     "check_admission",
     "policy_from_dict",
     "policy_to_dict",
 ]
 
 PullMode = Literal["between_requests", "in_flight"]
+SyncAction = Literal["keep", "drain", "pull"]
 DropReason = Literal["stale", "future_version"]
 
 
@@ -183,6 +185,35 @@ class WeightSyncPolicy:
     def interrupts_generation(self) -> bool:
         """True when a pull pauses generations already running (in-flight mode)."""
         return self.pull_mode == "in_flight"
+
+    def sync_action(
+        self,
+        staleness: StalenessPolicy,
+        version: int | None,
+        latest: int | None,
+        *,
+        busy: bool,
+    ) -> SyncAction:
+        """What a worker holding weights ``version`` (``None``: none) does about them
+        when the store's newest is ``latest`` (``None``: nothing published) and it has
+        generations running (``busy``): ``"keep"`` its weights, ``"drain"`` (take no new
+        prompts, pull once the running ones are done: ``between_requests`` mode) or
+        ``"pull"`` now (``in_flight`` mode pauses the running ones). The runtime's
+        workers and both of the simulator's worker models decide by it.
+
+        >>> policy, eta = WeightSyncPolicy(), StalenessPolicy(batch_size=4, max_worker_lag=0)
+        >>> policy.sync_action(eta, 3, 3, busy=True), policy.sync_action(eta, 2, 3, busy=False)
+        ('keep', 'pull')
+        >>> policy.sync_action(eta, 2, 3, busy=True)
+        'drain'
+        >>> WeightSyncPolicy(pull_mode="in_flight").sync_action(eta, 2, 3, busy=True)
+        'pull'
+        """
+        if latest is None or not staleness.must_pull(version, latest):
+            return "keep"
+        if busy and not self.interrupts_generation:
+            return "drain"
+        return "pull"
 
 
 def check_admission(staleness: StalenessPolicy, weight_sync: WeightSyncPolicy) -> None:

@@ -170,10 +170,10 @@ class InferenceWorker:
         ones (``draining``) and pulls once they are done.
         """
         latest = self.param_server.latest_version()
-        if latest is None or not self.staleness.must_pull(self.version, latest):
-            return False
-        if self.requests and not self.weight_sync.interrupts_generation:
-            self.draining = True
+        busy = bool(self.requests)
+        action = self.weight_sync.sync_action(self.staleness, self.version, latest, busy=busy)
+        if action != "pull":
+            self.draining = self.draining or action == "drain"
             return False
         start = self.clock()
         try:

@@ -343,10 +343,12 @@ class SerialHost:
 
     def _sync(self, worker: ChunkWorker) -> ProcessGenerator:
         ps = self.sim.ps
-        if not self.policy.must_pull(worker.version, ps.latest):
-            return
-        if worker.groups and not self._interrupting:
-            worker.draining = True
+        weight_sync = self.sim.scenario.weight_sync
+        action = weight_sync.sync_action(
+            self.policy, worker.version, ps.latest, busy=bool(worker.groups)
+        )
+        if action != "pull":
+            worker.draining = worker.draining or action == "drain"
             return
         start = self.env.now
         from_version = worker.version

@@ -368,16 +368,25 @@ class SimWorker:
     # --- weights ---------------------------------------------------------------------
 
     def _pull_due(self) -> bool:
-        if self.version is None:
-            return True
-        return self.policy.must_pull(self.version, self.sim.ps.latest)
+        """Whether this worker's weights are too old to keep (an idle worker pulls)."""
+        latest = self.sim.ps.latest
+        return (
+            self.sim.scenario.weight_sync.sync_action(self.policy, self.version, latest, busy=False)
+            == "pull"
+        )
 
     def _maybe_pull(self) -> None:
-        """Start a pull if one is due and the pull mode allows it now."""
-        if not self.up or self.pulling or not self._pull_due():
+        """Start a pull if one is due and the pull mode allows it now (between requests, a
+        busy worker drains the sequences already decoding first)."""
+        if not self.up or self.pulling:
             return
-        if not self._interrupting and self.active > 0:
-            return  # between requests: drain the sequences already decoding first
+        weight_sync = self.sim.scenario.weight_sync
+        busy = self.active > 0
+        if (
+            weight_sync.sync_action(self.policy, self.version, self.sim.ps.latest, busy=busy)
+            != "pull"
+        ):
+            return
         self.pulling = True
         self._pull_proc = self.env.process(self._pull())
 
