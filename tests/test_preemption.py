@@ -210,5 +210,6 @@ def test_the_loops_background_writes_are_traced(reference):
     assert {2, 4, 6} <= set(writes) <= set(saves)
     for step, write in writes.items():
         save = saves[step]
-        returned_s = write.t - write["duration_s"]  # the write starts as the save returns
+        returned_s = write["written_s"] - write["duration_s"]  # it starts as the save returns
         assert save.t - save["duration_s"] <= returned_s <= save.t
+        assert write["written_s"] <= write.t  # stamped once known: the trace stays in order

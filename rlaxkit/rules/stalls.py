@@ -82,7 +82,7 @@ def drops_error(
     metrics of the trainer's last step, if it took one.
 
     >>> str(drops_error(["stale", "filtered", "filtered"], failures={}, scored=6,
-    ...                 first_reward_error=None, last_step=None))[:68]
+    ...                 first_reward_error=None, last_step=None))[:67]
     "3 prompt groups in a row were dropped ({'filtered': 2, 'stale': 1})"
     """
     in_a_row = len(reasons)

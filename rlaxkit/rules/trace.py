@@ -44,9 +44,10 @@ Per kind, the keys this module's helpers read (others are free):
   ``duration_s`` is the part the trainer waits for (an asynchronous save returns once
   its arrays are copied).
 - ``checkpoint_write``: an asynchronous save's background write, ``step`` and
-  ``duration_s`` (from the save's return to the write being durable), stamped with
-  the write's end. The runtime writes it when the trainer next replies, so it may
-  come after events with a later ``t``, and a write still going when the run ends has
+  ``duration_s`` (from the save's return to the write being durable), and optionally
+  ``written_s``, when it became durable. The simulator stamps it with the write's end;
+  the runtime learns of it when the trainer next replies and stamps it then (the trace
+  stays in time order), with ``written_s``. A write still going when the run ends has
   none. Calibration takes a save without one as written when it returned.
 - ``preemption`` / ``restart``: optional ``lost_steps`` (trainer).
 - ``worker_start``: ``duration_s``, the wall seconds a worker actor took from its start

@@ -232,7 +232,17 @@ class TrainerHost:
 
     def _drain(self) -> list[TraceEvent]:
         for write in self.checkpoints.finished_writes() if self.checkpoints else ():
-            self._timed("checkpoint_write", write.returned_s, write.written_s, write.step)
+            # Stamped now, when it is known (the trace stays in time order).
+            duration_s, step = write.written_s - write.returned_s, write.step
+            self.trace.record(
+                self.clock(),
+                "checkpoint_write",
+                "trainer",
+                step,
+                step=step,
+                duration_s=duration_s,
+                written_s=write.written_s,
+            )
         return drain(self.trace)
 
     @property

@@ -193,7 +193,8 @@ def save_spans(events: Sequence[TraceEvent]) -> list[tuple[float, float]]:
     writes: dict[int, list[float]] = {}
     for event in events:
         if event.kind == "checkpoint_write":
-            writes.setdefault(int(event["step"]), []).append(event.t)
+            # the runtime stamps it when it learns of it; ``written_s`` is the write's end
+            writes.setdefault(int(event["step"]), []).append(float(event.get("written_s", event.t)))
     spans = []
     for event in events:
         if event.kind == "checkpoint_save":
