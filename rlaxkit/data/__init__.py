@@ -7,8 +7,9 @@ the others.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rlaxkit.rules.surface import lazy_names
 
 if TYPE_CHECKING:
     from rlaxkit.data.batch import BatchArray, BucketSpec, Sample, SampleLike, TrainBatch, collate
@@ -29,13 +30,7 @@ _MODULES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _MODULES, globals())
 
 
 __all__ = [

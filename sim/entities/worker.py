@@ -367,25 +367,17 @@ class SimWorker:
 
     # --- weights ---------------------------------------------------------------------
 
+    def _sync_action(self, busy: bool) -> str:
+        """Keep, drain or pull (``WeightSyncPolicy.sync_action``, as the runtime's workers)."""
+        ws, latest = self.sim.scenario.weight_sync, self.sim.ps.latest
+        return ws.sync_action(self.policy, self.version, latest, busy=busy)
+
     def _pull_due(self) -> bool:
-        """Whether this worker's weights are too old to keep (an idle worker pulls)."""
-        latest = self.sim.ps.latest
-        return (
-            self.sim.scenario.weight_sync.sync_action(self.policy, self.version, latest, busy=False)
-            == "pull"
-        )
+        return self._sync_action(busy=False) == "pull"
 
     def _maybe_pull(self) -> None:
-        """Start a pull if one is due and the pull mode allows it now (between requests, a
-        busy worker drains the sequences already decoding first)."""
-        if not self.up or self.pulling:
-            return
-        weight_sync = self.sim.scenario.weight_sync
-        busy = self.active > 0
-        if (
-            weight_sync.sync_action(self.policy, self.version, self.sim.ps.latest, busy=busy)
-            != "pull"
-        ):
+        """Start a pull if one is due now (between requests, a busy worker drains first)."""
+        if not self.up or self.pulling or self._sync_action(busy=self.active > 0) != "pull":
             return
         self.pulling = True
         self._pull_proc = self.env.process(self._pull())
