@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import get_args
 
-from sim.specs import Executor, _check
+from sim.specs import Executor, check_field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,11 +100,11 @@ class HostSpec:
             raise ValueError(
                 f"executor: must be one of {get_args(Executor)}, got {self.executor!r}"
             )
-        _check("chunk_steps", self.chunk_steps, integer=True)
+        check_field("chunk_steps", self.chunk_steps, integer=True)
         for name in HOST_COSTS:
-            _check(name, getattr(self, name), strict=False)
-        _check("round_s", self.round_s)
-        _check("worker_start_s", self.worker_start_s, strict=False)
+            check_field(name, getattr(self, name), strict=False)
+        check_field("round_s", self.round_s)
+        check_field("worker_start_s", self.worker_start_s, strict=False)
         for name in ("concurrent_chunks", "overlap_training", "threaded_chunks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")

@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 
-def _figure(width: float = 7.0, height: float = 4.0) -> Figure:
+def new_figure(width: float = 7.0, height: float = 4.0) -> Figure:
     figure = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(figure)
     return figure
@@ -79,7 +79,7 @@ def timeline_figure(events: Iterable[TraceEvent], *, max_workers: int = 16) -> F
         if top < 16
         else matplotlib.colors.Normalize(0, top)
     )
-    figure = _figure(9.0, 1.3 + 0.4 * (len(workers) + 1))
+    figure = new_figure(9.0, 1.3 + 0.4 * (len(workers) + 1))
     axes = figure.add_subplot()
     # Rows from the top: trainer at len(workers), worker i at len(workers) - 1 - i.
     rows = {name: len(workers) - 1 - i for i, name in enumerate(workers)}
@@ -331,7 +331,7 @@ def throughput_figure(events: Iterable[TraceEvent], *, bins: int = 40) -> Figure
     generated = np.histogram([e.t for e in events if e.kind == "generation_end"], edges)[0]
     useful = _busy_per_bin([(e.t - e["duration_s"], e.t) for e in steps], edges)
     wasted = _busy_per_bin([(e.t - e["duration_s"], e.t) for e in lost], edges)
-    figure = _figure(7.0, 4.0)
+    figure = new_figure(7.0, 4.0)
     rate, share = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     middles = (edges[:-1] + edges[1:]) / 2
     rate.plot(middles, generated / width, label="generated", color="tab:green")
@@ -382,7 +382,7 @@ def drops_figure(events: Iterable[TraceEvent], *, bins: int = 30) -> Figure:
     of the run, the axis starts at the first generation."""
     events = list(events)
     drops = [e for e in events if e.kind == "drop"]
-    figure = _figure(7.0, 4.0)
+    figure = new_figure(7.0, 4.0)
     axes = figure.add_subplot()
     first_s = min((e.t for e in events if e.kind == "generation_start"), default=0.0)
     end_s = max((e.t for e in events), default=1.0)
@@ -426,7 +426,7 @@ def staleness_figure(staleness: Mapping[int, int] | SimResult) -> Figure:
     """Bar chart of how many trained rollouts had each staleness, each bar labelled
     with its share, the mean in the title."""
     counts = staleness.staleness if isinstance(staleness, SimResult) else dict(staleness)
-    figure = _figure(5.0, 3.5)
+    figure = new_figure(5.0, 3.5)
     axes = figure.add_subplot()
     ages = sorted(counts)
     total = sum(counts.values()) or 1

@@ -49,7 +49,7 @@ OccupancyScope = Literal["worker", "host"]
 Executor = Literal["parallel", "serial"]
 
 
-def _check(
+def check_field(
     name: str,
     value: Any,
     *,
@@ -98,16 +98,16 @@ class TrainerCostSpec:
     pauses_fleet: bool = False
 
     def __post_init__(self) -> None:
-        _check("chips", self.chips, integer=True)
+        check_field("chips", self.chips, integer=True)
         # Infinite costs make an infinite step: SimPy cannot schedule it.
-        _check("model_params", self.model_params, finite=True)
-        _check("chip_flops", self.chip_flops)
-        _check("mfu", self.mfu)
+        check_field("model_params", self.model_params, finite=True)
+        check_field("chip_flops", self.chip_flops)
+        check_field("mfu", self.mfu)
         if self.mfu > 1:
             raise ValueError(f"mfu: must be in (0, 1], got {self.mfu!r}")
-        _check("flops_per_token_factor", self.flops_per_token_factor, finite=True)
-        _check("step_overhead_s", self.step_overhead_s, strict=False, finite=True)
-        _check("restart_s", self.restart_s, strict=False, finite=True)
+        check_field("flops_per_token_factor", self.flops_per_token_factor, finite=True)
+        check_field("step_overhead_s", self.step_overhead_s, strict=False, finite=True)
+        check_field("restart_s", self.restart_s, strict=False, finite=True)
 
     @classmethod
     def from_rate(
@@ -190,25 +190,25 @@ class FleetSpec:
     page_size: int = 16
 
     def __post_init__(self) -> None:
-        _check("num_workers", self.num_workers, integer=True)
-        _check("page_size", self.page_size, integer=True)
+        check_field("num_workers", self.num_workers, integer=True)
+        check_field("page_size", self.page_size, integer=True)
         if self.kv_pool_tokens is not None:
-            _check("kv_pool_tokens", self.kv_pool_tokens, integer=True)
-        _check("slots_per_worker", self.slots_per_worker, integer=True)
-        _check("decode_s_per_token", self.decode_s_per_token)
-        _check("decode_s_per_token_per_seq", self.decode_s_per_token_per_seq, strict=False)
-        _check("prefill_tokens_per_s", self.prefill_tokens_per_s)
-        _check("chips_per_worker", self.chips_per_worker, integer=True)
-        _check("workers_per_slice", self.workers_per_slice, integer=True)
+            check_field("kv_pool_tokens", self.kv_pool_tokens, integer=True)
+        check_field("slots_per_worker", self.slots_per_worker, integer=True)
+        check_field("decode_s_per_token", self.decode_s_per_token)
+        check_field("decode_s_per_token_per_seq", self.decode_s_per_token_per_seq, strict=False)
+        check_field("prefill_tokens_per_s", self.prefill_tokens_per_s)
+        check_field("chips_per_worker", self.chips_per_worker, integer=True)
+        check_field("workers_per_slice", self.workers_per_slice, integer=True)
         if self.occupancy_scope not in get_args(OccupancyScope):
             raise ValueError(
                 f"occupancy_scope: must be one of {get_args(OccupancyScope)}, "
                 f"got {self.occupancy_scope!r}"
             )
-        _check("restart_s", self.restart_s, strict=False)
-        _check("pull_retry_s", self.pull_retry_s, strict=False)
+        check_field("restart_s", self.restart_s, strict=False)
+        check_field("pull_retry_s", self.pull_retry_s, strict=False)
         if self.release_after_s is not None:
-            _check("release_after_s", self.release_after_s, strict=False)
+            check_field("release_after_s", self.release_after_s, strict=False)
 
     @property
     def chips(self) -> int:
@@ -265,23 +265,23 @@ class ParamServerSpec:
     adapter_fraction: float | None = None
 
     def __post_init__(self) -> None:
-        _check("weight_bytes", self.weight_bytes, strict=False)
-        _check("push_bytes_per_s", self.push_bytes_per_s)
-        _check("pull_bytes_per_s", self.pull_bytes_per_s)
+        check_field("weight_bytes", self.weight_bytes, strict=False)
+        check_field("push_bytes_per_s", self.push_bytes_per_s)
+        check_field("pull_bytes_per_s", self.pull_bytes_per_s)
         if self.total_bytes_per_s is not None:
-            _check("total_bytes_per_s", self.total_bytes_per_s)
-        _check("latency_s", self.latency_s, strict=False)
-        _check("restart_s", self.restart_s, strict=False)
+            check_field("total_bytes_per_s", self.total_bytes_per_s)
+        check_field("latency_s", self.latency_s, strict=False)
+        check_field("restart_s", self.restart_s, strict=False)
         if self.delta_changed_fraction is not None:
-            _check("delta_changed_fraction", self.delta_changed_fraction, strict=False)
+            check_field("delta_changed_fraction", self.delta_changed_fraction, strict=False)
             if self.delta_changed_fraction > 1:
                 raise ValueError(
                     "delta_changed_fraction: must be a fraction in [0, 1] (or None: no "
                     f"deltas), got {self.delta_changed_fraction!r}"
                 )
-        _check("snapshot_every", self.snapshot_every, low=1, strict=False, integer=True)
+        check_field("snapshot_every", self.snapshot_every, low=1, strict=False, integer=True)
         if self.adapter_fraction is not None:
-            _check("adapter_fraction", self.adapter_fraction, strict=False)
+            check_field("adapter_fraction", self.adapter_fraction, strict=False)
             if self.adapter_fraction > 1 or self.delta_changed_fraction is not None:
                 raise ValueError(
                     "adapter_fraction: must be a fraction in [0, 1] and leaves "
@@ -318,8 +318,8 @@ class VerifierSpec:
 
     def __post_init__(self) -> None:
         if self.concurrency is not None:
-            _check("concurrency", self.concurrency, integer=True)
-        _check("timeout_s", self.timeout_s)
+            check_field("concurrency", self.concurrency, integer=True)
+        check_field("timeout_s", self.timeout_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -351,10 +351,10 @@ class CheckpointSpec:
     restore_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _check("save_s", self.save_s, strict=False)
-        _check("background_s", self.background_s, strict=False)
-        _check("write_s", self.write_s, strict=False)
-        _check("restore_s", self.restore_s, strict=False)
+        check_field("save_s", self.save_s, strict=False)
+        check_field("background_s", self.background_s, strict=False)
+        check_field("write_s", self.write_s, strict=False)
+        check_field("restore_s", self.restore_s, strict=False)
 
     @property
     def write_share(self) -> float:
@@ -425,7 +425,7 @@ class WorkloadSpec:
     hard_length_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        _check("prompts_per_step", self.prompts_per_step, integer=True)
+        check_field("prompts_per_step", self.prompts_per_step, integer=True)
         if not (is_number(self.hard_length_factor) and 1 <= self.hard_length_factor < math.inf):
             raise ValueError(
                 f"hard_length_factor: must be a finite number >= 1, got {self.hard_length_factor!r}"
@@ -437,7 +437,7 @@ class WorkloadSpec:
                     f"{name}: must be a distribution (Constant, Uniform, Lognormal, "
                     f"Empirical, LongTail), got {value!r}"
                 )
-        _check("group_size", self.group_size, integer=True)
+        check_field("group_size", self.group_size, integer=True)
         value = self.filtered_fraction
         if not is_number(value) or not 0 <= value < 1:
             raise ValueError(
@@ -445,7 +445,7 @@ class WorkloadSpec:
                 "group would ever be trained)"
             )
         if self.max_response_tokens is not None:
-            _check("max_response_tokens", self.max_response_tokens, integer=True)
+            check_field("max_response_tokens", self.max_response_tokens, integer=True)
         rho = self.length_correlation
         if rho is not None and (not is_number(rho) or not 0 <= rho <= 1):
             raise ValueError(
@@ -485,9 +485,9 @@ class PreemptionSpec:
     def __post_init__(self) -> None:
         for name in ("worker_mtbf_s", "slice_mtbf_s", "trainer_mtbf_s"):
             if getattr(self, name) is not None:
-                _check(name, getattr(self, name))
+                check_field(name, getattr(self, name))
         if self.distribution not in get_args(InterArrival):
             raise ValueError(
                 f"distribution: must be one of {get_args(InterArrival)}, got {self.distribution!r}"
             )
-        _check("weibull_shape", self.weibull_shape)
+        check_field("weibull_shape", self.weibull_shape)

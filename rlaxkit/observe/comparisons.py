@@ -18,10 +18,10 @@ from rlaxkit.observe.style import (
     LOG_SPAN,
     SHARE_RATIO,
     SIZE_IN,
-    _figure,
-    _log_ticks,
-    _smooth,
-    _style,
+    log_ticks,
+    new_figure,
+    smoothed,
+    style_axes,
 )
 from rlaxkit.rules.trace import (
     TraceEvent,
@@ -48,17 +48,17 @@ def curves_figure(
     """
     if not keys:
         raise ValueError("keys: give at least one metric name, e.g. ('reward/mean',)")
-    figure = _figure(max(SIZE_IN[0], 3.6 * len(keys)), SIZE_IN[1])
+    figure = new_figure(max(SIZE_IN[0], 3.6 * len(keys)), SIZE_IN[1])
     for i, key in enumerate(keys):
         axes = figure.add_subplot(1, len(keys), i + 1)
         for label, metrics in runs.items():
             rows = [m for m in metrics if key in m and x in m]
             if rows:
-                values = _smooth([float(m[key]) for m in rows], smooth)
+                values = smoothed([float(m[key]) for m in rows], smooth)
                 axes.plot([m[x] for m in rows], values, label=label, lw=1.2)
         axes.set_xlabel(x)
         axes.set_title(key, fontsize="medium")
-        _style(axes, legend=i == 0)
+        style_axes(axes, legend=i == 0)
     return figure
 
 
@@ -74,7 +74,7 @@ def compare_runs_figure(runs: Mapping[str, Mapping[str, Any]], *, smooth: int = 
             hatching) per suffix.
         smooth: trailing moving-average window of the reward curves, in steps.
     """
-    figure = _figure(11.0, 7.0)
+    figure = new_figure(11.0, 7.0)
     (reward, passk), (stale, timing) = figure.subplots(2, 2)
     # Label "head · suffix": the head picks the colour, the suffix the line style.
     suffixes = list(dict.fromkeys(label.rpartition(" · ")[2] for label in runs if " · " in label))
@@ -90,7 +90,7 @@ def compare_runs_figure(runs: Mapping[str, Mapping[str, Any]], *, smooth: int = 
         style = styles.get(label.rpartition(" · ")[2], "-") if " · " in label else "-"
         metrics = run.get("metrics") or []
         if metrics:
-            values = _smooth([m["reward/mean"] for m in metrics], smooth)
+            values = smoothed([m["reward/mean"] for m in metrics], smooth)
             reward.plot([m["step"] for m in metrics], values, style, color=colour, label=label)
         rows = sorted(run.get("pass_at_k") or [], key=lambda r: r["k"])
         if rows:
@@ -127,7 +127,7 @@ def compare_runs_figure(runs: Mapping[str, Mapping[str, Any]], *, smooth: int = 
         (timing, "wall-clock seconds per trainer step"),
     ):
         axes.set_title(title, fontsize="medium")
-        _style(axes)
+        style_axes(axes)
     reward.legend(frameon=False, fontsize="x-small", ncol=2, loc="lower right")
     return figure
 
@@ -138,7 +138,7 @@ def pass_at_k_figure(reports: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figu
     Args:
         reports: label -> rows with ``k`` and ``pass@k`` (``EvalReport.rows``).
     """
-    figure = _figure(5.0, 3.5)
+    figure = new_figure(5.0, 3.5)
     axes = figure.add_subplot()
     ks: set[int] = set()
     for label, rows in reports.items():
@@ -152,7 +152,7 @@ def pass_at_k_figure(reports: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figu
     axes.set_ylabel("pass@k")
     axes.set_ylim(0, 1.02)
     axes.set_title("held-out pass@k: a problem solved by any of k samples", fontsize="medium")
-    _style(axes, legend=True)
+    style_axes(axes, legend=True)
     return figure
 
 
@@ -160,14 +160,14 @@ def comparison_figure(
     values: Mapping[str, float], *, ylabel: str, title: str | None = None
 ) -> Figure:
     """Bars of one number per run (wall time, trained samples/s, ...)."""
-    figure = _figure(max(5.0, 0.7 * len(values) + 2), 3.5)
+    figure = new_figure(max(5.0, 0.7 * len(values) + 2), 3.5)
     axes = figure.add_subplot()
     labels = list(values)
     axes.bar(range(len(labels)), [values[k] for k in labels], color="tab:blue")
     axes.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
     axes.set_ylabel(ylabel)
     axes.set_title(title or f"{ylabel} by run", fontsize="medium")
-    _style(axes)
+    style_axes(axes)
     return figure
 
 
@@ -190,7 +190,7 @@ def scaling_figure(
     """
     if not sizes:
         raise ValueError("sizes: give at least one fleet size")
-    figure = _figure(*SIZE_IN)
+    figure = new_figure(*SIZE_IN)
     axes = figure.add_subplot()
     x = np.asarray(sizes, float)
     for label, values in series.items():
@@ -206,7 +206,7 @@ def scaling_figure(
     axes.set_yscale("log")
     axes.set_xticks(x, [f"{s:g}" for s in x])
     axes.xaxis.set_minor_locator(NullLocator())
-    _log_ticks(axes.yaxis, axes.get_ylim())
+    log_ticks(axes.yaxis, axes.get_ylim())
     axes.plot([], [], ":", color="0.4", lw=1, label="linear scaling from the first point")
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
@@ -233,7 +233,7 @@ def overlay_figure(
     """
     if not panels:
         raise ValueError("panels: give at least one quantity to overlay")
-    figure = _figure(max(SIZE_IN[0], 3.5 * len(panels)), 3.6)
+    figure = new_figure(max(SIZE_IN[0], 3.5 * len(panels)), 3.6)
     for i, (title, pair) in enumerate(panels.items()):
         axes = figure.add_subplot(1, len(panels), i + 1)
         for values, label, style in zip(pair, labels, ("-", "--"), strict=True):
@@ -244,7 +244,7 @@ def overlay_figure(
         axes.set_title(title, fontsize="medium")
         axes.set_ylabel("CDF" if i == 0 else "")
         axes.set_ylim(0, 1.02)
-        _style(axes, legend=i == 0)
+        style_axes(axes, legend=i == 0)
     return figure
 
 
@@ -263,7 +263,7 @@ def trace_overlay_figure(
     a share of its own total, and the axis says so.
     """
     traces = (list(first), list(second))
-    figure = _figure(9.0, 6.0)
+    figure = new_figure(9.0, 6.0)
     (latency, step), (stale, progress) = figure.subplots(2, 2)
     styles = ("-", "--")
     totals = [sum(int(e["samples"]) for e in t if e.kind == "train_step") for t in traces]
@@ -304,7 +304,7 @@ def trace_overlay_figure(
         low, high = axes.dataLim.intervalx
         if low > 0 and high > LOG_SPAN * low:
             axes.set_xscale("log")
-            _log_ticks(axes.xaxis, (low, high))
+            log_ticks(axes.xaxis, (low, high))
     latency.set(xlabel="generation latency (s)", ylabel="CDF", ylim=(0, 1.02))
     step.set(xlabel="train-step time (s)", ylabel="CDF", ylim=(0, 1.02))
     stale.set(xlabel="staleness of trained rollouts (versions)", ylabel="fraction")
@@ -321,7 +321,7 @@ def trace_overlay_figure(
     ):
         axes.set_title(title, fontsize="medium")
     for axes in (latency, step, stale, progress):
-        _style(axes)
+        style_axes(axes)
     latency.legend(frameon=False, fontsize="small", loc="lower right")
     stale.legend(frameon=False, fontsize="small")
     return figure

@@ -36,7 +36,7 @@ from matplotlib.figure import Figure
 
 from rlaxkit.observe.comparisons import trace_overlay_figure
 from rlaxkit.observe.metrics import read_metrics
-from rlaxkit.observe.style import DPI, SIZE_IN, _figure, _short, _style
+from rlaxkit.observe.style import DPI, SIZE_IN, new_figure, short_name, style_axes
 from rlaxkit.rules.trace import (
     TraceEvent,
     read_trace,
@@ -69,7 +69,7 @@ def reward_figure(metrics: Sequence[Mapping[str, Any]], evals: Sequence[Mapping]
         evals: ``{"step", "pass@1"}`` rows (``summary.json``'s ``evals``); with
             ``pass@1_se`` the curve gets its 95% band.
     """
-    figure = _figure()
+    figure = new_figure()
     axes = figure.add_subplot()
     steps = [m["step"] for m in metrics]
     axes.plot(steps, [m["reward/mean"] for m in metrics], label="train reward (mean)", lw=1)
@@ -91,7 +91,7 @@ def reward_figure(metrics: Sequence[Mapping[str, Any]], evals: Sequence[Mapping]
     axes.set_ylabel("reward / accuracy")
     axes.set_ylim(0, 1)
     axes.set_title("train reward and held-out pass@1 by trainer step", fontsize="medium")
-    _style(axes)
+    style_axes(axes)
     axes.legend(frameon=False, fontsize="small", loc="lower right")  # rewards rise: room below
     return figure
 
@@ -101,7 +101,7 @@ def drift_figure(metrics: Sequence[Mapping[str, Any]]) -> Figure:
     ``|staleness|`` (``log π_θ − log π_v``) and ``|mismatch|`` (``log π_v − log μ``),
     solid, and their k3 KL estimates, dashed, in nats on a symlog axis (exact zeros stay
     visible). Steps that were not attributed are skipped."""
-    figure = _figure()
+    figure = new_figure()
     axes = figure.add_subplot()
     rows = [m for m in metrics if "drift/tokens" in m]
     steps = [m["step"] for m in rows]
@@ -131,7 +131,7 @@ def drift_figure(metrics: Sequence[Mapping[str, Any]]) -> Figure:
         " mismatch: that version vs the sampler",
         fontsize="small",
     )
-    _style(axes)
+    style_axes(axes)
     axes.legend(
         frameon=False, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2
     )
@@ -142,7 +142,7 @@ def audit_figure(metrics: Sequence[Mapping[str, Any]]) -> Figure:
     """The distribution audit per step (``rlaxkit.rules.audit``): the mean completion length
     and the mean per-prompt pass rate of the rollouts a step settled (sampled) and of
     those it trained, one panel each."""
-    figure = _figure()
+    figure = new_figure()
     rows = [m for m in metrics if "audit/length_ks" in m]
     steps = [m["step"] for m in rows]
     for i, (name, label, title) in enumerate(
@@ -158,7 +158,7 @@ def audit_figure(metrics: Sequence[Mapping[str, Any]]) -> Figure:
         axes.set_xlabel("trainer step")
         axes.set_ylabel(f"mean {label}")
         axes.set_title(f"{title}: sampled vs trained rollouts", fontsize="medium")
-        _style(axes, legend=i == 0)
+        style_axes(axes, legend=i == 0)
     return figure
 
 
@@ -191,7 +191,7 @@ def update_figure(
             f"ratios {ratios.shape} and advantages {advantages.shape} must have one entry "
             "per token each"
         )
-    figure = _figure(10.0, 4.0)
+    figure = new_figure(10.0, 4.0)
     left, right = figure.subplots(1, 2, width_ratios=(1.1, 1))
     jitter = np.random.default_rng(0).uniform(-0.02, 0.02, advantages.shape)
     inside = (ratios >= 1 - clip[0]) & (ratios <= 1 + clip[1])
@@ -211,14 +211,14 @@ def update_figure(
         f"per-token ratio against advantage (ε_low {clip[0]:g}, ε_high {clip[1]:g})",
         fontsize="medium",
     )
-    _style(left, legend=True)
+    style_axes(left, legend=True)
     largest = sorted(update_norms.items(), key=lambda kv: kv[1], reverse=True)[:top]
-    names = [_short(name) for name, _ in largest][::-1]
+    names = [short_name(name) for name, _ in largest][::-1]
     right.barh(names, [norm for _, norm in largest][::-1], color="tab:blue")
     right.set_xlabel(update_label)
     right.tick_params(axis="y", labelsize="x-small")
     right.set_title(f"the {len(largest)} tensors that moved most", fontsize="medium")
-    _style(right)
+    style_axes(right)
     return figure
 
 

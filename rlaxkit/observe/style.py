@@ -28,13 +28,13 @@ LOG_SPAN = 10.0  # times spanning more than this factor are drawn on a log axis
 SHARE_RATIO = 3.0  # runs this many times apart in samples are each drawn as a share
 
 
-def _figure(width: float = SIZE_IN[0], height: float = SIZE_IN[1]) -> Figure:
+def new_figure(width: float = SIZE_IN[0], height: float = SIZE_IN[1]) -> Figure:
     figure = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
     return figure
 
 
-def _style(axes: Axes, *, legend: bool = False) -> Axes:
+def style_axes(axes: Axes, *, legend: bool = False) -> Axes:
     """The one look: light grid, no top/right spines, small legend without a frame."""
     axes.grid(alpha=0.3)
     axes.spines[["top", "right"]].set_visible(False)
@@ -43,7 +43,7 @@ def _style(axes: Axes, *, legend: bool = False) -> Axes:
     return axes
 
 
-def _log_ticks(axis: Any, limits: tuple[float, float]) -> None:
+def log_ticks(axis: Any, limits: tuple[float, float]) -> None:
     """Labels on a log axis that do not collide: 1-2-5 steps within two decades,
     the decades only beyond, plain numbers, no minor labels."""
     low, high = limits
@@ -53,7 +53,7 @@ def _log_ticks(axis: Any, limits: tuple[float, float]) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-def _smooth(values: Sequence[float], window: int) -> np.ndarray:
+def smoothed(values: Sequence[float], window: int) -> np.ndarray:
     """Trailing moving average (the first points average what exists so far)."""
     array = np.asarray(values, float)
     if window <= 1 or len(array) == 0:
@@ -64,6 +64,6 @@ def _smooth(values: Sequence[float], window: int) -> np.ndarray:
     return (cumulative[ends] - cumulative[starts]) / (ends - starts)
 
 
-def _short(path: str) -> str:
+def short_name(path: str) -> str:
     parts = [p for p in path.split("/") if p not in ("value", "layers", "kernel")]
     return "/".join(parts[-3:])

@@ -95,6 +95,6 @@ def shard_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
     return jax.device_put(batch, NamedSharding(mesh, P(BATCH_AXES)))
 
 
-def _batch_shards(mesh: Mesh) -> int:
+def batch_shards(mesh: Mesh) -> int:
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
     return math.prod(sizes.get(a, 1) for a in BATCH_AXES)

@@ -55,9 +55,9 @@ class TrainState:
             return dataclasses.replace(self, **changes)
         fields = list(packed)
         for name, value in changes.items():
-            if name not in _FIELD_INDEX:
+            if name not in FIELD_INDEX:
                 raise TypeError(f"TrainState has no field {name!r}")
-            fields[_FIELD_INDEX[name]] = Packed.of(value)
+            fields[FIELD_INDEX[name]] = Packed.of(value)
         return TrainState.unpack(tuple(fields))
 
     # A train step's state crosses ``jax.jit`` packed: each field flattened once, its
@@ -71,14 +71,14 @@ class TrainState:
         """Each field's tree as a ``Packed``, in field order (computed once per state)."""
         packed = self.__dict__.get("_packed")
         if packed is None:
-            packed = tuple(Packed.of(getattr(self, name)) for name in _FIELD_INDEX)
+            packed = tuple(Packed.of(getattr(self, name)) for name in FIELD_INDEX)
             object.__setattr__(self, "_packed", packed)
         return packed
 
     def packed(self, name: str) -> Packed:
         """Field ``name`` as a ``Packed``, without rebuilding its tree: e.g.
         ``generate((graphdef, state.packed("params")), ...)`` after a train step."""
-        return self.pack()[_FIELD_INDEX[name]]
+        return self.pack()[FIELD_INDEX[name]]
 
     @classmethod
     def unpack(cls, packed: Sequence[Packed]) -> TrainState:
@@ -92,7 +92,7 @@ class TrainState:
         def __getattr__(self, name: str) -> Any:
             # Reached only for a field not yet rebuilt from the packed state.
             packed = self.__dict__.get("_packed")
-            index = _FIELD_INDEX.get(name)
+            index = FIELD_INDEX.get(name)
             if packed is None or index is None:
                 raise AttributeError(f"'TrainState' object has no attribute {name!r}")
             value = packed[index].tree()
@@ -100,10 +100,10 @@ class TrainState:
             return value
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TrainState, tuple(getattr(self, name) for name in _FIELD_INDEX))
+        return (TrainState, tuple(getattr(self, name) for name in FIELD_INDEX))
 
 
-_FIELD_INDEX = {f.name: i for i, f in enumerate(dataclasses.fields(TrainState))}
+FIELD_INDEX = {f.name: i for i, f in enumerate(dataclasses.fields(TrainState))}
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:

@@ -52,13 +52,13 @@ from rlaxkit.models.lora import merge_adapters
 from rlaxkit.observe.drift import DriftProbe
 from rlaxkit.trainer.config import TrainConfig
 from rlaxkit.trainer.logprobs import logprobs_and_entropy
-from rlaxkit.trainer.sharding import BATCH_AXES, _batch_shards, state_shardings
-from rlaxkit.trainer.state import _FIELD_INDEX, TrainState, make_optimizer
+from rlaxkit.trainer.sharding import BATCH_AXES, batch_shards, state_shardings
+from rlaxkit.trainer.state import FIELD_INDEX, TrainState, make_optimizer
 from rlaxkit.util.jaxutil import Packed, TieredJit
 
 # The defaults live in the generated ``__init__``; as class attributes they would answer
 # for a packed state's fields before ``__getattr__`` could rebuild them.
-for _name in _FIELD_INDEX:
+for _name in FIELD_INDEX:
     if _name in TrainState.__dict__:
         delattr(TrainState, _name)
 
@@ -208,7 +208,7 @@ def _build(
 
     def prepare(state: TrainState, batch: TrainBatch) -> tuple[PreparedBatch, dict[str, jax.Array]]:
         rows = batch.tokens.shape[0]
-        if rows % chunks or (mesh is not None and (rows // chunks) % _batch_shards(mesh)):
+        if rows % chunks or (mesh is not None and (rows // chunks) % batch_shards(mesh)):
             raise ValueError(
                 f"batch size {rows} must split into mini_batches·micro_batches = {chunks} "
                 "chunks of a size divisible by the data·fsdp devices; choose bucket sizes so"
@@ -492,7 +492,7 @@ def make_train_step(
     )
 
 
-_PARAMS = _FIELD_INDEX["params"]
+_PARAMS = FIELD_INDEX["params"]
 
 
 class PackedTrainStep:

@@ -9,13 +9,13 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from sim.metrics import SimResult
-from sim.report import _figure
+from sim.report import new_figure
 from sim.studies.standard import CheckpointStudy, EtaPoint
 
 
 def utilisation_figure(results: Sequence[SimResult]) -> Figure:
     """Grouped bars of trainer utilisation, goodput and worker utilisation per run."""
-    figure = _figure(max(5.0, 1.2 * len(results) + 2), 3.5)
+    figure = new_figure(max(5.0, 1.2 * len(results) + 2), 3.5)
     axes = figure.add_subplot()
     x = np.arange(len(results))
     width = 0.27
@@ -37,7 +37,7 @@ def utilisation_figure(results: Sequence[SimResult]) -> Figure:
 
 def eta_curve_figure(curve: Sequence[EtaPoint]) -> Figure:
     """Trained samples/s against the staleness bound η (log-2 spaced x axis)."""
-    figure = _figure(5.0, 3.5)
+    figure = new_figure(5.0, 3.5)
     axes = figure.add_subplot()
     etas = [p.max_staleness for p in curve]
     axes.plot(etas, [p.samples_per_s for p in curve], marker="o", label="simulated")
@@ -53,7 +53,7 @@ def eta_curve_figure(curve: Sequence[EtaPoint]) -> Figure:
 def checkpoint_figure(study: CheckpointStudy) -> Figure:
     """Simulated waste per checkpoint interval, the curve fitted to it with its
     optimum (a star), and Young's first-order optimum ``sqrt(2 δ M)`` (dashed)."""
-    figure = _figure(7.0, 3.5)
+    figure = new_figure(7.0, 3.5)
     axes = figure.add_subplot()
     axes.plot(study.intervals_s, study.waste, "o", label="simulated")
     known = not (np.isnan(study.save_s) or np.isnan(study.mtbf_s))
