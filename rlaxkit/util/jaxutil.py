@@ -15,6 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import ShapedArray
+from jax.sharding import Sharding
+from jax.tree_util import PyTreeDef
 from jax.typing import DTypeLike
 
 # Before any program runs: XLA:CPU then keeps its freed buffers (``rlaxkit.util.hostmem``).
@@ -75,7 +78,7 @@ def count_compilations() -> Iterator[CompileCounter]:
         counter.stop = _compiles
 
 
-def host_arrays(tree: Any) -> Any:
+def host_arrays(tree: object) -> Any:
     """``tree`` with every array read on the host (NumPy arrays).
 
     On XLA:CPU an array is host memory already, and one ``np.asarray`` a leaf reads it:
@@ -114,7 +117,7 @@ def matmul_peak_flops(size: int = 2048, repeats: int = 5, dtype: DTypeLike = jnp
 # only add work (the large GRPO train step: 1.23-1.25 s of CPU against 1.43-1.49 s, the
 # same executable speed; that loop's first step took 4.96-5.09 s of CPU against
 # 5.15-5.32 s).
-QUICK_COMPILER_OPTIONS: dict[str, Any] = {
+QUICK_COMPILER_OPTIONS: dict[str, int | bool] = {
     "xla_backend_optimization_level": 0,
     "xla_cpu_use_fusion_emitters": False,
     "xla_cpu_parallel_codegen_split_count": 1,
@@ -138,6 +141,10 @@ class _Hold:
 
 
 _HOLD = _Hold()
+
+# A call's signature: per argument, its name and value (static) or its name, tree
+# structure and leaf signatures.
+_Key = tuple[tuple[object, ...], ...]
 
 
 @contextlib.contextmanager
@@ -163,7 +170,7 @@ def hold_background_compiles() -> Iterator[None]:
             _HOLD.released.notify_all()
 
 
-def _leaf_signature(x: Any) -> tuple[Any, Any]:
+def _leaf_signature(x: object) -> tuple[ShapedArray, Sharding | None]:
     """A leaf's ``(abstract value, sharding)`` as ``jax.jit`` keys it: shape, dtype and
     weak type, and the sharding of a committed array only (``None`` otherwise: an
     executable lowered for an uncommitted array's sharding is not the one ``jax.jit``
@@ -200,10 +207,12 @@ class TieredJit:
         static = set(jit_kwargs.get("static_argnames", ()))
         static |= {names[i] for i in jit_kwargs.get("static_argnums", ())}
         self._static = static
-        self._compiling: dict[Any, threading.Thread] = {}
+        self._compiling: dict[_Key, threading.Thread] = {}
         self._lock = threading.Lock()
 
-    def _signature(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    def _signature(
+        self, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> tuple[inspect.BoundArguments, _Key]:
         """``(bound arguments, key)``: the key is each argument's tree structure and its
         leaves' shapes, dtypes and shardings; static arguments key by value. Built from
         the leaves' own attributes, without an abstract value per leaf: a call of a
@@ -212,7 +221,7 @@ class TieredJit:
         built), and about 1 ms as the first flatten after a train step, whose caches
         are cold (docs/performance.md)."""
         bound = self._parameters.bind(*args, **kwargs)
-        key: list[tuple[Any, ...]] = []
+        key: list[tuple[object, ...]] = []
         for name, value in bound.arguments.items():
             if name in self._static:
                 key.append((name, value))
@@ -221,10 +230,12 @@ class TieredJit:
             key.append((name, tree, tuple(_leaf_signature(x) for x in leaves)))
         return bound, tuple(key)
 
-    def _abstract(self, bound: Any) -> tuple[tuple, dict]:
+    def _abstract(
+        self, bound: inspect.BoundArguments
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """``(args, kwargs)`` of ``bound`` with every array argument abstract."""
 
-        def spec(x):
+        def spec(x: object) -> jax.ShapeDtypeStruct:
             aval, sharding = _leaf_signature(x)
             return jax.ShapeDtypeStruct(
                 aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type
@@ -237,11 +248,11 @@ class TieredJit:
         abstract = inspect.BoundArguments(self._parameters, arguments)
         return abstract.args, abstract.kwargs
 
-    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    def lower(self, *args: object, **kwargs: object) -> jax.stages.Lowered:
         """``jax.jit(fun, compiler_options=QUICK_COMPILER_OPTIONS).lower(...)``."""
         return self.quick.lower(*args, **kwargs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         # Before the call: its inputs may be donated.
         bound, key = self._signature(args, kwargs)
         with self._lock:
@@ -282,14 +293,14 @@ class _Structure:
     """
 
     __slots__ = ("treedef", "_hash")
-    _interned: dict[Any, _Structure] = {}
+    _interned: dict[PyTreeDef, _Structure] = {}
 
-    def __init__(self, treedef: Any):
+    def __init__(self, treedef: PyTreeDef):
         self.treedef = treedef
         self._hash = hash(treedef)
 
     @classmethod
-    def of(cls, treedef: Any) -> _Structure:
+    def of(cls, treedef: PyTreeDef) -> _Structure:
         found = cls._interned.get(treedef)
         if found is None:
             found = cls._interned.setdefault(treedef, cls(treedef))
@@ -301,7 +312,7 @@ class _Structure:
     def __eq__(self, other: object) -> bool:
         return self is other  # interned: equal structures are one object
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Callable[[PyTreeDef], _Structure], tuple[PyTreeDef]]:
         return (_Structure.of, (self.treedef,))
 
 
@@ -323,12 +334,12 @@ class Packed:
 
     __slots__ = ("leaves", "structure")
 
-    def __init__(self, leaves: Any, structure: _Structure):
+    def __init__(self, leaves: list[Any], structure: _Structure):
         self.leaves = leaves
         self.structure = structure
 
     @classmethod
-    def of(cls, tree: Any) -> Packed:
+    def of(cls, tree: object) -> Packed:
         built = _built(tree)
         if built is not None:
             return built
@@ -351,23 +362,27 @@ class Packed:
 
 # Trees built by ``Packed.tree``, by id while they live (the reference tells a reused id
 # apart), with the ``Packed`` they came from.
-_BUILT: dict[int, tuple[weakref.ref[Any], Packed]] = {}
+_BUILT: dict[int, tuple[weakref.ref[object], Packed]] = {}
 
 
-def tree_leaves(tree: Any) -> list[Any]:
+def tree_leaves(tree: object) -> list[Any]:
     """``jax.tree.leaves(tree)``; for a tree that ``Packed.tree`` built, its ``Packed``'s
     leaves, without a flatten (e.g. the size of the params a trainer publishes)."""
     built = _built(tree)
     return jax.tree.leaves(tree) if built is None else list(built.leaves)
 
 
-def _built(tree: Any) -> Packed | None:
+def _built(tree: object) -> Packed | None:
     """The ``Packed`` that built ``tree`` (``Packed.tree``), while it lives, else ``None``."""
     found = _BUILT.get(id(tree))
     return found[1] if found is not None and found[0]() is tree else None
 
 
-def _forget(key: int, _: weakref.ref[Any], pop: Callable[..., Any] = _BUILT.pop) -> None:
+def _forget(
+    key: int,
+    _: weakref.ref[object],
+    pop: Callable[[int, None], object] = _BUILT.pop,
+) -> None:
     pop(key, None)  # bound at definition: the module's globals may be gone at exit
 
 
