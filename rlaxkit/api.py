@@ -214,7 +214,7 @@ class TrainerClient(Protocol):
 
     def train(
         self,
-        batch: Any,
+        batch: object,
         step: int,
         push: bool,
         during: Callable[[threading.Event], None] | None = None,

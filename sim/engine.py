@@ -95,7 +95,7 @@ class Simulation:
         self.trainer = Trainer(self)
         self.injector = FaultInjector(self, plan_for(scenario))
 
-    def record(self, actor: str, kind: str, version: int | None, **fields: Any) -> None:
+    def record(self, actor: str, kind: str, version: int | None, **fields: object) -> None:
         """Write one trace event at the current simulated time (no-op without a trace)."""
         if self.trace is not None:
             self.trace.record(self.env.now, kind, actor, version, **fields)

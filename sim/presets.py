@@ -60,7 +60,7 @@ def _apply(scenario: Scenario, overrides: dict[str, Any]) -> Scenario:
     return with_overrides(scenario, overrides) if overrides else scenario
 
 
-def toy(**overrides: Any) -> Scenario:
+def toy(**overrides: object) -> Scenario:
     """One worker with 2 slots, groups of 2 samples of exactly 10 tokens, no noise.
 
     Hand timings: a sequence decodes in 10 × 0.1 s = 1 s after a 0.5 s prefill (5

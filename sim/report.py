@@ -237,7 +237,7 @@ def _slot_lanes(records: list[GenerationRecord]) -> dict[str, list[list[Generati
 
 
 def _marks(
-    axes: Axes, events: list[TraceEvent], rows: Mapping[str, float], marker: Any, label: str
+    axes: Axes, events: list[TraceEvent], rows: Mapping[str, float], marker: object, label: str
 ) -> None:
     """A tick per event on its actor's row; past ``MAX_MARKS_PER_ROW`` in a row, every
     k-th event of each actor (k the same for all rows, said in the legend)."""

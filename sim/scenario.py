@@ -244,7 +244,7 @@ def scenario_to_dict(scenario: Scenario) -> dict[str, Any]:
     return out
 
 
-def _section_from_dict(name: str, data: Any) -> Any:  # an instance of _SECTIONS[name]
+def _section_from_dict(name: str, data: object) -> Any:  # an instance of _SECTIONS[name]
     cls = _SECTIONS[name]
     if not isinstance(data, Mapping):
         raise ValueError(f"{name}: must be a mapping, got {type(data).__name__}")

@@ -29,7 +29,7 @@ GroupOfOne = Literal["zero", "reward"]
 Convention = Literal["rlaxkit", "verl"]
 
 
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}: must be one of {allowed}, got {value!r}")
 

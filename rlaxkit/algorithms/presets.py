@@ -15,7 +15,6 @@ against another implementation with it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from rlaxkit.algorithms.config import AdvantageConfig, AlgorithmConfig, LossConfig
 from rlaxkit.algorithms.registry import Registry
@@ -23,7 +22,7 @@ from rlaxkit.algorithms.registry import Registry
 PRESETS: Registry[Callable[[], AlgorithmConfig]] = Registry("algorithm preset")
 
 
-def algorithm(name: str, **changes: Any) -> AlgorithmConfig:
+def algorithm(name: str, **changes: object) -> AlgorithmConfig:
     """The preset ``name`` with ``changes`` (``advantage``/``loss`` may be dicts)."""
     config = PRESETS.get(name)()
     return config.replace(**changes) if changes else config

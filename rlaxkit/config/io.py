@@ -22,7 +22,7 @@ from rlaxkit.rules.validation import is_int, is_number
 T = TypeVar("T")
 
 
-def to_dict(config: Any) -> Any:
+def to_dict(config: object) -> Any:
     """Plain-data (YAML-safe) form of a dataclass tree."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
@@ -33,7 +33,7 @@ def to_dict(config: Any) -> Any:
     return config
 
 
-def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+def from_dict(cls: type[T], data: object, path: str = "") -> T:
     """Builds dataclass ``cls`` from plain data, validating types and names.
 
     Raises:
@@ -43,13 +43,13 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     return _convert(cls, data, path or cls.__name__)
 
 
-def convert(tp: Any, value: Any, path: str) -> Any:
+def convert(tp: object, value: object, path: str) -> Any:
     """``value`` checked against (and, for lists, tuples and nested dataclasses, built as)
     the type ``tp``; ``ValueError`` names ``path`` as ``from_dict`` does."""
     return _convert(tp, value, path)
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
+def _convert(tp: object, value: object, path: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
@@ -104,7 +104,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     return value
 
 
-def _dataclass(cls: type, value: Any, path: str) -> Any:
+def _dataclass(cls: type, value: object, path: str) -> Any:
     if dataclasses.is_dataclass(value) and isinstance(value, cls):
         return value
     if not isinstance(value, dict):
@@ -129,7 +129,7 @@ def _dataclass(cls: type, value: Any, path: str) -> Any:
         raise ValueError(f"{path}: {err}") from None
 
 
-def merge(defaults: Any, given: Any) -> Any:
+def merge(defaults: object, given: object) -> Any:
     """``given`` laid over ``defaults``: mappings merge key by key, all the way down;
     anything else in ``given`` replaces the default. Neither argument is changed.
 
@@ -231,6 +231,6 @@ def _defaults(cls: type) -> dict[str, Any]:
         return {}
 
 
-def dump_yaml(config: Any, path: str | Path) -> None:
+def dump_yaml(config: object, path: str | Path) -> None:
     """Writes a dataclass tree as YAML that ``load_yaml`` reads back."""
     Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))

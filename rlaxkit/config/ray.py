@@ -249,7 +249,7 @@ def scheduled_workers(config: RayConfig, step: int) -> int | None:
     return dict(config.worker_schedule).get(step)
 
 
-def small_cluster_config(**changes: Any) -> RayConfig:
+def small_cluster_config(**changes: object) -> RayConfig:
     """A ``RayConfig`` whose actors fit a small local cluster (fractional CPUs)."""
     small = ActorResources(num_cpus=0.25)
     defaults: dict[str, Any] = {"trainer": small, "worker": small}

@@ -193,7 +193,9 @@ class ModelConfig:
         return self.num_layers * per_layer + emb + h
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], *, strict: bool = True, **overrides: Any) -> ModelConfig:
+    def from_hf(
+        cls, hf: dict[str, Any], *, strict: bool = True, **overrides: object
+    ) -> ModelConfig:
         """Builds a config from a Hugging Face ``config.json`` dictionary.
 
         Args:
@@ -293,7 +295,7 @@ def _family_of(hf: dict[str, Any]) -> str:
     )
 
 
-def _require(hf: dict[str, Any], field: str, allowed: tuple[Any, ...], *, default: Any) -> None:
+def _require(hf: dict[str, Any], field: str, allowed: tuple[Any, ...], *, default: object) -> None:
     value = hf.pop(field, default)
     if value is None:
         value = default

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import jinja2
 import jinja2.sandbox
@@ -171,7 +171,7 @@ def _token_text(token: str | dict | None) -> str | None:
     return token
 
 
-def _render_chat(template: str, **context: Any) -> str:
+def _render_chat(template: str, **context: object) -> str:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 

@@ -294,7 +294,7 @@ class Block(nnx.Module):
         return x.reshape(b, t, h), new_kv
 
 
-def _run_block(graphdef: nnx.GraphDef, state: Any, *args: Any) -> Any:
+def _run_block(graphdef: nnx.GraphDef, state: object, *args: object) -> Any:
     return nnx.merge(graphdef, state)(*args)
 
 
@@ -392,7 +392,7 @@ class Transformer(nnx.Module):
         if isinstance(self.layers, Block):  # stacked: one scan step per layer
             graphdef, stacked = nnx.split(self.layers)
 
-            def scan_step(x: jax.Array, layer_state: Any) -> tuple[jax.Array, None]:
+            def scan_step(x: jax.Array, layer_state: object) -> tuple[jax.Array, None]:
                 block = nnx.merge(graphdef, layer_state)
                 return block(x, rope, mask)[0], None
 

@@ -81,7 +81,7 @@ def make_logprob_fn(cfg: TrainConfig, graphdef: nnx.GraphDef) -> Callable[..., j
     ``rlaxkit.util.jaxutil.Packed`` (a call then flattens nothing)."""
     dtype = None if cfg.compute_dtype is None else jnp.dtype(cfg.compute_dtype)
 
-    def cast(tree: Any) -> Any:
+    def cast(tree: object) -> Any:
         if dtype is None:
             return tree
         return jax.tree.map(
@@ -89,7 +89,7 @@ def make_logprob_fn(cfg: TrainConfig, graphdef: nnx.GraphDef) -> Callable[..., j
         )
 
     @jax.jit
-    def logprobs(params: Any, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    def logprobs(params: object, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
         if isinstance(params, Packed):
             params = params.structure.treedef.unflatten(params.leaves)
         model = nnx.merge(graphdef, cast(params))
@@ -152,7 +152,7 @@ def drift_metrics(
     return out
 
 
-def cast_floats(tree: Any, dtype: str | None) -> Any:
+def cast_floats(tree: object, dtype: str | None) -> Any:
     """``tree`` with its floating-point leaves cast to ``dtype`` (``None``: unchanged):
     a version pulled by a worker whose sampler runs in ``model.sampler_dtype``."""
     if dtype is None:
@@ -169,7 +169,7 @@ def sampler_config(config: RunConfig) -> RunConfig:
     return dataclasses.replace(config, model=spec)
 
 
-def _packed(tree: Any) -> Packed:
+def _packed(tree: object) -> Packed:
     return tree if isinstance(tree, Packed) else Packed.of(tree)
 
 
@@ -192,7 +192,7 @@ class DriftProbe:
     """
 
     def __init__(
-        self, cfg: TrainConfig | None, graphdef: nnx.GraphDef | None, every: int, reader: Any
+        self, cfg: TrainConfig | None, graphdef: nnx.GraphDef | None, every: int, reader: object
     ) -> None:
         self.every = every
         self.reader = reader
@@ -218,7 +218,7 @@ class DriftProbe:
         return self._reader
 
     @reader.setter
-    def reader(self, server: Any) -> None:
+    def reader(self, server: object) -> None:
         self._reader = server if isinstance(server, VersionReader) else None
 
     def due(self, step: int) -> bool:
@@ -245,7 +245,7 @@ class DriftProbe:
         return {"drift/skipped_batches": float(self.skipped)}
 
     def __call__(
-        self, params: Any, batch: TrainBatch, version: int, *, log_theta: Any = None
+        self, params: object, batch: TrainBatch, version: int, *, log_theta: object = None
     ) -> dict[str, float]:
         """The batch's drift metrics (``drift_metrics``) and ``drift/skipped_batches``
         (the count so far); a batch that needs a version the parameter server no longer

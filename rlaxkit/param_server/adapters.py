@@ -87,11 +87,11 @@ def _merge(lora: LoraConfig) -> Any:
     return jax.jit(lambda base, adapters: merge_adapters(base, adapters, lora))
 
 
-def _skeleton(tree: Any) -> Any:
+def _skeleton(tree: object) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
-def _unpack(packed: np.ndarray, skeleton: Any) -> list[np.ndarray]:
+def _unpack(packed: np.ndarray, skeleton: object) -> list[np.ndarray]:
     """The leaves of ``skeleton`` (shapes and dtypes) cut from their packed bytes."""
     leaves, at = [], 0
     for spec in jax.tree.leaves(skeleton):
@@ -112,7 +112,7 @@ def _leaves(stored: Any) -> list[Any]:
     return [stored[i] for i in range(len(stored))]
 
 
-def merged_record(version: int, params: Any) -> dict[str, Any]:
+def merged_record(version: int, params: object) -> dict[str, Any]:
     """The record of full weights ``params`` as ``version`` (what ``push_merged``
     stores): pulls return them as they are."""
     meta = {"format": FORMAT, "base_version": int(version), "merged": True}
@@ -199,7 +199,7 @@ class AdapterParameterServer:
         return self.inner.republish()
 
     # ----------------------------------------------------------------- pushing
-    def publish_base(self, base: Any) -> None:
+    def publish_base(self, base: object) -> None:
         """Keeps a host copy of the frozen ``base`` weights; the next push stores it."""
         host = [np.array(x) for x in jax.device_get(jax.tree.leaves(base))]
         skeleton = pickle.dumps(_skeleton(base))
@@ -207,7 +207,7 @@ class AdapterParameterServer:
             self._base = (host, skeleton)
             self._base_version = None
 
-    def _record(self, version: int, adapters: Any, with_base: bool) -> tuple[dict, int]:
+    def _record(self, version: int, adapters: object, with_base: bool) -> tuple[dict, int]:
         """The record of ``version`` and the bytes it moves into the store."""
         if self._base is None or self.lora is None:
             raise RuntimeError("publish_base(base) with a lora config before the first push")
@@ -352,7 +352,7 @@ class AdapterParameterServer:
         return self._pulled(version, _merge(lora)(base, adapters), nbytes, start, ready_at)
 
     def _pulled(
-        self, version: int, params: Any, nbytes: int, start: float, ready_at: float
+        self, version: int, params: object, nbytes: int, start: float, ready_at: float
     ) -> tuple[int, Any]:
         jax.block_until_ready(params)
         pull = TransferRecord(

@@ -52,7 +52,7 @@ class ParameterServer(Protocol):
     blocks a push.
     """
 
-    def push(self, version: int, params: Any) -> None:
+    def push(self, version: int, params: object) -> None:
         """Publishes ``params`` (any JAX pytree) as ``version``.
 
         Raises:
@@ -140,7 +140,7 @@ def record_transfer(
         on_event(record.kind, record.version, **fields)
 
 
-def tree_nbytes(tree: Any) -> int:
+def tree_nbytes(tree: object) -> int:
     """Total bytes of the array leaves of a pytree.
 
     Leaves may be ``jax.Array``, ``numpy`` arrays, ``jax.ShapeDtypeStruct`` (abstract

@@ -154,7 +154,7 @@ class ParamServerConfig:
         self,
         server: Any,
         *,
-        template: Any = None,
+        template: object = None,
         default_timeout_s: float | None = None,
         on_event: EventHook | None = None,
     ) -> Any:
@@ -258,7 +258,7 @@ class DeltaParameterServer:
         *,
         snapshot_every: int = 8,
         chunk_bytes: int = 1 << 20,
-        template: Any = None,
+        template: object = None,
         poll_interval_s: float = 0.01,
         default_timeout_s: float | None = None,
         on_event: EventHook | None = None,
@@ -317,7 +317,7 @@ class DeltaParameterServer:
         return None if republish is None else republish()
 
     # ----------------------------------------------------------------- pushing
-    def push(self, version: int, params: Any, *, reset: bool = False) -> None:
+    def push(self, version: int, params: object, *, reset: bool = False) -> None:
         """Publishes ``params`` as ``version``: the chunks changed since the previous push,
         or every chunk (a full snapshot; see the module docstring).
 

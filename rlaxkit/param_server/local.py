@@ -39,7 +39,7 @@ def _copy_leaves(leaves: list) -> list:
     return [jnp.copy(leaf) for leaf in leaves]
 
 
-def _copy_tree(tree: Any) -> Any:
+def _copy_tree(tree: object) -> Any:
     """Fresh buffers for every leaf in one jitted dispatch over the flat list of leaves
     (not one ``jnp.copy`` dispatch per leaf): ~0.4 ms for the demo model's 47 leaves."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -95,7 +95,7 @@ class InProcessParameterServer:
             entry = self._versions.get(int(version))
         return None if entry is None else entry[0]
 
-    def push(self, version: int, params: Any, *, pin: bool = False) -> None:
+    def push(self, version: int, params: object, *, pin: bool = False) -> None:
         """Publishes ``params`` as ``version`` and evicts versions beyond ``keep``.
 
         Args:

@@ -281,7 +281,7 @@ class RayObjectStoreParameterServer:
         RayObjectStoreParameterServer.__init__(self, state.pop("actor"), **state)
 
     # -- the trainer's side ------------------------------------------------------------
-    def push(self, version: int, params: Any, *, reset: bool = False, pin: bool = False) -> None:
+    def push(self, version: int, params: object, *, reset: bool = False, pin: bool = False) -> None:
         """Copies ``params`` to host memory, puts them in the object store once, and
         registers the reference as ``version`` (``reset``: forget older versions first;
         ``pin``: the actor keeps it beyond ``keep`` until the next pinned push, and
@@ -420,7 +420,7 @@ class _SplitRecord(Mapping[Any, Any]):
         self._refs, self._version = refs, version
         self._got: dict[Any, Any] = {}
 
-    def __getitem__(self, key: Any) -> Any:
+    def __getitem__(self, key: object) -> Any:
         if key not in self._got:
             value = self._refs[key]
             if isinstance(value, ray.ObjectRef):

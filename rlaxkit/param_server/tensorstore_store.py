@@ -123,7 +123,7 @@ class TensorStoreParameterServer:
         directory: str | os.PathLike[str],
         keep: int = 2,
         *,
-        template: Any = None,
+        template: object = None,
         durable: bool = False,
         chunk_bytes: int | None = None,
         poll_interval_s: float = 0.01,
@@ -289,7 +289,7 @@ class TensorStoreParameterServer:
         return treepaths.nested_dict(paths, placed)
 
     # ----------------------------------------------------------------- writing
-    def push(self, version: int, params: Any, *, pin: bool = False) -> None:
+    def push(self, version: int, params: object, *, pin: bool = False) -> None:
         """Writes ``params`` as ``version``, publishes it atomically, evicts beyond ``keep``.
 
         Args:

@@ -68,7 +68,7 @@ def path_str(path: KeyPath) -> str:
     return "".join(parts) or "<root>"
 
 
-def flatten(tree: Any) -> tuple[list[KeyPath], list[Any], Any]:
+def flatten(tree: object) -> tuple[list[KeyPath], list[Any], Any]:
     """Returns ``(encoded key paths, leaves, treedef)`` of ``tree``."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [encode_path(path) for path, _ in with_paths]
@@ -76,7 +76,7 @@ def flatten(tree: Any) -> tuple[list[KeyPath], list[Any], Any]:
     return paths, leaves, treedef
 
 
-def unflatten_like(template: Any, paths: list[KeyPath], leaves: list[Any]) -> Any:
+def unflatten_like(template: object, paths: list[KeyPath], leaves: list[Any]) -> Any:
     """Places ``leaves`` (named by ``paths``) into the tree structure of ``template``.
 
     Raises:

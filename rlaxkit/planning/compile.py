@@ -71,7 +71,7 @@ from rlaxkit.trainer.state import create_train_state
 from rlaxkit.trainer.step import make_train_step
 
 
-def _with_shardings(tree: Any, shardings: Any) -> Any:
+def _with_shardings(tree: object, shardings: object) -> Any:
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
@@ -151,7 +151,7 @@ def _train_parts(
         lora=lora,
     )
 
-    def create(params: Any) -> Any:
+    def create(params: object) -> Any:
         ref = jax.tree.map(jnp.copy, params) if plan.reference else None
         return create_train_state(cfg, params, ref_params=ref)
 

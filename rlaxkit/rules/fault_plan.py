@@ -73,7 +73,7 @@ _HAS_RESTART = {"preempt_worker", "preempt_slice", "preempt_trainer", "kill_para
 _DEFAULT_TARGET = {"preempt_trainer": "trainer", "kill_param_server": "param_server"}
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return is_number(value) and math.isfinite(value)
 
 

@@ -135,7 +135,7 @@ class GroupLedger:
         *,
         equal_rewards: bool,
         trainer_version: int,
-        payload: Any = None,
+        payload: object = None,
     ) -> str | None:
         """Group ``group_id`` finished, its tokens sampled with versions ``first..last``;
         returns why it was dropped, or ``None`` when it was admitted."""

@@ -351,7 +351,7 @@ class RecoveryPolicy:
         _check_choice("trainer_lost", self.trainer_lost, ("requeue", "drop"))
 
 
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     """Raises ``ValueError`` naming ``name`` and the allowed values."""
     if value not in allowed:
         raise ValueError(f"{name}: must be one of {list(allowed)}, got {value!r}")

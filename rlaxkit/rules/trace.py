@@ -172,7 +172,7 @@ class TraceEvent:
     def __getitem__(self, key: str) -> Any:
         return self.fields[key]
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: object = None) -> Any:
         """The field ``key``, or ``default`` when absent."""
         return self.fields.get(key, default)
 
@@ -247,7 +247,7 @@ class TraceSink(Protocol):
     """Anything that takes trace events: a JSONL writer, an in-memory list."""
 
     def record(
-        self, t: float, kind: str, actor: str, version: int | None = None, **fields: Any
+        self, t: float, kind: str, actor: str, version: int | None = None, **fields: object
     ) -> None:
         """Record one event (validated)."""
         ...
@@ -260,7 +260,7 @@ class MemoryTrace:
         self.events: list[TraceEvent] = []
 
     def record(
-        self, t: float, kind: str, actor: str, version: int | None = None, **fields: Any
+        self, t: float, kind: str, actor: str, version: int | None = None, **fields: object
     ) -> None:
         """Append one validated event."""
         self.events.append(TraceEvent(t, kind, actor, version, fields))
@@ -291,7 +291,7 @@ class JsonlTraceWriter:
         self._handle = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
 
     def record(
-        self, t: float, kind: str, actor: str, version: int | None = None, **fields: Any
+        self, t: float, kind: str, actor: str, version: int | None = None, **fields: object
     ) -> None:
         """Validate, write and flush one event."""
         self.emit(TraceEvent(t, kind, actor, version, fields))

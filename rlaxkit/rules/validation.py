@@ -95,7 +95,7 @@ def check_int(
 
 def check_number(
     name: str,
-    value: Any,
+    value: object,
     *,
     minimum: float | None = None,
     maximum: float | None = None,

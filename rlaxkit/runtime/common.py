@@ -95,7 +95,7 @@ class RunTrace:
         self.lock = lock
 
     def record(
-        self, t: float, kind: str, actor: str, version: int | None = None, **fields: Any
+        self, t: float, kind: str, actor: str, version: int | None = None, **fields: object
     ) -> None:
         """Validates and records one event at time ``t + offset_s``."""
         self.emit(TraceEvent(t + self.offset_s, kind, actor, version, fields))

@@ -75,7 +75,7 @@ class Experiment(Loop):
         cache_dir: str | Path | None = None,
         faults: FaultPlan | str | Path | list | None = None,
         resume: bool = True,
-        ray_config: Any = None,
+        ray_config: object = None,
     ):
         self.config = config
         plan = load_plan(faults)

@@ -54,7 +54,7 @@ class UnreliableParameterServer:
         self._known: int | None = None
 
     # -- the trainer's side ---------------------------------------------------------
-    def push(self, version: int, params: Any) -> None:
+    def push(self, version: int, params: object) -> None:
         """Publishes now, or when the store is back if it is down (newest wins)."""
         if self.down_until is not None:
             self.pending = (version, jax.tree.map(jnp.copy, params))
@@ -88,7 +88,7 @@ class UnreliableParameterServer:
             self.push(version, params)
         return True
 
-    def rollback(self, version: int, params: Any) -> None:
+    def rollback(self, version: int, params: object) -> None:
         """Starts a new lineage at ``version`` (the trainer restored an older checkpoint)."""
         self.store = self._make_store()
         self.store.push(version, params)
@@ -137,7 +137,7 @@ class _WorkerView:
     def latest_version(self) -> int | None:
         return self.server.latest_version()
 
-    def push(self, version: int, params: Any) -> None:
+    def push(self, version: int, params: object) -> None:
         raise RuntimeError("workers do not push weights")
 
     def pull(self, min_version: int | None = None, timeout: float | None = None) -> Any:

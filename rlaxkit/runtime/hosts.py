@@ -51,7 +51,7 @@ def configure_jax(options: dict[str, Any]) -> None:
         jax.config.update(name, value)
 
 
-def drain(trace: Any) -> list[TraceEvent]:
+def drain(trace: object) -> list[TraceEvent]:
     """The events a host recorded in memory since the last reply (none when it records
     into the run's trace directly, in this process)."""
     if not isinstance(trace, MemoryTrace):
@@ -153,7 +153,7 @@ def _restarts_only(on_event: Any, kind: str, version: int | None, **fields: Any)
         on_event(kind, version, **fields)
 
 
-def read_published(store: Any, lora: Any) -> tuple[int, Any]:
+def read_published(store: Any, lora: object) -> tuple[int, Any]:
     """``(version, full weights)`` of the newest version in ``store``. A LoRA run's
     store holds a base record and adapter records (``trainer.lora``, ``lora`` here), so
     it is read through ``AdapterParameterServer``, which merges them as a worker does."""
@@ -164,7 +164,7 @@ def read_published(store: Any, lora: Any) -> tuple[int, Any]:
     return store.pull()
 
 
-def published_params(store: Any, lora: Any, version: int) -> Any:
+def published_params(store: object, lora: object, version: int) -> Any:
     """The full weights of ``version``, which must be the newest in ``store`` (a
     checkpoint keeps the published version's weights)."""
     pulled, params = read_published(store, lora)

@@ -120,7 +120,7 @@ class InProcess:
     def stop(self, handle: Any) -> None:
         handle.close()
 
-    def start_seconds(self, handle: Any) -> float | None:
+    def start_seconds(self, handle: object) -> float | None:
         return None  # built in this process before its first round
 
 
@@ -135,7 +135,7 @@ def start_local(
 ) -> Parts:
     """The local placement's parts: trainer (with its warm start), store and fleet."""
 
-    def on_transfer(kind: str, version: int, **fields: Any) -> None:
+    def on_transfer(kind: str, version: int, **fields: object) -> None:
         if kind == "push":
             trace.record(
                 clock(),
@@ -209,13 +209,13 @@ def start_local(
     )
 
 
-def lora_conversions(lora: Any) -> dict[str, Callable[[int, Any], Any]]:
+def lora_conversions(lora: object) -> dict[str, Callable[[int, Any], Any]]:
     """A LoRA run (``trainer.lora``) pushes adapter records: a push held back by an
     outage is checkpointed as its full weights and restored as a record of them
     (``merged_record``)."""
     from rlaxkit.param_server.adapters import merged_record
 
-    def weights_of(version: int, record: Any) -> Any:
+    def weights_of(version: int, record: object) -> Any:
         alone = InProcessParameterServer(keep=2)
         alone.push(version, record)
         return read_published(alone, lora)[1]

@@ -182,7 +182,7 @@ class Loop:
         # In id order, as the simulator requeues them (``SimBuffer.on_restore``, sim/entities).
         self.requeue(sorted(void, key=lambda issue: issue.group_id), reason="rolled_back")
 
-    def lose_worker(self, worker_id: str, lost: list[Issue], **fields: Any) -> None:
+    def lose_worker(self, worker_id: str, lost: list[Issue], **fields: object) -> None:
         """A worker left the fleet or went down: its prompts are re-issued (or dropped,
         per ``RecoveryPolicy.worker_lost``), and the trace records a ``preemption`` with
         ``fields`` (its reason, downtime)."""

@@ -84,12 +84,12 @@ class RayTransport:
         ready.future().add_done_callback(note)
         return handle
 
-    def start_seconds(self, handle: Any) -> float | None:
+    def start_seconds(self, handle: object) -> float | None:
         """Seconds the actor behind ``handle`` took from its start to being up (process,
         imports, constructor), once, when it is known; else ``None``."""
         return self._start_s.pop(id(handle), None)
 
-    def up(self, handle: Any) -> bool:
+    def up(self, handle: object) -> bool:
         """Whether the actor behind ``handle`` is up (or has failed to start: its next
         call finds out); waits for a new one until its deadline."""
         starting = self._starting.get(id(handle))
@@ -120,7 +120,7 @@ class RayTransport:
         with contextlib.suppress(Exception):
             ray.kill(handle)
 
-    def stop(self, handle: Any) -> None:
+    def stop(self, handle: object) -> None:
         self._starting.pop(id(handle), None)
         self._start_s.pop(id(handle), None)
         stop_actor(handle)

@@ -309,7 +309,7 @@ class TrainerGroup:
             self.kill()
         raise error
 
-    def call(self, method: str, *args: Any) -> Any:
+    def call(self, method: str, *args: object) -> Any:
         """Calls ``method`` on every process; returns process 0's reply.
 
         Raises:
@@ -318,7 +318,7 @@ class TrainerGroup:
         """
         return self.start(method, *args)()
 
-    def start(self, method: str, *args: Any) -> Callable[[], Any]:
+    def start(self, method: str, *args: object) -> Callable[[], Any]:
         """Starts ``method`` on every process; returns the wait for its reply
         (:meth:`call`'s)."""
         if self.size == 1:

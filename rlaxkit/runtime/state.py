@@ -54,7 +54,7 @@ JSON_ITEMS = ("meta", "controller", "buffer", "workers", "fleet", "faults", "his
 RESUMABLE_FIELDS = ("steps", "eval", "checkpoint", "ray", "tracking")
 
 
-def param_shapes(tree: Any) -> dict[str, list]:
+def param_shapes(tree: object) -> dict[str, list]:
     """``{path: [shape, dtype]}`` of every leaf (compared before a restore)."""
     return {
         jax.tree_util.keystr(path): [list(leaf.shape), str(leaf.dtype)]
@@ -140,7 +140,7 @@ class ResumePoint:
 
 
 def find_resume_point(
-    run_dir: Path | None, config: RunConfig, plan: Any, resume: bool
+    run_dir: Path | None, config: RunConfig, plan: object, resume: bool
 ) -> ResumePoint | None:
     """The newest checkpoint in ``run_dir`` to resume from (``None``: a new run).
 
@@ -289,7 +289,7 @@ def encode(
     return items, arrays
 
 
-def read_weights(point: ResumePoint, template: Any) -> dict[int, Any]:
+def read_weights(point: ResumePoint, template: object) -> dict[int, Any]:
     """The ``weights`` item of ``point`` as ``version -> params`` shaped like
     ``template`` (abstract params)."""
     versions = point.meta["weights"]

@@ -57,7 +57,7 @@ class InProcessTrainer:
     def __init__(self, host: TrainerHost):
         self.leader = host
 
-    def call(self, method: str, *args: Any) -> Any:
+    def call(self, method: str, *args: object) -> Any:
         return getattr(self.leader, method)(*args)
 
     def preempt(self) -> None:
@@ -179,7 +179,7 @@ class HealingTrainerClient:
     # -- the client ------------------------------------------------------------------
     def train(
         self,
-        batch: Any,
+        batch: object,
         step: int,
         push: bool,
         during: Callable[[threading.Event], None] | None = None,
@@ -194,7 +194,7 @@ class HealingTrainerClient:
         return result
 
     def _train_during(
-        self, batch: Any, step: int, push: bool, during: Callable[[threading.Event], None]
+        self, batch: object, step: int, push: bool, during: Callable[[threading.Event], None]
     ) -> TrainResult:
         """The step with ``during`` beside it. A trainer in this process steps on this
         thread (XLA:CPU's buffers stay in the main heap, ``rlaxkit.util.hostmem``) and
@@ -220,7 +220,7 @@ class HealingTrainerClient:
             return self.call("train", batch, step, push)
         return result
 
-    def _keep(self, step: int, batch: Any) -> None:
+    def _keep(self, step: int, batch: object) -> None:
         """Keeps ``batch`` for a heal; past ``replay_limit_mb`` lets the oldest go (the
         newest batch is always kept)."""
         self.replay.append((step, batch))

@@ -38,7 +38,7 @@ _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _SENTINEL = "\x00rlaxkit-turn\x00"  # no template writes it: marks where content ends
 
 
-def _call_text(name: str, arguments: Any) -> str:
+def _call_text(name: str, arguments: object) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 

@@ -88,7 +88,7 @@ class ChatRequest:
     stream: bool = False
 
 
-def _fail(param: str, what: str, value: Any) -> ApiError:
+def _fail(param: str, what: str, value: object) -> ApiError:
     return ApiError(f"{param}: must be {what}, got {value!r}", param=param)
 
 
@@ -105,7 +105,7 @@ def _int(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
     return value
 
 
-def _content(value: Any, param: str) -> str:
+def _content(value: object, param: str) -> str:
     """A message's content: a string, null, or a list of text parts."""
     if value is None or isinstance(value, str):
         return value or ""
@@ -121,7 +121,7 @@ def _content(value: Any, param: str) -> str:
     raise _fail(param, "a string, null or a list of text parts", value)
 
 
-def _tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
+def _tool_calls(value: object, param: str) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise _fail(param, "a list of tool calls", value)
     calls = []
@@ -144,7 +144,7 @@ def _tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _message(value: Any, index: int) -> dict[str, Any]:
+def _message(value: object, index: int) -> dict[str, Any]:
     param = f"messages[{index}]"
     if not isinstance(value, dict):
         raise _fail(param, "an object with role and content", value)
@@ -165,7 +165,7 @@ def _message(value: Any, index: int) -> dict[str, Any]:
     return message
 
 
-def _tools(value: Any) -> tuple[dict[str, Any], ...]:
+def _tools(value: object) -> tuple[dict[str, Any], ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -182,7 +182,7 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
     return tuple(value)
 
 
-def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...]) -> str | dict[str, Any]:
+def _tool_choice(value: object, tools: tuple[dict[str, Any], ...]) -> str | dict[str, Any]:
     """``"auto"`` and ``"none"`` are taken as they are; ``"required"`` and a named
     function would need constrained decoding, which the sampler does not do."""
     if value is None:
@@ -198,7 +198,7 @@ def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...]) -> str | dict[st
     raise _fail("tool_choice", "'auto' or 'none'", value)
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def parse_chat_request(body: object) -> ChatRequest:
     """Checks a decoded request body; raises ``ApiError`` naming the first bad field."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object", param=None)

@@ -280,14 +280,14 @@ def generate_split(
     )
 
 
-def check_choice(name: str, value: Any, choices: Any) -> None:
+def check_choice(name: str, value: object, choices: object) -> None:
     """Raises ``ValueError`` naming ``name`` unless ``value`` is one of a ``Literal``'s args."""
     allowed = get_args(choices)
     if value not in allowed:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
 
 
-def check_choices(name: str, values: Sequence[Any], choices: Any) -> None:
+def check_choices(name: str, values: Sequence[Any], choices: object) -> None:
     """Like ``check_choice`` for every element of a non-empty tuple."""
     if not isinstance(values, tuple) or not values:
         raise ValueError(f"{name} must be a non-empty tuple, got {values!r}")

@@ -13,7 +13,6 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from rlaxkit.rules.validation import check_int, is_number
 from rlaxkit.tasks.base import (
@@ -63,7 +62,7 @@ def outputs_match(expected: str, actual: str) -> bool:
     return lines(expected) == lines(actual)
 
 
-def check_test_cases(problem_id: str, answer: Any) -> list[dict[str, str]]:
+def check_test_cases(problem_id: str, answer: object) -> list[dict[str, str]]:
     """``answer`` as a list of ``{"input", "output"}`` string dicts, or ``ValueError``."""
     if not isinstance(answer, list) or not answer:
         raise ValueError(f"problem {problem_id}: answer must be a non-empty list of test cases")

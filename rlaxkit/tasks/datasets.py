@@ -261,7 +261,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _to_problem(
-    path: Path, row_number: int, row: Any, fields: FieldMapping, id_prefix: str
+    path: Path, row_number: int, row: object, fields: FieldMapping, id_prefix: str
 ) -> Problem:
     def fail(field_name: str, message: str) -> DatasetError:
         return DatasetError(path, row_number, field_name, message)
@@ -310,7 +310,7 @@ def _to_problem(
 
 
 def _messages(
-    value: Any, fail: Callable[[str, str], DatasetError], field_name: str
+    value: object, fail: Callable[[str, str], DatasetError], field_name: str
 ) -> tuple[dict[str, str], ...] | None:
     if value is None:
         return None

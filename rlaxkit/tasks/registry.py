@@ -43,7 +43,7 @@ def task_config_class(name: str) -> type:
     return _REGISTRY[name][0]
 
 
-def make_task(name: str, **options: Any) -> Task:
+def make_task(name: str, **options: object) -> Task:
     """Builds the task registered as ``name`` from config keyword options.
 
     Lists are turned into tuples (YAML has no tuples; configs are frozen), and nested
@@ -82,7 +82,7 @@ def build_config(config_cls: type, options: dict[str, Any], *, where: str) -> An
         raise ValueError(f"{where} options: {err}") from None
 
 
-def _is_number_type(tp: Any) -> bool:
+def _is_number_type(tp: object) -> bool:
     args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
     return all(a in (int, float) for a in args)
 

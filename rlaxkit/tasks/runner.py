@@ -91,7 +91,7 @@ class RewardRunnerConfig:
             raise ValueError("timeout_s and startup_timeout_s must be > 0")
 
 
-def validate_reward(value: Any) -> RewardResult:
+def validate_reward(value: object) -> RewardResult:
     """``value`` as a ``RewardResult`` with a finite score in [0, 1], else reward 0 with
     reason ``INVALID_REWARD``. Plain real numbers are accepted as scores."""
     if type(value) is RewardResult and type(value.score) is float and 0.0 <= value.score <= 1.0:
@@ -455,7 +455,7 @@ class _RewardTimedOut(BaseException):
     own ``except Exception`` cannot swallow it)."""
 
 
-def _raise_timed_out(signum: int, frame: Any) -> None:
+def _raise_timed_out(signum: int, frame: object) -> None:
     raise _RewardTimedOut
 
 

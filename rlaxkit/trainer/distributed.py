@@ -137,7 +137,7 @@ class DistributedConfig:
 
     @classmethod
     def from_env(
-        cls, environ: Mapping[str, str] | None = None, **explicit: Any
+        cls, environ: Mapping[str, str] | None = None, **explicit: object
     ) -> DistributedConfig:
         """Settings from ``explicit`` keyword arguments, else the environment.
 
@@ -288,7 +288,7 @@ def global_mesh(shape: Sequence[int] = (1, -1, 1)) -> Mesh:
     return make_mesh(*resolve_mesh_shape(shape, len(devices)), devices=devices)
 
 
-def place_global(tree: Any, shardings: Any) -> Any:
+def place_global(tree: object, shardings: object) -> Any:
     """Global arrays from a value every process holds in full (host or local device).
 
     Each process hands JAX only the shards its own devices hold
@@ -317,7 +317,7 @@ def place_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
     return place_global(batch, jax.tree.map(lambda _: rows, batch))
 
 
-def gather_to_host(tree: Any) -> Any:
+def gather_to_host(tree: object) -> Any:
     """Full ``numpy`` copies of (possibly sharded, multi-process) arrays, in every
     process; host values pass through.
 
@@ -338,7 +338,7 @@ def gather_to_host(tree: Any) -> Any:
     return jax.tree.map(gather, tree)
 
 
-def broadcast_from_process_0(tree: Any) -> Any:
+def broadcast_from_process_0(tree: object) -> Any:
     """Process 0's ``tree`` (host or local arrays), as ``numpy``, in every process.
 
     Used where only process 0 computed something (a warm start): the others receive its

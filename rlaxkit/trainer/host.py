@@ -62,7 +62,7 @@ def first_batch(config: RunConfig, task: Any, tokenizer: Any) -> TrainBatch | No
     return collate([sample] * rows, bucket=TRAIN_BUCKETS, pad_token_id=tokenizer.pad_id)
 
 
-def compile_first_step(host: TrainerHost, config: RunConfig, task: Any) -> threading.Thread:
+def compile_first_step(host: TrainerHost, config: RunConfig, task: object) -> threading.Thread:
     """Compiles ``host``'s train step for ``first_batch`` on a background thread, so that
     it compiles while the workers compile and generate the first batch (XLA compiles
     without the GIL) and the first step waits for the longer of the two, not their sum.
@@ -196,7 +196,7 @@ class TrainerHost:
     def _warm_start(self, config, task, model, tokenizer, cache_dir):
         return warm_start(config, task, model, tokenizer, cache_dir)
 
-    def _place_state(self, state: Any) -> Any:
+    def _place_state(self, state: object) -> Any:
         # Committed to the device like a state restored by Orbax, so that a restore
         # does not recompile the train step (committed arrays key another program).
         return jax.device_put(state, jax.devices()[0])
@@ -204,15 +204,15 @@ class TrainerHost:
     def _place_batch(self, batch: TrainBatch) -> TrainBatch:
         return batch
 
-    def _host(self, tree: Any) -> Any:
+    def _host(self, tree: object) -> Any:
         """Full host copies of ``tree`` (a collective with several processes)."""
         return host_arrays(tree)
 
-    def _for_push(self, params: Any) -> Any:
+    def _for_push(self, params: object) -> Any:
         """What ``push`` is given: device arrays here (the store copies them)."""
         return params
 
-    def _publishable(self, params: Any) -> Any:
+    def _publishable(self, params: object) -> Any:
         """What :meth:`publish` may push later: a host copy, or in this process the
         kept parameters themselves (adapters are copied: the step donates them)."""
         return params if self.in_process and self.lora is None else self._host(params)

@@ -142,12 +142,12 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 
 def create_train_state(
     cfg: TrainConfig,
-    params: Any,
+    params: object,
     *,
     seed: int = 0,
-    value_params: Any = None,
-    ref_params: Any = None,
-    teacher_params: Any = None,
+    value_params: object = None,
+    ref_params: object = None,
+    teacher_params: object = None,
 ) -> TrainState:
     """A step-0 state: optimizer initialised on ``(params, value_params)``.
 

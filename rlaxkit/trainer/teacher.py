@@ -10,7 +10,6 @@ its graph.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from flax import nnx
 
@@ -57,7 +56,7 @@ def distill_config(spec: DistillSpec | None) -> DistillConfig | None:
 
 
 def initial_train_state(
-    config: RunConfig, train_config: TrainConfig, params: Any, vocab_size: int
+    config: RunConfig, train_config: TrainConfig, params: object, vocab_size: int
 ) -> TrainState:
     """A run's step-0 train state: its reference is the initial policy when the
     algorithm needs one, and ``config.distill``'s teacher is loaded, checked against the

@@ -91,7 +91,7 @@ def saved_config(run_dir: Path, kind: Kind) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def differences(saved: Any, given: Any, path: str = "") -> list[str]:
+def differences(saved: object, given: object, path: str = "") -> list[str]:
     """Dotted paths where two config mappings differ.
 
     >>> differences({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"b": 1, "c": 5}, "d": 4})

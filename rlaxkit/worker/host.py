@@ -50,7 +50,7 @@ class _Observed:
         version, params = self.server.pull(min_version, timeout)
         return version, cast_floats(params, self.dtype)
 
-    def push(self, version: int, params: Any) -> None:
+    def push(self, version: int, params: object) -> None:
         self.server.push(version, params)
 
 

@@ -178,7 +178,7 @@ class ReplayLog:
         self.ops: list[Op] = []
         self._weights: dict[int, Any] = {}  # version -> params, the base's first
 
-    def reset(self, version: int | None, params: Any = None) -> None:
+    def reset(self, version: int | None, params: object = None) -> None:
         """Starts an empty log from an idle engine holding ``params`` of ``version``
         (``None``: no engine)."""
         self.base_version = version
@@ -202,7 +202,7 @@ class ReplayLog:
         ``release_after_s``)."""
         self.ops.append(Release(group_id, sample_index))
 
-    def updated(self, version: int, params: Any, *, recompute_cache: bool) -> None:
+    def updated(self, version: int, params: object, *, recompute_cache: bool) -> None:
         """Records a weight update with prompts in flight, and keeps its weights."""
         self.ops.append(UpdateWeights(version, recompute_cache))
         self._weights[version] = params

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -88,7 +88,7 @@ def verified_rollout(
 
 
 def record_generation_end(
-    trace: TraceSink, actor: str, now_s: float, rollout: Rollout, **fields: Any
+    trace: TraceSink, actor: str, now_s: float, rollout: Rollout, **fields: object
 ) -> None:
     """Writes the rollout's ``generation_end`` event (``rlaxkit.rules.trace``)."""
     trace.record(

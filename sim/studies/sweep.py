@@ -124,7 +124,7 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | Non
     return "\n".join(lines)
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
