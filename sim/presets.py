@@ -56,7 +56,7 @@ QWQ_32B_PARAMS = 32.5e9  # QwQ-32B (RLAX's model [R1]) is a Qwen2.5-32B: ~32.5B 
 QWQ_32B_KV_BYTES_PER_TOKEN = 64 * 8 * 128 * 2 * 2
 
 
-def _apply(scenario: Scenario, overrides: dict[str, Any]) -> Scenario:
+def _apply(scenario: Scenario, overrides: Mapping[str, object]) -> Scenario:
     return with_overrides(scenario, overrides) if overrides else scenario
 
 
@@ -366,7 +366,7 @@ PLANNED_FIELDS = frozenset(
 )
 
 
-def planned(base: Scenario, compiled: Mapping[str, Any]) -> Scenario:
+def planned(base: Scenario, compiled: Mapping[str, object]) -> Scenario:
     """``base`` with the costs a compiled plan gives (``Plan.sim_overrides()``).
 
     The trainer's step time then follows from the FLOPs XLA counted for the real train

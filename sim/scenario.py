@@ -306,7 +306,7 @@ def save_scenario(scenario: Scenario, path: str | os.PathLike) -> None:
     Path(path).write_text(text, encoding="utf-8")
 
 
-def with_overrides(scenario: Scenario, overrides: Mapping[str, Any]) -> Scenario:
+def with_overrides(scenario: Scenario, overrides: Mapping[str, object]) -> Scenario:
     """A copy with fields replaced by dotted path, e.g. ``{"fleet.num_workers": 8}``.
 
     Setting ``workload.prompts_per_step`` also sets ``staleness.batch_size`` (they

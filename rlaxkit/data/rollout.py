@@ -13,6 +13,7 @@ their behaviour log-prob is 0 and their version ``ENVIRONMENT_VERSION``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +102,7 @@ class Rollout:
         reward: float,
         finish_reason: str,
         worker_id: str = "",
-        reward_info: dict[str, Any] | None = None,
+        reward_info: Mapping[str, object] | None = None,
         timings: dict[str, float] | None = None,
         policy_mask: np.ndarray = _ALL_POLICY,
     ) -> None:

@@ -295,7 +295,9 @@ def _family_of(hf: dict[str, Any]) -> str:
     )
 
 
-def _require(hf: dict[str, Any], field: str, allowed: tuple[Any, ...], *, default: object) -> None:
+def _require(
+    hf: dict[str, Any], field: str, allowed: tuple[object, ...], *, default: object
+) -> None:
     value = hf.pop(field, default)
     if value is None:
         value = default

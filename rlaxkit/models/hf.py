@@ -33,7 +33,7 @@ _SINGLE = "model.safetensors"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def hf_name(path: tuple[Any, ...]) -> tuple[str, bool]:
+def hf_name(path: tuple[object, ...]) -> tuple[str, bool]:
     """HF tensor name of an NNX parameter path, and whether it is stored transposed."""
     *head, leaf = (str(p) for p in path)
     transposed = leaf == "kernel"

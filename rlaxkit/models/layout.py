@@ -43,7 +43,7 @@ def _name(key: object) -> Any:
     return key
 
 
-def is_stacked(path: Sequence[Any]) -> bool:
+def is_stacked(path: Sequence[object]) -> bool:
     """Whether the leaf at ``path`` holds every layer along a leading axis.
 
     True for a path through ``"layers"`` not followed by a layer index; works on
@@ -94,7 +94,7 @@ def unstack_layers(state: nnx.State) -> nnx.State:
     return nnx.from_flat_state(out)
 
 
-def _layer_index(path: Sequence[Any]) -> int | None:
+def _layer_index(path: Sequence[object]) -> int | None:
     """Position of the layer index in a per-layer path, else ``None``."""
     for i, name in enumerate(path[:-1]):
         if name == LAYERS and isinstance(path[i + 1], int):

@@ -109,7 +109,7 @@ class LoraConfig:
         return float(self.alpha) / self.rank
 
 
-def _names(path: tuple[Any, ...]) -> tuple[Any, ...]:
+def _names(path: tuple[object, ...]) -> tuple[Any, ...]:
     return tuple(getattr(k, "key", k) for k in path)
 
 

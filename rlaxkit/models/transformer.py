@@ -49,7 +49,9 @@ def check_remat(remat: str) -> None:
         raise ValueError(f"remat: must be one of {REMAT_POLICIES}, got {remat!r}")
 
 
-def _rematted(fn: Callable[..., Any], remat: RematPolicy, *, in_scan: bool) -> Callable[..., Any]:
+def _rematted(
+    fn: Callable[..., object], remat: RematPolicy, *, in_scan: bool
+) -> Callable[..., Any]:
     """``fn`` under ``jax.checkpoint`` with the policy ``remat`` names.
 
     ``"dots"`` saves the results of matmuls without batch dimensions, which here are the

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ class MetricsLogger:
             else None
         )
 
-    def log(self, metrics: dict[str, Any]) -> None:
+    def log(self, metrics: Mapping[str, object]) -> None:
         """Records one step's metrics."""
         row = {k: _plain(v) for k, v in metrics.items()}
         self.history.append(row)

@@ -251,7 +251,7 @@ class _Builder:
         args = {"sample": key[1], "first_version": version, "aborted": aborted}
         self.spans[(key[0], "slot")].append(_Span(start[0], t, name, "terrible", args))
 
-    def _drop(self, t: float, data: Mapping[str, Any]) -> None:
+    def _drop(self, t: float, data: Mapping[str, object]) -> None:
         rollout = str(data.get("rollout"))
         if "rollout" in data and rollout not in self.dropped:
             self.dropped.add(rollout)
@@ -343,7 +343,7 @@ def trace_event_format(
     *,
     max_events: int = MAX_EVENTS,
     max_events_per_track: int = MAX_EVENTS_PER_TRACK,
-    metadata: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, object] | None = None,
 ) -> dict[str, Any]:
     """The Trace Event Format object of a trace (see the module docstring).
 
@@ -377,7 +377,7 @@ def _document(
     events: Iterable[TraceEvent | Row],
     max_events: int,
     max_events_per_track: int,
-    metadata: Mapping[str, Any] | None,
+    metadata: Mapping[str, object] | None,
 ) -> dict[str, Any]:
     builder = _Builder()
     for row in _rows(events):
@@ -489,7 +489,7 @@ def _us(seconds: float) -> int:
     return round(seconds * _US)
 
 
-def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+def _meta(name: str, pid: int, tid: int, args: Mapping[str, object]) -> dict[str, Any]:
     return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
 
 
@@ -522,7 +522,7 @@ _PHASES = {
 _METADATA_NAMES = {"process_name", "process_sort_index", "thread_name", "thread_sort_index"}
 
 
-def validate(document: Mapping[str, Any]) -> None:
+def validate(document: Mapping[str, object]) -> None:
     """Check a Trace Event Format document against the format's rules that viewers rely
     on; raise ``ValueError`` naming the first event that breaks one.
 
@@ -604,7 +604,7 @@ def export_perfetto(
     *,
     max_events: int = MAX_EVENTS,
     max_events_per_track: int = MAX_EVENTS_PER_TRACK,
-    metadata: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, object] | None = None,
 ) -> PerfettoExport:
     """Write a trace (a ``trace.jsonl`` path, a run directory holding one, or events)
     as a Trace Event Format JSON file at ``path``; see :func:`trace_event_format`."""

@@ -112,9 +112,9 @@ class Tracker(Protocol):
     def log_histogram(self, step: int, name: str, counts: Mapping[int, int]) -> None:
         """A histogram over integers (staleness in versions): value → count."""
 
-    def log_config(self, config: Mapping[str, Any]) -> None: ...
+    def log_config(self, config: Mapping[str, object]) -> None: ...
 
-    def log_summary(self, summary: Mapping[str, Any]) -> None: ...
+    def log_summary(self, summary: Mapping[str, object]) -> None: ...
 
     def rewind(self, step: int) -> None:
         """The run went back to ``step``: the steps after it will be logged again."""
@@ -123,7 +123,7 @@ class Tracker(Protocol):
         """Ends the tracker's run, marked failed when ``failed`` (the run crashed)."""
 
 
-def flatten(data: Mapping[str, Any], sep: str = "/", prefix: str = "") -> dict[str, Any]:
+def flatten(data: Mapping[str, object], sep: str = "/", prefix: str = "") -> dict[str, Any]:
     """Nested mappings as one level of ``sep``-joined keys.
 
     >>> flatten({"buffer": {"dropped": 2, "by": {"stale": 1}}, "steps": 3})
@@ -139,7 +139,7 @@ def flatten(data: Mapping[str, Any], sep: str = "/", prefix: str = "") -> dict[s
     return out
 
 
-def numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
+def numbers(metrics: Mapping[str, object]) -> dict[str, float]:
     """The entries that are numbers (ints, floats, bools and 0-d arrays), as floats."""
     out = {}
     for key, value in metrics.items():
@@ -193,11 +193,11 @@ class TensorBoardTracker:
             global_step=step,
         )
 
-    def log_config(self, config: Mapping[str, Any]) -> None:
+    def log_config(self, config: Mapping[str, object]) -> None:
         text = yaml.safe_dump(dict(config), sort_keys=False)
         self._writer.add_text("config", f"```yaml\n{text}```", 0)
 
-    def log_summary(self, summary: Mapping[str, Any]) -> None:
+    def log_summary(self, summary: Mapping[str, object]) -> None:
         flat = flatten(summary)
         for key, value in numbers(flat).items():
             self._writer.add_scalar(f"summary/{key}", value, self._last_step)
@@ -254,10 +254,10 @@ class WandbTracker:
         histogram = self._wandb.Histogram(np_histogram=(bins, edges))
         self._run.log({name: histogram, "step": step})
 
-    def log_config(self, config: Mapping[str, Any]) -> None:
+    def log_config(self, config: Mapping[str, object]) -> None:
         self._run.config.update(dict(config), allow_val_change=True)
 
-    def log_summary(self, summary: Mapping[str, Any]) -> None:
+    def log_summary(self, summary: Mapping[str, object]) -> None:
         flat = flatten(summary)
         self._run.summary.update({k: v for k, v in flat.items() if v is not None})
 
@@ -322,7 +322,7 @@ class MlflowTracker:
         seen |= set(counts)
         self._log(step, {f"{name}/count/{v}": float(counts.get(v, 0)) for v in sorted(seen)})
 
-    def log_config(self, config: Mapping[str, Any]) -> None:
+    def log_config(self, config: Mapping[str, object]) -> None:
         from mlflow.entities import Param
 
         logged = self._client.get_run(self.run_id).data.params
@@ -334,7 +334,7 @@ class MlflowTracker:
         for start in range(0, len(params), 100):  # MLflow's limit per batch
             self._client.log_batch(self.run_id, params=params[start : start + 100])
 
-    def log_summary(self, summary: Mapping[str, Any]) -> None:
+    def log_summary(self, summary: Mapping[str, object]) -> None:
         flat = flatten(summary)
         self._log(self._last_step, {f"summary/{k}": v for k, v in numbers(flat).items()})
         for key, value in flat.items():
@@ -438,11 +438,11 @@ class Trackers:
         for tracker in self.trackers.values():
             tracker.rewind(step)
 
-    def log_config(self, config: Mapping[str, Any]) -> None:
+    def log_config(self, config: Mapping[str, object]) -> None:
         for tracker in self.trackers.values():
             tracker.log_config(config)
 
-    def log_summary(self, summary: Mapping[str, Any]) -> None:
+    def log_summary(self, summary: Mapping[str, object]) -> None:
         for tracker in self.trackers.values():
             tracker.log_summary(summary)
 
@@ -463,7 +463,7 @@ def open_trackers(
     names: Sequence[str],
     run_dir: Path | None,
     *,
-    config: Mapping[str, Any],
+    config: Mapping[str, object],
     resumed_from: int | None = None,
     total_steps: int | None = None,
     progress: bool = False,

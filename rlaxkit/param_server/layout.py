@@ -16,8 +16,8 @@ import mmap
 import os
 import uuid
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -142,7 +142,7 @@ def write_file(path: Path, array: np.ndarray, *, create: bool, durable: bool) ->
         os.close(fd)
 
 
-def write_json_atomically(path: Path, payload: dict[str, Any], durable: bool) -> None:
+def write_json_atomically(path: Path, payload: Mapping[str, object], durable: bool) -> None:
     """Replaces ``path`` with ``payload`` so that readers see the old or the new file."""
     tmp = path.with_name(scratch_name(TMP_PREFIX, path.name))
     with open(tmp, "w") as f:

@@ -94,7 +94,7 @@ module docstring); ``ray.init(_system_config=RAY_SYSTEM_CONFIG)``."""
 
 @contextlib.contextmanager
 def local_cluster(
-    num_cpus: int = 2, *, system_config: Mapping[str, Any] | None = RAY_SYSTEM_CONFIG
+    num_cpus: int = 2, *, system_config: Mapping[str, object] | None = RAY_SYSTEM_CONFIG
 ) -> Iterator[None]:
     """A Ray cluster on this machine for the life of the block, as tests and benchmarks
     start one: ``num_cpus`` logical CPUs, no dashboard, workers' logs kept from the

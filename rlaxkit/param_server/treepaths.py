@@ -30,7 +30,7 @@ __all__ = ["KeyPath", "encode_path", "flatten", "nested_dict", "path_str", "unfl
 KeyPath = list[list[Any]]
 
 
-def encode_path(path: Sequence[Any]) -> KeyPath:
+def encode_path(path: Sequence[object]) -> KeyPath:
     """The JSON form of a JAX key path (see the module docstring).
 
     Raises:

@@ -7,6 +7,7 @@ knows which backend runs the loop.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +102,7 @@ class RunBooks:
         }
 
     def load_state_dict(
-        self, state: dict[str, Any], history: list[dict[str, Any]], extra: dict[str, Any]
+        self, state: dict[str, Any], history: list[dict[str, Any]], extra: Mapping[str, object]
     ) -> None:
         """Continues from a checkpoint's books (losses already counted are added)."""
         self.version = self.last_save_step = self.resumed_from = state["step"]

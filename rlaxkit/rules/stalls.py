@@ -5,7 +5,6 @@ loop, the concurrent mode's collector and the agent endpoint's collector call th
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 WARM_START_ADVICE = (
     "with 'filtered', the policy always or never solves the task; warm start longer "
@@ -74,7 +73,7 @@ def drops_error(
     failures: Mapping[str, int],
     scored: int,
     first_reward_error: str | None,
-    last_step: Mapping[str, Any] | None,
+    last_step: Mapping[str, object] | None,
 ) -> TrainingStalled:
     """The error of a run that dropped the groups ``reasons`` names in a row (more than
     ``drop_patience``), saying whether the reward is failing (then with its first
@@ -101,7 +100,7 @@ def drops_error(
     )
 
 
-def _since_last_step(last: Mapping[str, Any] | None) -> str:
+def _since_last_step(last: Mapping[str, object] | None) -> str:
     """What the drops' error adds when the trainer has stepped: the drops in a row all
     came after its last step, and a policy that solved some problems before an update
     and none after was broken by it (its weights still finite, or ``check_finite``

@@ -144,7 +144,7 @@ class TraceEvent:
         kind: str,
         actor: str,
         version: int | None = None,
-        fields: Mapping[str, Any] | None = None,
+        fields: Mapping[str, object] | None = None,
     ) -> None:
         fields = {} if fields is None else fields
         # The common case in a few type tests and two set tests (a run records two
@@ -223,7 +223,7 @@ def _validate(
     kind: str,
     actor: str,
     version: int | None,
-    fields: Mapping[str, Any],
+    fields: Mapping[str, object],
     *,
     where: str,
 ) -> None:

@@ -78,7 +78,7 @@ class WorkerFleet:
 
     def __init__(
         self,
-        start_host: Callable[[str], Any],
+        start_host: Callable[[str], object],
         transport: Transport,
         trace: RunTrace,
         clock: Callable[[], float],

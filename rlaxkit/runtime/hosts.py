@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from functools import partial
 from typing import Any, Literal
 
@@ -46,7 +47,7 @@ def driver_jax_options() -> dict[str, Any]:
     return out
 
 
-def configure_jax(options: dict[str, Any]) -> None:
+def configure_jax(options: Mapping[str, object]) -> None:
     for name, value in options.items():
         jax.config.update(name, value)
 

@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -121,7 +121,7 @@ class TrainerProcessActor(TrainerHost):
         cache_dir: str | None,
         checkpoint_dir: str | None,
         clock: Any,
-        jax_options: dict[str, Any],
+        jax_options: Mapping[str, object],
         process: TrainerProcess,
     ):
         configure_jax(jax_options)

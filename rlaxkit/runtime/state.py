@@ -31,6 +31,7 @@ listed. Items:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ def param_shapes(tree: object) -> dict[str, list]:
     }
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def config_differences(saved: Mapping[str, object], current: Mapping[str, object]) -> list[str]:
     """Dotted config fields that differ, ``RESUMABLE_FIELDS`` excepted."""
     old, new = flatten(saved, "."), flatten(current, ".")
     out = []
@@ -248,7 +249,7 @@ def encode(
     controller: Any,
     buffer: Any,
     fleet: FleetCheckpoint,
-    faults: dict[str, Any],
+    faults: Mapping[str, object],
     published: int,
     weights: dict[int, Any],
     shapes: dict[str, list],

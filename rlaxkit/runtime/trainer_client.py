@@ -6,7 +6,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlaxkit.api import TrainResult
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 def beside(
-    main: Callable[[], Any], side: Callable[[threading.Event], None], stop: threading.Event
+    main: Callable[[], object], side: Callable[[threading.Event], None], stop: threading.Event
 ) -> Any:
     """``main()`` on this thread while ``side(stop)`` runs on a helper thread; returns
     ``main``'s result once both are done. If ``main`` raises, ``stop`` is set (``side``
@@ -265,7 +265,11 @@ class HealingTrainerClient:
         return self.saved
 
     def save(
-        self, step: int, json: dict[str, Any], weights: dict[str, Any] | None, wait: bool = True
+        self,
+        step: int,
+        json: Mapping[str, object],
+        weights: Mapping[str, object] | None,
+        wait: bool = True,
     ) -> bool:
         reply = self.call("save_checkpoint", step, json, weights, wait)
         self.trace.extend(reply.events)

@@ -44,7 +44,7 @@ def _call_text(name: str, arguments: object) -> str:
 
 def qwen_chat(
     messages: Sequence[Message],
-    tools: Sequence[Mapping[str, Any]] = (),
+    tools: Sequence[Mapping[str, object]] = (),
     *,
     add_generation_prompt: bool,
 ) -> str:
@@ -162,7 +162,7 @@ class ChatFormat:
     def render(
         self,
         messages: Sequence[Message],
-        tools: Sequence[Mapping[str, Any]] = (),
+        tools: Sequence[Mapping[str, object]] = (),
         *,
         add_generation_prompt: bool,
     ) -> str:

@@ -92,11 +92,11 @@ def _fail(param: str, what: str, value: object) -> ApiError:
     return ApiError(f"{param}: must be {what}, got {value!r}", param=param)
 
 
-def _optional(body: Mapping[str, Any], name: str) -> Any:
+def _optional(body: Mapping[str, object], name: str) -> Any:
     return body.get(name)
 
 
-def _int(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
+def _int(body: Mapping[str, object], name: str, minimum: int) -> int | None:
     value = _optional(body, name)
     if value is None:
         return None

@@ -31,7 +31,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -75,8 +75,8 @@ class ChatEndpoint:
         config: EndpointConfig,
         *,
         weight_source: WeightSource | None = None,
-        on_rollout: Callable[[Rollout], Any] | None = None,
-        on_drop: Callable[[Session, str], Any] | None = None,
+        on_rollout: Callable[[Rollout], object] | None = None,
+        on_drop: Callable[[Session, str], object] | None = None,
         version: int = 0,
     ):
         self.config, self.tokenizer = config, tokenizer
@@ -194,7 +194,9 @@ class ChatEndpoint:
         )
         return session.id
 
-    def report(self, session_id: str, reward: float, info: dict[str, Any] | None = None) -> Rollout:
+    def report(
+        self, session_id: str, reward: float, info: Mapping[str, object] | None = None
+    ) -> Rollout:
         """Ends a session with ``reward``: its rollout goes to ``on_rollout``."""
         return self.sessions.report(session_id, reward, info)
 

@@ -19,7 +19,7 @@ import itertools
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +85,7 @@ class Session:
         self.logprobs.extend([0.0] * len(ids))
         self.versions.extend([ENVIRONMENT_VERSION] * len(ids))
 
-    def to_rollout(self, reward: float, info: dict[str, Any] | None = None) -> Rollout:
+    def to_rollout(self, reward: float, info: Mapping[str, object] | None = None) -> Rollout:
         """The session as one ``Rollout`` (prompt: the first rendering; completion:
         every id after it, the appended ones out of the loss)."""
         return Rollout(
@@ -132,8 +132,8 @@ class SessionBook:
     def __init__(
         self,
         timeout_s: float,
-        on_rollout: Callable[[Rollout], Any] | None = None,
-        on_drop: Callable[[Session, str], Any] | None = None,
+        on_rollout: Callable[[Rollout], object] | None = None,
+        on_drop: Callable[[Session, str], object] | None = None,
     ):
         self.timeout_s = timeout_s
         self.on_rollout, self.on_drop = on_rollout, on_drop
@@ -195,7 +195,9 @@ class SessionBook:
             )
         return session
 
-    def report(self, session_id: str, reward: float, info: dict[str, Any] | None = None) -> Rollout:
+    def report(
+        self, session_id: str, reward: float, info: Mapping[str, object] | None = None
+    ) -> Rollout:
         """Ends the session with ``reward``; its rollout goes to ``on_rollout``."""
         with self._lock:
             session = self._get(session_id)

@@ -287,7 +287,7 @@ def check_choice(name: str, value: object, choices: object) -> None:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
 
 
-def check_choices(name: str, values: Sequence[Any], choices: object) -> None:
+def check_choices(name: str, values: Sequence[object], choices: object) -> None:
     """Like ``check_choice`` for every element of a non-empty tuple."""
     if not isinstance(values, tuple) or not values:
         raise ValueError(f"{name} must be a non-empty tuple, got {values!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from rlaxkit.config.io import convert
@@ -57,7 +57,7 @@ def make_task(name: str, **options: object) -> Task:
     return factory(build_config(config_cls, options, where=f"task {name!r}"))
 
 
-def build_config(config_cls: type, options: dict[str, Any], *, where: str) -> Any:
+def build_config(config_cls: type, options: Mapping[str, object], *, where: str) -> Any:
     """``config_cls(**options)``, each option checked against its field's type.
 
     Nested configs may be given as dicts and lists become tuples. A number is passed as

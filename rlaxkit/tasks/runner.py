@@ -128,7 +128,7 @@ class RewardRunner:
         config: RewardRunnerConfig | None = None,
         *,
         execution: RewardExecution = "pool",
-        warmup: Callable[[], Any] | None = None,
+        warmup: Callable[[], object] | None = None,
     ):
         """Args:
         reward_fn: ``(problem, completion) -> RewardResult``; picklable for the pool (a
@@ -399,7 +399,9 @@ class _Worker:
         self.since = time.monotonic()
 
 
-def _worker_main(conn: Connection, reward_fn: RewardFn, warmup: Callable[[], Any] | None) -> None:
+def _worker_main(
+    conn: Connection, reward_fn: RewardFn, warmup: Callable[[], object] | None
+) -> None:
     """Worker loop: receive ``(item, problem, completion)``, send ``(item, outcome, payload)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if warmup is not None:

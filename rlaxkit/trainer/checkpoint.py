@@ -175,8 +175,8 @@ class CheckpointManager:
         self,
         step: int,
         *,
-        pytrees: Mapping[str, Any] | None = None,
-        json: Mapping[str, Any] | None = None,
+        pytrees: Mapping[str, object] | None = None,
+        json: Mapping[str, object] | None = None,
         force: bool = False,
     ) -> bool:
         """Saves the items as checkpoint ``step``; returns whether a save started.
@@ -231,7 +231,7 @@ class CheckpointManager:
         self,
         step: int | None = None,
         *,
-        pytrees: Mapping[str, Any] | None = None,
+        pytrees: Mapping[str, object] | None = None,
         json: Iterable[str] = (),
     ) -> dict[str, Any]:
         """Restores the named items of checkpoint ``step`` (default: the latest).
@@ -321,8 +321,8 @@ def save_train_state(
     manager: CheckpointManager,
     state: TrainState,
     *,
-    json: Mapping[str, Any] | None = None,
-    pytrees: Mapping[str, Any] | None = None,
+    json: Mapping[str, object] | None = None,
+    pytrees: Mapping[str, object] | None = None,
     force: bool = False,
 ) -> bool:
     """Saves ``state`` as item ``train_state`` at step ``state.step``, with extra items."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -125,7 +126,7 @@ class TrainerHost:
         cache_dir: str | None,
         checkpoint_dir: str | None,
         clock: Any,
-        jax_options: dict[str, Any],
+        jax_options: Mapping[str, object],
         trace: Any = None,
     ):
         configure_jax(jax_options)
@@ -263,7 +264,9 @@ class TrainerHost:
         end, step = self.clock() if end is None else end, self.version if step is None else step
         self.trace.record(end, kind, "trainer", step, step=step, duration_s=end - start)
 
-    def _save(self, json: dict[str, Any] | None, weights: dict[str, Any] | None, wait: bool) -> int:
+    def _save(
+        self, json: Mapping[str, object] | None, weights: Mapping[str, object] | None, wait: bool
+    ) -> int:
         start = self.clock()
         # Numpy leaves (the weights) are written by process 0 alone; every process
         # writes its shards of the train state. One Orbax step: all items or none.
@@ -376,8 +379,8 @@ class TrainerHost:
     def save_checkpoint(
         self,
         step: int,
-        json: dict[str, Any] | None = None,
-        weights: dict[str, Any] | None = None,
+        json: Mapping[str, object] | None = None,
+        weights: Mapping[str, object] | None = None,
         wait: bool = True,
     ) -> SaveReply:
         """Saves the state as checkpoint ``step`` with the driver's items, unless that

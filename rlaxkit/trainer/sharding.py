@@ -40,11 +40,11 @@ def make_mesh(
     )
 
 
-def _path_names(path: Sequence[Any]) -> tuple[str, ...]:
+def _path_names(path: Sequence[object]) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def param_partition_spec(path: Sequence[Any], shape: tuple[int, ...], mesh: Mesh) -> P:
+def param_partition_spec(path: Sequence[object], shape: tuple[int, ...], mesh: Mesh) -> P:
     """Sharding of one parameter (or optimizer moment) from its path and shape.
 
     Column-parallel kernels ``[in, out]`` (q/k/v, gate/up, LM head) put ``fsdp`` on

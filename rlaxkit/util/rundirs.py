@@ -144,7 +144,7 @@ def delete_run_files(run_dir: Path) -> None:
 def claim_run_dir(
     run_dir: str | Path,
     kind: Kind,
-    config: Mapping[str, Any],
+    config: Mapping[str, object],
     choice: Choice = "auto",
     *,
     has_checkpoint: bool | None = None,
@@ -216,7 +216,7 @@ def claim_run_dir(
     )
 
 
-def claim_without_checkpoint(run_dir: Path, config: Mapping[str, Any]) -> None:
+def claim_without_checkpoint(run_dir: Path, config: Mapping[str, object]) -> None:
     """The rule for ``Experiment(run_dir=...)`` where ``run_dir`` has no checkpoint to
     resume from: a fresh run if it holds none (or one of ``config`` stopped before its
     first step, whose files go); else refused, since a second run would append its lines

@@ -3,6 +3,7 @@ a Ray actor (``rlaxkit.runtime.hosts``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -85,7 +86,7 @@ class WorkerHost:
         tokenizer: Any,
         store: WeightStore,
         clock: Any,
-        jax_options: dict[str, Any],
+        jax_options: Mapping[str, object],
         task: Any = None,
         scorer: Any = None,
         trace: Any = None,

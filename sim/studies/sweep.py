@@ -47,7 +47,7 @@ def _run_point(args: tuple[Scenario, dict[str, Any], int]) -> SweepPoint:
 
 def sweep(
     base: Scenario,
-    grid: Mapping[str, Sequence[Any]],
+    grid: Mapping[str, Sequence[object]],
     *,
     seeds: Iterable[int] = (0,),
     processes: int | None = None,
@@ -112,7 +112,7 @@ def _main_script_hidden() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
+def format_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str] | None = None) -> str:
     """Fixed-width text table of ``rows`` (dicts), one line per row, with a header."""
     if not rows:
         return "(no rows)"

@@ -239,8 +239,8 @@ def tune(
 
 def _ascend(
     evaluator: _Evaluator,
-    start: dict[str, Any],
-    ranges: Mapping[str, Sequence[Any]],
+    start: Mapping[str, object],
+    ranges: Mapping[str, Sequence[object]],
     max_passes: int,
 ) -> None:
     """Coordinate ascent: each knob over its range with the others held, the best
@@ -292,7 +292,7 @@ def _current(scenario: Scenario, name: str) -> Any:
     return getattr(getattr(scenario, section), attribute)
 
 
-def _scenario_settings(scenario: Scenario, ranges: Mapping[str, Any]) -> dict[str, Any]:
+def _scenario_settings(scenario: Scenario, ranges: Mapping[str, object]) -> dict[str, Any]:
     return {name: _current(scenario, name) for name in ranges}
 
 
@@ -332,7 +332,7 @@ class _Evaluator:
             overrides["fleet.num_workers"] = workers
         return overrides
 
-    def point(self, settings: Mapping[str, Any], *, as_is: bool = False) -> TunePoint:
+    def point(self, settings: Mapping[str, object], *, as_is: bool = False) -> TunePoint:
         """Simulate ``settings`` with every seed (once; later calls reuse it).
         ``as_is``: the scenario's own fleet and trainer, whatever the chip budget."""
         key = (*_key(settings), ("as_is", as_is))
@@ -362,7 +362,7 @@ class _Evaluator:
                 self._closest[violation] = point
         return point
 
-    def feasible(self, settings: Mapping[str, Any]) -> TunePoint | None:
+    def feasible(self, settings: Mapping[str, object]) -> TunePoint | None:
         """The candidate's prediction, or ``None`` when it cannot be run (a refused
         setting, counted by the field it names) or breaks a constraint."""
         key = (*_key(settings), ("as_is", False))
@@ -421,7 +421,7 @@ class _Evaluator:
         )
 
 
-def _key(settings: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+def _key(settings: Mapping[str, object]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(settings.items(), key=lambda item: item[0]))
 
 
