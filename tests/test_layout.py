@@ -8,7 +8,9 @@
   a top-level module of rlaxkit, never from a package's implementation module;
 - every package's surface resolves;
 - no module over 500 lines and no class over 20 instance attributes, but those listed,
-  each at most at its size when listed (the lists only shrink).
+  each at most at its size when listed (the lists only shrink);
+- ``Any`` named at most ``MAX_ANY_NAMES`` times in ``rlaxkit`` and ``sim`` (a ceiling that
+  only shrinks).
 """
 
 import ast
@@ -222,3 +224,18 @@ def test_the_graph_reads_relative_imports():
     modules = project_modules()
     assert module_name(modules["sim"]) == "sim"
     assert "sim.engine" in import_graph()["sim"].runs
+
+
+# Every ``Any`` (the name, or ``typing.Any``) in rlaxkit and sim, counted in the syntax
+# tree. The goal is 350: lower the ceiling as types replace them, never raise it.
+MAX_ANY_NAMES = 560
+
+
+def test_any_is_named_at_most_the_ceiling():
+    count = sum(
+        (isinstance(node, ast.Name) and node.id == "Any")
+        or (isinstance(node, ast.Attribute) and node.attr == "Any")
+        for path in _sources()
+        for node in ast.walk(ast.parse(path.read_text()))
+    )
+    assert count <= MAX_ANY_NAMES, f"Any is named {count} times, over {MAX_ANY_NAMES}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -15,8 +15,10 @@ from flax import nnx
 from rlaxkit.api import PublishReply, SaveReply, TrainResult
 from rlaxkit.config.run import RunConfig
 from rlaxkit.data.batch import Sample, TrainBatch, collate
+from rlaxkit.models.lora import LoraConfig
+from rlaxkit.models.tokenizer import Tokenizer
 from rlaxkit.param_server.adapters import AdapterParameterServer
-from rlaxkit.rules.trace import MemoryTrace, TraceEvent
+from rlaxkit.rules.trace import MemoryTrace, TraceEvent, TraceSink
 from rlaxkit.runtime.build import (
     build_policy,
     build_task,
@@ -26,6 +28,7 @@ from rlaxkit.runtime.build import (
 )
 from rlaxkit.runtime.common import TRAIN_BUCKETS
 from rlaxkit.runtime.hosts import TrainerRestartedError, WeightStore, configure_jax, drain
+from rlaxkit.tasks.base import Task
 from rlaxkit.tasks.episodes import EpisodicTask
 from rlaxkit.trainer.checkpoint import (
     CheckpointManager,
@@ -38,7 +41,7 @@ from rlaxkit.trainer.teacher import initial_train_state
 from rlaxkit.util.jaxutil import host_arrays
 
 
-def first_batch(config: RunConfig, task: Any, tokenizer: Any) -> TrainBatch | None:
+def first_batch(config: RunConfig, task: Task, tokenizer: Tokenizer) -> TrainBatch | None:
     """A batch shaped as the run's first one most likely is (``None``: no guess, for an
     episodic task): ``staleness.batch_size`` groups of ``group_size`` samples, each the
     longest training prompt (at most ``runtime.max_prompt_tokens``) and
@@ -63,7 +66,7 @@ def first_batch(config: RunConfig, task: Any, tokenizer: Any) -> TrainBatch | No
     return collate([sample] * rows, bucket=TRAIN_BUCKETS, pad_token_id=tokenizer.pad_id)
 
 
-def compile_first_step(host: TrainerHost, config: RunConfig, task: object) -> threading.Thread:
+def compile_first_step(host: TrainerHost, config: RunConfig, task: Task) -> threading.Thread:
     """Compiles ``host``'s train step for ``first_batch`` on a background thread, so that
     it compiles while the workers compile and generate the first batch (XLA compiles
     without the GIL) and the first step waits for the longer of the two, not their sum.
@@ -125,9 +128,9 @@ class TrainerHost:
         store: WeightStore,
         cache_dir: str | None,
         checkpoint_dir: str | None,
-        clock: Any,
+        clock: Callable[[], float],
         jax_options: Mapping[str, object],
-        trace: Any = None,
+        trace: TraceSink | None = None,
     ):
         configure_jax(jax_options)
         self._setup(config, store, cache_dir, checkpoint_dir, clock, trace)
@@ -138,8 +141,8 @@ class TrainerHost:
         store: WeightStore,
         cache_dir: str | None,
         checkpoint_dir: str | None,
-        clock: Any,
-        trace: Any = None,
+        clock: Callable[[], float],
+        trace: TraceSink | None = None,
     ) -> None:
         self.config, self.clock = config, clock
         self.trace = trace or MemoryTrace()
@@ -189,7 +192,7 @@ class TrainerHost:
         return self.store_kind == "inprocess"
 
     @property
-    def lora(self) -> Any:
+    def lora(self) -> LoraConfig | None:
         """A LoRA run publishes its frozen base once, then its adapters alone."""
         return self.config.trainer.lora
 
@@ -225,7 +228,7 @@ class TrainerHost:
     def _newest(self) -> Pending:
         return Pending(self.version, self._publishable(self._published()))
 
-    def _on_transfer(self, kind: str, version: int | None, **fields: Any) -> None:
+    def _on_transfer(self, kind: str, version: int | None, **fields: object) -> None:
         if kind == "push":
             self.trace.record(self.clock(), "push", "trainer", version, **fields)
         elif kind == "restart":  # found by a push before a round of the driver's did

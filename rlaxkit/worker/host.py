@@ -3,7 +3,7 @@ a Ray actor (``rlaxkit.runtime.hosts``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -11,13 +11,14 @@ from flax import nnx
 
 from rlaxkit.api import ChunkReply, SyncReply, Work
 from rlaxkit.config.run import RunConfig
+from rlaxkit.models.tokenizer import Tokenizer
 from rlaxkit.observe.drift import cast_floats, sampler_config
 from rlaxkit.param_server import ParameterServer
 from rlaxkit.param_server.adapters import AdapterParameterServer
-from rlaxkit.rules.trace import MemoryTrace, TraceEvent
+from rlaxkit.rules.trace import MemoryTrace, TraceEvent, TraceSink
 from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.hosts import WeightStore, configure_jax, drain
-from rlaxkit.tasks import RewardRunner
+from rlaxkit.tasks import RewardRunner, Task
 from rlaxkit.worker.worker import InferenceWorker
 
 
@@ -82,14 +83,14 @@ class WorkerHost:
         self,
         worker_id: str,
         config: RunConfig,
-        graphdef: Any,
-        tokenizer: Any,
+        graphdef: nnx.GraphDef,
+        tokenizer: Tokenizer,
         store: WeightStore,
-        clock: Any,
+        clock: Callable[[], float],
         jax_options: Mapping[str, object],
-        task: Any = None,
-        scorer: Any = None,
-        trace: Any = None,
+        task: Task | None = None,
+        scorer: RewardRunner | None = None,
+        trace: TraceSink | None = None,
     ):
         configure_jax(jax_options)
         self.clock = clock
