@@ -219,7 +219,7 @@ def _run_job(
         if exp.resumed_from is not None:
             log(f"resumed from the checkpoint of step {exp.resumed_from}")
         if not evals:
-            before = exp.evaluate(seed=EVAL_SEED)
+            before = exp.evaluate(seed=EVAL_SEED, progress=progress)
             evals.append({"step": 0, **_row(before, 1)})
             log(f"held-out pass@1 before RL: {evals[0]['pass@1']:.3f}{_extras(before)}")
             mean_score = next(r["mean@k"] for r in before.rows if r["k"] == 1)
@@ -232,7 +232,8 @@ def _run_job(
                 exp.step()
                 step = exp.version
                 if every and step % every == 0 and step < config.steps:
-                    evals.append({"step": step, **_row(exp.evaluate(seed=EVAL_SEED), 1)})
+                    now = exp.evaluate(seed=EVAL_SEED, progress=progress)
+                    evals.append({"step": step, **_row(now, 1)})
         if stop.requested:
             saved = exp.save_checkpoint()
             summary = {"status": "stopped", "preempted": True, "signal": stop.requested}
@@ -241,7 +242,7 @@ def _run_job(
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             log(f"stopped at step {exp.version}; run again with --run-dir {run_dir} to resume")
             return summary
-        after = exp.evaluate(seed=EVAL_SEED)
+        after = exp.evaluate(seed=EVAL_SEED, progress=progress)
         evals.append({"step": config.steps, **_row(after, 1)})
         exp.check_accounting()
         # Experiment.current_model is typed nnx.Module until rlaxkit.runtime is rewritten;
@@ -549,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="sampling seed (default: the seed the run's own final evaluation used)",
     )
+    p_eval.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_plot = sub.add_parser("plot", help="write PNG figures of a run directory")
     p_plot.add_argument("run_dir", help="a run directory; figures go to RUN_DIR/plots")
     p_plot.add_argument("--compare", help="another run directory to overlay (plots/compare.png)")
@@ -640,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
             _, info = warm_start(config, task, model, tokenizer, run_dir)
             print(json.dumps(info))
         elif args.command == "eval":
-            _eval(Path(args.run_dir), args.samples, args.seed)
+            _eval(Path(args.run_dir), args.samples, args.seed, progress=not args.no_progress)
         elif args.command == "plot":
             from rlaxkit.observe.plotting import plot_run
 
@@ -740,7 +742,7 @@ def _scenario_dict(scenario: Scenario) -> dict[str, Any]:
     return data
 
 
-def _eval(run_dir: Path, samples: int | None, seed: int | None) -> None:
+def _eval(run_dir: Path, samples: int | None, seed: int | None, *, progress: bool) -> None:
     """Held-out pass@k of ``run_dir/final`` with the run's own evaluation settings: the
     same problems, samples and sampling seed as its summary's ``pass@1_after``."""
     from rlaxkit.evaluation import evaluate_model
@@ -770,7 +772,9 @@ def _eval(run_dir: Path, samples: int | None, seed: int | None) -> None:
     seed = summary.get("eval_seed", EVAL_SEED) if seed is None else seed
     problems = task.problems("test", config.eval.num_problems)
     print(f"{len(problems)} held-out problems, {n} samples each, sampling seed {seed}")
-    report = evaluate_model(config, task, model, tokenizer, problems=problems, n=n, seed=seed)
+    report = evaluate_model(
+        config, task, model, tokenizer, problems=problems, n=n, seed=seed, progress=progress
+    )
     print(report.table())
 
 
