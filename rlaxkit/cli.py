@@ -232,8 +232,7 @@ def _run_job(
                 exp.step()
                 step = exp.version
                 if every and step % every == 0 and step < config.steps:
-                    now = exp.evaluate(seed=EVAL_SEED, progress=progress)
-                    evals.append({"step": step, **_row(now, 1)})
+                    evals.append({"step": step, **_row(exp.evaluate(seed=EVAL_SEED), 1)})
         if stop.requested:
             saved = exp.save_checkpoint()
             summary = {"status": "stopped", "preempted": True, "signal": stop.requested}
@@ -550,7 +549,6 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="sampling seed (default: the seed the run's own final evaluation used)",
     )
-    p_eval.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_plot = sub.add_parser("plot", help="write PNG figures of a run directory")
     p_plot.add_argument("run_dir", help="a run directory; figures go to RUN_DIR/plots")
     p_plot.add_argument("--compare", help="another run directory to overlay (plots/compare.png)")
@@ -642,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
             _, info = warm_start(config, task, model, tokenizer, run_dir)
             print(json.dumps(info))
         elif args.command == "eval":
-            _eval(Path(args.run_dir), args.samples, args.seed, progress=not args.no_progress)
+            _eval(Path(args.run_dir), args.samples, args.seed)
         elif args.command == "plot":
             from rlaxkit.observe.plotting import plot_run
 
@@ -742,7 +740,7 @@ def _scenario_dict(scenario: Scenario) -> dict[str, Any]:
     return data
 
 
-def _eval(run_dir: Path, samples: int | None, seed: int | None, *, progress: bool) -> None:
+def _eval(run_dir: Path, samples: int | None, seed: int | None) -> None:
     """Held-out pass@k of ``run_dir/final`` with the run's own evaluation settings: the
     same problems, samples and sampling seed as its summary's ``pass@1_after``."""
     from rlaxkit.evaluation import evaluate_model
@@ -772,9 +770,7 @@ def _eval(run_dir: Path, samples: int | None, seed: int | None, *, progress: boo
     seed = summary.get("eval_seed", EVAL_SEED) if seed is None else seed
     problems = task.problems("test", config.eval.num_problems)
     print(f"{len(problems)} held-out problems, {n} samples each, sampling seed {seed}")
-    report = evaluate_model(
-        config, task, model, tokenizer, problems=problems, n=n, seed=seed, progress=progress
-    )
+    report = evaluate_model(config, task, model, tokenizer, problems=problems, n=n, seed=seed)
     print(report.table())
 
 

@@ -354,7 +354,7 @@ def evaluate_model(
     n: int,
     seed: int,
     runner: RewardRunner | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> EvalReport:
     """pass@1 and pass@n of ``model`` on ``problems`` at ``config.sampling``: single-turn
     completions (``evaluate_policy``), or for a multi-turn task whole episodes with its
@@ -362,8 +362,8 @@ def evaluate_model(
     of ``runtime.slots_per_worker`` rows).
 
     Single-turn completions are sampled in batches of ``eval_batch_prompts`` problems, with
-    a progress bar when ``progress``; the report is that of one batch
-    (``make_text_generate``: each prompt keeps its key)."""
+    a progress bar when ``progress`` (``None``: when stderr is a terminal); the report is
+    that of one batch (``make_text_generate``: each prompt keeps its key)."""
     if isinstance(task, EpisodicTask):
         runtime = config.runtime
         # Parked rows keep their caches through a tool call, as the worker's do.
@@ -385,7 +385,8 @@ def evaluate_model(
 
     from rlaxkit.inference import make_text_generate
 
-    bar = tqdm(total=len(problems), desc="eval", unit="problem", disable=not progress, leave=False)
+    disable = None if progress is None else not progress  # tqdm's None: off unless a TTY
+    bar = tqdm(total=len(problems), desc="eval", unit="problem", disable=disable, leave=False)
     generate = make_text_generate(
         model,
         tokenizer,
