@@ -219,7 +219,7 @@ def _run_job(
         if exp.resumed_from is not None:
             log(f"resumed from the checkpoint of step {exp.resumed_from}")
         if not evals:
-            before = exp.evaluate(seed=EVAL_SEED)
+            before = exp.evaluate(seed=EVAL_SEED, progress=progress)
             evals.append({"step": 0, **_row(before, 1)})
             log(f"held-out pass@1 before RL: {evals[0]['pass@1']:.3f}{_extras(before)}")
             mean_score = next(r["mean@k"] for r in before.rows if r["k"] == 1)
@@ -241,7 +241,7 @@ def _run_job(
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             log(f"stopped at step {exp.version}; run again with --run-dir {run_dir} to resume")
             return summary
-        after = exp.evaluate(seed=EVAL_SEED)
+        after = exp.evaluate(seed=EVAL_SEED, progress=progress)
         evals.append({"step": config.steps, **_row(after, 1)})
         exp.check_accounting()
         # Experiment.current_model is typed nnx.Module until rlaxkit.runtime is rewritten;

@@ -354,11 +354,16 @@ def evaluate_model(
     n: int,
     seed: int,
     runner: RewardRunner | None = None,
+    progress: bool | None = None,
 ) -> EvalReport:
     """pass@1 and pass@n of ``model`` on ``problems`` at ``config.sampling``: single-turn
     completions (``evaluate_policy``), or for a multi-turn task whole episodes with its
     tools (``evaluate_episodes``; turns and budgets from ``config.episodes``, an engine
-    of ``runtime.slots_per_worker`` rows)."""
+    of ``runtime.slots_per_worker`` rows).
+
+    Single-turn completions are sampled in batches of ``eval_batch_prompts`` problems, with
+    a progress bar when ``progress`` (``None``: when stderr is a terminal); the report is
+    that of one batch (``make_text_generate``: each prompt keeps its key)."""
     if isinstance(task, EpisodicTask):
         runtime = config.runtime
         # Parked rows keep their caches through a tool call, as the worker's do.
@@ -376,9 +381,39 @@ def evaluate_model(
         return evaluate_episodes(
             task, engine, tokenizer, episodes, problems=problems, n=n, ks=sorted({1, n}), seed=seed
         )
+    from tqdm.auto import tqdm
+
     from rlaxkit.inference import make_text_generate
 
-    generate = make_text_generate(model, tokenizer, config.sampling)
-    return evaluate_policy(
-        task, generate, problems=problems, n=n, ks=sorted({1, n}), seed=seed, runner=runner
+    disable = None if progress is None else not progress  # tqdm's None: off unless a TTY
+    bar = tqdm(total=len(problems), desc="eval", unit="problem", disable=disable, leave=False)
+    generate = make_text_generate(
+        model,
+        tokenizer,
+        config.sampling,
+        batch_prompts=eval_batch_prompts(len(problems), n),
+        on_batch=bar.update,
     )
+    with bar:
+        return evaluate_policy(
+            task, generate, problems=problems, n=n, ks=sorted({1, n}), seed=seed, runner=runner
+        )
+
+
+EVAL_BATCHES = 8  # progress-bar steps of an evaluation, about
+MIN_EVAL_BATCH_ROWS = 128  # fewer rows a call would leave an accelerator mostly idle
+
+
+def eval_batch_prompts(num_problems: int, n: int) -> int:
+    """Problems per ``generate`` call of an evaluation: about ``EVAL_BATCHES`` calls, of a
+    power of two rows each (what ``generate`` pads a batch to), at least
+    ``MIN_EVAL_BATCH_ROWS`` rows.
+
+    >>> eval_batch_prompts(200, 4)  # 800 rows: 7 calls of 32 problems (128 rows)
+    32
+    >>> eval_batch_prompts(8, 2)  # 16 rows: one call
+    64
+    """
+    rows_per_call = -(-num_problems * n // EVAL_BATCHES)
+    rows = max(MIN_EVAL_BATCH_ROWS, 1 << (rows_per_call - 1).bit_length())
+    return max(1, rows // n)

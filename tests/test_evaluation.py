@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlaxkit.evaluation import EvalReport, evaluate_policy, maj_at_k, mean_at_k, pass_at_k
+from rlaxkit.config import small_run_config
+from rlaxkit.evaluation import (
+    EvalReport,
+    eval_batch_prompts,
+    evaluate_model,
+    evaluate_policy,
+    maj_at_k,
+    mean_at_k,
+    pass_at_k,
+)
 from rlaxkit.tasks import RewardRunner, evaluate_expression, make_task
 
 
@@ -123,3 +132,24 @@ def test_evaluate_policy_checks_its_inputs():
 
     with pytest.raises(ValueError, match="expected 3 each"):
         evaluate_policy(task, short_policy, num_problems=2, n=3, ks=(1,))
+
+
+def test_evaluate_model_samples_in_batches_with_a_bar_and_reports_what_one_call_does(capsys):
+    """The evaluation's progress bar moves a batch of problems at a time; its report is the
+    one of sampling every problem in one call (the evaluation before it had a bar)."""
+    from rlaxkit.inference import make_text_generate
+    from rlaxkit.runtime.build import build_policy, build_task
+
+    config = small_run_config("task.options.max_digits=2")  # one digit: 9 test problems
+    task = build_task(config)
+    model, tokenizer = build_policy(config, task)
+    problems = task.problems("test", 40)
+    assert eval_batch_prompts(len(problems), 4) == 32  # 160 rows: batches of 32 and 8 problems
+    report = evaluate_model(
+        config, task, model, tokenizer, problems=problems, n=4, seed=5, progress=True
+    )
+    one_call = make_text_generate(model, tokenizer, config.sampling)
+    assert report == evaluate_policy(task, one_call, problems=problems, n=4, ks=(1, 4), seed=5)
+    assert sum(report.reasons.values()) > 0  # the completions differ in how they fail
+    err = capsys.readouterr().err
+    assert "eval:" in err and f"32/{len(problems)} [" in err

@@ -478,6 +478,33 @@ def test_text_adapter():
     assert text_generate([], 2, 0) == []
 
 
+def test_text_adapter_in_batches_gives_the_completions_of_one_call():
+    """One seed, one answer: in batches (an evaluation's progress bar) prompt ``i`` keeps
+    the key one call gives it and every batch the one call's prompt width, so the
+    completions are those of one call, whatever the batch size; the ragged last batch is
+    padded to the others' shape, so a second call compiles nothing."""
+    tokenizer = CharTokenizer("abcdefgh0123456789+=")
+    model = peaked_model(seed=3, vocab=tokenizer.vocab_size)
+    config = SamplingConfig(max_new_tokens=8)
+    # The last prompt (23 tokens) alone widens the prompts from 16 to 32 tokens.
+    prompts = ["1+2=", "ab", "17+5=", "h", "3+3=", "99+1=", "c0", "12345678901234567890+1="]
+    whole = make_text_generate(model, tokenizer, config)(prompts, 3, 7)
+    assert len({s for samples in whole for s in samples}) > 12  # really sampled
+    for batch_prompts in (1, 3, 8, 20):
+        done = []
+        batched = make_text_generate(
+            model, tokenizer, config, batch_prompts=batch_prompts, on_batch=done.append
+        )
+        assert batched(prompts, 3, 7) == whole, batch_prompts
+        assert sum(done) == len(prompts) and len(done) == -(-len(prompts) // batch_prompts)
+    with count_compilations() as compiles:
+        assert batched(prompts, 3, 7) == whole
+        assert make_text_generate(model, tokenizer, config, batch_prompts=3)(prompts, 3, 7) == whole
+    assert compiles.count == 0
+    with pytest.raises(ValueError, match="batch_prompts"):
+        make_text_generate(model, tokenizer, config, batch_prompts=0)
+
+
 def test_a_prompt_past_the_models_positions_is_generated_with_a_warning(tiny_config):
     """Empty prompts are refused by index; a prompt whose tokens plus the new ones pass
     max_position_embeddings is generated, with a warning that names both."""

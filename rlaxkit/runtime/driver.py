@@ -335,11 +335,16 @@ class Experiment(Loop):
         return nnx.merge(self.parts.graphdef, self.params())
 
     def evaluate(
-        self, num_problems: int | None = None, samples: int | None = None, seed: int = 1234
+        self,
+        num_problems: int | None = None,
+        samples: int | None = None,
+        seed: int = 1234,
+        progress: bool = False,
     ) -> EvalReport:
         """Held-out pass@1 (and pass@k) at the training temperature on the test split, to
-        the trackers as ``eval/pass_at_<k>``. A multi-turn task is evaluated on whole
-        episodes with its tools; their metrics go as ``eval/<name>`` (``tool_use_rate``)."""
+        the trackers as ``eval/pass_at_<k>``, with a progress bar if ``progress``. A multi-turn
+        task is evaluated on whole episodes with its tools; their metrics go as
+        ``eval/<name>`` (``tool_use_rate``)."""
         cfg = self.config.eval
         n = samples or cfg.samples
         params = jax.tree.map(lambda x: x.copy(), self.params())
@@ -353,6 +358,7 @@ class Experiment(Loop):
             n=n,
             seed=seed,
             runner=self.parts.scorer,
+            progress=progress,
         )
         metrics = {f"eval/pass_at_{r['k']}": r["pass@k"] for r in report.rows}
         self.logger.log_eval(
