@@ -31,7 +31,11 @@ class HostSpec:
     - per chunk on the device: ``chunk_s + chunk_s_per_step · steps +
       prefill_s_per_seq · started + finish_s_per_seq · finished``, plus
       ``chunk_s_after_step`` for the first chunk after a train step (the step evicted
-      the decoder's state from the caches);
+      the decoder's state from the caches), plus ``rebuild_s`` for a worker's first
+      chunk after a pull in the middle of generation (``weight_sync.pull_mode:
+      in_flight``: the runtime rebuilds the held rows' KV cache under the new weights,
+      one pass over every row and slot of the engine's static shapes, and the chunk
+      waits for it);
     - per chunk that completed prompt groups, scoring: ``score_s + score_s_per_seq ·
       scored``;
     - per chunk on the host: ``chunk_host_s + sample_s · scored`` (rollouts, trace
@@ -45,7 +49,7 @@ class HostSpec:
         chunk_steps: Decode steps per chunk (the runtime's ``runtime.chunk_steps``); a
             chunk stops earlier when all its rows have stopped.
         chunk_s, chunk_s_per_step, prefill_s_per_seq, finish_s_per_seq,
-            chunk_s_after_step: Device time of a chunk (above).
+            chunk_s_after_step, rebuild_s: Device time of a chunk (above).
         score_s, score_s_per_seq: Time of one scoring call.
         issue_s_per_seq, chunk_host_s, sample_s, step_s: Host time outside the
             device and the timed transfers (above).
@@ -83,6 +87,7 @@ class HostSpec:
     prefill_s_per_seq: float = 0.0
     finish_s_per_seq: float = 0.0
     chunk_s_after_step: float = 0.0
+    rebuild_s: float = 0.0
     score_s: float = 0.0
     score_s_per_seq: float = 0.0
     issue_s_per_seq: float = 0.0
@@ -126,16 +131,24 @@ class HostSpec:
         return self.executor == "serial"
 
     def chunk_time_s(
-        self, steps: int, started: int, finished: int, *, after_step: bool = False
+        self,
+        steps: int,
+        started: int,
+        finished: int,
+        *,
+        after_step: bool = False,
+        rebuilt: bool = False,
     ) -> float:
         """Device seconds of one chunk that runs ``steps`` decode steps, starts
-        ``started`` sequences and finishes ``finished``."""
+        ``started`` sequences and finishes ``finished``; ``rebuilt``: its worker's
+        cache was rebuilt by a pull since its last chunk."""
         return (
             self.chunk_s
             + self.chunk_s_per_step * steps
             + self.prefill_s_per_seq * started
             + self.finish_s_per_seq * finished
             + (self.chunk_s_after_step if after_step else 0.0)
+            + (self.rebuild_s if rebuilt else 0.0)
         )
 
     def score_time_s(self, sequences: int) -> float:
@@ -150,6 +163,7 @@ HOST_COSTS: tuple[str, ...] = (
     "prefill_s_per_seq",
     "finish_s_per_seq",
     "chunk_s_after_step",
+    "rebuild_s",
     "score_s",
     "score_s_per_seq",
     "issue_s_per_seq",

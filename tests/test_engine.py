@@ -270,3 +270,29 @@ def test_committed_weights_compile_each_program_once(models, no_persistent_cache
         engine.submit([4, 5, 6], jax.random.key(1), max_new_tokens=4)
         (completion,) = engine.run()
     assert compiles.count == 0 and completion.num_tokens == 4
+
+
+def test_a_compiled_rebuild_is_not_compiled_again_by_the_first_pull_in_flight(
+    models, no_persistent_cache
+):
+    """A worker that pulls in flight compiles the cache rebuild when it starts
+    (``compile_rebuild``); its first rebuild then compiles nothing, and the completions
+    are those of an engine that compiled the rebuild on the spot (other shapes: 5 rows
+    against 4, so neither reuses the other's program)."""
+    prompts, keys, _ = workload(3, seed=5)
+    done = []
+    for ahead, slots in ((False, 4), (True, 5)):
+        engine = InferenceEngine(
+            models[0], CONFIG, num_slots=slots, max_prompt_len=16, chunk_steps=4
+        )
+        if ahead:
+            engine.compile_rebuild()
+        for prompt, key in zip(prompts, keys, strict=True):
+            engine.submit(prompt, key)
+        engine.step()
+        with count_compilations() as compiles:
+            engine.update_weights(models[1], 1, recompute_cache=True)
+        assert compiles.count == (0 if ahead else 1)
+        done.append(sorted(engine.run(), key=lambda c: c.request_id))
+    for a, b in zip(*done, strict=True):
+        assert_same(a, b)

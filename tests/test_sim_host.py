@@ -25,6 +25,8 @@ COSTS = {
     "prefill_s_per_seq": 0.0005,
     "finish_s_per_seq": 0.0002,
     "chunk_s_after_step": 0.003,
+    # What the fit takes when no rebuild is measured: a prefill of each of the 8 rows.
+    "rebuild_s": 0.004,
     "score_s": 0.002,
     "score_s_per_seq": 0.0001,
     "issue_s_per_seq": 0.0003,
@@ -128,6 +130,37 @@ def test_fit_recovers_the_serial_host_from_its_own_trace():
         assert fitted[f"host_{name}"] == pytest.approx(COSTS[name], abs=1e-9)
     assert fitted["trainer_tokens_per_s"] == pytest.approx(8000.0)
     assert fitted["push_s"] == pytest.approx(0.002) and fitted["pull_s"] == pytest.approx(0.002)
+
+
+def test_a_pull_in_flight_rebuilds_the_rows_and_their_next_chunk_waits_for_it():
+    in_flight = {"weight_sync.pull_mode": "in_flight"}
+    kind = {"response": Uniform(low=1.0, high=12.0), "target_steps": 40}
+    truth = _serial(workers=2, eta=1, **kind, **in_flight)
+    truth = with_overrides(truth, {"host.rebuild_s": 0.007})
+    trace = MemoryTrace()
+    simulate(truth, trace=trace)
+    events = trace.events
+    rebuilds = [i for i, e in enumerate(events) if e.kind == "pull" and e.get("rebuilt")]
+    assert len(rebuilds) >= 5
+    # The rebuilt worker's next chunk costs its decode, prefills and finishes plus 7 ms.
+    host = truth.host
+    for i in rebuilds:
+        pull = events[i]
+        chunk = next(e for e in events[i + 1 :] if e.kind == "decode" and e.actor == pull.actor)
+        cost = host.chunk_time_s(chunk["steps"], chunk["started"], chunk["finished"])
+        if not chunk.get("pipelined"):
+            assert chunk["duration_s"] - cost in (pytest.approx(0.007), pytest.approx(0.010))
+    # Fitted back exactly; between requests the same run rebuilds nothing.
+    scenario, fitted = fit_scenario(events)
+    assert scenario.host.rebuild_s == pytest.approx(0.007, abs=1e-9)
+    assert fitted["host_rebuilt_chunks"] >= 3
+    between = MemoryTrace()
+    simulate(_serial(workers=2, eta=1, **kind), trace=between)
+    assert not any(e.kind == "pull" and e.get("rebuilt") for e in between.events)
+    # Calibrated between requests, a prediction in flight says its rebuilds are estimated.
+    prediction = calibrate(between.events, overrides=in_flight)
+    assert any("rebuilt a worker's KV cache 0 times" in s for s in prediction.extrapolations)
+    assert calibrate(events, overrides=in_flight).extrapolations == ()
 
 
 @pytest.mark.parametrize("overrides", [{"staleness.max_staleness": 0}, {"fleet.num_workers": 1}])

@@ -240,6 +240,24 @@ def test_preempt_returns_the_in_flight_issues_and_empties_the_worker(weights):
 
 
 @pytest.mark.parametrize("pull_mode", ["in_flight", "between_requests"])
+def test_a_pull_in_flight_is_traced_with_the_rows_it_rebuilds(weights, pull_mode):
+    graphdef, params = weights
+    server, trace = InProcessParameterServer(), MemoryTrace()
+    server.push(0, params[0])
+    worker = make_worker(graphdef, server, pull_mode=pull_mode, trace=trace)
+    worker.sync_weights()
+    worker.submit(issue(0), PROBLEMS[0])
+    worker.step()  # the group's rows are decoding
+    server.push(1, params[1])
+    pulled = worker.sync_weights()
+    pulls = [e for e in trace.events if e.kind == "pull"]
+    assert pulled == (pull_mode == "in_flight") and len(pulls) == 1 + pulled
+    assert "rebuilt" not in pulls[0].fields  # the first pull: no engine yet
+    if pulled:
+        assert pulls[1]["rebuilt"] == SAMPLING.n  # the group's rows
+
+
+@pytest.mark.parametrize("pull_mode", ["in_flight", "between_requests"])
 def test_restored_worker_regenerates_its_prompts_bit_for_bit(weights, pull_mode):
     graphdef, params = weights
     server = InProcessParameterServer()

@@ -293,6 +293,12 @@ class InferenceEngine:
         return busy - len(self._parked) - len(self._resumes)
 
     @property
+    def num_held(self) -> int:
+        """Rows holding a sequence: running, parked or waiting for an observation (the
+        rows whose cache ``update_weights(..., recompute_cache=True)`` rebuilds)."""
+        return len(self._slots) - self._slots.count(None)
+
+    @property
     def num_parked(self) -> int:
         """Rows held for an observation (``resume``) or a ``release``; no request
         takes them."""
@@ -499,6 +505,17 @@ class InferenceEngine:
             waiting[self._waiting_rows()] = True
             self._sync_pages()
             self.state = programs.recompute_cache(self.graphdef, self._packed, self.state, waiting)
+
+    def compile_rebuild(self) -> None:
+        """Compiles the program that ``update_weights(..., recompute_cache=True)`` runs
+        for this engine's shapes, so that the first pull in the middle of generation
+        does not compile it then: a worker whose pulls interrupt generation
+        (``weight_sync.pull_mode: in_flight``) calls this when it starts. The tests'
+        tiny model spent 2.6 s of a 30-step run's window compiling it at the first such
+        pull; a real model's rebuild is a prefill of every row's whole context.
+        """
+        waiting = np.zeros((self.num_slots,), bool)
+        programs.recompute_cache.lower(self.graphdef, self._packed, self.state, waiting).compile()
 
     def step(self) -> list[Completion]:
         """Refills free rows, runs one chunk of decode steps, returns what finished."""

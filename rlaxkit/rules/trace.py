@@ -39,7 +39,10 @@ Per kind, the keys this module's helpers read (others are free):
   compute's end to the event (the wait for the rounds beside the step if they
   outlasted it, then the push and the step's books), so the compute ran over
   ``step_span``'s interval.
-- ``push`` / ``pull``: ``duration_s``, optional ``bytes``.
+- ``push`` / ``pull``: ``duration_s``, optional ``bytes``; a pull in the middle of
+  generation (``weight_sync.pull_mode: in_flight``) has ``rebuilt``, the rows whose KV
+  cache it rebuilds under the new weights. The rebuild is dispatched, not waited for:
+  its time lands in the worker's next ``decode`` chunk.
 - ``checkpoint_save`` / ``checkpoint_restore``: ``step``, ``duration_s``. A save's
   ``duration_s`` is the part the trainer waits for (an asynchronous save returns once
   its arrays are copied).

@@ -190,7 +190,9 @@ class InferenceWorker:
                 error=str(error)[:200],
             )
             return False
+        rebuilt = 0
         if self.requests:  # in flight: the running rows' caches are rebuilt
+            rebuilt = self._engine.num_held
             self._take_weights(version, params, recompute_cache=True)
         else:  # an idle engine, or none: a new replay log starts from these weights
             if self.engine is None:
@@ -200,7 +202,12 @@ class InferenceWorker:
             self.replay_log.reset(version, params)
         self.version, self.draining = version, False
         self.trace.record(
-            self.clock(), "pull", self.worker_id, version, duration_s=self.clock() - start
+            self.clock(),
+            "pull",
+            self.worker_id,
+            version,
+            duration_s=self.clock() - start,
+            **({"rebuilt": rebuilt} if rebuilt else {}),
         )
         return True
 
@@ -212,7 +219,7 @@ class InferenceWorker:
         return self.engine
 
     def _new_engine(self, params: nnx.State, version: int) -> InferenceEngine:
-        return InferenceEngine(
+        engine = InferenceEngine(
             (self.graphdef, params),
             self.sampling,
             num_slots=self.num_slots,
@@ -226,6 +233,9 @@ class InferenceWorker:
             num_pages=self.inference.num_pages,
             attention_block=self.inference.attention_block,
         )
+        if self.weight_sync.interrupts_generation:  # its rebuild compiles now, not mid-run
+            engine.compile_rebuild()
+        return engine
 
     def _take_weights(self, version: int, params: nnx.State, *, recompute_cache: bool) -> None:
         self._engine.update_weights(params, version, recompute_cache=recompute_cache)

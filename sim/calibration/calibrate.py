@@ -87,7 +87,13 @@ from sim.calibration.fits import (
     fit_trainer,
     save_spans,
 )
-from sim.calibration.host import MIN_AWAY_ROWS, fault_figures, fit_host, serial_fault_settings
+from sim.calibration.host import (
+    MIN_AWAY_ROWS,
+    fault_figures,
+    fit_host,
+    rebuild_unmeasured,
+    serial_fault_settings,
+)
 from sim.calibration.turns import fit_turns
 from sim.calibration.window import compiled_in_window, window_start, window_summary
 from sim.distributions import Constant, Empirical
@@ -276,6 +282,7 @@ def fit_scenario(
             concurrent=bool(shape["concurrent_chunks"]),
             threaded=shape["threaded_chunks"],
             spans=spans,
+            slots_per_worker=int(shape["slots_per_worker"]),
         )
         plan, fault_clock = serial_fault_settings(events, config, faults)
     turns = fit_turns(events)
@@ -507,6 +514,8 @@ def calibrate(
     )
     scenario = with_overrides(fitted_scenario, {**(overrides or {}), "seed": seed})
     beyond = extrapolations(events, fitted_scenario, scenario)
+    if fitted_scenario.host.serial:
+        beyond += rebuild_unmeasured(events, scenario.weight_sync.pull_mode)
     for what in beyond:
         _LOG.warning("sim.calibrate: the prediction extrapolates: %s", what)
     steps = scenario.target_steps or 0

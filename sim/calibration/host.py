@@ -46,9 +46,11 @@ from sim.host_spec import HOST_COSTS, HostSpec
 
 __all__ = [
     "FAULT_DROPS",
+    "after_rebuild",
     "fault_figures",
     "fit_host",
     "host_gaps",
+    "rebuild_unmeasured",
     "restart_costs",
     "serial_fault_settings",
 ]
@@ -182,6 +184,7 @@ def fit_host(
     concurrent: bool = False,
     threaded: bool = False,
     spans: Sequence[tuple[float, float]] = (),
+    slots_per_worker: int = 1,
 ) -> tuple[HostSpec, dict[str, float]]:
     """A serial :class:`HostSpec` fitted to the events after ``start_s``;
     ``concurrent``: the workers decode at once (the Ray placement's rounds,
@@ -194,6 +197,11 @@ def fit_host(
     and their background writes, :func:`sim.calibration.fits.save_spans`) are left out
     of the fits, unless fewer than ``MIN_AWAY_ROWS`` of a kind are away from them: a
     save is charged on its own (:attr:`sim.specs.CheckpointSpec.background_s`).
+
+    ``rebuild_s`` is fitted from the chunks after a cache rebuild (``after_rebuild``)
+    when there are ``MIN_REBUILDS`` of them; else it is a prefill of every one of the
+    ``slots_per_worker`` rows, a lower bound (a rebuild reads each row's whole context,
+    a prefill its prompt).
 
     ``worker_start_s`` is the median of the trace's :func:`restart_costs`, or without a
     restart of its ``worker_start`` events (0 without any: the local placement's
@@ -219,6 +227,7 @@ def fit_host(
     )
     inside = [e for e in chunks if e.t <= end]
     duration = np.array([float(e["duration_s"]) for e in inside])
+    rebuilt = after_rebuild(events, inside)
     design = np.array(
         [
             [
@@ -227,8 +236,9 @@ def fit_host(
                 float(e["started"]),
                 float(e["finished"]),
                 float(first),
+                float(again),
             ]
-            for e, first in zip(inside, after_step, strict=True)
+            for e, first, again in zip(inside, after_step, rebuilt, strict=True)
         ]
     )
     # A chunk that compiled a program lasts hundreds of times a normal one.
@@ -265,6 +275,9 @@ def fit_host(
         prefill_s_per_seq=float(chunk[2]),
         finish_s_per_seq=float(chunk[3]),
         chunk_s_after_step=float(chunk[4]),
+        rebuild_s=float(chunk[5])
+        if rebuilt.sum() >= MIN_REBUILDS
+        else float(chunk[2]) * slots_per_worker,
         score_s=float(score[0]),
         score_s_per_seq=float(score[1]),
         chunk_host_s=float(host[0]),
@@ -277,6 +290,7 @@ def fit_host(
     )
     fitted = {f"host_{name}": float(getattr(spec, name)) for name in HOST_COSTS}
     fitted["host_worker_start_s"] = spec.worker_start_s
+    fitted["host_rebuilt_chunks"] = float(rebuilt.sum())
     fitted["host_mean_chunk_s"] = float(duration[costed].mean())
     fitted["host_compiling_chunks"] = float(np.count_nonzero(compiling))
     fitted["host_compiling_s"] = float(duration[compiling].sum())
@@ -287,6 +301,41 @@ def fit_host(
 # Fewest rows of a kind (chunks, gaps, scoring calls) away from saves that fit its costs
 # without the rest.
 MIN_AWAY_ROWS = 10
+# Fewest chunks after a cache rebuild that fit ``HostSpec.rebuild_s``; with fewer the
+# calibration run did not measure it (0, and ``rebuild_unmeasured`` says so).
+MIN_REBUILDS = 3
+
+
+def after_rebuild(events: Iterable[TraceEvent], chunks: Sequence[TraceEvent]) -> np.ndarray:
+    """Which ``chunks`` are their worker's first after a pull that rebuilt its rows'
+    cache (a ``pull`` with ``rebuilt``): the runtime dispatches the rebuild and that
+    chunk waits for it."""
+    pending: set[str] = set()
+    first: set[int] = set()
+    ids = {id(e) for e in chunks}
+    for event in sorted(events, key=lambda e: e.t):
+        if event.kind == "pull" and event.get("rebuilt"):
+            pending.add(event.actor)
+        elif event.kind == "decode" and event.actor in pending:
+            pending.discard(event.actor)
+            if id(event) in ids:
+                first.add(id(event))
+    return np.array([id(e) in first for e in chunks], dtype=bool)
+
+
+def rebuild_unmeasured(events: Iterable[TraceEvent], predicted_pull_mode: str) -> list[str]:
+    """A sentence when the prediction pulls in flight and the calibration run rebuilt a
+    cache fewer than ``MIN_REBUILDS`` times: each rebuild is then charged as a prefill
+    of every row (``fit_host``)."""
+    rebuilds = sum(1 for e in events if e.kind == "pull" and e.get("rebuilt"))
+    if predicted_pull_mode != "in_flight" or rebuilds >= MIN_REBUILDS:
+        return []
+    return [
+        f"the calibration run rebuilt a worker's KV cache {rebuilds} times (pulls in "
+        "flight); the prediction pulls in flight and charges each rebuild as a prefill "
+        "of every row, a lower bound; calibrate on a run with "
+        "weight_sync.pull_mode=in_flight to measure them"
+    ]
 
 
 def _away(spans: Sequence[tuple[float, float]], begins: Any, ends: Any) -> np.ndarray:

@@ -75,6 +75,7 @@ class ChunkWorker:
         self.groups: list[Group] = []
         self.left: dict[SimSample, int] = {}  # decode steps each running row still needs
         self.unstarted = 0  # sequences issued, prefilled by the next chunk
+        self.rebuilt = False  # a pull in flight rebuilt its rows' cache: the next chunk waits
         self.up_at = 0.0  # simulated time at which a restarted worker is up
 
     @property
@@ -318,7 +319,7 @@ class SerialHost:
         """Empties ``worker`` (no weights, no groups); returns its groups by id."""
         lost = sorted(worker.groups, key=lambda group: group.group_id)
         worker.version, worker.draining = None, False
-        worker.groups, worker.left, worker.unstarted = [], {}, 0
+        worker.groups, worker.left, worker.unstarted, worker.rebuilt = [], {}, 0, False
         return lost
 
     def lose(self, groups: list[Group], reason: str) -> None:
@@ -356,6 +357,10 @@ class SerialHost:
         worker.version, worker.lineage, worker.draining = version, lineage, False
         for group in worker.groups:  # in flight: their next tokens come from it
             group.note_version(version, lineage)
+        # In flight, the rows started so far get their cache rebuilt (the runtime's
+        # ``InferenceEngine.update_weights(..., recompute_cache=True)``).
+        rebuilt = len(worker.left) - worker.unstarted
+        worker.rebuilt = worker.rebuilt or rebuilt > 0
         counters = self.sim.counters
         counters.pulls += 1
         counters.pull_s += self.env.now - start
@@ -366,6 +371,7 @@ class SerialHost:
             duration_s=self.env.now - start,
             from_version=from_version,
             bytes=nbytes,
+            **({"rebuilt": rebuilt} if rebuilt > 0 else {}),
         )
 
     def _issue(self, live: list[ChunkWorker]) -> int:
@@ -405,7 +411,10 @@ class SerialHost:
         for sample in finished:
             del left[sample]
         worker.unstarted = 0
-        duration = spec.chunk_time_s(steps, started, len(finished), after_step=after_step)
+        duration = spec.chunk_time_s(
+            steps, started, len(finished), after_step=after_step, rebuilt=worker.rebuilt
+        )
+        worker.rebuilt = False
         return duration, rows, started, finished, steps
 
     def _record_chunk(
