@@ -296,3 +296,26 @@ def test_a_compiled_rebuild_is_not_compiled_again_by_the_first_pull_in_flight(
         done.append(sorted(engine.run(), key=lambda c: c.request_id))
     for a, b in zip(*done, strict=True):
         assert_same(a, b)
+
+
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_cancel_frees_a_running_row_between_chunks_and_the_others_go_on(models, kv_cache):
+    """``cancel`` drops a request whatever state its samples are in; a running row is
+    freed at once for the next queued sample, and the rows it did not touch produce what
+    they would have."""
+    prompts, keys, _ = workload(4, seed=6)
+    full = generate(models[0], prompts, CONFIG, keys)
+    engine = InferenceEngine(
+        models[0], CONFIG, num_slots=2, max_prompt_len=16, chunk_steps=2, kv_cache=kv_cache
+    )
+    for i, (prompt, key) in enumerate(zip(prompts, keys, strict=True)):
+        engine.submit(prompt, key, request_id=i)
+    assert engine.step() == []  # 0 and 1 run (16 tokens each, no stop token); 2, 3 wait
+    assert engine.num_running == 2 and engine.num_queued == 2
+    assert engine.cancel(1) == 1 and engine.num_running == 1  # its row is free
+    assert engine.cancel(3) == 0 and engine.num_queued == 1  # queued: gone
+    done = engine.run()
+    assert sorted(c.request_id for c in done) == [0, 2]
+    for c in done:
+        assert_same(c, full.completion(c.request_id))
+    assert engine.idle and engine.cancel(0) == 0 and engine.pages_in_use == 0

@@ -400,9 +400,9 @@ def test_a_silent_session_times_out_and_a_lost_client_leaves_no_row(endpoint, cl
         )
 
     # Clients that send their requests and go away at once: their turns leave the
-    # queue, or are dropped when their rows end (or were answered before the server
-    # saw them go); every turn is accounted for, no row stays taken, and the session
-    # one of them was in is free again.
+    # queue, or their rows at the next chunk boundary (or were answered before the
+    # server saw them go); every turn is accounted for, no row stays taken, and the
+    # session one of them was in is free again.
     sid = endpoint.open_session()
     before = endpoint.loop.snapshot()
     timeout = httpx.Timeout(5.0, read=0.005)
@@ -423,7 +423,9 @@ def test_a_silent_session_times_out_and_a_lost_client_leaves_no_row(endpoint, cl
 
     def accounted() -> tuple[int, int]:
         counts = {k: n - before.get(k, 0) for k, n in endpoint.loop.snapshot().items()}
-        dropped = counts.get("cancelled_in_queue", 0) + counts.get("discarded", 0)
+        dropped = sum(
+            counts.get(k, 0) for k in ("cancelled_in_queue", "cancelled_running", "discarded")
+        )
         return dropped, dropped + counts.get("completed", 0)
 
     # A request whose client went away may reach the server's handler late on a busy
@@ -435,3 +437,38 @@ def test_a_silent_session_times_out_and_a_lost_client_leaves_no_row(endpoint, cl
     dropped, total = accounted()
     assert total == 8
     assert went_away >= dropped and went_away >= 1
+
+
+def test_a_client_gone_while_its_turn_runs_frees_the_row_at_the_next_chunk():
+    """The engine loop alone: one row, a turn of 400 tokens running, a second queued. The
+    first's client goes away: its row is freed at the next chunk boundary (not after its
+    400 tokens) and the second turn gets it."""
+    from rlaxkit.inference import InferenceEngine, SamplingConfig
+    from rlaxkit.serve.scheduler import EngineLoop, Turn
+
+    config = ModelConfig(
+        family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, max_position_embeddings=1024,
+    )  # fmt: skip
+    engine = InferenceEngine(
+        Transformer(config, rngs=nnx.Rngs(0)),
+        SamplingConfig(temperature=1.0, max_new_tokens=400),
+        num_slots=1,
+        max_prompt_len=8,
+        chunk_steps=2,
+    )
+    loop = EngineLoop(engine, max_queued=4)
+    try:
+        long = loop.put(Turn(context=[1, 2, 3], budget=400, seed=0))
+        deadline = time.monotonic() + 60.0
+        while engine.num_running == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        short = loop.put(Turn(context=[4, 5], budget=4, seed=1))
+        assert long.future.cancel()  # the client went away mid-turn
+        completion = short.future.result(timeout=60.0)
+        assert completion.num_tokens == 4
+        counts = loop.snapshot()
+        assert counts["cancelled_running"] == 1 and counts["completed"] == 1
+        assert "discarded" not in counts
+    finally:
+        loop.close()

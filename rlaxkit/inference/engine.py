@@ -621,6 +621,30 @@ class InferenceEngine:
             self.state = programs.release_rows(self.state, index)
         return out
 
+    def cancel(self, request_id: int) -> int:
+        """Drops every sample of ``request_id`` between chunks: queued, parked, waiting
+        for an observation or running (its row stops and takes the next queued sample
+        at the next launch). Nothing is returned for them. Returns the rows freed."""
+        kept = collections.deque(s for s in self._queue if s.request_id != request_id)
+        for _ in range(len(self._queue) - len(kept)):
+            self._release(request_id)
+        self._queue = kept
+        self._resumes = [r for r in self._resumes if r.key[0] != request_id]
+        self._parked = {k: row for k, row in self._parked.items() if k[0] != request_id}
+        rows = [
+            r for r, s in enumerate(self._slots) if s is not None and s.request_id == request_id
+        ]
+        for row in rows:
+            self._slots[row] = None
+            self._free_pages(row)
+            self._release(request_id)
+        if rows:
+            index = np.full((bucket_rows(len(rows)),), self.num_slots, np.int32)
+            index[: len(rows)] = rows
+            self._sync_pages()
+            self.state = programs.release_rows(self.state, index)
+        return len(rows)
+
     def _release(self, request_id: int) -> None:
         """One sample of ``request_id`` is finished or dropped."""
         self._unfinished[request_id] -= 1

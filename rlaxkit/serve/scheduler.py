@@ -5,8 +5,9 @@ many as it has free rows, steps it chunk by chunk (continuous batching: a finish
 takes the next turn while the others decode) and completes each turn's future. The
 queue in front of the engine is bounded (``QueueFull``: the server answers 429). A turn
 whose client went away (its future cancelled) is taken out of the queue if it is still
-there; one already in a row ends at its budget and its tokens are dropped, counted as
-``discarded`` (the engine has no way to stop one row alone). New weights from
+there, and out of its row at the next chunk boundary if it runs
+(``InferenceEngine.cancel``): the row takes the next queued turn. One that finishes in
+the chunk its client left during is dropped too, counted as ``discarded``. New weights from
 ``weight_source`` are taken between chunks, as the runtime's workers do.
 """
 
@@ -84,8 +85,10 @@ class EngineLoop:
             self.counts[key] += 1
 
     def snapshot(self) -> dict[str, int]:
-        """The counts so far: ``completed``, ``discarded`` (the client went away while
-        its turn ran), ``cancelled_in_queue``, ``refused_queue_full``, ``engine_errors``."""
+        """The counts so far: ``completed``, ``cancelled_running`` (the client went
+        away while its turn ran: its row freed at the next chunk boundary),
+        ``discarded`` (it went away during the chunk that finished its turn),
+        ``cancelled_in_queue``, ``refused_queue_full``, ``engine_errors``."""
         with self._wake:
             return dict(self.counts)
 
@@ -102,8 +105,14 @@ class EngineLoop:
         self._thread.join(timeout=30)
 
     def _admit(self) -> None:
-        """Moves queued turns into free rows; drops those whose client went away."""
+        """Frees the rows of running turns whose client went away, then moves queued
+        turns into free rows, dropping those whose client went away."""
         with self._wake:
+            for request, turn in list(self.running.items()):
+                if turn.future.cancelled():
+                    self.engine.cancel(request)
+                    del self.running[request]
+                    self.counts["cancelled_running"] += 1
             while self.queue and len(self.running) < self.engine.num_slots:
                 turn = self.queue.popleft()
                 if turn.future.cancelled():
