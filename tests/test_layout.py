@@ -23,9 +23,6 @@ from test_runtime_shape import own_attributes
 # Cycles the layout issue's later parts open (the round planner for the runtime's and
 # the simulator's; typed seams for the rest). Remove an entry when its cycle is gone.
 KNOWN_CYCLES = [
-    # advantages and objective name their config types; the configs check names against
-    # their registries.
-    ["rlaxkit.algorithms.advantages", "rlaxkit.algorithms.config", "rlaxkit.algorithms.objective"],
     # a plan's target is checked by the TPU module, which reads the chip table.
     ["rlaxkit.planning.specs", "rlaxkit.planning.tpu"],
     # the placements, the faults and the concurrent collector name one another.
