@@ -23,8 +23,6 @@ from test_runtime_shape import own_attributes
 # Cycles the layout issue's later parts open (the round planner for the runtime's and
 # the simulator's; typed seams for the rest). Remove an entry when its cycle is gone.
 KNOWN_CYCLES = [
-    # a plan's target is checked by the TPU module, which reads the chip table.
-    ["rlaxkit.planning.specs", "rlaxkit.planning.tpu"],
     # the placements, the faults and the concurrent collector name one another.
     [
         "rlaxkit.runtime.concurrent",
