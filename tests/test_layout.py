@@ -31,8 +31,6 @@ KNOWN_CYCLES = [
         "rlaxkit.runtime.placement",
         "rlaxkit.runtime.ray_placement",
     ],
-    # a dataset's skipped rows are typed in base.
-    ["rlaxkit.tasks.base", "rlaxkit.tasks.datasets"],
     # the simulation's engine and the entities it holds name one another.
     [
         "sim.entities.buffer",
