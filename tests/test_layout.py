@@ -42,8 +42,6 @@ KNOWN_CYCLES = [
         "sim.entities.verifier",
         "sim.entities.worker",
     ],
-    # a scenario's ``plan:`` key is read by the presets, which build scenarios.
-    ["sim.presets", "sim.scenario"],
 ]
 
 MAX_LINES = 500
