@@ -20,17 +20,9 @@ import pytest
 from layout_graph import ROOT, cycles, import_graph, module_name, project_modules
 from test_runtime_shape import own_attributes
 
-# Cycles the layout issue's later parts open (the round planner for the runtime's and
-# the simulator's; typed seams for the rest). Remove an entry when its cycle is gone.
+# Cycles the layout issue's later parts open (the round planner for the simulator's).
+# Remove an entry when its cycle is gone.
 KNOWN_CYCLES = [
-    # the placements, the faults and the concurrent collector name one another.
-    [
-        "rlaxkit.runtime.concurrent",
-        "rlaxkit.runtime.faults",
-        "rlaxkit.runtime.local",
-        "rlaxkit.runtime.placement",
-        "rlaxkit.runtime.ray_placement",
-    ],
     # the simulation's engine and the entities it holds name one another.
     [
         "sim.entities.buffer",
