@@ -18,14 +18,14 @@ reasoning behind it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from rlaxkit.rules.policies import CheckpointPolicy, PullMode, StalenessPolicy, WeightSyncPolicy
 from sim.distributions import Constant, Lognormal, LongTail
-from sim.scenario import Scenario, with_overrides
+from sim.plans import check_planned
+from sim.scenario import Scenario, with_overrides, with_plan
 from sim.specs import (
     CheckpointSpec,
     FleetSpec,
@@ -347,25 +347,6 @@ def checkpoint_study(
     )
 
 
-# The fields a plan may set: trainer throughput, worker shape and decode cost, push size.
-PLANNED_FIELDS = frozenset(
-    {
-        "trainer.chips",
-        "trainer.model_params",
-        "trainer.chip_flops",
-        "trainer.mfu",
-        "trainer.flops_per_token_factor",
-        "fleet.chips_per_worker",
-        "fleet.slots_per_worker",
-        "fleet.decode_s_per_token",
-        "fleet.decode_s_per_token_per_seq",
-        "fleet.prefill_tokens_per_s",
-        "fleet.num_workers",
-        "param_server.weight_bytes",
-    }
-)
-
-
 def planned(base: Scenario, compiled: Mapping[str, object]) -> Scenario:
     """``base`` with the costs a compiled plan gives (``Plan.sim_overrides()``).
 
@@ -380,14 +361,9 @@ def planned(base: Scenario, compiled: Mapping[str, object]) -> Scenario:
     ('toy_planned', 4.0)
 
     Raises:
-        ValueError: a key that is not one of ``PLANNED_FIELDS``.
+        ValueError: a key that is not one of ``sim.plans.PLANNED_FIELDS``.
     """
-    unknown = sorted(set(compiled) - PLANNED_FIELDS)
-    if unknown:
-        raise ValueError(
-            f"compiled: {unknown} are not plan outputs; allowed: {sorted(PLANNED_FIELDS)}"
-        )
-    scenario = with_overrides(base, dict(compiled))
+    scenario = with_overrides(base, check_planned(compiled))
     return with_overrides(scenario, {"name": f"{base.name}_planned"})
 
 
@@ -407,31 +383,4 @@ def from_plan(plan: str | Path | Mapping[str, Any], base: Scenario | None = None
         ValueError: a YAML whose plan was never stored (the message gives the command),
             or a summary without ``sim_overrides``.
     """
-    summary = _plan_summary(plan)
-    if "sim_overrides" not in summary:
-        raise ValueError("plan: not a plan summary (no 'sim_overrides'); use rlaxkit plan --json")
-    base = rlax_like() if base is None else base
-    scenario = planned(base, summary["sim_overrides"])
-    compiler = str(summary.get("compiler", "XLA:CPU estimate"))
-    suffix = "tpu" if compiler.startswith("XLA:TPU") else "cpu"
-    return with_overrides(scenario, {"name": f"{base.name}_planned_{suffix}"})
-
-
-def _plan_summary(plan: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
-    if isinstance(plan, Mapping):
-        return plan
-    path = Path(plan)
-    if path.suffix in (".yaml", ".yml"):
-        stored = path.with_name(path.name.rsplit(".", 1)[0] + ".plan.json")
-        if not stored.is_file():
-            raise ValueError(
-                f"plan: {path} has no stored result {stored.name}; compile it once with "
-                f"`rlaxkit plan {path} --json > {stored}`"
-            )
-        path = stored
-    if not path.is_file():
-        raise ValueError(f"plan: no such file {path}")
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(data, Mapping):
-        raise ValueError(f"plan: {path} does not hold a plan summary")
-    return data
+    return with_plan(rlax_like() if base is None else base, plan)

@@ -32,6 +32,7 @@ from sim.distributions import distribution_from_dict, distribution_to_dict
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 from sim.host_spec import HostSpec
+from sim.plans import plan_overrides
 from sim.specs import (
     CheckpointSpec,
     FleetSpec,
@@ -50,6 +51,7 @@ __all__ = [
     "scenario_from_dict",
     "scenario_to_dict",
     "with_overrides",
+    "with_plan",
 ]
 
 # Random preemptions are drawn as a plan over the whole horizon before a run starts
@@ -268,13 +270,11 @@ def scenario_from_dict(data: Mapping[str, Any]) -> Scenario:
     """Build a scenario from a nested dict; errors name the section and field.
 
     A ``plan`` key (a stored plan's JSON, or a plan YAML beside its ``.plan.json``)
-    replaces the costs a compiled plan gives (``sim.presets.from_plan``): the trainer's
+    replaces the costs a compiled plan gives (:func:`with_plan`): the trainer's
     step time, the workers' shape and decode cost, the push bytes."""
     if "plan" in data:
-        from sim.presets import from_plan  # presets builds scenarios: imported when used
-
         rest = {k: v for k, v in data.items() if k != "plan"}
-        return from_plan(data["plan"], base=scenario_from_dict(rest))
+        return with_plan(scenario_from_dict(rest), data["plan"])
     allowed = {"name", "fault_plan", "target_steps", "horizon_s", "seed", "plan", *_SECTIONS}
     for key in data:
         if key not in allowed:
@@ -333,3 +333,22 @@ def with_overrides(scenario: Scenario, overrides: Mapping[str, object]) -> Scena
                 raise ValueError(f"{head}.{name}: unknown field; allowed: {sorted(allowed)}")
         top[head] = dataclasses.replace(current, **fields)
     return dataclasses.replace(scenario, **top)
+
+
+def with_plan(base: Scenario, plan: str | Path | Mapping[str, object]) -> Scenario:
+    """``base`` with the costs of a compiled plan (``sim.plans``).
+
+    ``plan`` is a plan's summary (``rlaxkit plan --json``, ``Plan.summary()``), the path
+    of one stored as JSON, or the path of a plan YAML whose ``.plan.json`` sits beside
+    it. Its ``sim_overrides`` set the trainer's step time, the workers' shape, per-step
+    decode time per slot and prefill rate, the push bytes and, with ``total_chips``, the
+    number of workers; every other number stays ``base``'s. The name gets
+    ``_planned_tpu`` (an XLA:TPU plan) or ``_planned_cpu`` (an XLA:CPU one).
+
+    Raises:
+        ValueError: a YAML whose plan was never stored (the message gives the command),
+            or a summary without ``sim_overrides``.
+    """
+    compiled, compiler = plan_overrides(plan)
+    scenario = with_overrides(base, compiled)
+    return with_overrides(scenario, {"name": f"{base.name}_planned_{compiler}"})

@@ -1,6 +1,7 @@
 """The public surface of rlaxkit.algorithms: registries, presets and config validation."""
 
 import dataclasses
+import typing
 
 import pytest
 
@@ -17,6 +18,7 @@ from rlaxkit.algorithms import (
     Registry,
     algorithm,
 )
+from rlaxkit.algorithms.config import Estimator, KLEstimator, Rejection, Surrogate
 
 EXPECTED_PRESETS = {
     "ppo",
@@ -49,6 +51,20 @@ def test_registries_hold_the_documented_variants():
     }
     assert set(KL_ESTIMATORS.names()) == {"k1", "k2", "k3", "k1+", "k3+"}
     assert set(REJECTION_MASKS.names()) == {"none", "token", "sequence", "geometric"}
+
+
+@pytest.mark.parametrize(
+    "registry, choice",
+    [
+        (ADVANTAGE_ESTIMATORS, Estimator),
+        (SURROGATES, Surrogate),
+        (KL_ESTIMATORS, KLEstimator),
+        (REJECTION_MASKS, Rejection),
+    ],
+)
+def test_a_config_allows_exactly_the_names_its_registry_holds(registry, choice):
+    """The configs check names against their ``Literal``s, the registries implement them."""
+    assert registry.names() == tuple(sorted(typing.get_args(choice)))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_PRESETS))

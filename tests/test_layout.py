@@ -20,24 +20,9 @@ import pytest
 from layout_graph import ROOT, cycles, import_graph, module_name, project_modules
 from test_runtime_shape import own_attributes
 
-# Cycles the layout issue's later parts open (the round planner for the runtime's and
-# the simulator's; typed seams for the rest). Remove an entry when its cycle is gone.
+# Cycles the layout issue's later parts open (the round planner for the simulator's).
+# Remove an entry when its cycle is gone.
 KNOWN_CYCLES = [
-    # advantages and objective name their config types; the configs check names against
-    # their registries.
-    ["rlaxkit.algorithms.advantages", "rlaxkit.algorithms.config", "rlaxkit.algorithms.objective"],
-    # a plan's target is checked by the TPU module, which reads the chip table.
-    ["rlaxkit.planning.specs", "rlaxkit.planning.tpu"],
-    # the placements, the faults and the concurrent collector name one another.
-    [
-        "rlaxkit.runtime.concurrent",
-        "rlaxkit.runtime.faults",
-        "rlaxkit.runtime.local",
-        "rlaxkit.runtime.placement",
-        "rlaxkit.runtime.ray_placement",
-    ],
-    # a dataset's skipped rows are typed in base.
-    ["rlaxkit.tasks.base", "rlaxkit.tasks.datasets"],
     # the simulation's engine and the entities it holds name one another.
     [
         "sim.entities.buffer",
@@ -49,8 +34,6 @@ KNOWN_CYCLES = [
         "sim.entities.verifier",
         "sim.entities.worker",
     ],
-    # a scenario's ``plan:`` key is read by the presets, which build scenarios.
-    ["sim.presets", "sim.scenario"],
 ]
 
 MAX_LINES = 500

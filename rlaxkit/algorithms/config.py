@@ -1,8 +1,11 @@
 """Frozen, validated configs of an RL algorithm: its advantage and its loss.
 
-Every choice is a ``Literal`` checked in ``__post_init__`` against the registry that
-implements it, so a typo fails when the config is built, naming the field and the
-allowed values — never inside a jitted step.
+Every choice is a ``Literal`` checked in ``__post_init__`` against the values it allows,
+so a typo fails when the config is built, naming the field and the allowed values — never
+inside a jitted step. A choice that names a registered variant (``Estimator``,
+``Surrogate``, ``KLEstimator``, ``Rejection``) allows exactly the names its registry holds
+(``tests/test_algorithms.py`` checks it), so this module sits below the modules that
+implement the variants and name these configs.
 """
 
 from __future__ import annotations
@@ -12,9 +15,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from rlaxkit.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from rlaxkit.algorithms.objective import KL_ESTIMATORS, SURROGATES
-from rlaxkit.algorithms.off_policy import REJECTION_MASKS
 from rlaxkit.rules.validation import is_int, is_number
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
@@ -81,7 +81,7 @@ class AdvantageConfig:
     convention: Convention = "rlaxkit"
 
     def __post_init__(self) -> None:
-        _choice("estimator", self.estimator, ADVANTAGE_ESTIMATORS.names())
+        _choice("estimator", self.estimator, tuple(sorted(get_args(Estimator))))
         _choice("group_of_one", self.group_of_one, get_args(GroupOfOne))
         _choice("convention", self.convention, get_args(Convention))
         _number("eps", self.eps, low=0.0, open_low=True)
@@ -164,11 +164,11 @@ class LossConfig:
     def __post_init__(self) -> None:
         _choice("aggregation", self.aggregation, get_args(Aggregation))
         _choice("ratio_level", self.ratio_level, get_args(RatioLevel))
-        _choice("surrogate", self.surrogate, SURROGATES.names())
+        _choice("surrogate", self.surrogate, tuple(sorted(get_args(Surrogate))))
         _choice("proximal", self.proximal, get_args(Proximal))
         _choice("behaviour_weight", self.behaviour_weight, get_args(BehaviourWeight))
         _choice("behaviour_weight_level", self.behaviour_weight_level, get_args(RatioLevel))
-        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS.names())
+        _choice("kl_estimator", self.kl_estimator, tuple(sorted(get_args(KLEstimator))))
         _number("clip_eps_low", self.clip_eps_low, low=0.0, high=1.0, open_low=True)
         _number("clip_eps_high", self.clip_eps_high, low=0.0, open_low=True)
         _number("dual_clip_c", self.dual_clip_c, low=1.0, open_low=True)
@@ -176,7 +176,7 @@ class LossConfig:
         for name in ("kl_coef", "entropy_coef", "value_coef"):
             _number(name, getattr(self, name), low=0.0)
         _number("value_clip_eps", self.value_clip_eps, low=0.0, open_low=True)
-        _choice("rejection", self.rejection, REJECTION_MASKS.names())
+        _choice("rejection", self.rejection, tuple(sorted(get_args(Rejection))))
         _number("cov_fraction", self.cov_fraction, low=0.0, high=1.0, open_low=True)
         _number("clip_cov_low", self.clip_cov_low, low=-math.inf)
         _number("clip_cov_high", self.clip_cov_high, low=self.clip_cov_low, open_low=True)

@@ -30,8 +30,9 @@ from typing import Any
 import yaml
 
 from rlaxkit.config.io import apply_overrides, from_dict, to_dict
+from rlaxkit.planning.chips import CHIPS, ChipSpec
 from rlaxkit.planning.costs import Plan, ProgramCost, kv_bytes_per_token
-from rlaxkit.planning.specs import CHIPS, MODEL_PRESETS, ChipSpec, PlanConfig
+from rlaxkit.planning.specs import MODEL_PRESETS, PlanConfig
 from rlaxkit.planning.tpu import check_shardable, parse_topology, require_libtpu, tpu_mesh
 
 __all__ = [

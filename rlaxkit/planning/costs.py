@@ -10,7 +10,9 @@ from typing import Any
 
 from rlaxkit.config.io import from_dict, to_dict
 from rlaxkit.models.config import ModelConfig
-from rlaxkit.planning.specs import CHIPS, GIB, ChipSpec, PlanConfig
+from rlaxkit.planning.chips import CHIPS, GIB, ChipSpec
+from rlaxkit.planning.specs import PlanConfig
+from rlaxkit.planning.tpu import parse_topology
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -120,8 +122,6 @@ class Plan:
         """libtpu's name of the target slice (``""`` without one)."""
         if not self.config.target:
             return ""
-        from rlaxkit.planning.tpu import parse_topology
-
         return parse_topology(self.config.target).name
 
     @property
@@ -129,8 +129,6 @@ class Plan:
         """JAX devices per chip: 2 for a v4 target (each TensorCore), else 1."""
         if not self.config.target:
             return 1
-        from rlaxkit.planning.tpu import parse_topology
-
         return parse_topology(self.config.target).generation.devices_per_chip
 
     @property

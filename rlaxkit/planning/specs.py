@@ -1,5 +1,6 @@
-"""What a plan is asked about: the chips (one table), the models (dimensions of a few
-real checkpoints, no weights) and the run's shape (``PlanConfig``)."""
+"""What a plan is asked about: the models (dimensions of a few real checkpoints, no
+weights) and the run's shape (``PlanConfig``), checked against the chip table
+(``rlaxkit.planning.chips``) and the TPU topologies (``rlaxkit.planning.tpu``)."""
 
 from __future__ import annotations
 
@@ -10,37 +11,9 @@ from pathlib import Path
 from typing import Literal
 
 from rlaxkit.models.config import ModelConfig, RopeScaling
+from rlaxkit.planning.chips import CHIPS
+from rlaxkit.planning.tpu import parse_topology
 from rlaxkit.rules.validation import check_int
-
-GIB = 1024**3
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChipSpec:
-    """One accelerator chip.
-
-    Attributes:
-        name: the key in ``CHIPS``.
-        hbm_bytes: memory of one chip.
-        peak_flops: dense bf16 FLOP/s of one chip.
-        hbm_bytes_per_s: memory bandwidth of one chip.
-    """
-
-    name: str
-    hbm_bytes: float
-    peak_flops: float
-    hbm_bytes_per_s: float
-
-
-# Vendors' public spec sheets (Cloud TPU system architecture pages; NVIDIA's H100 SXM
-# datasheet, dense bf16 without sparsity). The only table of chips in rlaxkit.
-CHIPS: dict[str, ChipSpec] = {
-    "v4": ChipSpec(name="v4", hbm_bytes=32 * GIB, peak_flops=275e12, hbm_bytes_per_s=1.2e12),
-    "v5e": ChipSpec(name="v5e", hbm_bytes=16 * GIB, peak_flops=197e12, hbm_bytes_per_s=0.82e12),
-    "v5p": ChipSpec(name="v5p", hbm_bytes=95 * GIB, peak_flops=459e12, hbm_bytes_per_s=2.76e12),
-    "v6e": ChipSpec(name="v6e", hbm_bytes=32 * GIB, peak_flops=918e12, hbm_bytes_per_s=1.64e12),
-    "h100": ChipSpec(name="h100", hbm_bytes=80 * GIB, peak_flops=989e12, hbm_bytes_per_s=3.35e12),
-}
 
 
 def _qwen(family: str, **dims: int | float | bool) -> ModelConfig:
@@ -248,8 +221,6 @@ class PlanConfig:
                 f"chips beside the trainer's {self.trainer_chips}"
             )
         if self.target:
-            from rlaxkit.planning.tpu import parse_topology
-
             top = parse_topology(self.target)
             if self.trainer_chips != top.devices:
                 raise ValueError(

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlaxkit.planning.specs import CHIPS, ChipSpec
+from rlaxkit.planning.chips import CHIPS, ChipSpec
 
 __all__ = [
     "GENERATIONS",

@@ -51,7 +51,7 @@ from rlaxkit.rules.stalls import stall_error
 
 if TYPE_CHECKING:
     from rlaxkit.config.run import RunConfig
-    from rlaxkit.runtime.placement import RoundTarget
+    from rlaxkit.runtime.parts import RoundTarget
     from rlaxkit.tasks import RewardRunner
     from rlaxkit.worker.worker import InferenceWorker
 

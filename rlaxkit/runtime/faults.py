@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from rlaxkit.config.run import RunConfig
-    from rlaxkit.runtime.placement import FaultTarget
+    from rlaxkit.runtime.parts import FaultTarget
 
 
 __all__ = [

@@ -24,7 +24,7 @@ from rlaxkit.runtime.faults import FaultInjector, NoFaults
 from rlaxkit.runtime.faulty_store import UnreliableParameterServer
 from rlaxkit.runtime.fleet import Calls, WorkerFleet
 from rlaxkit.runtime.hosts import WeightStore, published_params, read_published
-from rlaxkit.runtime.placement import Parts
+from rlaxkit.runtime.parts import Parts
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
 from rlaxkit.runtime.trainer_client import HealingTrainerClient, InProcessTrainer
 from rlaxkit.tasks import RewardRunner

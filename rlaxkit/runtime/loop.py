@@ -38,7 +38,7 @@ from rlaxkit.rules.stalls import drop_patience, drops_error, stall_error
 from rlaxkit.rules.validation import is_int
 from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
 from rlaxkit.runtime.faults import NoFaults
-from rlaxkit.runtime.placement import Parts
+from rlaxkit.runtime.parts import Parts
 from rlaxkit.tasks import REWARD_FAILURES
 
 SYNC_ATTEMPTS = 10  # syncs per round before a worker is left to retry next round

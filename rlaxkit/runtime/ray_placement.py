@@ -39,7 +39,7 @@ from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.fleet import WorkerFleet
 from rlaxkit.runtime.hosts import WallClock, WeightStore, driver_jax_options, published_params
-from rlaxkit.runtime.placement import Parts
+from rlaxkit.runtime.parts import Parts
 from rlaxkit.runtime.ray_trainer_group import TrainerGroup, remote, stop_actor
 from rlaxkit.runtime.state import checkpoint_dir, param_shapes
 from rlaxkit.runtime.trainer_client import HealingTrainerClient

@@ -38,7 +38,7 @@ from rlaxkit.serve.sessions import Session
 
 if TYPE_CHECKING:
     from rlaxkit.runtime import Experiment
-    from rlaxkit.runtime.placement import RoundTarget
+    from rlaxkit.runtime.parts import RoundTarget
     from rlaxkit.tasks import Problem
 
 __all__ = ["AgentCollector", "attach_agent", "endpoint_for_run", "load_agent"]

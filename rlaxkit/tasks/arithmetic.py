@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from rlaxkit.rules.validation import check_int
 from rlaxkit.tasks.base import (
@@ -22,6 +22,7 @@ from rlaxkit.tasks.base import (
     RewardExecution,
     RewardResult,
     SeededProblems,
+    SkippedRow,
     check_choices,
     check_split_fraction,
     cut_at_stop,
@@ -30,9 +31,6 @@ from rlaxkit.tasks.base import (
 )
 from rlaxkit.tasks.expressions import ExpressionError, evaluate_expression
 from rlaxkit.tasks.registry import register_task
-
-if TYPE_CHECKING:
-    from rlaxkit.tasks.datasets import SkippedRow
 
 Operator = Literal["+", "-", "*", "/"]
 _INTEGER = re.compile(r"-?\d+")

@@ -15,12 +15,9 @@ import hashlib
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, get_args, runtime_checkable
+from typing import Any, Final, Literal, Protocol, get_args, runtime_checkable
 
 from rlaxkit.rules.validation import is_number
-
-if TYPE_CHECKING:
-    from rlaxkit.tasks.datasets import SkippedRow
 
 Split = Literal["train", "test"]
 RewardExecution = Literal["inline", "pool"]
@@ -102,6 +99,17 @@ class RewardResult:
     def correct(self) -> bool:
         """Whether the completion earned the full reward (what pass@k counts)."""
         return self.score >= 1.0
+
+
+@dataclass(frozen=True)
+class SkippedRow:
+    """A dataset row ``on_error="skip"`` left out (``rlaxkit.tasks.datasets``): its file,
+    row (1-based), field and why. A task names them in ``Task.skipped_rows``."""
+
+    file: str
+    row: int
+    field: str
+    reason: str
 
 
 @runtime_checkable

@@ -31,7 +31,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from rlaxkit.rules.validation import check_int
 from rlaxkit.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
@@ -42,15 +42,13 @@ from rlaxkit.tasks.base import (
     RewardExecution,
     RewardResult,
     SeededProblems,
+    SkippedRow,
     check_split_fraction,
     format_prompt,
     stable_id,
 )
 from rlaxkit.tasks.episodes import Action, Episode, StepOutcome, StepResult
 from rlaxkit.tasks.registry import register_task
-
-if TYPE_CHECKING:
-    from rlaxkit.tasks.datasets import SkippedRow
 
 MAX_CALC_CHARS: Final = 64  # longer expressions are refused before parsing
 MAX_CALC_VALUE: Final = 10**18  # any literal or intermediate value beyond ± this is refused

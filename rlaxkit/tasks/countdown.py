@@ -13,7 +13,6 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING
 
 from rlaxkit.rules.validation import check_int
 from rlaxkit.tasks.base import (
@@ -27,6 +26,7 @@ from rlaxkit.tasks.base import (
     RewardExecution,
     RewardResult,
     SeededProblems,
+    SkippedRow,
     check_split_fraction,
     cut_at_stop,
     format_prompt,
@@ -34,9 +34,6 @@ from rlaxkit.tasks.base import (
 )
 from rlaxkit.tasks.expressions import ExpressionError, evaluate_expression, render
 from rlaxkit.tasks.registry import register_task
-
-if TYPE_CHECKING:
-    from rlaxkit.tasks.datasets import SkippedRow
 
 _OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlaxkit.rules.validation import is_int
-from rlaxkit.tasks.base import Problem, check_choice, stable_id
+from rlaxkit.tasks.base import Problem, SkippedRow, check_choice, stable_id
 
 FileFormat = Literal["auto", "jsonl", "parquet"]
 OnError = Literal["raise", "skip"]
@@ -79,16 +79,6 @@ class FieldMapping:
             raise ValueError("at least one of prompt and messages must name a column")
         if not isinstance(self.metadata, tuple):
             raise ValueError(f"metadata must be a tuple of column names, got {self.metadata!r}")
-
-
-@dataclass(frozen=True)
-class SkippedRow:
-    """A row ``on_error="skip"`` left out: its file, row (1-based), field and why."""
-
-    file: str
-    row: int
-    field: str
-    reason: str
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from rlaxkit.tasks.base import (
     PromptConfig,
     RewardExecution,
     RewardResult,
+    SkippedRow,
     Split,
     check_choice,
     check_range,
@@ -35,7 +36,6 @@ from rlaxkit.tasks.base import (
 from rlaxkit.tasks.datasets import (
     FieldMapping,
     OnError,
-    SkippedRow,
     check_train_split,
     load_problems,
 )
