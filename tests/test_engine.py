@@ -277,16 +277,15 @@ def test_a_compiled_rebuild_is_not_compiled_again_by_the_first_pull_in_flight(
 ):
     """A worker that pulls in flight compiles the cache rebuild when it starts
     (``compile_rebuild``); its first rebuild then compiles nothing, and the completions
-    are those of an engine that compiled the rebuild on the spot (other shapes: 5 rows
-    against 4, so neither reuses the other's program)."""
+    are those of an engine that compiled the rebuild on the spot (row counts no other
+    test of this module uses: neither reuses another's program)."""
     prompts, keys, _ = workload(3, seed=5)
     done = []
-    for ahead, slots in ((False, 4), (True, 5)):
+    for ahead, slots in ((False, 7), (True, 6)):
         engine = InferenceEngine(
-            models[0], CONFIG, num_slots=slots, max_prompt_len=16, chunk_steps=4
-        )
-        if ahead:
-            engine.compile_rebuild()
+            models[0], CONFIG, num_slots=slots, max_prompt_len=16, chunk_steps=4,
+            compile_rebuild=ahead,
+        )  # fmt: skip
         for prompt, key in zip(prompts, keys, strict=True):
             engine.submit(prompt, key)
         engine.step()

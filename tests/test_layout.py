@@ -40,7 +40,7 @@ MAX_LINES = 500
 # Modules over the limit and their size when listed: a module may shrink, not grow.
 LONG_MODULES = {
     "rlaxkit/trainer/step.py": 607,
-    "rlaxkit/inference/engine.py": 923,
+    "rlaxkit/inference/engine.py": 922,
     "rlaxkit/cli.py": 779,
     "rlaxkit/tasks/sandbox.py": 677,
     "rlaxkit/observe/perfetto.py": 631,

@@ -37,8 +37,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import jax
 import numpy as np
@@ -59,6 +58,7 @@ from rlaxkit.inference.results import (
     split_model,
 )
 from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED, NO_TOKEN, STOP
+from rlaxkit.inference.samples import KeptTokens, PendingResume, QueuedSample, prompt_key
 from rlaxkit.rules.paging import check_pages
 from rlaxkit.util.jaxutil import host_arrays
 
@@ -86,12 +86,6 @@ def engine_views(prompt_width: int, slots: int) -> tuple[int, ...]:
     return (*views, slots)
 
 
-def _prompt_key(sample: _Sample) -> tuple[int, int]:
-    """Which prefill a sample's row starts from: its request's prompt, shared by the
-    samples ``submit`` queued together (one array)."""
-    return sample.request_id, id(sample.prompt)
-
-
 # Returns ``None`` (no new weights) or ``(weights, version)``; polled between chunks.
 WeightSource = Callable[[], "tuple[ModelLike | nnx.State, int] | None"]
 
@@ -102,42 +96,6 @@ def _device_of(params: nnx.State) -> jax.Device:
         if isinstance(leaf, jax.Array) and leaf.committed and len(leaf.devices()) == 1:
             return next(iter(leaf.devices()))
     return jax.devices()[0]
-
-
-class _Sample(NamedTuple):
-    """One sample of one request, queued or in a row (a tuple: a run builds one a
-    sample, at a third of a frozen dataclass's cost).
-
-    ``prompt`` is the context before the current turn: the prompt, then for a resumed
-    request every earlier turn's completion and observation.
-    """
-
-    request_id: int
-    sample_index: int
-    prompt: np.ndarray
-    key_data: np.ndarray
-    budget: int
-    hold: bool = False
-    done: _Done | None = None  # what the sample had when its row was preempted
-
-
-class _Done(NamedTuple):
-    """The tokens a preempted sample had, with their log-probs and versions; its prompt
-    ends with these tokens and its budget is what is left."""
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    plain_logprobs: np.ndarray
-    versions: np.ndarray
-
-
-@dataclass(frozen=True)
-class _Resume:
-    """A parked row's observation, prefilled at the next launch."""
-
-    key: tuple[int, int]  # (request, sample)
-    row: int
-    observation: np.ndarray
 
 
 class InferenceEngine:
@@ -176,6 +134,7 @@ class InferenceEngine:
         attention: ``"reference"`` (XLA) or ``"kernel"`` (the TPU ragged paged attention
             kernel); default: the kernel on TPU (paged).
         attention_block: slots one block of the kernel reads; ``page_size`` divides it.
+        compile_rebuild: compile the cache rebuild now (``compile_rebuild``).
     """
 
     def __init__(
@@ -195,6 +154,7 @@ class InferenceEngine:
         num_pages: int | None = None,
         attention: Attention | None = None,
         attention_block: int = 128,
+        compile_rebuild: bool = False,
     ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -264,10 +224,10 @@ class InferenceEngine:
         self.state = jax.device_put(state, self._device)
         self._admitted = np.zeros((num_slots,), np.int64)  # when each row's sample started
         self._admissions = itertools.count()
-        self._queue: collections.deque[_Sample] = collections.deque()
-        self._slots: list[_Sample | None] = [None] * num_slots
+        self._queue: collections.deque[QueuedSample] = collections.deque()
+        self._slots: list[QueuedSample | None] = [None] * num_slots
         self._parked: dict[tuple[int, int], int] = {}  # (request, sample) -> row
-        self._resumes: list[_Resume] = []
+        self._resumes: list[PendingResume] = []
         self._ids = itertools.count()
         self._unfinished: collections.Counter[int] = collections.Counter()  # id -> samples
         self._launched = False  # a chunk was dispatched and not yet finished
@@ -278,6 +238,8 @@ class InferenceEngine:
         self._views = engine_views(self.prompt_width, slots) if cache_views else (slots,)
         if self._pages is not None:  # whole pages: a view is a prefix of the page table
             self._views = tuple(sorted({page_size * -(-v // page_size) for v in self._views}))
+        if compile_rebuild:
+            self.compile_rebuild()
 
     @property
     def num_queued(self) -> int:
@@ -377,7 +339,7 @@ class InferenceEngine:
                     "running or parked"
                 )
             self._unfinished[request_id] += 1
-            self._queue.append(_Sample(request_id, sample_index, array, data, budget, hold))
+            self._queue.append(QueuedSample(request_id, sample_index, array, data, budget, hold))
             return request_id
         if request_id is None:
             request_id = next(i for i in self._ids if i not in self._unfinished)
@@ -385,7 +347,7 @@ class InferenceEngine:
             raise ValueError(f"request {request_id} is already queued, running or parked")
         self._unfinished[request_id] = self.config.n
         for j in range(self.config.n):
-            self._queue.append(_Sample(request_id, j, array, data, budget, hold))
+            self._queue.append(QueuedSample(request_id, j, array, data, budget, hold))
         return request_id
 
     def _holds(self, key: tuple[int, int]) -> bool:
@@ -464,7 +426,7 @@ class InferenceEngine:
             budget=int(budget),
             hold=sample.hold if hold is None else hold,
         )
-        self._resumes.append(_Resume(key, row, array))
+        self._resumes.append(PendingResume(key, row, array))
 
     def release(self, request_id: int, sample_index: int | None = None) -> None:
         """Frees parked rows of ``request_id`` (one sample, or all when ``sample_index``
@@ -507,13 +469,9 @@ class InferenceEngine:
             self.state = programs.recompute_cache(self.graphdef, self._packed, self.state, waiting)
 
     def compile_rebuild(self) -> None:
-        """Compiles the program that ``update_weights(..., recompute_cache=True)`` runs
-        for this engine's shapes, so that the first pull in the middle of generation
-        does not compile it then: a worker whose pulls interrupt generation
-        (``weight_sync.pull_mode: in_flight``) calls this when it starts. The tests'
-        tiny model spent 2.6 s of a 30-step run's window compiling it at the first such
-        pull; a real model's rebuild is a prefill of every row's whole context.
-        """
+        """Compiles what ``update_weights(..., recompute_cache=True)`` runs, for this
+        engine's shapes: a worker that pulls in flight calls it when it starts, so its
+        first such pull does not compile mid-run."""
         waiting = np.zeros((self.num_slots,), bool)
         programs.recompute_cache.lower(self.graphdef, self._packed, self.state, waiting).compile()
 
@@ -659,10 +617,10 @@ class InferenceEngine:
         """Prefills the pending resumes' observations into their rows, in one program."""
         if not self._resumes:
             return
-        resumes, waiting = self._resumes, list[_Resume]()
+        resumes, waiting = self._resumes, list[PendingResume]()
         if self._pages is not None:  # each needs its observation's pages; else it waits
             preempted: list[int] = []  # (resumed rows are waiting rows: never preempted)
-            ready: list[_Resume] = []
+            ready: list[PendingResume] = []
             for resume in resumes:
                 slots = int(self._ends[resume.row]) + len(resume.observation)
                 taken = self._take_pages(resume.row, slots, preempted)
@@ -720,8 +678,8 @@ class InferenceEngine:
         # by its tokens) or a resubmitted history is a prompt of its own.
         prompt_of: dict[tuple[int, int], int] = {}
         for sample in admitted:
-            prompt_of.setdefault(_prompt_key(sample), len(prompt_of))
-        firsts = {_prompt_key(s): s for s in reversed(admitted)}
+            prompt_of.setdefault(prompt_key(sample), len(prompt_of))
+        firsts = {prompt_key(s): s for s in reversed(admitted)}
         unique = [firsts[key] for key in prompt_of]
         # Rows are always padded to ``num_slots`` (copying a prefilled prompt to a row is
         # cheap), so only the number of distinct prompts and their width key programs.
@@ -745,7 +703,7 @@ class InferenceEngine:
             self._ends[row] = len(sample.prompt) - 1
             self._admitted[row] = next(self._admissions)
         dest[:count] = rows
-        source[:count] = [prompt_of[_prompt_key(s)] for s in admitted]
+        source[:count] = [prompt_of[prompt_key(s)] for s in admitted]
         window = self.state.rows.recent.shape[1]
         offset = np.zeros((num_rows,), np.int32)
         recent = np.full((num_rows, window), NO_TOKEN, np.int32)
@@ -827,7 +785,7 @@ class InferenceEngine:
             )
         return out
 
-    def _parks(self, sample: _Sample, code: int, completion: np.ndarray) -> bool:
+    def _parks(self, sample: QueuedSample, code: int, completion: np.ndarray) -> bool:
         """Whether a finished row waits for an observation: held, stopped by a stop
         sequence (a stop token ends the episode), and with room for one observation
         token and one new token."""
@@ -840,13 +798,13 @@ class InferenceEngine:
 
     # The paged cache's pages (``kv_cache="paged"``).
 
-    def _admit(self, free: list[int]) -> list[_Sample]:
+    def _admit(self, free: list[int]) -> list[QueuedSample]:
         """Queued samples that start now on rows ``free[:k]``, in queue order: as many as
         there are free rows and, on pages, free pages for their prompts and first chunk
         (the samples of one prompt started together share its full pages)."""
         if self._pages is None:
             return [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
-        admitted: list[_Sample] = []
+        admitted: list[QueuedSample] = []
         first_row: dict[int, int] = {}  # request -> the row holding its prompt's pages
         while self._queue and len(admitted) < len(free):
             sample, row = self._queue[0], free[len(admitted)]
@@ -925,12 +883,12 @@ class InferenceEngine:
             self._slots[row] = None
             self._free_pages(row)
             if length:
-                kept = _Done(
+                kept = KeptTokens(
                     tokens[i, :length], logprobs[i, :length], plain[i, :length],
                     versions[i, :length],
                 )  # fmt: skip
                 if sample.done is not None:
-                    kept = _Done(
+                    kept = KeptTokens(
                         *(np.concatenate(pair) for pair in zip(sample.done, kept, strict=True))
                     )
                 sample = sample._replace(

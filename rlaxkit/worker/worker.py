@@ -169,8 +169,7 @@ class InferenceWorker:
         In ``between_requests`` mode a worker with running prompts only stops taking new
         ones (``draining``) and pulls once they are done.
         """
-        latest = self.param_server.latest_version()
-        busy = bool(self.requests)
+        busy, latest = bool(self.requests), self.param_server.latest_version()
         action = self.weight_sync.sync_action(self.staleness, self.version, latest, busy=busy)
         if action != "pull":
             self.draining = self.draining or action == "drain"
@@ -190,9 +189,8 @@ class InferenceWorker:
                 error=str(error)[:200],
             )
             return False
-        rebuilt = 0
+        rebuilt = {"rebuilt": n} if self.requests and (n := self._engine.num_held) else {}
         if self.requests:  # in flight: the running rows' caches are rebuilt
-            rebuilt = self._engine.num_held
             self._take_weights(version, params, recompute_cache=True)
         else:  # an idle engine, or none: a new replay log starts from these weights
             if self.engine is None:
@@ -201,14 +199,8 @@ class InferenceWorker:
                 self.engine.update_weights(params, version)
             self.replay_log.reset(version, params)
         self.version, self.draining = version, False
-        self.trace.record(
-            self.clock(),
-            "pull",
-            self.worker_id,
-            version,
-            duration_s=self.clock() - start,
-            **({"rebuilt": rebuilt} if rebuilt else {}),
-        )
+        took = self.clock() - start
+        self.trace.record(self.clock(), "pull", self.worker_id, version, duration_s=took, **rebuilt)
         return True
 
     @property
@@ -219,7 +211,7 @@ class InferenceWorker:
         return self.engine
 
     def _new_engine(self, params: nnx.State, version: int) -> InferenceEngine:
-        engine = InferenceEngine(
+        return InferenceEngine(
             (self.graphdef, params),
             self.sampling,
             num_slots=self.num_slots,
@@ -232,10 +224,8 @@ class InferenceWorker:
             page_size=self.inference.page_size,
             num_pages=self.inference.num_pages,
             attention_block=self.inference.attention_block,
+            compile_rebuild=self.weight_sync.interrupts_generation,  # now, not mid-run
         )
-        if self.weight_sync.interrupts_generation:  # its rebuild compiles now, not mid-run
-            engine.compile_rebuild()
-        return engine
 
     def _take_weights(self, version: int, params: nnx.State, *, recompute_cache: bool) -> None:
         self._engine.update_weights(params, version, recompute_cache=recompute_cache)

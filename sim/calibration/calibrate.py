@@ -87,13 +87,7 @@ from sim.calibration.fits import (
     fit_trainer,
     save_spans,
 )
-from sim.calibration.host import (
-    MIN_AWAY_ROWS,
-    fault_figures,
-    fit_host,
-    rebuild_unmeasured,
-    serial_fault_settings,
-)
+from sim.calibration.host import MIN_AWAY_ROWS, fault_figures, fit_host, serial_fault_settings
 from sim.calibration.turns import fit_turns
 from sim.calibration.window import compiled_in_window, window_start, window_summary
 from sim.distributions import Constant, Empirical
@@ -298,9 +292,8 @@ def fit_scenario(
     if fit_correlation and not turns.response_tokens and int(shape["group_size"]) > 1:
         correlation = fit_length_correlation(records)
     prompts = [r.prompt_tokens for r in records if r.prompt_tokens is not None]
-    # Transfer and reward times from the window too (a first push or pull may
-    # compile), away from saves where enough are; checkpoints are rare, so all of them
-    # count.
+    # Transfer and reward times from the window too (a first push or pull may compile),
+    # away from saves where enough are; checkpoints are rare, so all of them count.
     window = [e for e in events if e.t > start_s]
     rewards, pushes, pulls = (_away(window, kind, spans) for kind in ("reward", "push", "pull"))
     weight_bytes = float(shape["weight_bytes"] or 1.0)
@@ -514,8 +507,6 @@ def calibrate(
     )
     scenario = with_overrides(fitted_scenario, {**(overrides or {}), "seed": seed})
     beyond = extrapolations(events, fitted_scenario, scenario)
-    if fitted_scenario.host.serial:
-        beyond += rebuild_unmeasured(events, scenario.weight_sync.pull_mode)
     for what in beyond:
         _LOG.warning("sim.calibrate: the prediction extrapolates: %s", what)
     steps = scenario.target_steps or 0

@@ -1,5 +1,6 @@
 """What a calibration is asked to predict beyond what its run showed: fault kinds that
-never fired, and a fleet, slot count or trainer far from the calibrated size."""
+never fired, a fleet, slot count or trainer far from the calibrated size, and pulls in
+flight whose cache rebuilds the run never measured."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 from rlaxkit.rules.trace import (
     TraceEvent,
 )
+from sim.calibration.host import MIN_REBUILDS
 from sim.scenario import Scenario
 
 # A fleet or trainer this many times larger (or smaller) than the calibrated one is
@@ -22,9 +24,11 @@ def extrapolations(
     """What a prediction assumes beyond its calibration run, one sentence each.
 
     Named: a fault kind the calibration trace never saw fire (its costs, such as restart
-    and restore times, come from the scenario's assumptions, not a measurement), and a
+    and restore times, come from the scenario's assumptions, not a measurement), a
     fleet, slot count or trainer ``EXTRAPOLATION_FACTOR`` times the calibrated size or
-    more (or as much smaller).
+    more (or as much smaller), and on the serial host pulls in flight when the trace
+    rebuilt a worker's cache fewer than ``MIN_REBUILDS`` times (each rebuild is then
+    charged as a prefill of every row, ``sim.calibration.host.fit_host``).
     """
     seen = {str(e["fault"]) for e in events if e.kind == "fault" and "fault" in e.fields}
     for event in events:
@@ -54,4 +58,13 @@ def extrapolations(
                 f"{name} = {asked} predicted from a run with {calibrated} ({ratio:.3g}x); "
                 "contention and transfer costs were measured at the calibrated size only"
             )
+    rebuilds = sum(1 for e in events if e.kind == "pull" and e.get("rebuilt"))
+    in_flight = predicted.weight_sync.pull_mode == "in_flight"
+    if fitted.host.serial and in_flight and rebuilds < MIN_REBUILDS:
+        out.append(
+            f"the calibration run rebuilt a worker's KV cache {rebuilds} times (pulls in "
+            "flight); the prediction pulls in flight and charges each rebuild as a prefill "
+            "of every row, a lower bound; calibrate on a run with "
+            "weight_sync.pull_mode=in_flight to measure them"
+        )
     return out

@@ -50,7 +50,6 @@ __all__ = [
     "fault_figures",
     "fit_host",
     "host_gaps",
-    "rebuild_unmeasured",
     "restart_costs",
     "serial_fault_settings",
 ]
@@ -302,7 +301,8 @@ def fit_host(
 # without the rest.
 MIN_AWAY_ROWS = 10
 # Fewest chunks after a cache rebuild that fit ``HostSpec.rebuild_s``; with fewer the
-# calibration run did not measure it (0, and ``rebuild_unmeasured`` says so).
+# calibration run did not measure it (``fit_host`` estimates it, and
+# ``sim.calibration.extrapolation.extrapolations`` says so).
 MIN_REBUILDS = 3
 
 
@@ -321,21 +321,6 @@ def after_rebuild(events: Iterable[TraceEvent], chunks: Sequence[TraceEvent]) ->
             if id(event) in ids:
                 first.add(id(event))
     return np.array([id(e) in first for e in chunks], dtype=bool)
-
-
-def rebuild_unmeasured(events: Iterable[TraceEvent], predicted_pull_mode: str) -> list[str]:
-    """A sentence when the prediction pulls in flight and the calibration run rebuilt a
-    cache fewer than ``MIN_REBUILDS`` times: each rebuild is then charged as a prefill
-    of every row (``fit_host``)."""
-    rebuilds = sum(1 for e in events if e.kind == "pull" and e.get("rebuilt"))
-    if predicted_pull_mode != "in_flight" or rebuilds >= MIN_REBUILDS:
-        return []
-    return [
-        f"the calibration run rebuilt a worker's KV cache {rebuilds} times (pulls in "
-        "flight); the prediction pulls in flight and charges each rebuild as a prefill "
-        "of every row, a lower bound; calibrate on a run with "
-        "weight_sync.pull_mode=in_flight to measure them"
-    ]
 
 
 def _away(spans: Sequence[tuple[float, float]], begins: Any, ends: Any) -> np.ndarray:
