@@ -14,7 +14,7 @@ same way to a Ray actor as they pass in-process.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -230,7 +230,7 @@ class TrainerClient(Protocol):
         after a restore); returns the version the store holds."""
         ...
 
-    def host_params(self, step: int) -> Any:
+    def host_params(self, step: int) -> object:
         """The params at ``step`` (for evaluation and checkpoints)."""
         ...
 
@@ -238,7 +238,7 @@ class TrainerClient(Protocol):
         """A preemption: the state is void until :meth:`restore`."""
         ...
 
-    def saved_steps(self) -> Any:
+    def saved_steps(self) -> Container[int]:
         """The steps checkpointed so far (a container of ints)."""
         ...
 

@@ -43,7 +43,7 @@ def from_dict(cls: type[T], data: object, path: str = "") -> T:
     return _convert(cls, data, path or cls.__name__)
 
 
-def convert(tp: object, value: object, path: str) -> Any:
+def convert(tp: object, value: object, path: str) -> object:
     """``value`` checked against (and, for lists, tuples and nested dataclasses, built as)
     the type ``tp``; ``ValueError`` names ``path`` as ``from_dict`` does."""
     return _convert(tp, value, path)
@@ -104,7 +104,7 @@ def _convert(tp: object, value: object, path: str) -> Any:
     return value
 
 
-def _dataclass(cls: type, value: object, path: str) -> Any:
+def _dataclass(cls: type, value: object, path: str) -> object:
     if dataclasses.is_dataclass(value) and isinstance(value, cls):
         return value
     if not isinstance(value, dict):
@@ -188,7 +188,7 @@ def yaml_problem(error: yaml.YAMLError) -> str:
     return f"{where}{problem}"
 
 
-def read_yaml(path: str | Path) -> Any:
+def read_yaml(path: str | Path) -> object:
     """A YAML file's data; a syntax error raises ``ValueError`` naming the file, line and
     column, not the parser's ``"<unicode string>"``."""
     try:

@@ -25,7 +25,7 @@ PROGRESS_KEYS = {
 }
 
 
-def _plain(value: object) -> Any:
+def _plain(value: object) -> object:
     if hasattr(value, "item") and getattr(value, "size", 1) == 1:
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):

@@ -59,6 +59,7 @@ import json
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -82,12 +83,12 @@ FORMAT = "rlaxkit.param_server.adapters/1"
 
 
 @functools.cache
-def _merge(lora: LoraConfig) -> Any:
+def _merge(lora: LoraConfig) -> Callable[[object, object], object]:
     """``merge_adapters`` jitted for ``lora`` (one program per config and shapes)."""
     return jax.jit(lambda base, adapters: merge_adapters(base, adapters, lora))
 
 
-def _skeleton(tree: object) -> Any:
+def _skeleton(tree: object) -> object:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 

@@ -152,12 +152,12 @@ class ParamServerConfig:
 
     def wrap(
         self,
-        server: Any,
+        server: ReadableStore,
         *,
         template: object = None,
         default_timeout_s: float | None = None,
         on_event: EventHook | None = None,
-    ) -> Any:
+    ) -> ParameterServer:
         """``server`` itself without ``delta``, else a :class:`DeltaParameterServer` over
         it (give ``server`` no ``on_event`` of its own then)."""
         if not self.delta:
@@ -595,7 +595,7 @@ class DeltaParameterServer:
         moved = self.metadata_bytes + counts.nbytes + patch_nbytes(layout, need, counts)
         return self._held, moved
 
-    def _to_tree(self, held: _Held) -> Any:
+    def _to_tree(self, held: _Held) -> object:
         leaves_meta = held.meta["leaves"]
         paths = [leaf["path"] for leaf in leaves_meta]
         arrays = [

@@ -347,7 +347,7 @@ class RayObjectStoreParameterServer:
         """Versions the actor retains, oldest first."""
         return ray.get(self.actor.versions.remote())
 
-    def read(self, version: int) -> Any | None:
+    def read(self, version: int) -> object | None:
         """The host arrays of ``version`` (read-only views of the object store on this
         host), or ``None`` if the actor no longer retains it. Records no transfer: a
         caller that reads versions one by one (the delta client, ``delta_store``)
@@ -400,7 +400,7 @@ class RayObjectStoreParameterServer:
         return version, params
 
 
-def _get_weights(ref: ray.ObjectRef, version: int) -> Any:
+def _get_weights(ref: ray.ObjectRef, version: int) -> object:
     """``ray.get(ref)``; a lost object (its owner, the trainer, died) is a
     :class:`WeightsLostError`."""
     try:
@@ -420,7 +420,7 @@ class _SplitRecord(Mapping[Any, Any]):
         self._refs, self._version = refs, version
         self._got: dict[Any, Any] = {}
 
-    def __getitem__(self, key: object) -> Any:
+    def __getitem__(self, key: object) -> object:
         if key not in self._got:
             value = self._refs[key]
             if isinstance(value, ray.ObjectRef):

@@ -268,7 +268,7 @@ class TensorStoreParameterServer:
             del lease  # Mapped arrays keep it; with none, the lock is released here.
         return manifest, arrays
 
-    def _to_tree(self, manifest: dict[str, Any], arrays: list[np.ndarray]) -> Any:
+    def _to_tree(self, manifest: dict[str, Any], arrays: list[np.ndarray]) -> object:
         paths = [leaf["path"] for leaf in manifest["leaves"]]
         if self.template is not None:
             treepaths.unflatten_like(self.template, paths, arrays)  # Checks the key paths.

@@ -76,7 +76,7 @@ def flatten(tree: object) -> tuple[list[KeyPath], list[Any], Any]:
     return paths, leaves, treedef
 
 
-def unflatten_like(template: object, paths: list[KeyPath], leaves: list[Any]) -> Any:
+def unflatten_like(template: object, paths: list[KeyPath], leaves: list[Any]) -> object:
     """Places ``leaves`` (named by ``paths``) into the tree structure of ``template``.
 
     Raises:

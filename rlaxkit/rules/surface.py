@@ -23,7 +23,7 @@ def lazy_names(
     package's module that defines it) is imported when first read, then kept in the
     package's ``namespace`` (its ``globals()``)."""
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name: str) -> object:
         module = modules.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

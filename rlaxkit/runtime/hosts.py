@@ -165,7 +165,7 @@ def read_published(store: Any, lora: object) -> tuple[int, Any]:
     return store.pull()
 
 
-def published_params(store: object, lora: object, version: int) -> Any:
+def published_params(store: object, lora: object, version: int) -> object:
     """The full weights of ``version``, which must be the newest in ``store`` (a
     checkpoint keeps the published version's weights)."""
     pulled, params = read_published(store, lora)

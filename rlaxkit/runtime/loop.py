@@ -371,7 +371,7 @@ class Loop:
         counters = self.fleet.reward_counters()
         return {reason: counters[reason] for reason in REWARD_FAILURES if counters.get(reason)}
 
-    def scale_workers(self, n: int) -> Any:
+    def scale_workers(self, n: int) -> object:
         """Grows or shrinks the fleet to ``n`` workers now (a removed worker's prompts are
         re-issued to the others); returns the newest worker (``None``: none left)."""
         if not is_int(n) or n < 0:

@@ -190,7 +190,7 @@ class TrainerProcessActor(TrainerHost):
         self._expect(step)
         return PublishReply(None, self._drain())
 
-    def host_params(self, step: int) -> Any:
+    def host_params(self, step: int) -> object:
         """The full params on process 0 (``None`` elsewhere: one copy is enough)."""
         params = super().host_params(step)
         return params if self.pushes else None

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from rlaxkit.api import TrainResult
 from rlaxkit.param_server.base import tree_nbytes
@@ -19,10 +19,12 @@ from rlaxkit.trainer.host import TrainerHost
 _RECOVERY_WAIT_S = 120.0  # How long a restarting actor may take to answer again.
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 def beside(
-    main: Callable[[], object], side: Callable[[threading.Event], None], stop: threading.Event
-) -> Any:
+    main: Callable[[], T], side: Callable[[threading.Event], None], stop: threading.Event
+) -> T:
     """``main()`` on this thread while ``side(stop)`` runs on a helper thread; returns
     ``main``'s result once both are done. If ``main`` raises, ``stop`` is set (``side``
     returns early) and the error is raised after the helper is joined; an error of
@@ -252,7 +254,7 @@ class HealingTrainerClient:
         self.trace.extend(reply.events)
         return reply.version
 
-    def host_params(self, step: int) -> Any:
+    def host_params(self, step: int) -> object:
         return self.call("host_params", step)
 
     def kill(self) -> None:

@@ -92,7 +92,7 @@ def _fail(param: str, what: str, value: object) -> ApiError:
     return ApiError(f"{param}: must be {what}, got {value!r}", param=param)
 
 
-def _optional(body: Mapping[str, object], name: str) -> Any:
+def _optional(body: Mapping[str, object], name: str) -> object:
     return body.get(name)
 
 

@@ -287,7 +287,7 @@ def _ranges(scenario: Scenario, space: TuneSpace, chips: int | None) -> dict[str
     return {name: values for name, values in ranges.items() if values}
 
 
-def _current(scenario: Scenario, name: str) -> Any:
+def _current(scenario: Scenario, name: str) -> object:
     section, attribute = name.split(".")
     return getattr(getattr(scenario, section), attribute)
 
