@@ -126,8 +126,8 @@ class FleetCheckpoint:
         weights: version -> params of the versions the replay logs start from or pulled.
     """
 
-    workers: list[dict[str, Any]]
-    books: dict[str, Any] = field(default_factory=dict)
+    workers: list[dict[str, object]]
+    books: dict[str, object] = field(default_factory=dict)
     weights: dict[int, Any] = field(default_factory=dict)
 
 
@@ -197,8 +197,8 @@ class Fleet(Protocol):
 
     def restore(
         self,
-        workers: list[dict[str, Any]],
-        books: dict[str, Any],
+        workers: list[dict[str, object]],
+        books: dict[str, object],
         weights_for: Callable[[int], Any],
         work_for: Callable[[int], Work],
     ) -> None:
@@ -243,7 +243,11 @@ class TrainerClient(Protocol):
         ...
 
     def save(
-        self, step: int, json: dict[str, Any], weights: dict[str, Any] | None, wait: bool = True
+        self,
+        step: int,
+        json: dict[str, object],
+        weights: dict[str, object] | None,
+        wait: bool = True,
     ) -> bool:
         """Saves checkpoint ``step``: the train state with the driver's items."""
         ...

@@ -20,6 +20,7 @@ import yaml
 from rlaxkit.rules.validation import is_int, is_number
 
 T = TypeVar("T")
+D = TypeVar("D", bound=dict[str, object])  # a dict changed in place and returned
 
 
 def to_dict(config: object) -> Any:
@@ -147,7 +148,7 @@ def merge(defaults: object, given: object) -> Any:
     return merged
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(data: D, overrides: list[str]) -> D:
     """Applies ``key.sub=value`` overrides (values parsed as YAML) to a nested dict.
 
     An optional section that is unset (``None``) becomes one when a key below it is set:
@@ -161,7 +162,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key.path=value")
         key, raw = item.split("=", 1)
-        node = data
+        node: dict[str, object] = data
         parts = key.strip().split(".")
         for part in parts[:-1]:
             child = node.get(part)
@@ -205,7 +206,7 @@ def load_yaml(
     path: str | Path,
     overrides: list[str] | None = None,
     root: str = "config",
-    defaults: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    defaults: Callable[[dict[str, object]], dict[str, object]] | None = None,
 ) -> T:
     """Reads a YAML config file into ``cls``, after ``key=value`` overrides; errors name
     fields as ``<root>.<dotted.path>``.
@@ -223,7 +224,7 @@ def load_yaml(
     return from_dict(cls, apply_overrides(data, overrides or []), path=root)
 
 
-def _defaults(cls: type) -> dict[str, Any]:
+def _defaults(cls: type) -> dict[str, object]:
     """``to_dict(cls())``, or ``{}`` when ``cls`` has a field without a default."""
     try:
         return to_dict(cls())

@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -228,7 +228,7 @@ class DriftProbe:
         return self.every > 0 and step % self.every == 0
 
     def attribute(
-        self, params: Any, batch: TrainBatch, version: Any, log_theta: Any = None
+        self, params: object, batch: TrainBatch, version: int | jax.Array, log_theta: object = None
     ) -> dict[str, float]:
         """When the step after weight ``version`` (an int or a scalar array) is due,
         the drift of ``batch`` under ``params`` (``__call__``) with ``drift/seconds``,

@@ -87,7 +87,7 @@ __all__ = [
 # through a handle go unchecked.
 ParameterServerHandle: TypeAlias = Any
 
-RAY_SYSTEM_CONFIG: dict[str, Any] = {"free_objects_period_milliseconds": 0}
+RAY_SYSTEM_CONFIG: dict[str, object] = {"free_objects_period_milliseconds": 0}
 """Ray system config under which pushes reuse evicted versions' memory at once (see the
 module docstring); ``ray.init(_system_config=RAY_SYSTEM_CONFIG)``."""
 
@@ -205,7 +205,7 @@ def parameter_server_actor(
 ) -> ParameterServerHandle:
     """Starts a :class:`ParameterServerActor` that Ray restarts up to ``max_restarts``
     times; calls made while it restarts wait for it (``max_task_retries=-1``)."""
-    options: dict[str, Any] = {
+    options: dict[str, object] = {
         "num_cpus": num_cpus,
         "max_restarts": max_restarts,
         "max_task_retries": -1,
@@ -267,7 +267,7 @@ class RayObjectStoreParameterServer:
         )
         self._pinned: tuple[int, ray.ObjectRef, int] | None = None  # The newest pinned push.
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {
             "actor": self.actor,
             "to_device": self.to_device,

@@ -17,7 +17,7 @@ from typing import Any
 
 
 def lazy_names(
-    package: str, modules: Mapping[str, str], namespace: dict[str, Any]
+    package: str, modules: Mapping[str, str], namespace: dict[str, object]
 ) -> Callable[[str], Any]:
     """The module ``__getattr__`` of ``package``: a name of ``modules`` (name -> the
     package's module that defines it) is imported when first read, then kept in the

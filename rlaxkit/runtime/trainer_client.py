@@ -115,7 +115,7 @@ class HealingTrainerClient:
         self.saved: set[int] = set()
         self.killed = False
 
-    def _call_restarting(self, method: str, *args: Any) -> Any:
+    def _call_restarting(self, method: str, *args: object) -> Any:
         """Calls the trainer once, waiting while Ray restarts it (a group of trainer
         processes was restarted already)."""
         if self.group.size > 1:
@@ -132,7 +132,7 @@ class HealingTrainerClient:
                     ) from error
                 time.sleep(0.2)
 
-    def call(self, method: str, *args: Any) -> Any:
+    def call(self, method: str, *args: object) -> Any:
         """Calls the trainer; if it died or came back with a fresh state, heals it
         (:meth:`_recover`) and calls again."""
         for _ in range(self.max_restarts + 1):

@@ -57,8 +57,8 @@ class Session:
     policy_mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    tools: tuple[dict[str, Any], ...] = ()
+    messages: list[dict[str, object]] = field(default_factory=list)
+    tools: tuple[dict[str, object], ...] = ()
     turns: int = 0
     busy: bool = False
     last_s: float = field(default_factory=time.monotonic)

@@ -93,7 +93,7 @@ class Pending(NamedTuple):
     """A version to publish when the store lacks it (``merged``: a LoRA run's full weights)."""
 
     version: int
-    params: Any
+    params: object
     merged: bool = False
 
 
@@ -378,7 +378,7 @@ class TrainerHost:
             store.republish()
         return PublishReply(store.latest_version(), self._drain())
 
-    def warm_start_info(self) -> dict[str, Any]:
+    def warm_start_info(self) -> dict[str, object]:
         """What the warm start did, as ``rlaxkit.runtime.build.warm_start`` reports it."""
         return self.warm_start
 

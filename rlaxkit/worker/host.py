@@ -213,7 +213,7 @@ class WorkerHost:
         )
 
     # -- checkpoints (rlaxkit.runtime.state) --------------------------------------------
-    def checkpoint(self) -> dict[str, Any]:
+    def checkpoint(self) -> dict[str, object]:
         """``snapshot`` (``InferenceWorker.snapshot``: the replay log of the prompts in
         flight) and ``versions``: the weight versions that log starts from or pulled."""
         return {
@@ -231,7 +231,7 @@ class WorkerHost:
 
     def restore(
         self,
-        snapshot: dict[str, Any],
+        snapshot: dict[str, object],
         issues: dict[int, Work],
         weights: dict[int, Any],
     ) -> list[TraceEvent]:

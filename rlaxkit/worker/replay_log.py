@@ -214,7 +214,7 @@ class ReplayLog:
         """
         return dict(self._weights) if self.base_version is not None else {}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """JSON-able ``{"base_version": ..., "ops": [["s", group_id], ["d"],
         ["u", version, recompute_cache], ["r", group_id, sample_index, observation],
         ["x", group_id, sample_index], ...]}``; ``parse_ops`` reads the ops back."""

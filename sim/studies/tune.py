@@ -76,14 +76,14 @@ class TunePoint:
     """One candidate's settings and what the simulator predicts for them (means over
     seeds; ``samples_per_s_spread`` is their standard deviation, 0 for one seed)."""
 
-    settings: dict[str, Any]
+    settings: dict[str, object]
     samples_per_s: float
     samples_per_s_spread: float
     goodput: float
     mean_staleness: float
     steps: int
 
-    def row(self) -> dict[str, Any]:
+    def row(self) -> dict[str, object]:
         """The settings and predictions as one flat dict (for a table)."""
         return {
             **self.settings,
@@ -292,7 +292,7 @@ def _current(scenario: Scenario, name: str) -> object:
     return getattr(getattr(scenario, section), attribute)
 
 
-def _scenario_settings(scenario: Scenario, ranges: Mapping[str, object]) -> dict[str, Any]:
+def _scenario_settings(scenario: Scenario, ranges: Mapping[str, object]) -> dict[str, object]:
     return {name: _current(scenario, name) for name in ranges}
 
 
@@ -316,7 +316,7 @@ class _Evaluator:
         """Count ``point`` as breaking ``constraint`` (the default over a chip budget)."""
         self._violations[id(point)] = constraint
 
-    def overrides(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+    def overrides(self, settings: Mapping[str, Any]) -> dict[str, object]:
         overrides = {k: v for k, v in settings.items() if k != "trainer.chips"}
         if "trainer.chips" in settings:
             trainer_chips = int(settings["trainer.chips"])
