@@ -105,7 +105,7 @@ def _unpack(packed: np.ndarray, skeleton: object) -> list[np.ndarray]:
     return leaves
 
 
-def _leaves(stored: Any) -> list[Any]:
+def _leaves(stored: Any) -> list[object]:
     """A record's list of leaves: a list (in-process, Ray) or, read back from
     TensorStore, a ``dict`` keyed by position."""
     if isinstance(stored, list | tuple):

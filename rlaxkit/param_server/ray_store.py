@@ -416,9 +416,9 @@ class _SplitRecord(Mapping[Any, Any]):
     """A record pushed with ``split_records``: each entry is fetched (``ray.get``) when it
     is first used, then kept."""
 
-    def __init__(self, refs: dict[Any, Any], version: int) -> None:
+    def __init__(self, refs: dict[object, object], version: int) -> None:
         self._refs, self._version = refs, version
-        self._got: dict[Any, Any] = {}
+        self._got: dict[object, object] = {}
 
     def __getitem__(self, key: object) -> object:
         if key not in self._got:
@@ -431,7 +431,7 @@ class _SplitRecord(Mapping[Any, Any]):
     def __contains__(self, key: object) -> bool:
         return key in self._refs  # Without fetching it.
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[object]:
         return iter(self._refs)
 
     def __len__(self) -> int:

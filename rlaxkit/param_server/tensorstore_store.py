@@ -155,7 +155,7 @@ class TensorStoreParameterServer:
             max_workers=snapshot.WRITE_THREADS, thread_name_prefix="param-server-write"
         )
         # Evicted versions kept for their files (see _evict): (path, [dtype, shape] per leaf).
-        self._spares: list[tuple[Path, list[list[Any]]]] = []
+        self._spares: list[tuple[Path, list[list[object]]]] = []
         self._deletions: list[concurrent.futures.Future] = []
         # Test hooks, called with the leaf index after each leaf is written during a push
         # or read during a pull (the reader then holds its lease); they let tests pause
@@ -221,7 +221,7 @@ class TensorStoreParameterServer:
             with self._pushed:
                 self._pushed.wait(wait_s)
 
-    def read(self, version: int) -> dict[Any, Any] | None:
+    def read(self, version: int) -> dict[object, object] | None:
         """The host arrays of ``version`` as a nested ``dict`` (see
         :func:`rlaxkit.param_server.treepaths.nested_dict`; raw leaves mapped, holding the
         version's lease while they live), or ``None`` if it is not on disk.

@@ -217,7 +217,7 @@ class Experiment(Loop):
         return self.parts.warm_start
 
     @property
-    def workers(self) -> list[Any]:
+    def workers(self) -> list[object]:
         """The fleet's workers (``WorkerSlot``: id, host handle, prompts in flight)."""
         return self.fleet.workers
 

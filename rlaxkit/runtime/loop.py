@@ -39,7 +39,7 @@ from rlaxkit.rules.validation import is_int
 from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
 from rlaxkit.runtime.faults import NoFaults
 from rlaxkit.runtime.placement import Parts
-from rlaxkit.tasks import REWARD_FAILURES
+from rlaxkit.tasks import REWARD_FAILURES, Problem
 
 SYNC_ATTEMPTS = 10  # syncs per round before a worker is left to retry next round
 
@@ -56,7 +56,7 @@ class Loop:
     parts: Parts
     fleet: Fleet
     trainer: TrainerClient
-    problems: list[Any]
+    problems: list[Problem]
     controller: PromptController
     buffer: RolloutBuffer
     published: int

@@ -254,7 +254,7 @@ def encode(
     fleet: FleetCheckpoint,
     faults: Mapping[str, object],
     published: int,
-    weights: dict[int, Any],
+    weights: dict[int, object],
     shapes: dict[str, list],
     clock_s: float,
     trace_events: int,
@@ -293,7 +293,7 @@ def encode(
     return items, arrays
 
 
-def read_weights(point: ResumePoint, template: object) -> dict[int, Any]:
+def read_weights(point: ResumePoint, template: object) -> dict[int, object]:
     """The ``weights`` item of ``point`` as ``version -> params`` shaped like
     ``template`` (abstract params)."""
     versions = point.meta["weights"]

@@ -108,7 +108,7 @@ def same_message(sent: dict[str, Any], kept: dict[str, Any]) -> bool:
     """Whether a message the client sent back is one the session holds (role, content,
     and the tool calls' names and arguments; call ids and extra fields aside)."""
 
-    def calls(m: dict[str, Any]) -> list[tuple[str, Any]]:
+    def calls(m: dict[str, Any]) -> list[tuple[str, object]]:
         return [
             (c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", ())
         ]

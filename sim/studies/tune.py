@@ -264,8 +264,8 @@ def _ascend(
             return
 
 
-def _ranges(scenario: Scenario, space: TuneSpace, chips: int | None) -> dict[str, list[Any]]:
-    ranges: dict[str, list[Any]] = {
+def _ranges(scenario: Scenario, space: TuneSpace, chips: int | None) -> dict[str, list[object]]:
+    ranges: dict[str, list[object]] = {
         "staleness.max_staleness": list(space.max_staleness),
         "weight_sync.push_every_steps": list(space.push_every_steps),
         "weight_sync.pull_mode": list(space.pull_mode),
@@ -307,7 +307,7 @@ class _Evaluator:
     min_goodput: float | None
     evaluated: list[TunePoint] = field(default_factory=list)
     skipped: Counter[str] = field(default_factory=Counter)
-    _memo: dict[tuple[tuple[str, Any], ...], TunePoint | None] = field(default_factory=dict)
+    _memo: dict[tuple[tuple[str, object], ...], TunePoint | None] = field(default_factory=dict)
     _violations: dict[int, str] = field(default_factory=dict)  # id(point) -> constraint
     _closest: dict[str, TunePoint] = field(default_factory=dict)
     _refusals: dict[str, str] = field(default_factory=dict)  # field -> first message
@@ -421,7 +421,7 @@ class _Evaluator:
         )
 
 
-def _key(settings: Mapping[str, object]) -> tuple[tuple[str, Any], ...]:
+def _key(settings: Mapping[str, object]) -> tuple[tuple[str, object], ...]:
     return tuple(sorted(settings.items(), key=lambda item: item[0]))
 
 
