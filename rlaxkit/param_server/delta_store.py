@@ -286,7 +286,7 @@ class DeltaParameterServer:
         self._layouts: dict[str, ChunkLayout] = {}
         self._skeleton: tuple[bytes, Any] = (b"", None)  # (pickled, unpickled), last used
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         # A client travels without what it pushed or holds: its first push is a full
         # snapshot and its first pull reads every chunk.
         return {
@@ -475,7 +475,7 @@ class DeltaParameterServer:
                 self.poll_interval_s if remaining is None else min(self.poll_interval_s, remaining)
             )
 
-    def _read(self, version: int) -> dict[str, Any]:
+    def _read(self, version: int) -> dict[str, object]:
         record = self.inner.read(version)
         if record is None:
             raise _Evicted(version)

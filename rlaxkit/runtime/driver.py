@@ -191,7 +191,7 @@ class Experiment(Loop):
 
     # -- names a notebook reaches for --------------------------------------------------
     @property
-    def history(self) -> list[dict[str, Any]]:
+    def history(self) -> list[dict[str, object]]:
         """Every step's metrics."""
         return self.books.history
 
@@ -213,7 +213,7 @@ class Experiment(Loop):
         return self.parts.tokenizer
 
     @property
-    def warm_start(self) -> dict[str, Any]:
+    def warm_start(self) -> dict[str, object]:
         return self.parts.warm_start
 
     @property

@@ -107,7 +107,7 @@ class UnreliableParameterServer:
         version, pushed = self.pending
         return {version: self._weights_of(version, pushed)}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """Outage, failing pulls and lineage (weights are saved by the checkpoint)."""
         return {
             "down_until": self.down_until,
