@@ -128,7 +128,7 @@ class FleetCheckpoint:
 
     workers: list[dict[str, object]]
     books: dict[str, object] = field(default_factory=dict)
-    weights: dict[int, Any] = field(default_factory=dict)
+    weights: dict[int, object] = field(default_factory=dict)
 
 
 class Fleet(Protocol):
@@ -199,7 +199,7 @@ class Fleet(Protocol):
         self,
         workers: list[dict[str, object]],
         books: dict[str, object],
-        weights_for: Callable[[int], Any],
+        weights_for: Callable[[int], object],
         work_for: Callable[[int], Work],
     ) -> None:
         """Rebuilds every saved worker by replaying its log."""
@@ -252,7 +252,7 @@ class TrainerClient(Protocol):
         """Saves checkpoint ``step``: the train state with the driver's items."""
         ...
 
-    def restore(self, max_step: int, published: tuple[int, Any] | None = None) -> int:
+    def restore(self, max_step: int, published: tuple[int, object] | None = None) -> int:
         """Loads the newest checkpoint at or below ``max_step``; returns its step."""
         ...
 

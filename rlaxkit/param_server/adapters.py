@@ -164,7 +164,7 @@ class AdapterParameterServer:
         self._base: tuple[list[np.ndarray], bytes] | None = None
         self._base_version: int | None = None
         # The reader's side: (base version, device base, adapter skeleton, lora config).
-        self._held: tuple[int, Any, Any, LoraConfig] | None = None
+        self._held: tuple[int, object, object, LoraConfig] | None = None
 
     def __getstate__(self) -> dict[str, object]:
         # A client travels without what it pushed or holds: its first push writes a

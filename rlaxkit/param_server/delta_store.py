@@ -282,9 +282,9 @@ class DeltaParameterServer:
         self._pull_lock = threading.Lock()
         self._published: _Published | None = None
         self._held: _Held | None = None
-        self._pushed_tree: tuple[list[treepaths.KeyPath], Any] | None = None
+        self._pushed_tree: tuple[list[treepaths.KeyPath], object] | None = None
         self._layouts: dict[str, ChunkLayout] = {}
-        self._skeleton: tuple[bytes, Any] = (b"", None)  # (pickled, unpickled), last used
+        self._skeleton: tuple[bytes, object] = (b"", None)  # (pickled, unpickled), last used
 
     def __getstate__(self) -> dict[str, object]:
         # A client travels without what it pushed or holds: its first push is a full

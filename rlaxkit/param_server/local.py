@@ -71,7 +71,7 @@ class InProcessParameterServer:
         self.copy_on_push = copy_on_push
         self.on_event = on_event
         self.stats = TransferStats()
-        self._versions: collections.OrderedDict[int, tuple[Any, int]] = collections.OrderedDict()
+        self._versions: collections.OrderedDict[int, tuple[object, int]] = collections.OrderedDict()
         self._pinned: int | None = None  # Kept beyond ``keep`` (see ``push``).
         self._cond = threading.Condition()
 

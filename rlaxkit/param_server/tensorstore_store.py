@@ -149,7 +149,7 @@ class TensorStoreParameterServer:
         self._context = ts.Context({"file_io_sync": durable})
         self._push_lock = threading.Lock()
         self._pushed = threading.Condition()
-        self._pushed_tree: tuple[list[treepaths.KeyPath], Any] | None = None
+        self._pushed_tree: tuple[list[treepaths.KeyPath], object] | None = None
         self._deleter: concurrent.futures.ThreadPoolExecutor | None = None
         self._writer = concurrent.futures.ThreadPoolExecutor(  # Threads start on first use.
             max_workers=snapshot.WRITE_THREADS, thread_name_prefix="param-server-write"

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from typing import Any
 
 
 def lazy_names(
     package: str, modules: Mapping[str, str], namespace: dict[str, object]
-) -> Callable[[str], Any]:
+) -> Callable[[str], object]:
     """The module ``__getattr__`` of ``package``: a name of ``modules`` (name -> the
     package's module that defines it) is imported when first read, then kept in the
     package's ``namespace`` (its ``globals()``)."""

@@ -139,7 +139,7 @@ class Experiment(Loop):
             self.buffer.ledger.on_drop = self.drop_event
             self.audit = AuditBook()  # sampled against trained
             self.published = 0  # the newest version the trainer published
-            self.last_batch: dict[str, Any] | None = None
+            self.last_batch: dict[str, object] | None = None
             self.closed = False
             if point is not None:
                 self.trace.record(

@@ -60,7 +60,7 @@ class Loop:
     controller: PromptController
     buffer: RolloutBuffer
     published: int
-    last_batch: dict[str, Any] | None
+    last_batch: dict[str, object] | None
     audit: AuditBook
     logger: Trackers
     window: Window

@@ -288,7 +288,7 @@ class TrainerGroup:
         ``_GRACE_S`` to answer, else the group is stopped. Then the first error is
         raised (``RayActorError`` if a process died)."""
         index = {ref: i for i, ref in enumerate(refs)}
-        replies: dict[int, Any] = {}
+        replies: dict[int, object] = {}
         pending, died = list(refs), False
         error: BaseException | None = None
         while pending:

@@ -108,7 +108,7 @@ class HealingTrainerClient:
         self.heals = bool(died)  # a trainer in this process does not die on its own
         self.died: tuple[type[BaseException], ...] = (*died, TrainerRestartedError)
         self.trace, self.books, self.clock = trace, books, clock
-        self.replay: list[tuple[int, Any]] = []  # (step, batch) since the last checkpoint
+        self.replay: list[tuple[int, object]] = []  # (step, batch) since the last checkpoint
         self.replay_limit_mb = replay_limit_mb
         self._kept_bytes = 0  # of the batches in ``replay``
         self.let_go_through = 0  # the newest step whose batch was let go at the bound
@@ -280,7 +280,7 @@ class HealingTrainerClient:
         self.saved.add(step)
         return reply.saved
 
-    def restore(self, max_step: int, published: tuple[int, Any] | None = None) -> int:
+    def restore(self, max_step: int, published: tuple[int, object] | None = None) -> int:
         if self.killed:
             self.killed = False
             self.group.restart()  # a group starts anew; one trainer Ray restarts

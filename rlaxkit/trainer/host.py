@@ -284,7 +284,7 @@ class TrainerHost:
         self._timed("checkpoint_save", start)
         return self.version
 
-    def restore(self, max_step: int, published: tuple[int, Any] | None = None) -> int:
+    def restore(self, max_step: int, published: tuple[int, object] | None = None) -> int:
         """Loads the newest checkpoint at or below ``max_step`` (the fresh step-0 state
         when there is none); returns its step.
 

@@ -221,7 +221,7 @@ class WorkerHost:
             "versions": sorted(self.worker.replay_weights()),
         }
 
-    def replay_weights(self, versions: list[int]) -> dict[int, Any]:
+    def replay_weights(self, versions: list[int]) -> dict[int, object]:
         """The weights of ``versions`` (each one the replay log needs; host copies from
         an actor)."""
         held = self.worker.replay_weights()
@@ -233,7 +233,7 @@ class WorkerHost:
         self,
         snapshot: dict[str, object],
         issues: dict[int, Work],
-        weights: dict[int, Any],
+        weights: dict[int, object],
     ) -> list[TraceEvent]:
         """Rebuilds a saved worker by replaying its log (``InferenceWorker.restore``):
         its prompts in flight are generated again, same ids and seeds, up to the chunk
