@@ -39,7 +39,8 @@ from rlaxkit.rules.validation import is_int
 from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
 from rlaxkit.runtime.faults import NoFaults
 from rlaxkit.runtime.placement import Parts
-from rlaxkit.tasks import REWARD_FAILURES, Problem
+from rlaxkit.tasks import REWARD_FAILURES
+from rlaxkit.tasks.base import Problem
 
 SYNC_ATTEMPTS = 10  # syncs per round before a worker is left to retry next round
 
