@@ -4,12 +4,10 @@ Not DeepMind's ``rlax``: this package re-creates the RLAX parameter-server syste
 AReaL's asynchronous RL, with a SimPy simulator of the fleet (``sim``).
 """
 
-from typing import Any
-
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     # ``rlaxkit.plan(...)`` without importing JAX when the package is imported.
     if name == "plan":
         from rlaxkit.planning import plan

@@ -14,7 +14,7 @@ same way to a Ray actor as they pass in-process.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -126,9 +126,9 @@ class FleetCheckpoint:
         weights: version -> params of the versions the replay logs start from or pulled.
     """
 
-    workers: list[dict[str, Any]]
-    books: dict[str, Any] = field(default_factory=dict)
-    weights: dict[int, Any] = field(default_factory=dict)
+    workers: list[dict[str, object]]
+    books: dict[str, object] = field(default_factory=dict)
+    weights: dict[int, object] = field(default_factory=dict)
 
 
 class Fleet(Protocol):
@@ -197,9 +197,9 @@ class Fleet(Protocol):
 
     def restore(
         self,
-        workers: list[dict[str, Any]],
-        books: dict[str, Any],
-        weights_for: Callable[[int], Any],
+        workers: list[dict[str, object]],
+        books: dict[str, object],
+        weights_for: Callable[[int], object],
         work_for: Callable[[int], Work],
     ) -> None:
         """Rebuilds every saved worker by replaying its log."""
@@ -230,7 +230,7 @@ class TrainerClient(Protocol):
         after a restore); returns the version the store holds."""
         ...
 
-    def host_params(self, step: int) -> Any:
+    def host_params(self, step: int) -> object:
         """The params at ``step`` (for evaluation and checkpoints)."""
         ...
 
@@ -238,17 +238,21 @@ class TrainerClient(Protocol):
         """A preemption: the state is void until :meth:`restore`."""
         ...
 
-    def saved_steps(self) -> Any:
+    def saved_steps(self) -> Container[int]:
         """The steps checkpointed so far (a container of ints)."""
         ...
 
     def save(
-        self, step: int, json: dict[str, Any], weights: dict[str, Any] | None, wait: bool = True
+        self,
+        step: int,
+        json: dict[str, object],
+        weights: dict[str, object] | None,
+        wait: bool = True,
     ) -> bool:
         """Saves checkpoint ``step``: the train state with the driver's items."""
         ...
 
-    def restore(self, max_step: int, published: tuple[int, Any] | None = None) -> int:
+    def restore(self, max_step: int, published: tuple[int, object] | None = None) -> int:
         """Loads the newest checkpoint at or below ``max_step``; returns its step."""
         ...
 

@@ -294,9 +294,9 @@ _TYPES: dict[str, type] = {
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 
-def distribution_to_dict(dist: Distribution) -> dict[str, Any]:
+def distribution_to_dict(dist: Distribution) -> dict[str, object]:
     """``{"type": name, **fields}``, nested for :class:`LongTail`'s body."""
-    out: dict[str, Any] = {"type": _NAMES[type(dist)]}
+    out: dict[str, object] = {"type": _NAMES[type(dist)]}
     data = asdict(dist)
     if isinstance(dist, LongTail):
         data["body"] = distribution_to_dict(dist.body)

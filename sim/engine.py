@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import simpy
 
@@ -227,7 +226,7 @@ class Simulation:
         )
 
 
-def run_config(scenario: Scenario) -> dict[str, Any]:
+def run_config(scenario: Scenario) -> dict[str, object]:
     """The configuration a trace's ``run_start`` event carries (policies, fleet shape).
 
     The runtime writes the same keys so :func:`sim.calibration.calibrate.calibrate` can rebuild the

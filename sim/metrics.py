@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     pass
@@ -104,7 +104,7 @@ class SimResult:
     tool_calls: int = 0
     slots_released: int = 0
     tool_hold_fraction: float = 0.0
-    audit: dict[str, Any] = field(default_factory=dict, repr=False)
+    audit: dict[str, object] = field(default_factory=dict, repr=False)
 
     @property
     def events_per_s(self) -> float:
@@ -126,7 +126,7 @@ class SimResult:
         """Simulated seconds until the trainer reached ``step`` for good (``None``: never)."""
         return self.step_end_s[step - 1] if 0 < step <= len(self.step_end_s) else None
 
-    def to_row(self) -> dict[str, Any]:
+    def to_row(self) -> dict[str, object]:
         """Scalar metrics for a results table."""
         return {
             "scenario": self.scenario,
@@ -154,7 +154,7 @@ def build_result(
     events: int,
     wall_s: float,
     reached_target: bool = False,
-    audit: dict[str, Any] | None = None,
+    audit: dict[str, object] | None = None,
 ) -> SimResult:
     """Derive a :class:`SimResult` from a finished run's counters."""
     end = counters.steps[-1][3] if reached_target and counters.steps else sim_time_s

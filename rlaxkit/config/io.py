@@ -20,6 +20,7 @@ import yaml
 from rlaxkit.rules.validation import is_int, is_number
 
 T = TypeVar("T")
+D = TypeVar("D", bound=dict[str, object])  # a dict changed in place and returned
 
 
 def to_dict(config: object) -> Any:
@@ -43,7 +44,7 @@ def from_dict(cls: type[T], data: object, path: str = "") -> T:
     return _convert(cls, data, path or cls.__name__)
 
 
-def convert(tp: object, value: object, path: str) -> Any:
+def convert(tp: object, value: object, path: str) -> object:
     """``value`` checked against (and, for lists, tuples and nested dataclasses, built as)
     the type ``tp``; ``ValueError`` names ``path`` as ``from_dict`` does."""
     return _convert(tp, value, path)
@@ -104,7 +105,7 @@ def _convert(tp: object, value: object, path: str) -> Any:
     return value
 
 
-def _dataclass(cls: type, value: object, path: str) -> Any:
+def _dataclass(cls: type, value: object, path: str) -> object:
     if dataclasses.is_dataclass(value) and isinstance(value, cls):
         return value
     if not isinstance(value, dict):
@@ -147,7 +148,7 @@ def merge(defaults: object, given: object) -> Any:
     return merged
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(data: D, overrides: list[str]) -> D:
     """Applies ``key.sub=value`` overrides (values parsed as YAML) to a nested dict.
 
     An optional section that is unset (``None``) becomes one when a key below it is set:
@@ -161,7 +162,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key.path=value")
         key, raw = item.split("=", 1)
-        node = data
+        node: dict[str, object] = data
         parts = key.strip().split(".")
         for part in parts[:-1]:
             child = node.get(part)
@@ -188,7 +189,7 @@ def yaml_problem(error: yaml.YAMLError) -> str:
     return f"{where}{problem}"
 
 
-def read_yaml(path: str | Path) -> Any:
+def read_yaml(path: str | Path) -> object:
     """A YAML file's data; a syntax error raises ``ValueError`` naming the file, line and
     column, not the parser's ``"<unicode string>"``."""
     try:
@@ -205,7 +206,7 @@ def load_yaml(
     path: str | Path,
     overrides: list[str] | None = None,
     root: str = "config",
-    defaults: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    defaults: Callable[[dict[str, object]], dict[str, object]] | None = None,
 ) -> T:
     """Reads a YAML config file into ``cls``, after ``key=value`` overrides; errors name
     fields as ``<root>.<dotted.path>``.
@@ -223,7 +224,7 @@ def load_yaml(
     return from_dict(cls, apply_overrides(data, overrides or []), path=root)
 
 
-def _defaults(cls: type) -> dict[str, Any]:
+def _defaults(cls: type) -> dict[str, object]:
     """``to_dict(cls())``, or ``{}`` when ``cls`` has a field without a default."""
     try:
         return to_dict(cls())

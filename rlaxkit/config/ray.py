@@ -46,7 +46,7 @@ class ActorResources:
             if not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"resources[{key!r}]: must be a number >= 0, got {value!r}")
 
-    def options(self) -> dict[str, Any]:
+    def options(self) -> dict[str, object]:
         """Keyword arguments for ``ActorClass.options``."""
         return {
             "num_cpus": self.num_cpus,

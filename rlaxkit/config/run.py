@@ -460,7 +460,7 @@ class RunConfig:
         return to_dict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+    def from_dict(cls, data: dict[str, object]) -> RunConfig:
         """A validated config from nested dicts; a wrong name or value names its path.
 
         >>> from rlaxkit.config.io import apply_overrides

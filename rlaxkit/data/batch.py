@@ -260,7 +260,7 @@ def collate(
     )
 
 
-def _per_token(versions: object, n: int) -> Any:
+def _per_token(versions: object, n: int) -> object:
     """A sample's versions, one per completion token (a single version repeated)."""
     return np.full(n, versions, np.int32) if _entries(versions) is None else versions
 

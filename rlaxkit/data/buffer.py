@@ -173,7 +173,7 @@ class RolloutBuffer:
         self.ledger.check(issued)
 
     # -- checkpointing ---------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """Everything needed to rebuild the books (rollouts as plain arrays)."""
         ledger = self.ledger
         return {
@@ -199,7 +199,7 @@ class RolloutBuffer:
         )
 
 
-def _group_to_dict(group: RolloutGroup) -> dict[str, Any]:
+def _group_to_dict(group: RolloutGroup) -> dict[str, object]:
     return {
         "group_id": group.group_id,
         "problem_id": group.problem_id,

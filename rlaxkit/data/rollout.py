@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -84,7 +83,7 @@ class Rollout:
     reward: float
     finish_reason: str
     worker_id: str = ""
-    reward_info: dict[str, Any] = field(default_factory=dict)
+    reward_info: dict[str, object] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     policy_mask: np.ndarray = field(default_factory=lambda: _ALL_POLICY)
     first_version: int = field(init=False, repr=False, compare=False)

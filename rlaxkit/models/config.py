@@ -251,7 +251,7 @@ class ModelConfig:
         known.update(overrides)
         return cls(**known)
 
-    def to_hf(self) -> dict[str, Any]:
+    def to_hf(self) -> dict[str, object]:
         """Returns the Hugging Face ``config.json`` dictionary of this architecture."""
         arch = {v: k for k, v in _ARCHITECTURES.items()}[self.family]
         out: dict[str, Any] = {

@@ -35,7 +35,7 @@ from rlaxkit.models.transformer import Transformer
 LAYERS = "layers"
 
 
-def _name(key: object) -> Any:
+def _name(key: object) -> object:
     """The plain name or index of one path entry (``nnx`` keys or ``jax`` key objects)."""
     for attr in ("key", "name", "idx"):
         if hasattr(key, attr):
@@ -102,7 +102,7 @@ def _layer_index(path: Sequence[object]) -> int | None:
     return None
 
 
-def relayout_tree(tree: object, *, scan_layers: bool) -> Any:
+def relayout_tree(tree: object, *, scan_layers: bool) -> object:
     """Every ``nnx.State`` inside ``tree`` (a ``TrainState``: parameters, AdamW moments,
     reference weights) converted to the layout ``scan_layers`` asks for; a state already
     in it, and every other leaf, is kept.
@@ -111,7 +111,7 @@ def relayout_tree(tree: object, *, scan_layers: bool) -> Any:
     it); ``relayout_tree`` then moves it to the other one.
     """
 
-    def convert(node: object) -> Any:
+    def convert(node: object) -> object:
         if not isinstance(node, nnx.State):
             return node
         paths = [path for path, _ in nnx.to_flat_state(node)]

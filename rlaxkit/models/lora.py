@@ -161,7 +161,7 @@ def init_adapters(params: nnx.State, config: LoraConfig, rng: jax.Array) -> nnx.
 def merge_adapters(params: nnx.State, adapters: nnx.State, config: LoraConfig) -> nnx.State:
     """``params`` with every adapted kernel replaced by ``W + scale · A @ B`` (in ``W``'s
     dtype); pure and jit-able, gradients flow to the adapters."""
-    pairs: dict[tuple[Any, ...], dict[str, Any]] = {}
+    pairs: dict[tuple[Any, ...], dict[str, object]] = {}
     for path, leaf in nnx.to_flat_state(adapters):
         names = _names(path)
         pairs.setdefault(names[:-1], {})[names[-1]] = leaf[...]

@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,8 @@ from rlaxkit.util.jaxutil import Packed
 if TYPE_CHECKING:  # both import this module's users; annotations only
     from rlaxkit.config.run import RunConfig
     from rlaxkit.trainer.config import TrainConfig
+
+T = TypeVar("T")
 
 __all__ = [
     "DriftProbe",
@@ -69,7 +71,7 @@ PARTS = ("staleness", "mismatch")
 class VersionReader(Protocol):
     """A parameter server that reads back any version it still retains."""
 
-    def read(self, version: int) -> Any | None:
+    def read(self, version: int) -> object | None:
         """The tree pushed as ``version``, or ``None`` once evicted."""
         ...
 
@@ -81,7 +83,7 @@ def make_logprob_fn(cfg: TrainConfig, graphdef: nnx.GraphDef) -> Callable[..., j
     ``rlaxkit.util.jaxutil.Packed`` (a call then flattens nothing)."""
     dtype = None if cfg.compute_dtype is None else jnp.dtype(cfg.compute_dtype)
 
-    def cast(tree: object) -> Any:
+    def cast(tree: object) -> object:
         if dtype is None:
             return tree
         return jax.tree.map(
@@ -152,7 +154,7 @@ def drift_metrics(
     return out
 
 
-def cast_floats(tree: object, dtype: str | None) -> Any:
+def cast_floats(tree: T, dtype: str | None) -> T:
     """``tree`` with its floating-point leaves cast to ``dtype`` (``None``: unchanged):
     a version pulled by a worker whose sampler runs in ``model.sampler_dtype``."""
     if dtype is None:
@@ -226,7 +228,7 @@ class DriftProbe:
         return self.every > 0 and step % self.every == 0
 
     def attribute(
-        self, params: Any, batch: TrainBatch, version: Any, log_theta: Any = None
+        self, params: object, batch: TrainBatch, version: int | jax.Array, log_theta: object = None
     ) -> dict[str, float]:
         """When the step after weight ``version`` (an int or a scalar array) is due,
         the drift of ``batch`` under ``params`` (``__call__``) with ``drift/seconds``,

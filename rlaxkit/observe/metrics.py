@@ -13,7 +13,6 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -25,7 +24,7 @@ PROGRESS_KEYS = {
 }
 
 
-def _plain(value: object) -> Any:
+def _plain(value: object) -> object:
     if hasattr(value, "item") and getattr(value, "size", 1) == 1:
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
@@ -46,7 +45,7 @@ class MetricsLogger:
         self, path: str | Path | None = None, total_steps: int | None = None, progress: bool = True
     ):
         self.path = Path(path) if path else None
-        self.history: list[dict[str, Any]] = []
+        self.history: list[dict[str, object]] = []
         self._file = open(self.path, "a") if self.path else None  # noqa: SIM115
         self._bar = (
             tqdm(total=total_steps, desc="rl", unit="step", dynamic_ncols=True)
@@ -69,7 +68,7 @@ class MetricsLogger:
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)
 
-    def rewrite(self, rows: list[dict[str, Any]]) -> None:
+    def rewrite(self, rows: list[dict[str, object]]) -> None:
         """Replaces the history (and ``metrics.jsonl``) with ``rows``: a trainer restore
         keeps each step once, the ones it went back over gone."""
         self.history = [{k: _plain(v) for k, v in row.items()} for row in rows]
@@ -97,7 +96,7 @@ def replace_lines(path: Path, lines: list[str]) -> None:
     os.replace(scratch, path)
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+def read_metrics(path: str | Path) -> list[dict[str, object]]:
     """Reads a ``metrics.jsonl`` file back into a list of dicts."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -4,10 +4,10 @@ log ticks and smoothing (docs/figures.md has the rule)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from matplotlib.axes import Axes
+from matplotlib.axis import Axis
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import (
@@ -43,7 +43,7 @@ def style_axes(axes: Axes, *, legend: bool = False) -> Axes:
     return axes
 
 
-def log_ticks(axis: Any, limits: tuple[float, float]) -> None:
+def log_ticks(axis: Axis, limits: tuple[float, float]) -> None:
     """Labels on a log axis that do not collide: 1-2-5 steps within two decades,
     the decades only beyond, plain numbers, no minor labels."""
     low, high = limits

@@ -123,13 +123,13 @@ class Tracker(Protocol):
         """Ends the tracker's run, marked failed when ``failed`` (the run crashed)."""
 
 
-def flatten(data: Mapping[str, object], sep: str = "/", prefix: str = "") -> dict[str, Any]:
+def flatten(data: Mapping[str, object], sep: str = "/", prefix: str = "") -> dict[str, object]:
     """Nested mappings as one level of ``sep``-joined keys.
 
     >>> flatten({"buffer": {"dropped": 2, "by": {"stale": 1}}, "steps": 3})
     {'buffer/dropped': 2, 'buffer/by/stale': 1, 'steps': 3}
     """
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, value in data.items():
         name = f"{prefix}{sep}{key}" if prefix else str(key)
         if isinstance(value, Mapping):
@@ -427,7 +427,7 @@ class Trackers:
         scalars = numbers(metrics)
         self._send(step, lambda tracker: tracker.log_metrics(step, scalars))
 
-    def roll_back(self, step: int, rows: list[dict[str, Any]]) -> None:
+    def roll_back(self, step: int, rows: list[dict[str, object]]) -> None:
         """The run went back to ``step``; ``rows`` are the steps it keeps.
 
         ``metrics.jsonl`` is rewritten to ``rows``; TensorBoard hides its events after

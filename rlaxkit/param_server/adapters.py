@@ -59,6 +59,7 @@ import json
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -82,12 +83,12 @@ FORMAT = "rlaxkit.param_server.adapters/1"
 
 
 @functools.cache
-def _merge(lora: LoraConfig) -> Any:
+def _merge(lora: LoraConfig) -> Callable[[object, object], object]:
     """``merge_adapters`` jitted for ``lora`` (one program per config and shapes)."""
     return jax.jit(lambda base, adapters: merge_adapters(base, adapters, lora))
 
 
-def _skeleton(tree: object) -> Any:
+def _skeleton(tree: object) -> object:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
@@ -104,7 +105,7 @@ def _unpack(packed: np.ndarray, skeleton: object) -> list[np.ndarray]:
     return leaves
 
 
-def _leaves(stored: Any) -> list[Any]:
+def _leaves(stored: Any) -> list[object]:
     """A record's list of leaves: a list (in-process, Ray) or, read back from
     TensorStore, a ``dict`` keyed by position."""
     if isinstance(stored, list | tuple):
@@ -112,7 +113,7 @@ def _leaves(stored: Any) -> list[Any]:
     return [stored[i] for i in range(len(stored))]
 
 
-def merged_record(version: int, params: object) -> dict[str, Any]:
+def merged_record(version: int, params: object) -> dict[str, object]:
     """The record of full weights ``params`` as ``version`` (what ``push_merged``
     stores): pulls return them as they are."""
     meta = {"format": FORMAT, "base_version": int(version), "merged": True}
@@ -163,9 +164,9 @@ class AdapterParameterServer:
         self._base: tuple[list[np.ndarray], bytes] | None = None
         self._base_version: int | None = None
         # The reader's side: (base version, device base, adapter skeleton, lora config).
-        self._held: tuple[int, Any, Any, LoraConfig] | None = None
+        self._held: tuple[int, object, object, LoraConfig] | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         # A client travels without what it pushed or holds: its first push writes a
         # base record and its first pull reads one.
         return {
@@ -235,7 +236,7 @@ class AdapterParameterServer:
                 nbytes += tree_nbytes(base) + record["skeleton"].nbytes
         return record, nbytes
 
-    def push(self, version: int, adapters: Any, *, reset: bool = False) -> None:
+    def push(self, version: int, adapters: object, *, reset: bool = False) -> None:
         """Publishes ``adapters`` as ``version`` (a base record when the store lacks the
         base: the first push, or ``reset``).
 
@@ -254,7 +255,7 @@ class AdapterParameterServer:
             start = time.perf_counter()
             with_base = reset or self._base_version is None
             record, nbytes = self._record(version, adapters, with_base)
-            options: dict[str, Any] = {"reset": True} if reset else {}
+            options: dict[str, object] = {"reset": True} if reset else {}
             if with_base and self.pins:
                 options["pin"] = True
             self.inner.push(version, record, **options)
@@ -264,7 +265,7 @@ class AdapterParameterServer:
         push = TransferRecord(kind="push", version=version, duration_s=duration_s, bytes=nbytes)
         record_transfer(self.stats, self.on_event, push)
 
-    def push_merged(self, version: int, params: Any, *, reset: bool = False) -> None:
+    def push_merged(self, version: int, params: object, *, reset: bool = False) -> None:
         """Publishes full weights ``params`` as ``version`` (a resumed run whose newest
         published version is older than its train state: only the merged weights of that
         version were saved). Pulls return them as they are; the next push stores the
@@ -282,7 +283,7 @@ class AdapterParameterServer:
         push = TransferRecord(kind="push", version=version, duration_s=duration_s, bytes=nbytes)
         record_transfer(self.stats, self.on_event, push)
 
-    def rollback(self, version: int, adapters: Any) -> None:
+    def rollback(self, version: int, adapters: object) -> None:
         """The wrapped store's ``rollback`` (the fault plan's store starts a new lineage,
         an empty store) with a base record of ``version``."""
         with self._lock:

@@ -134,7 +134,7 @@ def record_transfer(
     """Adds ``record`` to ``stats`` and reports it to ``on_event`` with trace field names."""
     stats.add(record)
     if on_event is not None:
-        fields: dict[str, Any] = {"duration_s": record.duration_s, "bytes": record.bytes}
+        fields: dict[str, object] = {"duration_s": record.duration_s, "bytes": record.bytes}
         if record.kind == "pull":
             fields["wait_s"] = record.wait_s
         on_event(record.kind, record.version, **fields)

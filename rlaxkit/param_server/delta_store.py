@@ -152,12 +152,12 @@ class ParamServerConfig:
 
     def wrap(
         self,
-        server: Any,
+        server: ReadableStore,
         *,
         template: object = None,
         default_timeout_s: float | None = None,
         on_event: EventHook | None = None,
-    ) -> Any:
+    ) -> ParameterServer:
         """``server`` itself without ``delta``, else a :class:`DeltaParameterServer` over
         it (give ``server`` no ``on_event`` of its own then)."""
         if not self.delta:
@@ -282,11 +282,11 @@ class DeltaParameterServer:
         self._pull_lock = threading.Lock()
         self._published: _Published | None = None
         self._held: _Held | None = None
-        self._pushed_tree: tuple[list[treepaths.KeyPath], Any] | None = None
+        self._pushed_tree: tuple[list[treepaths.KeyPath], object] | None = None
         self._layouts: dict[str, ChunkLayout] = {}
-        self._skeleton: tuple[bytes, Any] = (b"", None)  # (pickled, unpickled), last used
+        self._skeleton: tuple[bytes, object] = (b"", None)  # (pickled, unpickled), last used
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         # A client travels without what it pushed or holds: its first push is a full
         # snapshot and its first pull reads every chunk.
         return {
@@ -475,7 +475,7 @@ class DeltaParameterServer:
                 self.poll_interval_s if remaining is None else min(self.poll_interval_s, remaining)
             )
 
-    def _read(self, version: int) -> dict[str, Any]:
+    def _read(self, version: int) -> dict[str, object]:
         record = self.inner.read(version)
         if record is None:
             raise _Evicted(version)
@@ -595,7 +595,7 @@ class DeltaParameterServer:
         moved = self.metadata_bytes + counts.nbytes + patch_nbytes(layout, need, counts)
         return self._held, moved
 
-    def _to_tree(self, held: _Held) -> Any:
+    def _to_tree(self, held: _Held) -> object:
         leaves_meta = held.meta["leaves"]
         paths = [leaf["path"] for leaf in leaves_meta]
         arrays = [

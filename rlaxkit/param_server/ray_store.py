@@ -87,7 +87,7 @@ __all__ = [
 # through a handle go unchecked.
 ParameterServerHandle: TypeAlias = Any
 
-RAY_SYSTEM_CONFIG: dict[str, Any] = {"free_objects_period_milliseconds": 0}
+RAY_SYSTEM_CONFIG: dict[str, object] = {"free_objects_period_milliseconds": 0}
 """Ray system config under which pushes reuse evicted versions' memory at once (see the
 module docstring); ``ray.init(_system_config=RAY_SYSTEM_CONFIG)``."""
 
@@ -205,7 +205,7 @@ def parameter_server_actor(
 ) -> ParameterServerHandle:
     """Starts a :class:`ParameterServerActor` that Ray restarts up to ``max_restarts``
     times; calls made while it restarts wait for it (``max_task_retries=-1``)."""
-    options: dict[str, Any] = {
+    options: dict[str, object] = {
         "num_cpus": num_cpus,
         "max_restarts": max_restarts,
         "max_task_retries": -1,
@@ -267,7 +267,7 @@ class RayObjectStoreParameterServer:
         )
         self._pinned: tuple[int, ray.ObjectRef, int] | None = None  # The newest pinned push.
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {
             "actor": self.actor,
             "to_device": self.to_device,
@@ -347,7 +347,7 @@ class RayObjectStoreParameterServer:
         """Versions the actor retains, oldest first."""
         return ray.get(self.actor.versions.remote())
 
-    def read(self, version: int) -> Any | None:
+    def read(self, version: int) -> object | None:
         """The host arrays of ``version`` (read-only views of the object store on this
         host), or ``None`` if the actor no longer retains it. Records no transfer: a
         caller that reads versions one by one (the delta client, ``delta_store``)
@@ -400,7 +400,7 @@ class RayObjectStoreParameterServer:
         return version, params
 
 
-def _get_weights(ref: ray.ObjectRef, version: int) -> Any:
+def _get_weights(ref: ray.ObjectRef, version: int) -> object:
     """``ray.get(ref)``; a lost object (its owner, the trainer, died) is a
     :class:`WeightsLostError`."""
     try:
@@ -416,11 +416,11 @@ class _SplitRecord(Mapping[Any, Any]):
     """A record pushed with ``split_records``: each entry is fetched (``ray.get``) when it
     is first used, then kept."""
 
-    def __init__(self, refs: dict[Any, Any], version: int) -> None:
+    def __init__(self, refs: dict[object, object], version: int) -> None:
         self._refs, self._version = refs, version
-        self._got: dict[Any, Any] = {}
+        self._got: dict[object, object] = {}
 
-    def __getitem__(self, key: object) -> Any:
+    def __getitem__(self, key: object) -> object:
         if key not in self._got:
             value = self._refs[key]
             if isinstance(value, ray.ObjectRef):
@@ -431,7 +431,7 @@ class _SplitRecord(Mapping[Any, Any]):
     def __contains__(self, key: object) -> bool:
         return key in self._refs  # Without fetching it.
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[object]:
         return iter(self._refs)
 
     def __len__(self) -> int:

@@ -149,13 +149,13 @@ class TensorStoreParameterServer:
         self._context = ts.Context({"file_io_sync": durable})
         self._push_lock = threading.Lock()
         self._pushed = threading.Condition()
-        self._pushed_tree: tuple[list[treepaths.KeyPath], Any] | None = None
+        self._pushed_tree: tuple[list[treepaths.KeyPath], object] | None = None
         self._deleter: concurrent.futures.ThreadPoolExecutor | None = None
         self._writer = concurrent.futures.ThreadPoolExecutor(  # Threads start on first use.
             max_workers=snapshot.WRITE_THREADS, thread_name_prefix="param-server-write"
         )
         # Evicted versions kept for their files (see _evict): (path, [dtype, shape] per leaf).
-        self._spares: list[tuple[Path, list[list[Any]]]] = []
+        self._spares: list[tuple[Path, list[list[object]]]] = []
         self._deletions: list[concurrent.futures.Future] = []
         # Test hooks, called with the leaf index after each leaf is written during a push
         # or read during a pull (the reader then holds its lease); they let tests pause
@@ -221,7 +221,7 @@ class TensorStoreParameterServer:
             with self._pushed:
                 self._pushed.wait(wait_s)
 
-    def read(self, version: int) -> dict[Any, Any] | None:
+    def read(self, version: int) -> dict[object, object] | None:
         """The host arrays of ``version`` as a nested ``dict`` (see
         :func:`rlaxkit.param_server.treepaths.nested_dict`; raw leaves mapped, holding the
         version's lease while they live), or ``None`` if it is not on disk.
@@ -268,7 +268,7 @@ class TensorStoreParameterServer:
             del lease  # Mapped arrays keep it; with none, the lock is released here.
         return manifest, arrays
 
-    def _to_tree(self, manifest: dict[str, Any], arrays: list[np.ndarray]) -> Any:
+    def _to_tree(self, manifest: dict[str, Any], arrays: list[np.ndarray]) -> object:
         paths = [leaf["path"] for leaf in manifest["leaves"]]
         if self.template is not None:
             treepaths.unflatten_like(self.template, paths, arrays)  # Checks the key paths.

@@ -27,7 +27,7 @@ from rlaxkit.rules.validation import is_int
 
 __all__ = ["KeyPath", "encode_path", "flatten", "nested_dict", "path_str", "unflatten_like"]
 
-KeyPath = list[list[Any]]
+KeyPath = list[list[object]]
 
 
 def encode_path(path: Sequence[object]) -> KeyPath:
@@ -68,7 +68,7 @@ def path_str(path: KeyPath) -> str:
     return "".join(parts) or "<root>"
 
 
-def flatten(tree: object) -> tuple[list[KeyPath], list[Any], Any]:
+def flatten(tree: object) -> tuple[list[KeyPath], list[object], Any]:
     """Returns ``(encoded key paths, leaves, treedef)`` of ``tree``."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [encode_path(path) for path, _ in with_paths]
@@ -76,7 +76,7 @@ def flatten(tree: object) -> tuple[list[KeyPath], list[Any], Any]:
     return paths, leaves, treedef
 
 
-def unflatten_like(template: object, paths: list[KeyPath], leaves: list[Any]) -> Any:
+def unflatten_like(template: object, paths: list[KeyPath], leaves: Sequence[object]) -> object:
     """Places ``leaves`` (named by ``paths``) into the tree structure of ``template``.
 
     Raises:
@@ -100,7 +100,7 @@ def unflatten_like(template: object, paths: list[KeyPath], leaves: list[Any]) ->
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def nested_dict(paths: list[KeyPath], leaves: list[Any]) -> dict[Any, Any]:
+def nested_dict(paths: list[KeyPath], leaves: Sequence[object]) -> dict[object, object]:
     """Rebuilds a nested ``dict`` from named leaves, without any template.
 
     Every path entry becomes a dict key (sequence indices become int keys). A final
@@ -111,7 +111,7 @@ def nested_dict(paths: list[KeyPath], leaves: list[Any]) -> dict[Any, Any]:
     Raises:
         ValueError: two leaves would land on the same key, or a leaf sits at the root.
     """
-    root: dict[Any, Any] = {}
+    root: dict[object, object] = {}
     for path, leaf in zip(paths, leaves, strict=True):
         keys = [key for _, key in path]
         if path and path[-1] == ["attr", "value"] and len(path) > 1:

@@ -32,14 +32,36 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
+
+from rlaxkit.rules.ledger import GroupLedger
 
 __all__ = ["AuditBook", "AuditRecord", "audit_distributions", "ks_statistic", "step_audit"]
 
 KS_C = 1.95  # the KS critical value's coefficient at α = 0.001
 MIN_DISTANCE = 0.1  # the smallest KS statistic worth flagging
+
+
+class ScoredRollout(Protocol):
+    """What an audit record reads of a scored ``rlaxkit.data.rollout.Rollout``."""
+
+    @property
+    def group_id(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def reward_info(self) -> Mapping[str, object]: ...
+
+
+class RestoredBuffer(Protocol):
+    """What a resumed audit reads of a ``rlaxkit.data.buffer.RolloutBuffer``."""
+
+    @property
+    def ledger(self) -> GroupLedger: ...
+    @property
+    def dropped(self) -> Sized: ...
 
 
 @dataclass(frozen=True)
@@ -51,7 +73,7 @@ class AuditRecord:
     correct: bool
 
     @classmethod
-    def of(cls, rollout: Any) -> AuditRecord:
+    def of(cls, rollout: ScoredRollout) -> AuditRecord:
         """The record of a scored ``rlaxkit.data.rollout.Rollout`` (read, not imported)."""
         correct = bool(rollout.reward_info.get("correct", False))
         return cls(rollout.group_id, rollout.num_tokens, correct)
@@ -171,7 +193,7 @@ class AuditBook:
         """A rollout finished (scored), whatever happens to it next."""
         self.groups.setdefault(record.group_id, []).append(record)
 
-    def resumed(self, buffer: Any) -> None:
+    def resumed(self, buffer: RestoredBuffer) -> None:
         """A run resumed from a checkpoint into ``buffer`` (a ``RolloutBuffer``): the
         finished groups it restored are books' records again, and its drops so far are
         counted as seen, so the steps after go on as the uninterrupted run's do."""

@@ -87,7 +87,7 @@ class RunBooks:
         """A checkpoint of the current version was written."""
         self.last_save_step, self.last_save_s = self.version, fault_clock_s
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """What a checkpoint keeps (``history`` and ``extra`` go in items of their own)."""
         return {
             "step": self.version,

@@ -95,7 +95,7 @@ class PromptController:
     def epoch(self) -> int:
         return self.next_group_id // self.num_problems
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {
             "next_group_id": self.next_group_id,
             "reissue": [i.group_id for i in self.reissue],

@@ -143,7 +143,7 @@ class FaultState:
         """True while something is down and scheduled to come back."""
         return bool(self.worker_down) or self.trainer_down_until is not None
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {
             "plan": self.plan.to_dicts(),
             "fired": sorted(self.fired),

@@ -139,7 +139,7 @@ class Fault:
         """``target``, or the fixed actor of trainer and parameter-server faults."""
         return self.target if self.target is not None else _DEFAULT_TARGET.get(self.kind)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The fields that are set (defaults left out), ready for YAML/JSON."""
         out: dict[str, Any] = {"kind": self.kind}
         for f in fields(self):
@@ -208,7 +208,7 @@ class FaultPlan:
             combined.extend(other.faults)
         return FaultPlan(tuple(combined))
 
-    def to_dicts(self) -> list[dict[str, Any]]:
+    def to_dicts(self) -> list[dict[str, object]]:
         """List of plain dicts (see :meth:`Fault.to_dict`)."""
         return [fault.to_dict() for fault in self.faults]
 

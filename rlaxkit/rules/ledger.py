@@ -239,7 +239,7 @@ class GroupLedger:
         return dropped
 
     # -- the books ---------------------------------------------------------------------
-    def counts(self) -> dict[str, Any]:
+    def counts(self) -> dict[str, object]:
         """``in_flight``, ``buffered``, ``trained``, ``dropped`` and drops by reason."""
         return {
             "in_flight": len(self.in_flight),

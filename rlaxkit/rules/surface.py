@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from typing import Any
 
 
 def lazy_names(
-    package: str, modules: Mapping[str, str], namespace: dict[str, Any]
-) -> Callable[[str], Any]:
+    package: str, modules: Mapping[str, str], namespace: dict[str, object]
+) -> Callable[[str], object]:
     """The module ``__getattr__`` of ``package``: a name of ``modules`` (name -> the
     package's module that defines it) is imported when first read, then kept in the
     package's ``namespace`` (its ``globals()``)."""
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name: str) -> object:
         module = modules.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import string
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from flax import nnx
 
@@ -134,7 +134,7 @@ def warm_start(
     model: Transformer,
     tokenizer: Tokenizer,
     cache_dir: Path | None,
-    on_step: Any = None,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> tuple[Transformer, dict]:
     """Supervised warm start on the task's demonstrations, cached in ``cache_dir``.
 

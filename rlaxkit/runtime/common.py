@@ -25,7 +25,7 @@ def batch_metrics(
     samples: Sequence[Rollout],
     buffer_counts: Mapping[str, Any],
     train_metrics: Mapping[str, float],
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The learning metrics of the step that produced weight ``version``.
 
     Staleness of a group is ``version - 1 - first_version`` (the trainer was at

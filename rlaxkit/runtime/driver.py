@@ -25,6 +25,7 @@ from rlaxkit.api import Work
 from rlaxkit.config.run import RunConfig
 from rlaxkit.data.buffer import RolloutBuffer
 from rlaxkit.evaluation import EvalReport, evaluate_model
+from rlaxkit.models.tokenizer import Tokenizer
 from rlaxkit.observe.tracking import check_run_dir, open_trackers
 from rlaxkit.rules.audit import AuditBook
 from rlaxkit.rules.books import RunBooks, Window
@@ -37,7 +38,7 @@ from rlaxkit.runtime.concurrent import check_supported
 from rlaxkit.runtime.faults import NO_FAULTS, FaultInjector, load_plan
 from rlaxkit.runtime.loop import Loop
 from rlaxkit.runtime.placement import start_placement
-from rlaxkit.tasks import CodeTask, isolation_mode
+from rlaxkit.tasks import CodeTask, Task, isolation_mode
 from rlaxkit.tasks.datasets import write_run_skipped_rows
 from rlaxkit.util.hostmem import FreezeAfterFullCollection
 
@@ -138,7 +139,7 @@ class Experiment(Loop):
             self.buffer.ledger.on_drop = self.drop_event
             self.audit = AuditBook()  # sampled against trained
             self.published = 0  # the newest version the trainer published
-            self.last_batch: dict[str, Any] | None = None
+            self.last_batch: dict[str, object] | None = None
             self.closed = False
             if point is not None:
                 self.trace.record(
@@ -190,7 +191,7 @@ class Experiment(Loop):
 
     # -- names a notebook reaches for --------------------------------------------------
     @property
-    def history(self) -> list[dict[str, Any]]:
+    def history(self) -> list[dict[str, object]]:
         """Every step's metrics."""
         return self.books.history
 
@@ -204,19 +205,19 @@ class Experiment(Loop):
         return self.books.resumed_from
 
     @property
-    def task(self) -> Any:
+    def task(self) -> Task:
         return self.parts.task
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.parts.tokenizer
 
     @property
-    def warm_start(self) -> dict[str, Any]:
+    def warm_start(self) -> dict[str, object]:
         return self.parts.warm_start
 
     @property
-    def workers(self) -> list[Any]:
+    def workers(self) -> list[object]:
         """The fleet's workers (``WorkerSlot``: id, host handle, prompts in flight)."""
         return self.fleet.workers
 
@@ -275,7 +276,7 @@ class Experiment(Loop):
         self.audit.resumed(self.buffer)
         self.note_published(self.trainer.publish(step, reset=True))
 
-        def weights_for(version: int) -> Any:
+        def weights_for(version: int) -> object:
             if version not in weights:  # the train state's own
                 weights[version] = self.trainer.host_params(version)
             return weights[version]
@@ -326,7 +327,7 @@ class Experiment(Loop):
                 "audit": self.audit.audit(self.buffer.dropped),  # sampled against trained
             }
 
-    def params(self) -> Any:
+    def params(self) -> object:
         """The trainer's current params, in this process."""
         return self.trainer.host_params(self.version)
 

@@ -99,7 +99,7 @@ class UnreliableParameterServer:
         """The store as worker ``worker_id`` reaches it."""
         return _WorkerView(self, worker_id)
 
-    def held_weights(self) -> dict[int, Any]:
+    def held_weights(self) -> dict[int, object]:
         """``{version: full weights}`` of a push the outage holds back (the checkpoint
         saves them; ``state_dict`` names the version)."""
         if self.pending is None:
@@ -107,7 +107,7 @@ class UnreliableParameterServer:
         version, pushed = self.pending
         return {version: self._weights_of(version, pushed)}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """Outage, failing pulls and lineage (weights are saved by the checkpoint)."""
         return {
             "down_until": self.down_until,
@@ -116,7 +116,7 @@ class UnreliableParameterServer:
             "lineage": self.lineage,
         }
 
-    def load_state_dict(self, state: dict[str, Any], weights_for: Callable[[int], Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], weights_for: Callable[[int], object]) -> None:
         self.down_until = state["down_until"]
         self.failing = Counter(state["failing"])
         pending = state["pending_version"]

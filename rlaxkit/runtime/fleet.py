@@ -314,7 +314,7 @@ class WorkerFleet:
         self,
         workers: list[dict[str, Any]],
         books: dict[str, Any],
-        weights_for: Callable[[int], Any],
+        weights_for: Callable[[int], object],
         work_for: Callable[[int], Work],
     ) -> None:
         """Has every saved worker (started with its saved id) replay its log."""

@@ -26,6 +26,8 @@ from typing import Any, Literal
 import jax
 
 from rlaxkit.param_server import ParameterServer, ParamServerConfig, TensorStoreParameterServer
+from rlaxkit.param_server.base import EventHook
+from rlaxkit.param_server.delta_store import ReadableStore
 from rlaxkit.rules.trace import MemoryTrace, TraceEvent
 
 # jax.config options copied from the driver into every actor (same platform, same
@@ -37,7 +39,7 @@ JAX_OPTIONS = (
 )
 
 
-def driver_jax_options() -> dict[str, Any]:
+def driver_jax_options() -> dict[str, object]:
     """The driver's values of :data:`JAX_OPTIONS` that are set."""
     out = {}
     for name in JAX_OPTIONS:
@@ -101,7 +103,7 @@ class WeightStore:
     actor_name: str | None = None
     directory: str | None = None
     keep: int = 2
-    template: Any = None
+    template: object = None
     durable: bool = True
     server: Any = None
 
@@ -111,7 +113,7 @@ class WeightStore:
 
     def connect(
         self,
-        on_event: Any = None,
+        on_event: EventHook | None = None,
         pull_timeout_s: float | None = None,
         publication: ParamServerConfig | None = None,
     ) -> ParameterServer:
@@ -125,7 +127,7 @@ class WeightStore:
         hook = on_event
         if publication.delta and on_event is not None:  # the wrapper reports transfers
             hook = partial(_restarts_only, on_event)
-        server: Any
+        server: ReadableStore
         if self.kind == "object_store":
             import ray
 
@@ -149,12 +151,12 @@ class WeightStore:
         )
 
 
-def _restarts_only(on_event: Any, kind: str, version: int | None, **fields: Any) -> None:
+def _restarts_only(on_event: EventHook, kind: str, version: int | None, **fields: object) -> None:
     if kind == "restart":
         on_event(kind, version, **fields)
 
 
-def read_published(store: Any, lora: object) -> tuple[int, Any]:
+def read_published(store: ParameterServer, lora: object) -> tuple[int, Any]:
     """``(version, full weights)`` of the newest version in ``store``. A LoRA run's
     store holds a base record and adapter records (``trainer.lora``, ``lora`` here), so
     it is read through ``AdapterParameterServer``, which merges them as a worker does."""
@@ -165,7 +167,7 @@ def read_published(store: Any, lora: object) -> tuple[int, Any]:
     return store.pull()
 
 
-def published_params(store: object, lora: object, version: int) -> Any:
+def published_params(store: ParameterServer, lora: object, version: int) -> object:
     """The full weights of ``version``, which must be the newest in ``store`` (a
     checkpoint keeps the published version's weights)."""
     pulled, params = read_published(store, lora)

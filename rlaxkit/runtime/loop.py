@@ -40,6 +40,7 @@ from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
 from rlaxkit.runtime.faults import NoFaults
 from rlaxkit.runtime.parts import Parts
 from rlaxkit.tasks import REWARD_FAILURES
+from rlaxkit.tasks.base import Problem
 
 SYNC_ATTEMPTS = 10  # syncs per round before a worker is left to retry next round
 
@@ -56,11 +57,11 @@ class Loop:
     parts: Parts
     fleet: Fleet
     trainer: TrainerClient
-    problems: list[Any]
+    problems: list[Problem]
     controller: PromptController
     buffer: RolloutBuffer
     published: int
-    last_batch: dict[str, Any] | None
+    last_batch: dict[str, object] | None
     audit: AuditBook
     logger: Trackers
     window: Window
@@ -371,7 +372,7 @@ class Loop:
         counters = self.fleet.reward_counters()
         return {reason: counters[reason] for reason in REWARD_FAILURES if counters.get(reason)}
 
-    def scale_workers(self, n: int) -> Any:
+    def scale_workers(self, n: int) -> object:
         """Grows or shrinks the fleet to ``n`` workers now (a removed worker's prompts are
         re-issued to the others); returns the newest worker (``None``: none left)."""
         if not is_int(n) or n < 0:

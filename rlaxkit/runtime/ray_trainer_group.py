@@ -50,9 +50,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlaxkit.api import PublishReply
 from rlaxkit.config.ray import RayConfig
+from rlaxkit.config.run import RunConfig
 from rlaxkit.data.batch import TrainBatch
 from rlaxkit.runtime.build import warm_start
-from rlaxkit.runtime.hosts import configure_jax
+from rlaxkit.runtime.hosts import WeightStore, configure_jax
 from rlaxkit.trainer import distributed
 from rlaxkit.trainer.host import TrainerHost
 
@@ -116,11 +117,11 @@ class TrainerProcessActor(TrainerHost):
 
     def __init__(
         self,
-        config: Any,
-        store: Any,
+        config: RunConfig,
+        store: WeightStore,
         cache_dir: str | None,
         checkpoint_dir: str | None,
-        clock: Any,
+        clock: Callable[[], float],
         jax_options: Mapping[str, object],
         process: TrainerProcess,
     ):
@@ -135,7 +136,7 @@ class TrainerProcessActor(TrainerHost):
         host = f"[{host}]" if ":" in host else host  # IPv6
         return f"{host}:{self.process.coordinator_port or _free_port()}"
 
-    def join(self, coordinator_address: str) -> dict[str, Any]:
+    def join(self, coordinator_address: str) -> dict[str, object]:
         """Joins the process group, then builds the trainer on the global mesh.
 
         Returns ``process_id``, ``devices`` (global), ``local_devices`` and ``mesh``
@@ -159,7 +160,7 @@ class TrainerProcessActor(TrainerHost):
 
     # -- where arrays live -------------------------------------------------------------
     def _warm_start(self, config, task, model, tokenizer, cache_dir):
-        info: dict[str, Any] = {}
+        info: dict[str, object] = {}
         if self.pushes:
             model, info = warm_start(config, task, model, tokenizer, cache_dir)
         graphdef, params = nnx.split(model)
@@ -190,7 +191,7 @@ class TrainerProcessActor(TrainerHost):
         self._expect(step)
         return PublishReply(None, self._drain())
 
-    def host_params(self, step: int) -> Any:
+    def host_params(self, step: int) -> object:
         """The full params on process 0 (``None`` elsewhere: one copy is enough)."""
         params = super().host_params(step)
         return params if self.pushes else None
@@ -212,8 +213,8 @@ class TrainerGroup:
         self.size = ray_config.trainer_processes
         self.restarts = 0  # group restarts (one trainer: Ray's restarts, not counted here)
         self.handles: list[Any] = []
-        self.joined: list[dict[str, Any]] = []  # each process's ``join`` reply
-        self._placement: Any = None
+        self.joined: list[dict[str, object]] = []  # each process's ``join`` reply
+        self._placement: object = None
         self._joining: list[Any] = []
         self._start()
 
@@ -244,7 +245,7 @@ class TrainerGroup:
         # Every process blocks in ``join`` until all have joined; the first call waits.
         self._joining = [handle.join.remote(address) for handle in self.handles]
 
-    def _place(self) -> list[dict[str, Any]]:
+    def _place(self) -> list[dict[str, object]]:
         """A placement group with one bundle per process; its scheduling options."""
         rc = self.ray_config
         bundle = {
@@ -287,7 +288,7 @@ class TrainerGroup:
         ``_GRACE_S`` to answer, else the group is stopped. Then the first error is
         raised (``RayActorError`` if a process died)."""
         index = {ref: i for i, ref in enumerate(refs)}
-        replies: dict[int, Any] = {}
+        replies: dict[int, object] = {}
         pending, died = list(refs), False
         error: BaseException | None = None
         while pending:

@@ -8,8 +8,8 @@ import gc
 import os
 import time
 from pathlib import Path
-from typing import Any
 
+from rlaxkit.config.run import RunConfig
 from rlaxkit.rules.trace import TraceEvent
 from rlaxkit.runtime.driver import Experiment
 from sim.calibration.window import compiled_in_window
@@ -18,7 +18,7 @@ __all__ = ["record_local_run"]
 
 
 def record_local_run(
-    config: Any,
+    config: RunConfig,
     steps: int,
     *,
     warmup_steps: int,

@@ -40,9 +40,12 @@ import jax
 
 from rlaxkit.api import FleetCheckpoint
 from rlaxkit.config.run import RunConfig
+from rlaxkit.data.buffer import RolloutBuffer
 from rlaxkit.observe.metrics import replace_lines
 from rlaxkit.observe.tracking import flatten
 from rlaxkit.rules.books import RunBooks
+from rlaxkit.rules.controller import PromptController
+from rlaxkit.rules.fault_plan import FaultPlan
 from rlaxkit.trainer.checkpoint import CheckpointManager
 from rlaxkit.util.rundirs import claim_without_checkpoint
 
@@ -107,7 +110,7 @@ def check_compatible(meta: dict[str, Any], directory: str, config: dict, shapes:
             )
 
 
-def check_plan(directory: Path, saved: list, plan: Any) -> None:
+def check_plan(directory: Path, saved: list, plan: FaultPlan) -> None:
     """Raises ``ValueError`` when a checkpoint was written under another plan."""
     if saved != plan.to_dicts():
         raise ValueError(
@@ -141,7 +144,7 @@ class ResumePoint:
 
 
 def find_resume_point(
-    run_dir: Path | None, config: RunConfig, plan: object, resume: bool
+    run_dir: Path | None, config: RunConfig, plan: FaultPlan, resume: bool
 ) -> ResumePoint | None:
     """The newest checkpoint in ``run_dir`` to resume from (``None``: a new run).
 
@@ -246,12 +249,12 @@ def encode(
     *,
     config: RunConfig,
     books: RunBooks,
-    controller: Any,
-    buffer: Any,
+    controller: PromptController,
+    buffer: RolloutBuffer,
     fleet: FleetCheckpoint,
     faults: Mapping[str, object],
     published: int,
-    weights: dict[int, Any],
+    weights: dict[int, object],
     shapes: dict[str, list],
     clock_s: float,
     trace_events: int,
@@ -290,7 +293,7 @@ def encode(
     return items, arrays
 
 
-def read_weights(point: ResumePoint, template: object) -> dict[int, Any]:
+def read_weights(point: ResumePoint, template: object) -> dict[int, object]:
     """The ``weights`` item of ``point`` as ``version -> params`` shaped like
     ``template`` (abstract params)."""
     versions = point.meta["weights"]

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from rlaxkit.api import TrainResult
 from rlaxkit.param_server.base import tree_nbytes
@@ -19,10 +19,12 @@ from rlaxkit.trainer.host import TrainerHost
 _RECOVERY_WAIT_S = 120.0  # How long a restarting actor may take to answer again.
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 def beside(
-    main: Callable[[], object], side: Callable[[threading.Event], None], stop: threading.Event
-) -> Any:
+    main: Callable[[], T], side: Callable[[threading.Event], None], stop: threading.Event
+) -> T:
     """``main()`` on this thread while ``side(stop)`` runs on a helper thread; returns
     ``main``'s result once both are done. If ``main`` raises, ``stop`` is set (``side``
     returns early) and the error is raised after the helper is joined; an error of
@@ -106,14 +108,14 @@ class HealingTrainerClient:
         self.heals = bool(died)  # a trainer in this process does not die on its own
         self.died: tuple[type[BaseException], ...] = (*died, TrainerRestartedError)
         self.trace, self.books, self.clock = trace, books, clock
-        self.replay: list[tuple[int, Any]] = []  # (step, batch) since the last checkpoint
+        self.replay: list[tuple[int, object]] = []  # (step, batch) since the last checkpoint
         self.replay_limit_mb = replay_limit_mb
         self._kept_bytes = 0  # of the batches in ``replay``
         self.let_go_through = 0  # the newest step whose batch was let go at the bound
         self.saved: set[int] = set()
         self.killed = False
 
-    def _call_restarting(self, method: str, *args: Any) -> Any:
+    def _call_restarting(self, method: str, *args: object) -> Any:
         """Calls the trainer once, waiting while Ray restarts it (a group of trainer
         processes was restarted already)."""
         if self.group.size > 1:
@@ -130,7 +132,7 @@ class HealingTrainerClient:
                     ) from error
                 time.sleep(0.2)
 
-    def call(self, method: str, *args: Any) -> Any:
+    def call(self, method: str, *args: object) -> Any:
         """Calls the trainer; if it died or came back with a fresh state, heals it
         (:meth:`_recover`) and calls again."""
         for _ in range(self.max_restarts + 1):
@@ -252,7 +254,7 @@ class HealingTrainerClient:
         self.trace.extend(reply.events)
         return reply.version
 
-    def host_params(self, step: int) -> Any:
+    def host_params(self, step: int) -> object:
         return self.call("host_params", step)
 
     def kill(self) -> None:
@@ -278,7 +280,7 @@ class HealingTrainerClient:
         self.saved.add(step)
         return reply.saved
 
-    def restore(self, max_step: int, published: tuple[int, Any] | None = None) -> int:
+    def restore(self, max_step: int, published: tuple[int, object] | None = None) -> int:
         if self.killed:
             self.killed = False
             self.group.restart()  # a group starts anew; one trainer Ray restarts

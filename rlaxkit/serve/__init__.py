@@ -11,8 +11,6 @@ The server's names load on first use, so that a run config (which imports
 ``AgentConfig``) needs no aiohttp.
 """
 
-from typing import Any
-
 from rlaxkit.serve.chat import ChatFormat, parse_assistant, qwen_chat
 from rlaxkit.serve.config import AgentConfig, EndpointConfig
 from rlaxkit.serve.protocol import ApiError, ChatRequest, parse_chat_request
@@ -34,7 +32,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in ("ChatEndpoint", "SESSION_HEADER"):
         try:
             from rlaxkit.serve import server

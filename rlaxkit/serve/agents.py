@@ -175,7 +175,7 @@ class AgentCollector:
         if self.exp.run_dir is not None:
             (self.exp.run_dir / "agent.json").write_text(json.dumps(self.stats(), indent=2))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """The endpoint's counts, the agents' (``agent_error``, ``played``) and the
         requests answered with their mean wall time (written to ``agent.json`` in the
         run directory on ``close``)."""

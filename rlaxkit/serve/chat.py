@@ -89,11 +89,11 @@ def qwen_chat(
     return "".join(parts)
 
 
-def parse_assistant(text: str) -> tuple[str, list[tuple[str, Any]]]:
+def parse_assistant(text: str) -> tuple[str, list[tuple[str, object]]]:
     """A sampled turn's content (the text outside tool-call blocks, stripped) and its
     tool calls as ``(name, arguments)``. A block that is not a JSON object with a string
     ``name`` stays in the content, as the model wrote it."""
-    calls: list[tuple[str, Any]] = []
+    calls: list[tuple[str, object]] = []
     kept: list[str] = []
     position = 0
     for match in _TOOL_CALL.finditer(text):

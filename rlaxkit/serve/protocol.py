@@ -55,7 +55,7 @@ class ApiError(Exception):
         return self.message
 
 
-def error_body(error: ApiError) -> dict[str, Any]:
+def error_body(error: ApiError) -> dict[str, object]:
     """OpenAI's error body for ``error``."""
     return {
         "error": {
@@ -75,9 +75,9 @@ class ChatRequest:
     server)."""
 
     model: str
-    messages: tuple[dict[str, Any], ...]
-    tools: tuple[dict[str, Any], ...] = ()
-    tool_choice: str | dict[str, Any] = "auto"
+    messages: tuple[dict[str, object], ...]
+    tools: tuple[dict[str, object], ...] = ()
+    tool_choice: str | dict[str, object] = "auto"
     max_tokens: int | None = None
     temperature: float | None = None
     n: int = 1
@@ -92,7 +92,7 @@ def _fail(param: str, what: str, value: object) -> ApiError:
     return ApiError(f"{param}: must be {what}, got {value!r}", param=param)
 
 
-def _optional(body: Mapping[str, object], name: str) -> Any:
+def _optional(body: Mapping[str, object], name: str) -> object:
     return body.get(name)
 
 
@@ -144,14 +144,14 @@ def _tool_calls(value: object, param: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _message(value: object, index: int) -> dict[str, Any]:
+def _message(value: object, index: int) -> dict[str, object]:
     param = f"messages[{index}]"
     if not isinstance(value, dict):
         raise _fail(param, "an object with role and content", value)
     role = value.get("role")
     if role not in ROLES:
         raise _fail(f"{param}.role", f"one of {', '.join(ROLES)}", role)
-    message: dict[str, Any] = {
+    message: dict[str, object] = {
         "role": role,
         "content": _content(value.get("content"), f"{param}.content"),
     }
@@ -165,7 +165,7 @@ def _message(value: object, index: int) -> dict[str, Any]:
     return message
 
 
-def _tools(value: object) -> tuple[dict[str, Any], ...]:
+def _tools(value: object) -> tuple[dict[str, object], ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -182,7 +182,7 @@ def _tools(value: object) -> tuple[dict[str, Any], ...]:
     return tuple(value)
 
 
-def _tool_choice(value: object, tools: tuple[dict[str, Any], ...]) -> str | dict[str, Any]:
+def _tool_choice(value: object, tools: tuple[dict[str, object], ...]) -> str | dict[str, object]:
     """``"auto"`` and ``"none"`` are taken as they are; ``"required"`` and a named
     function would need constrained decoding, which the sampler does not do."""
     if value is None:

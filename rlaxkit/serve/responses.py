@@ -31,7 +31,7 @@ def build_choice(
     text = tokenizer.decode(ids)
     for stop in chat.stop:
         text = text.split(stop, 1)[0]
-    calls: list[tuple[str, Any]] = []
+    calls: list[tuple[str, object]] = []
     if chat.tools and chat.tool_choice != "none":
         content, calls = parse_assistant(text)
     else:

@@ -200,7 +200,7 @@ class ChatEndpoint:
         """Ends a session with ``reward``: its rollout goes to ``on_rollout``."""
         return self.sessions.report(session_id, reward, info)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """Sessions open, reported and dropped (by reason), and the engine loop's counts."""
         return {
             "open_sessions": len(self.sessions.sessions),
@@ -398,7 +398,7 @@ class ChatEndpoint:
         completions: list[Completion],
         session: Session | None,
         appended: list[int],
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         """The response body; in a session, the turn is recorded on it."""
         choices = []
         for index, completion in enumerate(completions):
@@ -420,7 +420,7 @@ class ChatEndpoint:
                 session.last_finish = "length" if choice["finish_reason"] == "length" else "stop"
         prompt_tokens = int(completions[0].prompt_tokens.size)
         sampled = sum(len(c["token_ids"]) for c in choices)
-        body: dict[str, Any] = {
+        body: dict[str, object] = {
             "id": f"chatcmpl-{self._turns}",
             "object": "chat.completion",
             "created": int(time.time()),

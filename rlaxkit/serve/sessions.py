@@ -57,8 +57,8 @@ class Session:
     policy_mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    tools: tuple[dict[str, Any], ...] = ()
+    messages: list[dict[str, object]] = field(default_factory=list)
+    tools: tuple[dict[str, object], ...] = ()
     turns: int = 0
     busy: bool = False
     last_s: float = field(default_factory=time.monotonic)
@@ -108,7 +108,7 @@ def same_message(sent: dict[str, Any], kept: dict[str, Any]) -> bool:
     """Whether a message the client sent back is one the session holds (role, content,
     and the tool calls' names and arguments; call ids and extra fields aside)."""
 
-    def calls(m: dict[str, Any]) -> list[tuple[str, Any]]:
+    def calls(m: dict[str, Any]) -> list[tuple[str, object]]:
         return [
             (c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", ())
         ]

@@ -58,7 +58,7 @@ class BackgroundWrite(NamedTuple):
     written_s: float
 
 
-def abstract_tree(tree: object, shardings: object = None) -> Any:
+def abstract_tree(tree: object, shardings: object = None) -> object:
     """``ShapeDtypeStruct`` per leaf: a restore target.
 
     Args:

@@ -35,7 +35,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import jax
 import numpy as np
@@ -47,6 +47,8 @@ from rlaxkit.data.batch import TrainBatch
 from rlaxkit.rules.validation import check_int, is_int
 from rlaxkit.trainer.sharding import BATCH_AXES, make_mesh, state_shardings
 from rlaxkit.trainer.state import TrainState
+
+T = TypeVar("T")
 
 __all__ = [
     "DistributedConfig",
@@ -288,7 +290,7 @@ def global_mesh(shape: Sequence[int] = (1, -1, 1)) -> Mesh:
     return make_mesh(*resolve_mesh_shape(shape, len(devices)), devices=devices)
 
 
-def place_global(tree: object, shardings: object) -> Any:
+def place_global(tree: T, shardings: object) -> T:
     """Global arrays from a value every process holds in full (host or local device).
 
     Each process hands JAX only the shards its own devices hold
@@ -317,7 +319,7 @@ def place_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
     return place_global(batch, jax.tree.map(lambda _: rows, batch))
 
 
-def gather_to_host(tree: object) -> Any:
+def gather_to_host(tree: T) -> T:
     """Full ``numpy`` copies of (possibly sharded, multi-process) arrays, in every
     process; host values pass through.
 
@@ -338,7 +340,7 @@ def gather_to_host(tree: object) -> Any:
     return jax.tree.map(gather, tree)
 
 
-def broadcast_from_process_0(tree: object) -> Any:
+def broadcast_from_process_0(tree: T) -> T:
     """Process 0's ``tree`` (host or local arrays), as ``numpy``, in every process.
 
     Used where only process 0 computed something (a warm start): the others receive its

@@ -7,7 +7,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 from flax import nnx
@@ -36,9 +36,12 @@ from rlaxkit.trainer.checkpoint import (
     restore_train_state,
     save_train_state,
 )
+from rlaxkit.trainer.state import TrainState
 from rlaxkit.trainer.step import check_finite, make_train_step
 from rlaxkit.trainer.teacher import initial_train_state
 from rlaxkit.util.jaxutil import host_arrays
+
+T = TypeVar("T")
 
 
 def first_batch(config: RunConfig, task: Task, tokenizer: Tokenizer) -> TrainBatch | None:
@@ -90,7 +93,7 @@ class Pending(NamedTuple):
     """A version to publish when the store lacks it (``merged``: a LoRA run's full weights)."""
 
     version: int
-    params: Any
+    params: object
     merged: bool = False
 
 
@@ -200,7 +203,7 @@ class TrainerHost:
     def _warm_start(self, config, task, model, tokenizer, cache_dir):
         return warm_start(config, task, model, tokenizer, cache_dir)
 
-    def _place_state(self, state: object) -> Any:
+    def _place_state(self, state: TrainState) -> TrainState:
         # Committed to the device like a state restored by Orbax, so that a restore
         # does not recompile the train step (committed arrays key another program).
         return jax.device_put(state, jax.devices()[0])
@@ -208,20 +211,20 @@ class TrainerHost:
     def _place_batch(self, batch: TrainBatch) -> TrainBatch:
         return batch
 
-    def _host(self, tree: object) -> Any:
+    def _host(self, tree: T) -> T:
         """Full host copies of ``tree`` (a collective with several processes)."""
         return host_arrays(tree)
 
-    def _for_push(self, params: object) -> Any:
+    def _for_push(self, params: object) -> object:
         """What ``push`` is given: device arrays here (the store copies them)."""
         return params
 
-    def _publishable(self, params: object) -> Any:
+    def _publishable(self, params: object) -> object:
         """What :meth:`publish` may push later: a host copy, or in this process the
         kept parameters themselves (adapters are copied: the step donates them)."""
         return params if self.in_process and self.lora is None else self._host(params)
 
-    def _published(self) -> Any:
+    def _published(self) -> object:
         """What a push publishes: the params, or a LoRA run's adapters."""
         return self.state.params if self.lora is None else self.state.adapters
 
@@ -281,7 +284,7 @@ class TrainerHost:
         self._timed("checkpoint_save", start)
         return self.version
 
-    def restore(self, max_step: int, published: tuple[int, Any] | None = None) -> int:
+    def restore(self, max_step: int, published: tuple[int, object] | None = None) -> int:
         """Loads the newest checkpoint at or below ``max_step`` (the fresh step-0 state
         when there is none); returns its step.
 
@@ -375,7 +378,7 @@ class TrainerHost:
             store.republish()
         return PublishReply(store.latest_version(), self._drain())
 
-    def warm_start_info(self) -> dict[str, Any]:
+    def warm_start_info(self) -> dict[str, object]:
         """What the warm start did, as ``rlaxkit.runtime.build.warm_start`` reports it."""
         return self.warm_start
 
@@ -404,7 +407,7 @@ class TrainerHost:
             self._save(json, weights, wait or not self.in_process)
         return SaveReply(saved, self._drain())
 
-    def host_params(self, step: int) -> Any:
+    def host_params(self, step: int) -> object:
         """The params at ``step`` for the driver (a host copy from an actor)."""
         self._expect(step)
         return self.state.params if self.in_process else self._host(self.state.params)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +77,7 @@ def _layer_partition_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh: 
     return P(*(a if a and shape[i] % sizes[a] == 0 else None for i, a in enumerate(axes)))
 
 
-def state_shardings(tree: object, mesh: Mesh) -> Any:
+def state_shardings(tree: object, mesh: Mesh) -> object:
     """``NamedSharding`` of every leaf of a state (or any parameter-shaped tree)."""
     return jax.tree_util.tree_map_with_path(
         lambda path, x: NamedSharding(mesh, param_partition_spec(path, jnp.shape(x), mesh)), tree

@@ -89,7 +89,7 @@ class TrainState:
 
     if not TYPE_CHECKING:  # a type checker still sees the fields alone
 
-        def __getattr__(self, name: str) -> Any:
+        def __getattr__(self, name: str) -> object:
             # Reached only for a field not yet rebuilt from the packed state.
             packed = self.__dict__.get("_packed")
             index = FIELD_INDEX.get(name)
@@ -99,7 +99,7 @@ class TrainState:
             object.__setattr__(self, name, value)
             return value
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (TrainState, tuple(getattr(self, name) for name in FIELD_INDEX))
 
 

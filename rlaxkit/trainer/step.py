@@ -168,7 +168,7 @@ def _build(
             lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
         )
 
-    def constrain_rows(tree: object, leading: int = 0) -> Any:
+    def constrain_rows(tree: object, leading: int = 0) -> object:
         """Rows (after ``leading`` chunk axes) split over ``data × fsdp``."""
         if mesh is None:
             return tree

@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,8 @@ from jax.typing import DTypeLike
 
 # Before any program runs: XLA:CPU then keeps its freed buffers (``rlaxkit.util.hostmem``).
 from rlaxkit.util import hostmem
+
+T = TypeVar("T")
 
 hostmem.keep()
 

@@ -213,7 +213,7 @@ class WorkerHost:
         )
 
     # -- checkpoints (rlaxkit.runtime.state) --------------------------------------------
-    def checkpoint(self) -> dict[str, Any]:
+    def checkpoint(self) -> dict[str, object]:
         """``snapshot`` (``InferenceWorker.snapshot``: the replay log of the prompts in
         flight) and ``versions``: the weight versions that log starts from or pulled."""
         return {
@@ -221,7 +221,7 @@ class WorkerHost:
             "versions": sorted(self.worker.replay_weights()),
         }
 
-    def replay_weights(self, versions: list[int]) -> dict[int, Any]:
+    def replay_weights(self, versions: list[int]) -> dict[int, object]:
         """The weights of ``versions`` (each one the replay log needs; host copies from
         an actor)."""
         held = self.worker.replay_weights()
@@ -231,9 +231,9 @@ class WorkerHost:
 
     def restore(
         self,
-        snapshot: dict[str, Any],
+        snapshot: dict[str, object],
         issues: dict[int, Work],
-        weights: dict[int, Any],
+        weights: dict[int, object],
     ) -> list[TraceEvent]:
         """Rebuilds a saved worker by replaying its log (``InferenceWorker.restore``):
         its prompts in flight are generated again, same ids and seeds, up to the chunk

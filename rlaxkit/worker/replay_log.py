@@ -176,7 +176,7 @@ class ReplayLog:
     def __init__(self) -> None:
         self.base_version: int | None = None
         self.ops: list[Op] = []
-        self._weights: dict[int, Any] = {}  # version -> params, the base's first
+        self._weights: dict[int, object] = {}  # version -> params, the base's first
 
     def reset(self, version: int | None, params: object = None) -> None:
         """Starts an empty log from an idle engine holding ``params`` of ``version``
@@ -207,14 +207,14 @@ class ReplayLog:
         self.ops.append(UpdateWeights(version, recompute_cache))
         self._weights[version] = params
 
-    def weights(self) -> dict[int, Any]:
+    def weights(self) -> dict[int, object]:
         """``version -> params`` of every version a replay needs (none without a base).
 
         A version recorded twice maps to the weights recorded last.
         """
         return dict(self._weights) if self.base_version is not None else {}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """JSON-able ``{"base_version": ..., "ops": [["s", group_id], ["d"],
         ["u", version, recompute_cache], ["r", group_id, sample_index, observation],
         ["x", group_id, sample_index], ...]}``; ``parse_ops`` reads the ops back."""

@@ -34,12 +34,12 @@ class SweepPoint:
     seed: int
     result: SimResult
 
-    def row(self) -> dict[str, Any]:
+    def row(self) -> dict[str, object]:
         """Overrides, seed and the result's scalar metrics in one flat dict."""
         return {**self.overrides, "seed": self.seed, **self.result.to_row()}
 
 
-def _run_point(args: tuple[Scenario, dict[str, Any], int]) -> SweepPoint:
+def _run_point(args: tuple[Scenario, dict[str, object], int]) -> SweepPoint:
     base, overrides, seed = args
     scenario = with_overrides(base, {**overrides, "seed": seed})
     return SweepPoint(overrides=overrides, seed=seed, result=simulate(scenario))

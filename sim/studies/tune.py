@@ -76,14 +76,14 @@ class TunePoint:
     """One candidate's settings and what the simulator predicts for them (means over
     seeds; ``samples_per_s_spread`` is their standard deviation, 0 for one seed)."""
 
-    settings: dict[str, Any]
+    settings: dict[str, object]
     samples_per_s: float
     samples_per_s_spread: float
     goodput: float
     mean_staleness: float
     steps: int
 
-    def row(self) -> dict[str, Any]:
+    def row(self) -> dict[str, object]:
         """The settings and predictions as one flat dict (for a table)."""
         return {
             **self.settings,
@@ -264,8 +264,8 @@ def _ascend(
             return
 
 
-def _ranges(scenario: Scenario, space: TuneSpace, chips: int | None) -> dict[str, list[Any]]:
-    ranges: dict[str, list[Any]] = {
+def _ranges(scenario: Scenario, space: TuneSpace, chips: int | None) -> dict[str, list[object]]:
+    ranges: dict[str, list[object]] = {
         "staleness.max_staleness": list(space.max_staleness),
         "weight_sync.push_every_steps": list(space.push_every_steps),
         "weight_sync.pull_mode": list(space.pull_mode),
@@ -287,12 +287,12 @@ def _ranges(scenario: Scenario, space: TuneSpace, chips: int | None) -> dict[str
     return {name: values for name, values in ranges.items() if values}
 
 
-def _current(scenario: Scenario, name: str) -> Any:
+def _current(scenario: Scenario, name: str) -> object:
     section, attribute = name.split(".")
     return getattr(getattr(scenario, section), attribute)
 
 
-def _scenario_settings(scenario: Scenario, ranges: Mapping[str, object]) -> dict[str, Any]:
+def _scenario_settings(scenario: Scenario, ranges: Mapping[str, object]) -> dict[str, object]:
     return {name: _current(scenario, name) for name in ranges}
 
 
@@ -307,7 +307,7 @@ class _Evaluator:
     min_goodput: float | None
     evaluated: list[TunePoint] = field(default_factory=list)
     skipped: Counter[str] = field(default_factory=Counter)
-    _memo: dict[tuple[tuple[str, Any], ...], TunePoint | None] = field(default_factory=dict)
+    _memo: dict[tuple[tuple[str, object], ...], TunePoint | None] = field(default_factory=dict)
     _violations: dict[int, str] = field(default_factory=dict)  # id(point) -> constraint
     _closest: dict[str, TunePoint] = field(default_factory=dict)
     _refusals: dict[str, str] = field(default_factory=dict)  # field -> first message
@@ -316,7 +316,7 @@ class _Evaluator:
         """Count ``point`` as breaking ``constraint`` (the default over a chip budget)."""
         self._violations[id(point)] = constraint
 
-    def overrides(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+    def overrides(self, settings: Mapping[str, Any]) -> dict[str, object]:
         overrides = {k: v for k, v in settings.items() if k != "trainer.chips"}
         if "trainer.chips" in settings:
             trainer_chips = int(settings["trainer.chips"])
@@ -421,7 +421,7 @@ class _Evaluator:
         )
 
 
-def _key(settings: Mapping[str, object]) -> tuple[tuple[str, Any], ...]:
+def _key(settings: Mapping[str, object]) -> tuple[tuple[str, object], ...]:
     return tuple(sorted(settings.items(), key=lambda item: item[0]))
 
 
