@@ -28,9 +28,9 @@ def _cells(notebook) -> list[tuple[str, str]]:
     return [(cell.cell_type, cell.source.strip()) for cell in notebook.cells]
 
 
-def test_the_seven_notebooks_are_there():
+def test_the_eight_notebooks_are_there():
     names = [p.stem[:2] for p in SOURCES]
-    assert names == ["01", "02", "03", "04", "05", "06", "07"], names
+    assert names == ["01", "02", "03", "04", "05", "06", "07", "08"], names
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)

@@ -117,7 +117,7 @@ def undocumented_in(path: Path) -> list[str]:
 
 
 def test_the_notebooks_are_found():
-    assert len(NOTEBOOKS) == 7
+    assert len(NOTEBOOKS) == 8
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
