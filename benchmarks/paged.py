@@ -2,13 +2,14 @@
 shared prompt pages, and CPU tokens/s.
 
 1. **Rows per worker** (QwQ-32B, Qwen2.5-32B's shape: 64 layers, 40 query and 8 KV heads
-   of 128, bf16) on a 4-chip v5p worker, tensor-parallel (per chip: 10 query and 2 KV
-   heads, a quarter of the MLP): the TPU compiler (libtpu, compile-only ``v5p:2x2x1``
-   devices) compiles one layer's decode step of one chip and its memory analysis gives
-   the cache bytes per token and the step's scratch; the weights are the model's
-   parameters over 4 chips. A dense row reserves 32k slots; paged rows hold the pages of
-   their lengths: a 512-token prompt and a lognormal completion (median 4096, p99 at the
-   32k cap, capped there) (``rlaxkit.inference.capacity.rows_per_worker``).
+   of 128, bf16) on a worker of the RLAX plan (``configs/plan/qwq32b_v5p_1024.yaml``: 8
+   v5p chips), tensor-parallel (per chip: 5 query and 1 KV heads, an eighth of the MLP):
+   the TPU compiler (libtpu, compile-only ``v5p:2x2x1`` devices) compiles one layer's
+   decode step of one chip and its memory analysis gives the cache bytes per token and
+   the step's scratch; the weights are the model's parameters over the worker's chips. A
+   dense row reserves 32k slots; paged rows hold the pages of their lengths: a 512-token
+   prompt and a lognormal completion (median 4096, p99 at the 32k cap, capped there)
+   (``rlaxkit.inference.capacity.rows_per_worker``).
 2. **Decode tokens/s per chip**: the compiler's estimated step time (``optimal_seconds``)
    at the row counts that fit in the same HBM, 64 times one layer's step. The dense step
    reads every row's 32k slots; the paged kernel reads each row's pages only, which the
@@ -55,12 +56,15 @@ from rlaxkit.inference import InferenceEngine, SamplingConfig  # noqa: E402
 from rlaxkit.inference.capacity import rows_per_worker  # noqa: E402
 from rlaxkit.inference.page_table import RowPages  # noqa: E402
 from rlaxkit.models import KVCache, ModelConfig, abstract_model  # noqa: E402
+from rlaxkit.planning import load_plan_config  # noqa: E402
 from rlaxkit.planning.specs import MODEL_PRESETS  # noqa: E402
 from rlaxkit.util.jaxutil import count_compilations  # noqa: E402
 
 # QwQ-32B (Qwen2.5-32B's dimensions), as the planner knows it, in bfloat16.
 QWQ_32B = dataclasses.replace(MODEL_PRESETS["qwq-32b"], param_dtype="bfloat16")
-CHIPS = 4  # a v5p worker of the RLAX plan: tensor-parallel over 4 chips
+# A v5p worker of the RLAX plan, tensor-parallel over its chips.
+ROOT = Path(__file__).resolve().parents[1]
+CHIPS = load_plan_config(ROOT / "configs/plan/qwq32b_v5p_1024.yaml").sampler_chips
 HBM_BYTES = 95e9  # v5p HBM per chip
 MAX_TOKENS = 32 * 1024  # context of a dense row (prompt + completion)
 PROMPT_TOKENS = 512
@@ -148,7 +152,7 @@ def tpu_figures(quick: bool, generator) -> dict[str, float]:
         paged_s = seconds(compile_layer_step(device, layer, paged_rows, live))
     dense_step, paged_step = QWQ_32B.num_layers * dense_s, QWQ_32B.num_layers * paged_s
     print(
-        f"QwQ-32B on 4 v5p chips: weights {weight_bytes / 1e9:.1f} GB/chip, KV "
+        f"QwQ-32B on {CHIPS} v5p chips: weights {weight_bytes / 1e9:.1f} GB/chip, KV "
         f"{kv_bytes_per_token / 1e3:.1f} KB/token/chip, layer weights (compiler) "
         f"{layer_weight_bytes / 1e6:.0f} MB, scratch {memory.temp_size_in_bytes / 1e6:.0f} MB; "
         f"{free / 1e9:.1f} GB/chip for the cache"
