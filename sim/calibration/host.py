@@ -198,9 +198,9 @@ def fit_host(
     save is charged on its own (:attr:`sim.specs.CheckpointSpec.background_s`).
 
     ``rebuild_s`` is fitted from the chunks after a cache rebuild (``after_rebuild``)
-    when there are ``MIN_REBUILDS`` of them; else it is a prefill of every one of the
-    ``slots_per_worker`` rows, a lower bound (a rebuild reads each row's whole context,
-    a prefill its prompt).
+    when ``MIN_REBUILDS`` of them are among the chunks that fit the costs; else it is a
+    prefill of every one of the ``slots_per_worker`` rows, a lower bound (a rebuild
+    reads each row's whole context, a prefill its prompt).
 
     ``worker_start_s`` is the median of the trace's :func:`restart_costs`, or without a
     restart of its ``worker_start`` events (0 without any: the local placement's
@@ -275,7 +275,7 @@ def fit_host(
         finish_s_per_seq=float(chunk[3]),
         chunk_s_after_step=float(chunk[4]),
         rebuild_s=float(chunk[5])
-        if rebuilt.sum() >= MIN_REBUILDS
+        if rebuilt[costed].sum() >= MIN_REBUILDS
         else float(chunk[2]) * slots_per_worker,
         score_s=float(score[0]),
         score_s_per_seq=float(score[1]),
@@ -289,7 +289,7 @@ def fit_host(
     )
     fitted = {f"host_{name}": float(getattr(spec, name)) for name in HOST_COSTS}
     fitted["host_worker_start_s"] = spec.worker_start_s
-    fitted["host_rebuilt_chunks"] = float(rebuilt.sum())
+    fitted["host_rebuilt_chunks"] = float(rebuilt[costed].sum())
     fitted["host_mean_chunk_s"] = float(duration[costed].mean())
     fitted["host_compiling_chunks"] = float(np.count_nonzero(compiling))
     fitted["host_compiling_s"] = float(duration[compiling].sum())
