@@ -346,21 +346,13 @@ class Experiment(Loop):
         the trackers as ``eval/pass_at_<k>``, with a progress bar if ``progress``. A multi-turn
         task is evaluated on whole episodes with its tools; their metrics go as
         ``eval/<name>`` (``tool_use_rate``)."""
-        cfg = self.config.eval
-        n = samples or cfg.samples
-        params = jax.tree.map(lambda x: x.copy(), self.params())
+        cfg, params = self.config.eval, jax.tree.map(lambda x: x.copy(), self.params())
         problems = self.task.problems("test", num_problems or cfg.num_problems)
         report = evaluate_model(
-            self.config,
-            self.task,
-            (self.parts.graphdef, params),
-            self.tokenizer,
-            problems=problems,
-            n=n,
-            seed=seed,
-            runner=self.parts.scorer,
+            self.config, self.task, (self.parts.graphdef, params), self.tokenizer,
+            problems=problems, n=samples or cfg.samples, seed=seed, runner=self.parts.scorer,
             progress=progress,
-        )
+        )  # fmt: skip
         metrics = {f"eval/pass_at_{r['k']}": r["pass@k"] for r in report.rows}
         self.logger.log_eval(
             self.version, metrics | {f"eval/{k}": v for k, v in report.metrics.items()}

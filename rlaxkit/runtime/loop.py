@@ -39,8 +39,7 @@ from rlaxkit.rules.validation import is_int
 from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
 from rlaxkit.runtime.faults import NoFaults
 from rlaxkit.runtime.parts import Parts
-from rlaxkit.tasks import REWARD_FAILURES
-from rlaxkit.tasks.base import Problem
+from rlaxkit.tasks import REWARD_FAILURES, Problem
 
 SYNC_ATTEMPTS = 10  # syncs per round before a worker is left to retry next round
 
