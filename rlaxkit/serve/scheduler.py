@@ -6,9 +6,9 @@ takes the next turn while the others decode) and completes each turn's future. T
 queue in front of the engine is bounded (``QueueFull``: the server answers 429). A turn
 whose client went away (its future cancelled) is taken out of the queue if it is still
 there, and out of its row at the next chunk boundary if it runs
-(``InferenceEngine.cancel``): the row takes the next queued turn. One that finishes in
-the chunk its client left during is dropped too, counted as ``discarded``. New weights from
-``weight_source`` are taken between chunks, as the runtime's workers do.
+(``InferenceEngine.cancel``): the row takes the next queued turn. A turn whose client
+leaves during the chunk that finishes it is dropped too, counted as ``discarded``. New
+weights from ``weight_source`` are taken between chunks, as the runtime's workers do.
 """
 
 from __future__ import annotations
