@@ -16,7 +16,8 @@ from rlaxkit.rules.audit import AuditBook
 from rlaxkit.rules.policies import policy_to_dict
 from rlaxkit.rules.trace import TraceSink
 from sim.distributions import CorrelatedLengths, Stream, Uniform
-from sim.entities.buffer import Group, SimBuffer, SimSample
+from sim.entities.buffer import SimBuffer
+from sim.entities.groups import Group, SimSample
 from sim.entities.host import SerialHost
 from sim.entities.injector import FaultInjector, plan_for
 from sim.entities.param_server import SimParameterServer

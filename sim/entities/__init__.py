@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 from rlaxkit.rules.surface import lazy_names
 
 if TYPE_CHECKING:
-    from sim.entities.buffer import SimBuffer, SimSample
+    from sim.entities.buffer import SimBuffer
+    from sim.entities.groups import SimSample
     from sim.entities.host import SerialHost
     from sim.entities.injector import FaultInjector
     from sim.entities.param_server import SimParameterServer
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 _MODULES = {
     "SimBuffer": "buffer",
-    "SimSample": "buffer",
+    "SimSample": "groups",
     "SerialHost": "host",
     "FaultInjector": "injector",
     "SimParameterServer": "param_server",

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, TypeAlias
 from simpy.events import ProcessGenerator, Timeout
 
 from rlaxkit.rules.fault_plan import Fault
-from sim.entities.buffer import Group, SimSample
+from sim.entities.groups import Group, SimSample
 
 if TYPE_CHECKING:
     from rlaxkit.rules.fault_clock import FaultState

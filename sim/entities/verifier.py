@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, cast
 import simpy
 
 from sim.distributions import Constant, Stream
-from sim.entities.buffer import Group, SimSample
+from sim.entities.groups import Group, SimSample
 
 if TYPE_CHECKING:
     from sim.engine import Simulation

@@ -44,7 +44,7 @@ import simpy
 from simpy.events import ProcessGenerator
 
 from rlaxkit.rules.paging import rows_that_fit
-from sim.entities.buffer import Group, SimSample
+from sim.entities.groups import Group, SimSample
 
 if TYPE_CHECKING:
     from sim.engine import Simulation
