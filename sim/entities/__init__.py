@@ -1,7 +1,7 @@
 """The simulated fleet's entities, each a SimPy process or the state it keeps: the
 buffer, the serial host that carries out a round, the fault injector, the parameter
 server, the trainer, the verifier pool and the workers. ``sim.engine.Simulation`` holds
-them.
+them; they see it, and one another, through the protocols of ``sim.entities.context``.
 
 Names are imported on first use.
 """

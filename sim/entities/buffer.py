@@ -28,7 +28,7 @@ from rlaxkit.rules.ledger import GroupLedger
 from sim.entities.groups import Group, StartRequest
 
 if TYPE_CHECKING:
-    from sim.engine import Simulation
+    from sim.entities.context import SimContext
 
 __all__ = ["SimBuffer"]
 
@@ -45,7 +45,7 @@ class SimBuffer:
 
     name = "buffer"
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: SimContext) -> None:
         self.sim = sim
         self.env = sim.env
         scenario = sim.scenario

@@ -55,7 +55,7 @@ from sim.entities.groups import Group, SimSample
 
 if TYPE_CHECKING:
     from rlaxkit.rules.fault_clock import FaultState
-    from sim.engine import Simulation
+    from sim.entities.context import SimContext
 
 __all__ = ["ChunkWorker", "SerialHost"]
 
@@ -91,7 +91,7 @@ class SerialHost:
 
     name = "host"
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: SimContext) -> None:
         self.sim = sim
         self.env = sim.env
         self.spec = sim.scenario.host

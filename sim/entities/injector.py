@@ -24,8 +24,7 @@ from rlaxkit.rules.fault_clock import FaultState
 from rlaxkit.rules.fault_plan import Fault, FaultPlan, random_preemptions
 
 if TYPE_CHECKING:
-    from sim.engine import Simulation
-    from sim.entities.worker import SimWorker
+    from sim.entities.context import SimContext, WorkerView
     from sim.scenario import Scenario
 
 __all__ = ["FaultInjector", "plan_for"]
@@ -61,7 +60,7 @@ class FaultInjector:
 
     name = "injector"
 
-    def __init__(self, sim: Simulation, plan: FaultPlan) -> None:
+    def __init__(self, sim: SimContext, plan: FaultPlan) -> None:
         self.sim = sim
         self.env = sim.env
         self._by_step: dict[int, list[Fault]] = {}
@@ -78,7 +77,7 @@ class FaultInjector:
                 )
             return
         self.workers = {worker.name: worker for worker in sim.workers}
-        self.slices: dict[str, list[SimWorker]] = {}
+        self.slices: dict[str, list[WorkerView]] = {}
         for worker in sim.workers:
             self.slices.setdefault(worker.slice_name, []).append(worker)
         for index, fault in enumerate(plan):

@@ -35,7 +35,7 @@ import simpy
 from simpy.events import ProcessGenerator
 
 if TYPE_CHECKING:
-    from sim.engine import Simulation
+    from sim.entities.context import SimContext
 
 __all__ = ["SimParameterServer", "SimPull"]
 
@@ -71,7 +71,7 @@ class SimParameterServer:
 
     name = "param_server"
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: SimContext) -> None:
         self.sim = sim
         self.env = sim.env
         self.spec = sim.scenario.param_server

@@ -30,7 +30,7 @@ from simpy.events import ProcessGenerator
 from rlaxkit.rules.trace import TraceEvent
 
 if TYPE_CHECKING:
-    from sim.engine import Simulation
+    from sim.entities.context import SimContext
 
 __all__ = ["CheckpointWrites", "Trainer"]
 
@@ -59,7 +59,7 @@ class CheckpointWrites:
     (2.0, 7.0)
     """
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: SimContext) -> None:
         self.env = sim.env
         self.spec = sim.scenario.checkpoint
         self.until_s = float("-inf")  # when the newest write ends
@@ -84,7 +84,7 @@ class Trainer:
 
     name = "trainer"
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: SimContext) -> None:
         self.sim = sim
         self.env = sim.env
         self.spec = sim.scenario.trainer
@@ -276,7 +276,7 @@ class Trainer:
             self.process.interrupt(PREEMPTED)
 
 
-def _discard_steps(sim: Simulation, steps: set[int]) -> None:
+def _discard_steps(sim: SimContext, steps: set[int]) -> None:
     """Marks the ``train_step`` events of ``steps`` ``discarded`` (a restore went back
     over them), as the runtime marks its own, so that summaries of the trace count only
     kept steps. Only a trace kept in memory can be marked; a file's stays as written."""

@@ -18,7 +18,7 @@ from sim.distributions import Constant, Stream
 from sim.entities.groups import Group, SimSample
 
 if TYPE_CHECKING:
-    from sim.engine import Simulation
+    from sim.entities.context import SimContext
 
 __all__ = ["VerifierPool"]
 
@@ -28,7 +28,7 @@ class VerifierPool:
 
     name = "verifier"
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: SimContext) -> None:
         self.sim = sim
         self.env = sim.env
         self.spec = sim.scenario.verifier

@@ -47,7 +47,7 @@ from rlaxkit.rules.paging import rows_that_fit
 from sim.entities.groups import Group, SimSample
 
 if TYPE_CHECKING:
-    from sim.engine import Simulation
+    from sim.entities.context import SimContext
     from sim.scenario import Scenario
 
 __all__ = ["HOST_BUSY", "PREEMPTED", "WEIGHT_UPDATE", "SimWorker"]
@@ -85,7 +85,7 @@ def paged_rows(scenario: Scenario) -> int:
 class SimWorker:
     """One inference worker with ``slots_per_worker`` concurrent sequences."""
 
-    def __init__(self, sim: Simulation, index: int) -> None:
+    def __init__(self, sim: SimContext, index: int) -> None:
         self.sim = sim
         self.env = sim.env
         self.spec = sim.scenario.fleet
