@@ -371,3 +371,51 @@ def test_an_overlapped_run_on_ray_is_the_local_one(ray_cluster, cache):
         exp.check_accounting()
         assert_same_metrics(exp.history, local)
         assert all(m["rounds/ahead"] > 0 for m in exp.history)
+
+
+@ray.remote(num_cpus=0)
+class _SlowStart:
+    """Up once ``go`` exists; writes ``entered`` when its constructor starts."""
+
+    def __init__(self, entered: str, go: str) -> None:
+        import pathlib
+        import time
+
+        pathlib.Path(entered).touch()
+        while not pathlib.Path(go).exists():
+            time.sleep(0.05)
+
+    def sync(self) -> str:
+        return "synced"
+
+
+def test_a_round_waits_for_a_fleet_that_is_still_starting(ray_cluster, tmp_path):
+    """The first round found every worker still starting after the trainer's warm start
+    on a loaded machine, skipped them all and called the loop stalled (a multi-host
+    test's driver, ``worker_start_wait_s`` 5). A worker's wait counts from the first
+    round that wants it, and a round in which no worker is up waits for the first."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from rlaxkit.runtime.ray_placement import RayTransport
+
+    def worker(worker_id, name):
+        entered, go = tmp_path / f"{name}.entered", tmp_path / f"{name}.go"
+        handle = transport.started(_SlowStart.remote(str(entered), str(go)))
+        deadline = time.monotonic() + 120
+        while not entered.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return SimpleNamespace(worker_id=worker_id, handle=handle), go
+
+    transport = RayTransport(start_wait_s=1.0)
+    slow, go = worker(0, "slow")
+    time.sleep(1.5)  # longer than start_wait_s since it started: the warm start
+    threading.Timer(1.5, go.touch).start()  # up after its own wait, within the round's
+    replies, dead = transport.call([(slow, "sync", ())])
+    assert (replies, dead) == ({0: "synced"}, [])
+    never, _ = worker(1, "never")
+    replies, dead = transport.call([(slow, "sync", ()), (never, "sync", ())])
+    assert (replies, dead) == ({0: "synced"}, [])  # the rest of the fleet goes on
+    transport.kill(never.handle)
+    transport.kill(slow.handle)

@@ -53,18 +53,21 @@ class RayTransport:
     """Worker actors, called all at once; a dead one is found when its call fails.
 
     A new worker actor is waited for at its first ``sync`` for up to ``start_wait_s``
-    (Ray places it and runs its constructor). One that is still not up then (a
-    replacement for a worker lost with its node, waiting for a host with its resources
-    to join) sits out the rounds: its ``sync`` is not sent, so it gets no work and the
-    round goes on with the rest of the fleet; once it is up it syncs and takes work like
-    any other. Other calls wait for it (a checkpoint gathers every worker's state).
+    from that ``sync`` (Ray places it and runs its constructor; the first fleet starts
+    while the trainer warm-starts). One that is still not up then (a replacement for a
+    worker lost with its node, waiting for a host with its resources to join) sits out
+    the rounds: its ``sync`` is not sent, so it gets no work and the round goes on with
+    the rest of the fleet; once it is up it syncs and takes work like any other. A round
+    in which no worker is up waits up to ``start_wait_s`` more for the first to come up,
+    so a fleet still starting is not taken for a stalled loop. Other calls wait for it
+    (a checkpoint gathers every worker's state).
     """
 
     def __init__(self, start_wait_s: float) -> None:
         self.start_wait_s = start_wait_s
         # Per new worker actor, by handle id: the handle, its ``__ray_ready__`` and the
-        # monotonic time until which a ``sync`` waits for it.
-        self._starting: dict[int, tuple[Any, Any, float]] = {}
+        # monotonic time until which a ``sync`` waits for it (set by the first ``sync``).
+        self._starting: dict[int, tuple[Any, Any, float | None]] = {}
         # Per new worker actor, by handle id: seconds from its start to its constructor's
         # end, written by Ray's thread when the actor is up (``start_seconds``).
         self._start_s: dict[int, float] = {}
@@ -72,9 +75,8 @@ class RayTransport:
     def started(self, handle: Any) -> Any:
         """Notes a new worker actor; returns its handle."""
         begin = time.monotonic()
-        deadline = begin + self.start_wait_s
         ready = handle.__ray_ready__.remote()
-        self._starting[id(handle)] = (handle, ready, deadline)
+        self._starting[id(handle)] = (handle, ready, None)
         key = id(handle)
 
         def note(future: Any) -> None:
@@ -96,13 +98,23 @@ class RayTransport:
         if starting is None:
             return True
         _, ready, deadline = starting
+        if deadline is None:  # the first round that wants it: the warm start may be long
+            deadline = time.monotonic() + self.start_wait_s
+            self._starting[id(handle)] = (starting[0], ready, deadline)
         done, _ = ray.wait([ready], timeout=max(0.0, deadline - time.monotonic()))
         if done:
             del self._starting[id(handle)]
         return bool(done)
 
     def call(self, calls: list) -> tuple[dict[str, Any], list[Any]]:
-        calls = [c for c in calls if c[1] != "sync" or self.up(c[0].handle)]
+        sent = [c for c in calls if c[1] != "sync" or self.up(c[0].handle)]
+        if self._starting and not any(c[1] == "sync" for c in sent) and sent != calls:
+            # Every worker of the round is still starting (the first round on a loaded
+            # machine, say): wait up to ``start_wait_s`` more for the first of them, so
+            # that the loop does not call a fleet that is coming up stalled.
+            ray.wait([r for _, r, _ in self._starting.values()], timeout=self.start_wait_s)
+            sent = [c for c in calls if c[1] != "sync" or self.up(c[0].handle)]
+        calls = sent
         refs = [(slot, getattr(slot.handle, m).remote(*args)) for slot, m, args in calls]
         replies, dead = {}, []
         for slot, ref in refs:
