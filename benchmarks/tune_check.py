@@ -9,7 +9,8 @@
    interval, the pull mode and the checkpoint interval of that scenario.
 3. ``sim.calibrate`` predicts the samples/s of the default and of the tuned settings
    over the window after the warm-up steps (the window the measurement uses, averaged
-   over ``--repeats`` seeds), and both settings run for real with ``PLAN``.
+   over ``--repeats`` seeds), and both settings run for real with ``PLAN``, ``--runs``
+   times each in the order default, tuned, tuned, default, ...
 
 The figure is ``gain_error = (1 + measured gain) / (1 + predicted gain) - 1``: 0 when the
 tuned run beats the default by exactly the predicted margin (goal: within ±0.10).
@@ -73,13 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("XLA_FLAGS", sim_fidelity.ONE_THREAD_XLA)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="30 steps, 1 run of each")
+    parser.add_argument("--quick", action="store_true", help="30 steps, 2 runs of each")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--runs", type=int, default=2, help="real runs of each setting")
     parser.add_argument("--repeats", type=int, default=10, help="simulations per setting")
     parser.add_argument("--warmup-steps", type=int, default=3)
     args = parser.parse_args(argv)
-    steps, runs = (30, 1) if args.quick else (args.steps, args.runs)
+    steps, runs = (30, 2) if args.quick else (args.steps, args.runs)
     load_before = os.getloadavg()
     started = time.perf_counter()
     cache = sim_fidelity.run_cache("rlaxkit-tune-check-")
@@ -92,12 +93,23 @@ def main(argv: list[str] | None = None) -> int:
     default_settings = {k: v for k, v in tuned.default.settings.items() if k in RUN_KEYS}
     best_settings = {k: v for k, v in tuned.best.settings.items() if k in RUN_KEYS}
     report: dict[str, Any] = {"default": default_settings, "tuned": best_settings}
-    for label, settings in (("default", default_settings), ("tuned", best_settings)):
+    settings_of = {"default": default_settings, "tuned": best_settings}
+    recorders = {
+        label: sim_fidelity.local_recorder(cache, "cpu", warmup, overrides=run_overrides(s))
+        for label, s in settings_of.items()
+    }
+    # Runs in the order default, tuned, tuned, default, ...: a drift of the machine's
+    # speed over the benchmark favours neither (one run after the other, the tuned
+    # setting measured last was the slower of the ablation's passes).
+    runs_of: dict[str, list[dict[str, float]]] = {"default": [], "tuned": []}
+    for r in range(runs):
+        for label in ("default", "tuned") if r % 2 == 0 else ("tuned", "default"):
+            runs_of[label].append(sim_fidelity._measure(recorders[label](PLAN, steps), warmup))
+    for label, settings in settings_of.items():
         prediction = sim.calibrate(
             base, warmup_steps=warmup, faults=PLAN, overrides=settings, repeats=args.repeats
         )
-        real = sim_fidelity.local_recorder(cache, "cpu", warmup, overrides=run_overrides(settings))
-        measured = [sim_fidelity._measure(real(PLAN, steps), warmup) for _ in range(runs)]
+        measured = runs_of[label]
         report[f"{label}_predicted_samples_per_s"] = prediction.predicted_figures["samples_per_s"]
         report[f"{label}_measured_samples_per_s"] = sum(m["samples_per_s"] for m in measured) / runs
         report[f"{label}_measured_goodput"] = sum(m["goodput"] for m in measured) / runs
