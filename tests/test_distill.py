@@ -1,5 +1,6 @@
-"""On-policy distillation: the per-token reverse-KL reward, the teacher in the train step,
-and the run config's ``distill`` section."""
+"""On-policy distillation: the per-token reverse-KL reward (``sampled``), the exact
+reverse KL in the loss (``full``), the teacher in the train step, and the run config's
+``distill`` section."""
 
 import dataclasses
 
@@ -14,6 +15,8 @@ from rlaxkit.algorithms import (
     algorithm,
     distillation_advantages,
     distillation_rewards,
+    full_distillation_loss,
+    reverse_kl,
 )
 from rlaxkit.config.run import small_run_config
 from rlaxkit.data.batch import BucketSpec, Sample, collate
@@ -23,7 +26,7 @@ from rlaxkit.runtime.build import build_task, char_tokenizer, check_inputs
 from rlaxkit.trainer.config import OptimizerConfig, TrainConfig
 from rlaxkit.trainer.logprobs import token_logprobs
 from rlaxkit.trainer.state import create_train_state
-from rlaxkit.trainer.step import make_prepare_fn, make_train_step
+from rlaxkit.trainer.step import make_gradient_fn, make_prepare_fn, make_train_step
 from rlaxkit.trainer.teacher import distill_config, initial_train_state
 
 CONFIG = ModelConfig(
@@ -91,26 +94,80 @@ def test_rewards_by_hand_and_masked_positions_give_zero():
     rewards = distillation_rewards(teacher, student, mask)
     np.testing.assert_allclose(rewards, [[0.693147, -1.386294], [0.0, 0.0]], atol=1e-6)
     # A = A_task + 2 r with the task; 2 r alone without. The batch's mean r over the three
-    # completion tokens is (ln 2 - ln 4 + 0) / 3 = -ln 2 / 3 = -0.231049.
+    # completion tokens is (ln 2 - ln 4 + 0) / 3 = -ln 2 / 3 = -0.231049; the exact KL
+    # given per position is averaged over the same tokens: (0.3 + 0.6 + 0.9) / 3.
     task = jnp.array([[1.0, 1.0], [-1.0, 0.0]])
+    token_kl = jnp.array([[0.3, 0.6], [0.9, jnp.nan]])
     with_task, stats = distillation_advantages(
-        task, teacher, student, mask, DistillConfig(weight=2)
+        task, teacher, student, mask, DistillConfig(weight=2), token_kl
     )
     np.testing.assert_allclose(with_task, [[2.386294, -1.772589], [-1.0, 0.0]], atol=1e-6)
     np.testing.assert_allclose(stats["distill_reward_mean"], -0.231049, atol=1e-6)
-    np.testing.assert_allclose(stats["distill_reverse_kl"], 0.231049, atol=1e-6)
+    np.testing.assert_allclose(stats["distill_reverse_kl"], 0.6, atol=1e-6)
     alone, _ = distillation_advantages(
         task, teacher, student, mask, DistillConfig(weight=2, task_reward=False)
     )
     np.testing.assert_allclose(alone, 2 * rewards, atol=1e-6)
 
 
-def _train_config(weight=1.0, task_reward=True, learning_rate=1e-2, teacher_model=None):
+def _train_config(
+    weight=1.0, task_reward=True, learning_rate=1e-2, teacher_model=None, estimator="sampled"
+):
     return TrainConfig(
         algorithm=algorithm("grpo", loss={"kl_coef": 0.0}),
         optimizer=OptimizerConfig(learning_rate=learning_rate, weight_decay=0.0),
-        distill=DistillConfig(weight=weight, task_reward=task_reward, teacher_model=teacher_model),
+        distill=DistillConfig(
+            weight=weight, task_reward=task_reward, teacher_model=teacher_model, estimator=estimator
+        ),
     )
+
+
+def exact_kl(graphdef, params, teacher_graphdef, teacher, batch):
+    """The batch's mean KL(student ‖ teacher) per completion token, over the vocabulary."""
+    tokens, mask = jnp.asarray(batch.tokens), jnp.asarray(batch.attention_mask)
+    positions = positions_from_mask(mask)
+    student = nnx.merge(graphdef, params)(tokens, positions, mask)[:, :-1]
+    teacher = nnx.merge(teacher_graphdef, teacher)(tokens, positions, mask)[:, :-1]
+    loss_mask = jnp.asarray(batch.loss_mask, jnp.float32)[:, 1:]
+    return float(jnp.sum(reverse_kl(student, teacher) * loss_mask) / jnp.sum(loss_mask))
+
+
+def test_the_full_kl_and_its_gradient_by_hand():
+    # Vocabulary of 3, three tokens: the logits at positions 0 and 1 give the
+    # distributions of tokens 1 and 2 (token 0 has none).
+    # Token 1: student (1/2, 1/4, 1/4), teacher (1/4, 1/2, 1/4):
+    #   KL = ½ ln 2 + ¼ ln ½ + 0 = ¼ ln 2.
+    # Token 2: student (0.8, 0.1, 0.1), teacher (0.4, 0.2, 0.4):
+    #   KL = 0.8 ln 2 + 0.1 ln ½ + 0.1 ln ¼ = ½ ln 2.
+    ln2 = float(np.log(2.0))
+    student = jnp.log(jnp.array([[[0.5, 0.25, 0.25], [0.8, 0.1, 0.1]]]))
+    teacher = jnp.log(jnp.array([[[0.25, 0.5, 0.25], [0.4, 0.2, 0.4]]]))
+    np.testing.assert_allclose(reverse_kl(student, teacher), [[ln2 / 4, ln2 / 2]], atol=1e-6)
+    # Token weights (0, ¼, ½) and weight 2: 2 (¼ · ¼ + ½ · ½) ln 2 = ⅝ ln 2; the metric
+    # weights (0, ½, ½) give the mean KL, ⅜ ln 2.
+    weights, metric = jnp.array([[0.0, 0.25, 0.5]]), jnp.array([[0.0, 0.5, 0.5]])
+    cfg = DistillConfig(weight=2.0, estimator="full")
+
+    def term(s, t):
+        return full_distillation_loss(s, t, weights, metric, cfg)
+
+    (loss, stats), (grad_s, grad_t) = jax.value_and_grad(term, argnums=(0, 1), has_aux=True)(
+        student, teacher
+    )
+    np.testing.assert_allclose(loss, 0.625 * ln2, atol=1e-6)
+    np.testing.assert_allclose(stats["distill_reverse_kl"], 0.375 * ln2, atol=1e-6)
+    # d KL / d z_v = p_S(v) (log p_S(v) - log p_T(v) - KL), scaled by weight · w_t; the
+    # teacher is a constant.
+    p_s, p_t = jnp.exp(student[0]), jnp.exp(teacher[0])
+    kl = jnp.array([ln2 / 4, ln2 / 2])[:, None]
+    expected = 2.0 * weights[0, 1:, None] * p_s * (jnp.log(p_s) - jnp.log(p_t) - kl)
+    np.testing.assert_allclose(grad_s[0], expected, atol=1e-6)
+    np.testing.assert_array_equal(grad_t, jnp.zeros_like(grad_t))
+    # A position of weight 0 adds nothing, whatever its logits (here a KL of NaN).
+    wild = student.at[0, 0].set(jnp.array([0.0, -jnp.inf, 0.0]))
+    assert np.isnan(reverse_kl(wild, teacher)[0, 0])
+    masked = full_distillation_loss(wild, teacher, weights.at[0, 1].set(0.0), metric, cfg)[0]
+    np.testing.assert_allclose(masked, 2 * 0.5 * ln2 / 2, atol=1e-6)
 
 
 def test_a_teacher_equal_to_the_student_gives_zero_reward_and_the_task_advantage():
@@ -123,6 +180,58 @@ def test_a_teacher_equal_to_the_student_gives_zero_reward_and_the_task_advantage
     expected, _ = make_prepare_fn(plain, graphdef)(create_train_state(plain, params), batch)
     assert abs(float(stats["distill_reward_mean"])) < 1e-6
     np.testing.assert_allclose(prepared.advantages, expected.advantages, atol=1e-5)
+
+
+def test_full_with_a_teacher_equal_to_the_student_gives_zero_kl_and_the_task_gradient():
+    graphdef, params = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(0)))
+    batch = on_policy_batch(1, graphdef, params)
+    cfg = dataclasses.replace(_train_config(estimator="full"), micro_batches=2)
+    state = create_train_state(cfg, params, teacher_params=params)
+    grads, metrics = make_gradient_fn(cfg, graphdef)(state, batch)
+    plain = dataclasses.replace(cfg, distill=None)
+    expected, plain_metrics = make_gradient_fn(plain, graphdef)(
+        create_train_state(plain, params), batch
+    )
+    assert abs(float(metrics["distill_reverse_kl"])) < 1e-6
+    np.testing.assert_allclose(metrics["loss"], plain_metrics["loss"], atol=1e-6)
+    assert "distill_reward_mean" not in metrics  # no per-token reward with "full"
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    # Without the task reward nothing is left to learn from such a teacher.
+    alone = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, task_reward=False))
+    grads, _ = make_gradient_fn(alone, graphdef)(state, batch)
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) < 1e-6
+
+
+@pytest.mark.parametrize("estimator", ["sampled", "full"])
+def test_distill_reverse_kl_is_the_exact_kl_of_the_batch(estimator):
+    graphdef, params = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(0)))
+    teacher_graphdef, teacher = nnx.split(Transformer(TEACHER, rngs=nnx.Rngs(7)))
+    batch = on_policy_batch(3, graphdef, params)
+    cfg = _train_config(teacher_model=TEACHER, estimator=estimator)
+    state = create_train_state(cfg, params, teacher_params=teacher)
+    _, metrics = make_gradient_fn(cfg, graphdef)(state, batch)
+    want = exact_kl(graphdef, params, teacher_graphdef, teacher, batch)
+    np.testing.assert_allclose(metrics["distill_reverse_kl"], want, rtol=1e-5)
+
+
+def test_full_steps_on_a_fixed_batch_lower_the_exact_kl_to_a_larger_teacher():
+    graphdef, params = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(0)))
+    teacher_graphdef, teacher = nnx.split(Transformer(TEACHER, rngs=nnx.Rngs(7)))
+    batch = on_policy_batch(2, graphdef, params)
+    cfg = _train_config(
+        task_reward=False, learning_rate=1e-3, teacher_model=TEACHER, estimator="full"
+    )
+    state = create_train_state(cfg, params, teacher_params=teacher)
+    step = make_train_step(cfg, graphdef, donate=False)  # the teacher is read after
+    kls = [exact_kl(graphdef, params, teacher_graphdef, teacher, batch)]
+    for _ in range(5):
+        state, metrics = step(state, batch)
+        # The step's metric is the KL under the weights it started from.
+        np.testing.assert_allclose(metrics["distill_reverse_kl"], kls[-1], rtol=1e-5)
+        kls.append(exact_kl(graphdef, state.params, teacher_graphdef, teacher, batch))
+    assert all(after < before for before, after in zip(kls, kls[1:], strict=False)), kls
+    assert kls[-1] < 0.9 * kls[0], kls
 
 
 def test_one_step_is_finite_and_moves_the_student_toward_a_larger_teacher():
@@ -163,6 +272,10 @@ def test_a_state_without_the_teacher_is_refused():
         (["distill.weight=1.0"], r"config\.distill: teacher: missing .* set distill\.teacher"),
         (["distill.teacher=t", "distill.weight=0"], r"config\.distill: weight: must be"),
         (
+            ["distill.teacher=t", "distill.estimator=topk"],
+            r"config\.distill\.estimator: must be one of \['sampled', 'full'\], got 'topk'",
+        ),
+        (
             ["distill.teacher=t", "distill.task_reward=false"],
             r"set batching\.equal_rewards=keep",
         ),
@@ -171,6 +284,11 @@ def test_a_state_without_the_teacher_is_refused():
 def test_config_errors_name_the_field(overrides, match):
     with pytest.raises(ValueError, match=match):
         small_run_config(*overrides)
+
+
+def test_distill_config_names_the_estimator_field():
+    with pytest.raises(ValueError, match=r"estimator: must be one of \('sampled', 'full'\)"):
+        DistillConfig(estimator="topk")
 
 
 def test_the_run_checks_the_teacher_directory_and_its_vocabulary(tmp_path):

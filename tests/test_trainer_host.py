@@ -14,8 +14,7 @@ from rlaxkit.runtime.build import build_task, task_alphabet
 from rlaxkit.runtime.common import TRAIN_BUCKETS
 from rlaxkit.tasks.episodes import EpisodicTask
 from rlaxkit.trainer.checkpoint import abstract_tree
-from rlaxkit.trainer.host import first_batch
-from rlaxkit.trainer.step import check_finite
+from rlaxkit.trainer.host import check_finite, first_batch
 from rlaxkit.util.jaxutil import count_compilations
 
 

@@ -25,6 +25,8 @@ from rlaxkit.algorithms.distill import (
     DistillConfig,
     distillation_advantages,
     distillation_rewards,
+    full_distillation_loss,
+    reverse_kl,
 )
 from rlaxkit.algorithms.objective import (
     KL_ESTIMATORS,
@@ -73,6 +75,7 @@ __all__ = [
     "compute_advantages",
     "distillation_advantages",
     "distillation_rewards",
+    "full_distillation_loss",
     "gae_advantages",
     "group_statistics",
     "grpo_advantages",
@@ -81,6 +84,7 @@ __all__ = [
     "masked_whiten",
     "reinforce_pp_advantages",
     "rejection_mask",
+    "reverse_kl",
     "rl_loss",
     "rloo_advantages",
     "terminal_rewards",

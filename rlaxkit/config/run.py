@@ -147,22 +147,25 @@ class TrainerSpec:
 @dataclass(frozen=True, kw_only=True)
 class DistillSpec:
     """On-policy distillation from a frozen teacher (``rlaxkit.algorithms.distill``): the
-    teacher scores the student's own samples in the train step and each completion token
-    gets the reward ``log π_teacher - log π_student`` (per-token reverse KL).
+    teacher scores the student's own samples in the train step; the reverse KL to it
+    trains the student (``estimator``).
 
     Attributes:
         teacher: an HF checkpoint directory (a run's ``final/``, or any checkpoint with
             the student's vocabulary); the teacher may be of another size. Read when the
             run starts, which checks it is there and that its vocabulary is the student's.
-        weight: scale of the distillation reward in the advantage.
+        weight: scale of the distillation reward in the advantage, or of the KL term.
         task_reward: add the task's advantage (``true``) or distil alone (``false``).
         param_dtype: the teacher's dtype (default: the checkpoint's).
+        estimator: ``sampled``: the sampled token's ``log π_teacher - log π_student`` as
+            its advantage; ``full``: the exact KL over the vocabulary in the loss (GKD).
     """
 
     teacher: str | None = None
     weight: float = 1.0
     task_reward: bool = True
     param_dtype: Literal["float32", "bfloat16"] | None = None
+    estimator: Literal["sampled", "full"] = "sampled"
 
     def __post_init__(self) -> None:
         if not isinstance(self.teacher, str) or not self.teacher:
@@ -170,7 +173,7 @@ class DistillSpec:
                 f"teacher: missing (got {self.teacher!r}); set distill.teacher to the "
                 "teacher's checkpoint directory (a run's final/), or unset distill"
             )
-        DistillConfig(weight=self.weight, task_reward=self.task_reward)
+        DistillConfig(weight=self.weight, task_reward=self.task_reward, estimator=self.estimator)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -404,11 +407,8 @@ class RunConfig:
                 "version needs the versions since its snapshot; raise keep_versions or "
                 "lower snapshot_every"
             )
-        if (
-            self.distill is not None
-            and not self.distill.task_reward
-            and self.batching.equal_rewards == "drop"
-        ):
+        distil_alone = self.distill is not None and not self.distill.task_reward
+        if distil_alone and self.batching.equal_rewards == "drop":
             raise ValueError(
                 "distill.task_reward is false but batching.equal_rewards is drop: groups "
                 "whose task rewards are all equal would be dropped, though the teacher's "

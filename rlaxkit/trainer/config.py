@@ -82,7 +82,9 @@ class TrainConfig:
             next step's loss, after its weights were published. The runtime keeps it on.
         distill: on-policy distillation (``rlaxkit.algorithms.distill``): the teacher in
             ``TrainState.teacher_params`` scores the batch's tokens before the updates and
-            its per-token reward enters the advantages. ``None``: no teacher.
+            its per-token reward enters the advantages (``sampled``), or it scores each
+            micro-batch in the loss, which adds the exact KL to it (``full``). ``None``:
+            no teacher.
         drift_every: every this many steps the step splits its batch's drift into
             staleness and engine mismatch first (``rlaxkit.observe.drift``, ``drift/*`` metrics;
             it reads old versions from ``PackedTrainStep.drift.reader``, a parameter

@@ -4,6 +4,7 @@ this process or as a Ray actor (``rlaxkit.runtime.hosts``)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -37,11 +38,29 @@ from rlaxkit.trainer.checkpoint import (
     save_train_state,
 )
 from rlaxkit.trainer.state import TrainState
-from rlaxkit.trainer.step import check_finite, make_train_step
+from rlaxkit.trainer.step import make_train_step
 from rlaxkit.trainer.teacher import initial_train_state
 from rlaxkit.util.jaxutil import host_arrays
 
 T = TypeVar("T")
+
+
+def check_finite(step: int, metrics: dict[str, float]) -> None:
+    """Raises ``FloatingPointError`` when train step ``step``'s loss, gradient norm or
+    update norm is not finite: the step found the weights non-finite, or its update
+    overflows them or the next forward pass (the update's norm overflows from entries of
+    about 1e19, where float32 squares do; products of such weights overflow too), and
+    every later step would train and publish NaN. The runtime calls it before the step's
+    push, so such weights never reach a worker."""
+    keys = ("loss", "grad_norm", "update_norm")
+    bad = {k: metrics[k] for k in keys if not math.isfinite(metrics.get(k, 0.0))}
+    if bad:
+        raise FloatingPointError(
+            f"train step {step}: {', '.join(f'{k} is {v}' for k, v in bad.items())}; the "
+            "weights are, or this update makes them, no longer finite (an update too large "
+            "for them: check optimizer.learning_rate and max_grad_norm). The run stops "
+            "before publishing them; it resumes from its last checkpoint"
+        )
 
 
 def first_batch(config: RunConfig, task: Task, tokenizer: Tokenizer) -> TrainBatch | None:

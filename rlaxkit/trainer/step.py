@@ -43,7 +43,9 @@ from rlaxkit.algorithms import (
     aggregation_weights,
     compute_advantages,
     distillation_advantages,
+    full_distillation_loss,
     rejection_mask,
+    reverse_kl,
     rl_loss,
 )
 from rlaxkit.data.batch import TrainBatch
@@ -175,22 +177,27 @@ def _build(
         spec = P(*([None] * leading), BATCH_AXES)
         return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, spec))
 
-    def policy_forward(params, tokens, positions, attention_mask, graph=graphdef):
+    def policy_forward(params, tokens, positions, attention_mask, *, graph=graphdef):
+        """``(logp, entropy)`` ``[rows, T]`` and the logits ``[rows, T - 1, vocab]``."""
         model = nnx.merge(graph, cast(params))
         # The last position predicts nothing in the batch: no logits for it.
         hidden = model.hidden_states(tokens, positions, attention_mask, remat=cfg.remat)[:, :-1]
-        logp, entropy = logprobs_and_entropy(model.unembed(hidden), tokens[:, 1:], cfg.temperature)
-        return jnp.pad(logp, ((0, 0), (1, 0))), jnp.pad(entropy, ((0, 0), (1, 0)))
+        logits = model.unembed(hidden)
+        logp, entropy = logprobs_and_entropy(logits, tokens[:, 1:], cfg.temperature)
+        return jnp.pad(logp, ((0, 0), (1, 0))), jnp.pad(entropy, ((0, 0), (1, 0))), logits
 
+    logprobs_of = lambda p, *x: policy_forward(p, *x)[0]
     # The distillation teacher's graph: its own architecture, or the policy's.
-    teacher_graphdef = graphdef
-    if cfg.distill is not None and cfg.distill.teacher_model is not None:
-        teacher_graphdef = nnx.split(abstract_model(cfg.distill.teacher_model))[0]
+    teacher_graphdef, distill = graphdef, cfg.distill
+    if distill is not None and distill.teacher_model is not None:
+        teacher_graphdef = nnx.split(abstract_model(distill.teacher_model))[0]
+    full_kl = distill if distill is not None and distill.estimator == "full" else None
 
-    def teacher_forward(teacher_params, tokens, positions, attention_mask):
-        return policy_forward(teacher_params, tokens, positions, attention_mask, teacher_graphdef)[
-            0
-        ]
+    def teacher_scores(pair, *inputs):
+        """The teacher's log-probs of the tokens and the exact KL(student ‖ teacher)."""
+        student = policy_forward(pair[0], *inputs)[2]
+        logp, _, teacher = policy_forward(pair[1], *inputs, graph=teacher_graphdef)
+        return logp, jnp.pad(reverse_kl(student, teacher, cfg.temperature), ((0, 0), (1, 0)))
 
     def value_forward(value_params, tokens, positions, attention_mask):
         if value_graphdef is None:
@@ -204,7 +211,7 @@ def _build(
         micro-batch-sized chunks, without gradients; ``inputs`` are those three arrays."""
         split = [constrain_rows(_split_rows(x, chunks), leading=1) for x in inputs]
         out = jax.lax.map(lambda xs: fn(jax.lax.stop_gradient(params), *xs), split)
-        return _merge_rows(out)
+        return jax.tree.map(_merge_rows, out)
 
     def prepare(state: TrainState, batch: TrainBatch) -> tuple[PreparedBatch, dict[str, jax.Array]]:
         rows = batch.tokens.shape[0]
@@ -225,12 +232,10 @@ def _build(
                     f"algorithm {cfg.algorithm.name!r} needs reference log-probs: give the "
                     "state ref_params or the batch ref_logprobs"
                 )
-            ref_logprobs = chunked(lambda p, *x: policy_forward(p, *x)[0], state.ref_params, inputs)
+            ref_logprobs = chunked(logprobs_of, state.ref_params, inputs)
         proximal_logprobs = placed.proximal_logprobs
         if loss_cfg.proximal == "recompute" and not fused_proximal:
-            proximal_logprobs = chunked(
-                lambda p, *x: policy_forward(p, *x)[0], state.params, inputs
-            )
+            proximal_logprobs = chunked(logprobs_of, state.params, inputs)
         elif loss_cfg.proximal == "batch" and proximal_logprobs is None:
             raise ValueError("proximal 'batch' needs batch.proximal_logprobs")
         advantages, returns, old_values = placed.advantages, None, None
@@ -252,12 +257,14 @@ def _build(
         if returns is None and cfg.algorithm.needs_value_model:
             raise ValueError("a critic needs returns: let the trainer compute GAE advantages")
         distill_stats: dict[str, jax.Array] = {}
-        if cfg.distill is not None:
-            if state.teacher_params is None:
-                raise ValueError("distill is set: give the state teacher_params")
-            teacher_logprobs = chunked(teacher_forward, state.teacher_params, inputs)
+        if distill is not None and state.teacher_params is None:
+            raise ValueError("distill is set: give the state teacher_params")
+        if full_kl is not None and not full_kl.task_reward:  # the KL term in the loss alone
+            advantages = jnp.zeros_like(advantages)
+        elif distill is not None and full_kl is None:
+            t_logp, kl = chunked(teacher_scores, (state.params, state.teacher_params), inputs)
             advantages, distill_stats = distillation_advantages(
-                advantages, teacher_logprobs, placed.behaviour_logprobs, loss_mask, cfg.distill
+                advantages, t_logp, placed.behaviour_logprobs, loss_mask, distill, kl
             )
         valid = placed.sequence_mask.astype(jnp.float32)
         lag = (state.step - placed.versions).astype(jnp.float32) * loss_mask
@@ -302,15 +309,11 @@ def _build(
         trained adapters (``cfg.lora``)."""
         return trained if cfg.lora is None else merge_adapters(base, trained, cfg.lora)
 
-    def micro_loss(trainable, micro, version, base):
-        trained, value_params = trainable
-        params = policy_of(trained, base)
-        logp, entropy = policy_forward(params, micro.tokens, micro.positions, micro.attention_mask)
-        values = None
-        if value_params is not None:
-            values = value_forward(
-                value_params, micro.tokens, micro.positions, micro.attention_mask
-            )
+    def micro_loss(trainable, micro, version, frozen):
+        (trained, value_params), (base, teacher) = trainable, frozen
+        xs = (micro.tokens, micro.positions, micro.attention_mask)
+        logp, entropy, logits = policy_forward(policy_of(trained, base), *xs)
+        values = None if value_params is None else value_forward(value_params, *xs)
         inputs = LossInputs(
             logprobs=logp,
             behaviour_logprobs=micro.behaviour_logprobs,
@@ -330,9 +333,15 @@ def _build(
             returns=micro.returns,
         )
         loss, metrics = rl_loss(inputs, loss_cfg)
+        if full_kl is not None:  # GKD: the exact reverse KL to the teacher, on own samples
+            t_logits = policy_forward(teacher, *xs, graph=teacher_graphdef)[2]
+            w = (micro.token_weights, micro.metric_weights)
+            term, kl_stats = full_distillation_loss(logits, t_logits, *w, full_kl, cfg.temperature)
+            loss = loss + term
+            metrics = {**metrics, **kl_stats, "loss": jax.lax.stop_gradient(loss)}
         return loss, (metrics, jax.lax.stop_gradient(logp) if keep_logprobs else None)
 
-    def minibatch_gradients(trainable, minibatch, version, base=None):
+    def minibatch_gradients(trainable, minibatch, version, frozen=(None, None)):
         """Summed gradients over the micro-batches (leaves ``[micro, rows, ...]``)."""
         mask = minibatch.loss_mask
         flat = mask.reshape((-1,) + mask.shape[2:])
@@ -345,7 +354,7 @@ def _build(
         def body(grads, micro):
             micro = constrain_rows(micro)
             (_, aux), micro_grads = jax.value_and_grad(micro_loss, has_aux=True)(
-                trainable, micro, version, base
+                trainable, micro, version, frozen
             )
             return jax.tree.map(jnp.add, grads, micro_grads), aux
 
@@ -353,9 +362,9 @@ def _build(
         grads, (metrics, logprobs) = jax.lax.scan(body, zeros, minibatch)
         return grads, _reduce_metrics(metrics, "sum"), logprobs
 
-    def update(carry, minibatch, version, base=None):
+    def update(carry, minibatch, version, frozen=(None, None)):
         trainable, opt_state = carry
-        grads, metrics, logprobs = minibatch_gradients(trainable, minibatch, version, base)
+        grads, metrics, logprobs = minibatch_gradients(trainable, minibatch, version, frozen)
         metrics["grad_norm"] = optax.global_norm(grads)
         metrics["learning_rate"] = opt_state[1].hyperparams["learning_rate"]
         updates, opt_state = tx.update(grads, opt_state, trainable)
@@ -366,24 +375,6 @@ def _build(
         return (optax.apply_updates(trainable, updates), opt_state), (metrics, logprobs)
 
     return prepare, minibatch_gradients, update, tx, policy_of
-
-
-def check_finite(step: int, metrics: dict[str, float]) -> None:
-    """Raises ``FloatingPointError`` when train step ``step``'s loss, gradient norm or
-    update norm is not finite: the step found the weights non-finite, or its update
-    overflows them or the next forward pass (the update's norm overflows from entries of
-    about 1e19, where float32 squares do; products of such weights overflow too), and
-    every later step would train and publish NaN. The runtime calls it before the step's
-    push, so such weights never reach a worker."""
-    keys = ("loss", "grad_norm", "update_norm")
-    bad = {k: metrics[k] for k in keys if not math.isfinite(metrics.get(k, 0.0))}
-    if bad:
-        raise FloatingPointError(
-            f"train step {step}: {', '.join(f'{k} is {v}' for k, v in bad.items())}; the "
-            "weights are, or this update makes them, no longer finite (an update too large "
-            "for them: check optimizer.learning_rate and max_grad_norm). The run stops "
-            "before publishing them; it resumes from its last checkpoint"
-        )
 
 
 def make_train_step(
@@ -419,9 +410,11 @@ def make_train_step(
     ``ratio_max``, ``kl_old`` (to the trust-region centre), ``kl_ref`` (when a reference
     is used), ``entropy``, ``grad_norm``, ``update_norm`` (the optimizer's update, the
     global norm; with ``cfg.update_norm``), ``learning_rate``, ``tokens``, ``sequences``,
-    ``reward_mean``, ``staleness_mean``/``_max``, ``distill_reward_mean`` and
-    ``distill_reverse_kl`` (with ``cfg.distill``) and the loss's extras. Per-update
-    metrics are averaged over the updates of the step (maxima for ``*_max``).
+    ``reward_mean``, ``staleness_mean``/``_max``, ``distill_reverse_kl`` (with
+    ``cfg.distill``: the exact KL per completion token, of the batch before the updates
+    with the ``sampled`` estimator, a per-update metric with ``full``) and
+    ``distill_reward_mean`` (``sampled``), and the loss's extras. Per-update metrics are
+    averaged over the updates of the step (maxima for ``*_max``).
     """
     if cfg.algorithm.needs_value_model and value_graphdef is None:
         raise ValueError(f"algorithm {cfg.algorithm.name!r} trains a critic: pass value_graphdef")
@@ -450,12 +443,11 @@ def make_train_step(
             minibatches = jax.tree.map(
                 lambda x: _split_rows(x, cfg.mini_batches, cfg.micro_batches), rows
             )
-            return jax.lax.scan(
-                lambda c, mb: update(c, mb, state.step, state.base_params), carry, minibatches
-            )
+            return jax.lax.scan(lambda c, mb: update(c, mb, state.step, frozen), carry, minibatches)
 
         trained = state.params if cfg.lora is None else state.adapters
         carry = ((trained, state.value_params), state.opt_state)
+        frozen = (state.base_params, state.teacher_params)
         keys = jax.random.split(shuffle_rng, cfg.epochs)
         ((trained, value_params), opt_state), (metrics, logprobs) = jax.lax.scan(epoch, carry, keys)
         log_theta = None
@@ -585,8 +577,9 @@ def make_gradient_fn(
         prepared, stats = prepare(state, batch)
         minibatch = jax.tree.map(lambda x: _split_rows(x, cfg.micro_batches), prepared)
         trained = state.params if cfg.lora is None else state.adapters
+        frozen = (state.base_params, state.teacher_params)
         grads, metrics, _ = minibatch_gradients(
-            (trained, state.value_params), minibatch, state.step, state.base_params
+            (trained, state.value_params), minibatch, state.step, frozen
         )
         return grads, {**metrics, **stats}
 

@@ -51,7 +51,10 @@ def distill_config(spec: DistillSpec | None) -> DistillConfig | None:
     if spec is None:
         return None
     return DistillConfig(
-        weight=spec.weight, task_reward=spec.task_reward, teacher_model=teacher_config(spec)
+        weight=spec.weight,
+        task_reward=spec.task_reward,
+        teacher_model=teacher_config(spec),
+        estimator=spec.estimator,
     )
 
 
