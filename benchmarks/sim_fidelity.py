@@ -57,6 +57,9 @@ from rlaxkit.rules.trace import TraceEvent  # noqa: E402
 from sim.calibration.host import fault_figures, restart_costs  # noqa: E402
 from sim.calibration.window import compiled_in_window, window_start  # noqa: E402
 
+# The serial host of a run timed on the CPU clock: no two pieces of work overlap on it
+# (``sim.HostSpec.serial_chunks``). Used by tune_check and tune_ablation.
+CPU_CLOCK_HOST = {"host.serial_chunks": True}
 CHECKPOINT_EVERY = 10  # steps between checkpoints (a restore goes back up to 9 steps)
 BASE = (
     "staleness.max_staleness=1",

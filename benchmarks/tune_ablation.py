@@ -89,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     predicted = {}
     for name in names:
         prediction = sim.calibrate(
-            base, warmup_steps=warmup, faults=plan, overrides=settings[name], repeats=args.repeats
+            base,
+            warmup_steps=warmup,
+            faults=plan,
+            overrides={**settings[name], **sim_fidelity.CPU_CLOCK_HOST},
+            repeats=args.repeats,
         )
         predicted[name] = prediction.predicted_figures["samples_per_s"]
         if args.save:

@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     record(PLAN, 10)  # warm start, compilations and a restore, not timed
     base = record(FaultPlan(), steps)
     scenario, _ = sim.fit_scenario(base, warmup_steps=warmup, faults=PLAN)
+    scenario = sim.with_overrides(scenario, sim_fidelity.CPU_CLOCK_HOST)
     tuned = sim.tune(scenario, SPACE, seeds=range(3))
     default_settings = {k: v for k, v in tuned.default.settings.items() if k in RUN_KEYS}
     best_settings = {k: v for k, v in tuned.best.settings.items() if k in RUN_KEYS}
@@ -107,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
             runs_of[label].append(sim_fidelity._measure(recorders[label](PLAN, steps), warmup))
     for label, settings in settings_of.items():
         prediction = sim.calibrate(
-            base, warmup_steps=warmup, faults=PLAN, overrides=settings, repeats=args.repeats
+            base,
+            warmup_steps=warmup,
+            faults=PLAN,
+            overrides={**settings, **sim_fidelity.CPU_CLOCK_HOST},
+            repeats=args.repeats,
         )
         measured = runs_of[label]
         report[f"{label}_predicted_samples_per_s"] = prediction.predicted_figures["samples_per_s"]

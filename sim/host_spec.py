@@ -67,6 +67,13 @@ class HostSpec:
             scores them in worker order, waiting for each that is still decoding.
             Off: each chunk is dispatched when the previous worker's results are
             fetched.
+        serial_chunks: No two pieces of work overlap: each busy worker's chunk is
+            dispatched when the host is done with the previous worker's, and decodes
+            before the host goes on. What a run with ``runtime.threaded_chunks=false``
+            timed on the process's CPU clock (``time.process_time``) measures: on
+            XLA:CPU ``rlaxkit.util.hostmem`` runs a program on the calling thread, and
+            on that clock seconds of different threads add up anyway. The benchmarks
+            that time runs so calibrate with it (``host.serial_chunks``).
         worker_start_s: Seconds a new worker takes to be up (on Ray: a new actor's
             process, imports and constructor). A worker back from a preemption holds
             up the round in which it first pulls until then.
@@ -99,6 +106,7 @@ class HostSpec:
     worker_start_s: float = 0.0
     overlap_training: bool = False
     threaded_chunks: bool = False
+    serial_chunks: bool = False
 
     def __post_init__(self) -> None:
         if self.executor not in get_args(Executor):
@@ -110,9 +118,14 @@ class HostSpec:
             check_field(name, getattr(self, name), strict=False)
         check_field("round_s", self.round_s)
         check_field("worker_start_s", self.worker_start_s, strict=False)
-        for name in ("concurrent_chunks", "overlap_training", "threaded_chunks"):
+        for name in ("concurrent_chunks", "overlap_training", "threaded_chunks", "serial_chunks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+        if self.serial_chunks and (self.threaded_chunks or self.concurrent_chunks):
+            raise ValueError(
+                "serial_chunks: no work overlaps then; unset threaded_chunks and "
+                "concurrent_chunks, which decode chunks at once"
+            )
         if self.threaded_chunks and self.concurrent_chunks:
             raise ValueError(
                 "threaded_chunks: a setting of the local placement's rounds; "

@@ -206,3 +206,27 @@ def test_serial_scenario_round_trips_through_a_dict(tmp_path):
     assert scenario_from_dict(scenario_to_dict(scenario)) == scenario
     save_scenario(scenario, tmp_path / "serial.yaml")
     assert load_scenario(tmp_path / "serial.yaml").host == scenario.host
+
+
+def test_serial_chunks_overlap_nothing():
+    # tests/test_threaded_chunks.py's two workers at η = 1, with no work overlapping
+    # (a run timed on the CPU clock). Round 1 issues at 0.0088; worker-0's chunk of
+    # 0.018 ends at 0.0268, its host time 0.0004 (0.0272); only then worker-1's chunk of
+    # 0.018 (0.0452) and its host time (0.0456). Round 2: chunks of 0.0136, each
+    # followed by its scoring and host time, 0.0036: 0.0592, 0.0628, 0.0764, 0.0800.
+    # Train 0.011: step 1 at 0.091, where one chunk decoding while the host scores the
+    # other gives 0.087 and the two decoding at once 0.0594.
+    trace = MemoryTrace()
+    host = HostSpec(executor="serial", chunk_steps=4, serial_chunks=True, **COSTS)
+    simulate(_serial(workers=2, eta=1, target_steps=1, host=host), trace=trace)
+    chunks = [(round(e.t, 9), e.actor, round(e["duration_s"], 9), e.get("pipelined", False))
+              for e in trace.events if e.kind == "decode"]  # fmt: skip
+    assert chunks == [
+        (0.0268, "worker-0", 0.018, False),
+        (0.0452, "worker-1", 0.018, False),
+        (0.0592, "worker-0", 0.0136, False),
+        (0.0764, "worker-1", 0.0136, False),
+    ]
+    assert [e.t for e in trace.events if e.kind == "train_step"] == pytest.approx([0.091])
+    with pytest.raises(ValueError, match="serial_chunks: no work overlaps then"):
+        HostSpec(executor="serial", serial_chunks=True, threaded_chunks=True)

@@ -222,6 +222,13 @@ class SerialHost:
         if spec.concurrent_chunks:
             yield from self._concurrent_chunks(busy, plans)
             return True
+        if spec.serial_chunks:  # one piece of work at a time (a CPU-time clock)
+            for worker, plan in zip(busy, plans, strict=True):
+                plan = self._dilated(plan)
+                yield self.env.timeout(plan[0])
+                self._record_chunk(worker, plan, plan[0], pipelined=False)
+                yield from self._finish_chunk(worker, plan)
+            return True
         # As the runtime does: threaded, every chunk starts now; else each is
         # dispatched when the previous worker's results are fetched, and decodes while
         # the host scores them.
