@@ -411,8 +411,8 @@ class RunConfig:
         if distil_alone and self.batching.equal_rewards == "drop":
             raise ValueError(
                 "distill.task_reward is false but batching.equal_rewards is drop: groups "
-                "whose task rewards are all equal would be dropped, though the teacher's "
-                "reward still teaches on them; set batching.equal_rewards=keep"
+                "whose task rewards are all equal would be dropped, though the teacher still "
+                "teaches on them; set batching.equal_rewards=keep"
             )
         group_relative = self.algorithm.preset in ("grpo", "dr_grpo", "dapo", "rloo")
         baseline_zero = self.algorithm.advantage.get("group_of_one") == "reward"
