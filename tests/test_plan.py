@@ -124,6 +124,34 @@ def test_plan_arithmetic_by_hand():
     json.dumps(p.summary())
 
 
+def test_a_train_step_xla_refused_is_reported_not_divided_by_zero():
+    """XLA:TPU's RESOURCE_EXHAUSTED leaves the train step (and its probes) with no
+    FLOPs: the plan still prints, its throughput is 0, and the simulator keeps its own
+    trainer figures instead of a step of no work."""
+    config = PlanConfig(model="qwen2.5-0.5b", mesh=(1, 4, 2), rows=8, chip="v5e")
+    refused = ProgramCost(
+        name="train",
+        devices=8,
+        argument_bytes=10 * GIB,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=30 * GIB,
+        flops=0.0,
+        bytes_accessed=0.0,
+        compile_s=1.0,
+        compiled=False,
+        refusal="RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory",
+    )
+    p = Plan(config=config, model=config.model_config(), programs=(refused,))
+    summary = p.summary()
+    json.dumps(summary)
+    assert summary["step_s"] == 0.0 and summary["trainer_tokens_per_s"] == 0.0
+    assert not summary["programs"]["train"]["fits"]
+    assert summary["advice"]["train"][0].startswith("XLA:TPU refused it: RESOURCE_EXHAUSTED")
+    assert not any(key.startswith("trainer.") for key in p.sim_overrides())
+    assert "NO" in p.table()
+
+
 def test_plan_configs_name_the_bad_field():
     with pytest.raises(ValueError, match="rows: 12 must split"):
         PlanConfig(mesh=(1, 8, 1), rows=12)

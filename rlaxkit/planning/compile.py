@@ -212,11 +212,15 @@ def _probes(plan: PlanConfig, mesh: Mesh, remat: Remat) -> tuple[ProgramCost, Pr
 
 
 def compile_train(plan: PlanConfig) -> list[ProgramCost]:
-    """The train step's memory (the real program) and FLOPs and time (probes, see above)."""
+    """The train step's memory (the real program) and FLOPs and time (probes, see above;
+    none when XLA:TPU refuses the real program as not fitting: a time for a step that
+    cannot run is no plan, and the probes cost as much to compile as the step)."""
     model = plan.model_config()
     mesh = trainer_mesh(plan)
     step, state, batch = _train_parts(plan, model, mesh, plan.rows, plan.micro_batches)
     real = _measure("train", lambda: step.lower(state, batch), plan.trainer_chips)
+    if not real.compiled:  # refused as not fitting: no time to estimate, probes skipped
+        return [real]
     one, two = _probes(plan, mesh, "none")
     layers, micro = model.num_layers, plan.micro_batches
     total = _scaled(one.flops, two.flops, layers, micro)

@@ -187,8 +187,9 @@ class Plan:
 
     @property
     def trainer_tokens_per_s(self) -> float:
-        """Trained tokens per second at ``step_s``."""
-        return self.tokens_per_step / self.step_s
+        """Trained tokens per second at ``step_s`` (0 when the train step has no FLOPs:
+        XLA:TPU refused it as not fitting)."""
+        return self.tokens_per_step / self.step_s if self.step_s else 0.0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -280,7 +281,9 @@ class Plan:
         c = self.config
         out: dict[str, Any] = {"param_server.weight_bytes": float(self.push_bytes)}
         names = {p.name for p in self.programs}
-        if "train" in names:
+        # A train step XLA:TPU refused (with its probes) has no FLOPs: the simulator
+        # keeps its own trainer figures rather than a step of no work.
+        if "train" in names and self.step_flops:
             params = float(self.model.num_params())
             out.update(
                 {
