@@ -54,7 +54,7 @@ from rlaxkit.models.lora import merge_adapters
 from rlaxkit.observe.drift import DriftProbe
 from rlaxkit.trainer.config import TrainConfig
 from rlaxkit.trainer.logprobs import logprobs_and_entropy
-from rlaxkit.trainer.sharding import BATCH_AXES, batch_shards, state_shardings
+from rlaxkit.trainer.sharding import BATCH_AXES, batch_shards, constrain_logits, state_shardings
 from rlaxkit.trainer.state import FIELD_INDEX, TrainState, make_optimizer
 from rlaxkit.util.jaxutil import Packed, TieredJit
 
@@ -182,7 +182,7 @@ def _build(
         model = nnx.merge(graph, cast(params))
         # The last position predicts nothing in the batch: no logits for it.
         hidden = model.hidden_states(tokens, positions, attention_mask, remat=cfg.remat)[:, :-1]
-        logits = model.unembed(hidden)
+        logits = constrain_logits(model.unembed(constrain_rows(hidden)), mesh)
         logp, entropy = logprobs_and_entropy(logits, tokens[:, 1:], cfg.temperature)
         return jnp.pad(logp, ((0, 0), (1, 0))), jnp.pad(entropy, ((0, 0), (1, 0))), logits
 
