@@ -26,8 +26,9 @@ the mean of ``train/distill_reverse_kl`` over the steps since the last evaluatio
 ``distilled_faster`` and ``wall_s``.
 
 What it showed (2 shared CPU cores, niced beside other work; ``--work-dir`` reusing the
-two supervised warm starts, 212 s; from scratch about 400 s): the issue's must-show, by
-one evaluation interval, within noise. The teacher (2000 supervised steps, no GRPO)
+two supervised warm starts, 212 s; from scratch about 400 s): distillation first, by
+one evaluation interval, within the noise of two readings: not yet a convincing
+must-show. The teacher (2000 supervised steps, no GRPO)
 scores 0.794 ± 0.016 held out; the target is 0.744. Both students start at 0.419 ±
 0.015. Every 25 steps the distilled student (``full``) reads 0.529, 0.590, 0.609, 0.676,
 0.707, 0.721, 0.744 (step 175, a hair under the target), 0.764, 0.733, 0.782; the RL
