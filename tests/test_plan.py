@@ -316,3 +316,34 @@ def test_public_surface():
 
     assert all(hasattr(rlaxkit.planning, name) for name in rlaxkit.planning.__all__)
     assert rlaxkit.plan is rlaxkit.planning.plan
+
+
+def test_a_refused_probe_leaves_the_step_without_flops_not_negative(monkeypatch):
+    """XLA:TPU refused a two-layer probe of Qwen3-8B on v6e (no remat at 8k tokens):
+    its zero FLOPs made the step's ``micro · (f₁ + (L − 1)(f₂ − f₁))`` negative (the
+    stored plan read -510 738 tokens/s). A refused probe now leaves FLOPs and time at 0,
+    unknown, and the real program's memory stands."""
+    import rlaxkit.planning.compile as compile_module
+
+    def measured(name, lowered_fn, devices):
+        return ProgramCost(
+            name=name,
+            devices=devices,
+            argument_bytes=GIB,
+            output_bytes=0,
+            alias_bytes=0,
+            temp_bytes=GIB,
+            flops=0.0 if name == "train_probe_2" else 1e12,
+            bytes_accessed=0.0,
+            compile_s=0.1,
+            compiled=name != "train_probe_2",
+            optimal_s=0.0 if name == "train_probe_2" else 1.0,
+        )
+
+    monkeypatch.setattr(compile_module, "_measure", measured)
+    config = PlanConfig(model="qwen2.5-0.5b", num_layers=2, mesh=(1, 1, 1), rows=1)
+    (train,) = compile_train(config)
+    assert train.compiled and train.peak_bytes == 2 * GIB
+    assert train.flops == 0.0 and train.optimal_s == 0.0
+    plan = Plan(config=config, model=config.model_config(), programs=(train,))
+    assert plan.trainer_tokens_per_s == 0.0 and plan.est_mfu == 0.0

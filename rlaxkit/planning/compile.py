@@ -223,10 +223,13 @@ def compile_train(plan: PlanConfig) -> list[ProgramCost]:
         return [real]
     one, two = _probes(plan, mesh, "none")
     layers, micro = model.num_layers, plan.micro_batches
-    total = _scaled(one.flops, two.flops, layers, micro)
+    # A probe XLA:TPU refused (without remat, a layer's activations at the plan's length
+    # may not fit) has no figures: 0, unknown, rather than a difference with nothing.
+    total = _scaled(one.flops, two.flops, layers, micro) if one.compiled and two.compiled else 0.0
     if plan.remat != "none" and plan.target:  # recomputation takes time, not model FLOPs
         one, two = _probes(plan, mesh, plan.remat)
-    seconds = _scaled(one.optimal_s, two.optimal_s, layers, micro)
+    timed = one.compiled and two.compiled
+    seconds = _scaled(one.optimal_s, two.optimal_s, layers, micro) if timed else 0.0
     return [
         dataclasses.replace(
             real,
