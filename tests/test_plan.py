@@ -150,6 +150,7 @@ def test_a_train_step_xla_refused_is_reported_not_divided_by_zero():
     assert summary["advice"]["train"][0].startswith("XLA:TPU refused it: RESOURCE_EXHAUSTED")
     assert not any(key.startswith("trainer.") for key in p.sim_overrides())
     assert "NO" in p.table()
+    assert "fsdp=8 (spreads weights, moments and batch" in " ".join(p.advice("train"))
 
 
 def test_plan_configs_name_the_bad_field():

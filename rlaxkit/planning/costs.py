@@ -245,9 +245,10 @@ class Plan:
             shards = c.mesh[0] * c.mesh[1]
             if c.rows % (2 * c.micro_batches * shards) == 0:
                 tips.append(f"micro_batches={2 * c.micro_batches} (about halves the activations)")
+            held = f"the {p.argument_bytes / GIB:.1f} GiB of " if p.compiled else ""
             tips.append(
-                f"fsdp={2 * c.mesh[1]} (spreads the {p.argument_bytes / GIB:.1f} GiB "
-                "of weights, moments and batch per device; twice the chips)"
+                f"fsdp={2 * c.mesh[1]} (spreads {held}weights, moments and batch per "
+                "device; twice the chips)"
             )
         else:
             # Weights and cache split over the worker's chips: enough chips that each
