@@ -188,7 +188,7 @@ class Plan:
     @property
     def trainer_tokens_per_s(self) -> float:
         """Trained tokens per second at ``step_s`` (0 when the train step has no FLOPs:
-        XLA:TPU refused it as not fitting)."""
+        XLA:TPU refused it, or one of its probes, as not fitting)."""
         return self.tokens_per_step / self.step_s if self.step_s else 0.0
 
     @property
