@@ -472,3 +472,46 @@ def test_a_client_gone_while_its_turn_runs_frees_the_row_at_the_next_chunk():
         assert "discarded" not in counts
     finally:
         loop.close()
+
+
+def test_stop_answers_a_request_in_flight_503_even_when_the_engine_thread_is_stuck(tokenizer):
+    """The engine thread is held inside a weight pull (as on a slow parameter server) with
+    a client's turn queued: ``stop`` cancels the turn itself, the client is answered 503
+    naming the stop, and the server's loop is closed (nothing left for the collector)."""
+    import threading
+
+    config = ModelConfig(
+        family="qwen3", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+        num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=1024,
+    )  # fmt: skip
+    stuck, release = threading.Event(), threading.Event()
+
+    def weights():
+        stuck.set()
+        release.wait(60.0)
+        return None
+
+    served = ChatEndpoint(
+        Transformer(config, rngs=nnx.Rngs(0)),
+        tokenizer,
+        EndpointConfig(max_new_tokens=MAX_NEW, max_prompt_tokens=512, slots=1),
+        weight_source=weights,
+    ).start()
+    client = openai.OpenAI(base_url=served.url, api_key="unused", max_retries=0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(
+            client.chat.completions.create,
+            model="rlaxkit",
+            messages=[{"role": "user", "content": "hi"}],
+        )
+        assert stuck.wait(60.0)
+        timer = threading.Timer(2.0, release.set)  # the pull ends later, during stop
+        timer.start()
+        served.stop()
+        timer.join()
+        with pytest.raises(openai.InternalServerError) as refused:
+            pending.result(timeout=60.0)
+    assert refused.value.status_code == 503
+    assert "stopping" in refused.value.message
+    assert served._asyncio is not None and served._asyncio.is_closed()
+    client.close()

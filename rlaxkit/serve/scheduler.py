@@ -71,8 +71,12 @@ class EngineLoop:
         self._thread.start()
 
     def put(self, turn: Turn) -> Turn:
-        """Queues ``turn``; raises ``QueueFull`` at the bound."""
+        """Queues ``turn``; raises ``QueueFull`` at the bound. After ``close`` the turn
+        comes back cancelled."""
         with self._wake:
+            if self._stop:
+                turn.future.cancel()
+                return turn
             if len(self.queue) >= self.max_queued:
                 self.counts["refused_queue_full"] += 1
                 raise QueueFull(f"{len(self.queue)} requests are waiting (the bound)")
@@ -98,9 +102,12 @@ class EngineLoop:
         return len(self.running)
 
     def close(self) -> None:
-        """Stops the thread; turns still queued or running are cancelled."""
+        """Stops the thread; turns still queued or running are cancelled now, not when
+        the thread gets round to it (it may be inside a chunk or a weight pull)."""
         with self._wake:
             self._stop = True
+            for turn in [*self.queue, *list(self.running.values())]:
+                turn.future.cancel()
             self._wake.notify()
         self._thread.join(timeout=30)
 

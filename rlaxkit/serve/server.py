@@ -27,6 +27,7 @@ Used from a notebook (a literal block: it needs a model; ``tests/test_serve.py``
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import threading
@@ -53,6 +54,7 @@ __all__ = ["ChatEndpoint"]
 
 log = logging.getLogger(__name__)
 SESSION_HEADER = "X-Session-Id"
+SHUTDOWN_S = 5.0  # how long ``stop`` lets a request still in flight finish
 
 
 class ChatEndpoint:
@@ -106,6 +108,7 @@ class ChatEndpoint:
         self._asyncio: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._stopping = False
 
     # -- Python side ----------------------------------------------------------------------
     def start(self) -> ChatEndpoint:
@@ -145,7 +148,9 @@ class ChatEndpoint:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/sessions", self._open)
         app.router.add_post("/v1/sessions/{id}/reward", self._reward)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_S
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -160,19 +165,34 @@ class ChatEndpoint:
             self.sessions.sweep()
 
     def stop(self) -> None:
-        """Stops the server and the engine thread; open sessions are dropped as
-        ``"stopped"``."""
+        """Stops the engine thread, then the server; a request still in flight is
+        answered 503 (its turn is cancelled), and open sessions are dropped as
+        ``"stopped"``. Returns within about ``SHUTDOWN_S`` plus the engine's current
+        chunk, whatever the clients do."""
+        self._stopping = True
+        if self.loop is not None:
+            self.loop.close()  # cancels every queued and running turn: handlers return
         if self._asyncio is not None and self._runner is not None:
-            future = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._asyncio)
-            future.result(timeout=30)
+            future = asyncio.run_coroutine_threadsafe(self._shutdown(), self._asyncio)
+            try:
+                future.result(timeout=SHUTDOWN_S + 10)
+            except concurrent.futures.TimeoutError:
+                log.warning("the endpoint's HTTP server did not stop in %.0f s", SHUTDOWN_S + 10)
             self._asyncio.call_soon_threadsafe(self._asyncio.stop)
         if self._thread is not None:
             self._thread.join(timeout=30)
-        if self.loop is not None:
-            self.loop.close()
+            if not self._thread.is_alive() and self._asyncio is not None:
+                self._asyncio.close()
         for sid in list(self.sessions.sessions):
             self.sessions.drop(sid, "stopped")
         self._thread = None
+        self._runner = None
+
+    async def _shutdown(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        assert self._runner is not None
+        await self._runner.cleanup()  # closes idle keep-alive connections too
 
     def __enter__(self) -> ChatEndpoint:
         return self.start()
@@ -387,9 +407,16 @@ class ChatEndpoint:
         futures = [asyncio.wrap_future(t.future) for t in turns]
         try:
             return list(await asyncio.gather(*futures))
-        except asyncio.CancelledError:  # the client went away: its queued turns go too
-            for turn in turns:
+        except asyncio.CancelledError:
+            for turn in turns:  # the client went away: its queued turns go too
                 turn.future.cancel()
+            task = asyncio.current_task()
+            if self._stopping and task is not None and not task.cancelling():
+                raise ApiError(  # the turns were cancelled by ``stop``, not the client
+                    "the endpoint is stopping; retry on a running one",
+                    status=503,
+                    kind="server_error",
+                ) from None
             raise
 
     def _answer(
