@@ -74,7 +74,8 @@ class AgentConfig:
 
     The agent is a function in a Python file, ``function(client, model, prompt)``:
     ``client`` an ``openai.OpenAI`` pointed at the endpoint (its session set in a
-    header), ``model`` the served name, ``prompt`` the problem's text. It returns its
+    header; it shares its agent copy's connections, so the agent must not close it),
+    ``model`` the served name, ``prompt`` the problem's text. It returns its
     final answer (scored with the task's reward) or a reward (a number).
 
     Attributes:
