@@ -377,11 +377,14 @@ class Transformer(nnx.Module):
         attention_mask: jax.Array | None = None,
         *,
         remat: RematPolicy = "none",
+        stream: Callable[[jax.Array], jax.Array] = lambda x: x,
     ) -> jax.Array:
         """Final-norm hidden states ``[B, T, hidden]`` of the training forward.
 
         ``remat`` chooses what the backward pass recomputes (see the module docstring);
-        it changes memory and time, never the result.
+        it changes memory and time, never the result. ``stream`` is applied to the
+        residual stream before and after each block (the trainer places it on its mesh:
+        ``rlaxkit.trainer.sharding.constrain_stream``); it must not change a value.
         """
         check_remat(remat)
         if attention_mask is None:
@@ -390,24 +393,24 @@ class Transformer(nnx.Module):
         causal = jnp.tril(jnp.ones((t, t), bool))
         mask = causal[None] & attention_mask.astype(bool)[:, None, :]
         rope = rope_tables(positions, rope_frequencies(self.config))
-        x = self.embed_tokens(tokens)
+        x = stream(self.embed_tokens(tokens))
         if isinstance(self.layers, Block):  # stacked: one scan step per layer
             graphdef, stacked = nnx.split(self.layers)
 
             def scan_step(x: jax.Array, layer_state: object) -> tuple[jax.Array, None]:
                 block = nnx.merge(graphdef, layer_state)
-                return block(x, rope, mask)[0], None
+                return stream(block(x, rope, mask)[0]), None
 
             x, _ = jax.lax.scan(_rematted(scan_step, remat, in_scan=True), x, stacked)
         elif remat == "none":
             for layer in self.layers:
-                x, _ = call_block(layer, x, rope, mask)
+                x = stream(call_block(layer, x, rope, mask)[0])
         else:
             for layer in self.layers:
                 graphdef, layer_state = nnx.split(layer)
 
                 def step(layer_state: Any, x: jax.Array, graphdef: Any = graphdef) -> jax.Array:
-                    return nnx.merge(graphdef, layer_state)(x, rope, mask)[0]
+                    return stream(nnx.merge(graphdef, layer_state)(x, rope, mask)[0])
 
                 x = _rematted(step, remat, in_scan=False)(layer_state, x)
         return self.norm(x)

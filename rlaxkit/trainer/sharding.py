@@ -94,6 +94,14 @@ def shard_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
     return jax.device_put(batch, NamedSharding(mesh, P(BATCH_AXES)))
 
 
+def constrain_rows(tree: object, mesh: Mesh | None, leading: int = 0) -> object:
+    """Every leaf's rows (after ``leading`` chunk axes) split over ``data × fsdp``."""
+    if mesh is None:
+        return tree
+    spec = P(*([None] * leading), BATCH_AXES)
+    return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, spec))
+
+
 def constrain_logits(logits: jax.Array, mesh: Mesh | None) -> jax.Array:
     """Logits ``[rows, T, vocab]`` with rows over ``data × fsdp`` and the vocabulary over
     ``model``, as the LM head's kernel splits it (``mesh`` None: unchanged).
@@ -107,6 +115,21 @@ def constrain_logits(logits: jax.Array, mesh: Mesh | None) -> jax.Array:
         return logits
     vocab = "model" if logits.shape[-1] % mesh.shape.get("model", 1) == 0 else None
     return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(BATCH_AXES, None, vocab)))
+
+
+def constrain_stream(hidden: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """The residual stream ``[rows, T, hidden]`` between blocks: rows over ``data ×
+    fsdp`` and the tokens over ``model`` (sequence parallelism; ``mesh`` None or ``T``
+    not divisible by ``model``: unchanged).
+
+    It is what ``remat="full"`` keeps of each layer, so split only by rows every
+    ``model`` device held a whole copy of it per layer. GSPMD gathers the tokens before
+    attention and the MLP and scatters them after, where it would otherwise all-reduce.
+    """
+    model = mesh.shape.get("model", 1) if mesh is not None else 1
+    if mesh is None or model == 1 or hidden.shape[1] % model:
+        return hidden
+    return jax.lax.with_sharding_constraint(hidden, NamedSharding(mesh, P(BATCH_AXES, "model")))
 
 
 def batch_shards(mesh: Mesh) -> int:

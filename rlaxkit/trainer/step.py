@@ -34,8 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from rlaxkit.algorithms import (
     AdvantageInputs,
@@ -52,9 +51,9 @@ from rlaxkit.data.batch import TrainBatch
 from rlaxkit.models import abstract_model, positions_from_mask
 from rlaxkit.models.lora import merge_adapters
 from rlaxkit.observe.drift import DriftProbe
+from rlaxkit.trainer import sharding
 from rlaxkit.trainer.config import TrainConfig
 from rlaxkit.trainer.logprobs import logprobs_and_entropy
-from rlaxkit.trainer.sharding import BATCH_AXES, batch_shards, constrain_logits, state_shardings
 from rlaxkit.trainer.state import FIELD_INDEX, TrainState, make_optimizer
 from rlaxkit.util.jaxutil import Packed, TieredJit
 
@@ -170,19 +169,15 @@ def _build(
             lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
         )
 
-    def constrain_rows(tree: object, leading: int = 0) -> object:
-        """Rows (after ``leading`` chunk axes) split over ``data × fsdp``."""
-        if mesh is None:
-            return tree
-        spec = P(*([None] * leading), BATCH_AXES)
-        return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, spec))
+    constrain_rows = lambda tree, leading=0: sharding.constrain_rows(tree, mesh, leading)
+    stream = lambda x: sharding.constrain_stream(x, mesh)  # between blocks
 
     def policy_forward(params, tokens, positions, attention_mask, *, graph=graphdef):
         """``(logp, entropy)`` ``[rows, T]`` and the logits ``[rows, T - 1, vocab]``."""
         model = nnx.merge(graph, cast(params))
         # The last position predicts nothing in the batch: no logits for it.
-        hidden = model.hidden_states(tokens, positions, attention_mask, remat=cfg.remat)[:, :-1]
-        logits = constrain_logits(model.unembed(constrain_rows(hidden)), mesh)
+        h = model.hidden_states(tokens, positions, attention_mask, remat=cfg.remat, stream=stream)
+        logits = sharding.constrain_logits(model.unembed(constrain_rows(h[:, :-1])), mesh)
         logp, entropy = logprobs_and_entropy(logits, tokens[:, 1:], cfg.temperature)
         return jnp.pad(logp, ((0, 0), (1, 0))), jnp.pad(entropy, ((0, 0), (1, 0))), logits
 
@@ -215,7 +210,7 @@ def _build(
 
     def prepare(state: TrainState, batch: TrainBatch) -> tuple[PreparedBatch, dict[str, jax.Array]]:
         rows = batch.tokens.shape[0]
-        if rows % chunks or (mesh is not None and (rows // chunks) % batch_shards(mesh)):
+        if rows % chunks or (mesh is not None and (rows // chunks) % sharding.batch_shards(mesh)):
             raise ValueError(
                 f"batch size {rows} must split into mini_batches·micro_batches = {chunks} "
                 "chunks of a size divisible by the data·fsdp devices; choose bucket sizes so"
@@ -470,7 +465,7 @@ def make_train_step(
         )
         if mesh is not None:
             new_state = jax.lax.with_sharding_constraint(
-                new_state, state_shardings(new_state, mesh)
+                new_state, sharding.state_shardings(new_state, mesh)
             )
         return new_state, {**metrics, **stats}, log_theta
 
