@@ -29,7 +29,14 @@ def run(client, model, prompt):
 
 
 @pytest.mark.slow
-def test_an_openai_client_agent_produces_a_trained_batch(tmp_path):
+def test_an_openai_client_agent_produces_a_trained_batch(tmp_path, monkeypatch):
+    from openai._base_client import SyncHttpxClientWrapper as Pool  # what OpenAI() builds
+
+    built = []  # HTTP clients: one per agent copy, whose pool each session's client shares
+    init = Pool.__init__
+    monkeypatch.setattr(
+        Pool, "__init__", lambda self, *a, **k: built.append(1) or init(self, *a, **k)
+    )
     path = tmp_path / "agent.py"
     path.write_text(textwrap.dedent(AGENT))
     config = small_run_config(
@@ -62,3 +69,4 @@ def test_an_openai_client_agent_produces_a_trained_batch(tmp_path):
     assert stats["agent_error"] == 1 and stats["dropped"].pop("agent_error") == 1
     assert set(stats["dropped"]) <= {"stopped"}
     assert stats["requests"] >= config.staleness.batch_size * config.group_size
+    assert len(built) == 4, len(built)  # agent.copies
