@@ -170,11 +170,8 @@ def _write_failed_summary(run_dir: Path, error: BaseException) -> None:
     from rlaxkit.runtime.state import checkpoint_dir
 
     directory = checkpoint_dir(run_dir)
-    steps = (
-        sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
-        if directory.is_dir()
-        else []
-    )
+    found = directory.iterdir() if directory.is_dir() else ()
+    steps = sorted(int(p.name) for p in found if p.name.isdigit())
     summary = {
         "status": "failed",
         "reason": f"{type(error).__name__}: {error}",
@@ -609,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="TOPOLOGY",
         help="compile with XLA:TPU for this TPU slice (v5p:4x4x4, v5p-128; rlaxkit[tpu])",
     )
+    p_plan.add_argument("--timeout-s", type=float, default=1800.0, help="give up after (s)")
     args = parser.parse_args(argv)
 
     try:
@@ -675,9 +673,10 @@ def main(argv: list[str] | None = None) -> int:
             from rlaxkit.planning import load_plan_config, plan
 
             target = [f"target={args.target}"] if args.target else []
+            planned = load_plan_config(args.config, [*args.set, *target])
             try:
-                result = plan(load_plan_config(args.config, [*args.set, *target]))
-            except ImportError as err:  # no libtpu: the message names the extra
+                result = plan(planned, timeout_s=args.timeout_s)
+            except (ImportError, TimeoutError) as err:  # the message says what to change
                 raise ValueError(str(err)) from None
             print(json.dumps(result.summary()) if args.json else result.table())
     except (ValueError, FileNotFoundError, NotADirectoryError, TrainingStalled) as err:

@@ -29,7 +29,7 @@ MAX_LINES = 500
 LONG_MODULES = {
     "rlaxkit/trainer/step.py": 595,
     "rlaxkit/inference/engine.py": 922,
-    "rlaxkit/cli.py": 779,
+    "rlaxkit/cli.py": 777,
     "rlaxkit/tasks/sandbox.py": 677,
     "rlaxkit/observe/perfetto.py": 631,
     "rlaxkit/param_server/delta_store.py": 621,

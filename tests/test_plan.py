@@ -348,3 +348,15 @@ def test_a_refused_probe_leaves_the_step_without_flops_not_negative(monkeypatch)
     assert train.flops == 0.0 and train.optimal_s == 0.0
     plan = Plan(config=config, model=config.model_config(), programs=(train,))
     assert plan.trainer_tokens_per_s == 0.0 and plan.est_mfu == 0.0
+
+
+def test_a_plan_past_its_timeout_says_what_to_change_in_one_line(capsys):
+    """The compile process is stopped at ``timeout_s``; ``plan`` raises ``TimeoutError``
+    and ``rlaxkit plan`` prints one line naming ``--timeout-s`` (exit 2), no traceback."""
+    from rlaxkit.planning import plan
+
+    with pytest.raises(TimeoutError, match=r"took over 0 s \(timeout_s\).*--timeout-s"):
+        plan(model="qwen2.5-0.5b", mesh=(1, 1, 1), programs=("train",), timeout_s=0.2)
+    assert cli_main(["plan", "--set", "model=qwen2.5-0.5b", "--timeout-s", "0.2"]) == 2
+    err = capsys.readouterr().err
+    assert "--timeout-s" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -68,6 +68,7 @@ def plan(config: PlanConfig | None = None, *, timeout_s: float = 1800.0, **field
             target's mesh cannot split.
         ImportError: a ``target`` without libtpu (the message names ``rlaxkit[tpu]``).
         RuntimeError: the compile process failed; the message ends with its stderr.
+        TimeoutError: it ran past ``timeout_s`` (the message says what to change).
     """
     if config is None:
         config = PlanConfig(**fields)
@@ -88,14 +89,21 @@ def plan(config: PlanConfig | None = None, *, timeout_s: float = 1800.0, **field
         env["XLA_FLAGS"] = env["XLA_FLAGS"].strip()
     env["JAX_PLATFORMS"] = "cpu"
     start, children = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(
-        [sys.executable, "-m", "rlaxkit.planning.compile"],
-        input=json.dumps(to_dict(config)),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "rlaxkit.planning.compile"],
+            input=json.dumps(to_dict(config)),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(
+            f"compiling {', '.join(config.programs)} took over {timeout_s:.0f} s "
+            "(timeout_s): allow longer (rlaxkit plan --timeout-s) or compile fewer "
+            "programs (--set 'programs=[train]')"
+        ) from None
     wall_s = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (after.ru_utime + after.ru_stime) - (children.ru_utime + children.ru_stime)
