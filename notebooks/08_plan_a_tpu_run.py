@@ -29,7 +29,9 @@
 # and 96 inference workers of 8 chips, completions of up to 32k tokens, GRPO groups of
 # 16. The file says why that split. Compiling its programs takes minutes to hours on two
 # cores, so this notebook reads the result stored beside the YAML, written by
-# `rlaxkit plan configs/plan/qwq32b_v5p_1024.yaml --set 'programs=[decode,publish]' --json`.
+# `rlaxkit plan configs/plan/qwq32b_v5p_1024.yaml --set 'programs=[train,decode,publish]'
+# --json` (15 minutes on two cores; the workers' prefill, 64 layers unrolled, ran past 30
+# and is left out).
 
 # %% tags=["parameters"]
 import os
@@ -58,9 +60,10 @@ PLAN = ROOT / "configs/plan/qwq32b_v5p_1024.yaml"
 # One row per program and device: the bytes its arguments, outputs and temporaries take
 # per chip, against the chip's HBM; whether it fits; its FLOPs per chip; and the
 # compiler's estimated time (an estimate from the compiler's cost model, not a
-# measurement). `decode` is one step of a worker's 64 sequences; `publish` converts the
-# trainer's float32 master weights to the bfloat16 a worker holds and splits them as its
-# 8 chips do.
+# measurement). `train` is one step of the trainer: 256 rows of 33 792 tokens in 8
+# micro-batches on 256 chips; `decode` is one step of a worker's 64 sequences; `publish`
+# converts the trainer's float32 master weights to the bfloat16 a worker holds and splits
+# them as its 8 chips do.
 
 # %%
 plan = Plan.from_summary(json.loads(PLAN.with_name(PLAN.stem + ".plan.json").read_text()))
@@ -72,10 +75,12 @@ print("compiled by:", summary["compiler"])
 # A worker's 8 chips hold the weights and 64 sequences of up to 33 792 tokens: 73.9 GiB
 # of the 95 GiB of HBM per chip, so the decode step fits with room to spare. The
 # compiler puts one step of the 64 rows at full length at about 40 ms, a little under
-# the 48 ms the roofline at 60 % of HBM bandwidth gives. The train step of a 32B model on
-# 256 chips did not finish compiling within the limits of a two-core machine, so the
-# trainer's step time below is the labelled fallback: the model's FLOPs at the plan's
-# assumed MFU (0.4).
+# the 48 ms the roofline at 60 % of HBM bandwidth gives. The train step fits at 67 GiB per
+# chip on the trainer's `(1, 32, 8)` mesh (the YAML says why not `(1, 64, 4)`). The
+# compiler puts it at about 126 s, 14 % MFU against the 40 % the plan assumed: at 33k
+# tokens a row, the training forward's attention materialises each head's 33k x 33k
+# scores, work and memory traffic a blocked attention would avoid. The simulation below
+# uses the compiler's 126 s.
 
 # %% [markdown]
 # ## The run, simulated

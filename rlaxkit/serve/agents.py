@@ -37,6 +37,8 @@ from rlaxkit.serve.server import SESSION_HEADER, ChatEndpoint
 from rlaxkit.serve.sessions import Session
 
 if TYPE_CHECKING:
+    import openai
+
     from rlaxkit.runtime import Experiment
     from rlaxkit.runtime.parts import RoundTarget
     from rlaxkit.tasks import Problem
@@ -218,7 +220,7 @@ class AgentCollector:
         with openai.OpenAI(base_url=self.endpoint.url, api_key="rlaxkit", max_retries=0) as base:
             self._play_with(base)
 
-    def _play_with(self, base: Any) -> None:
+    def _play_with(self, base: openai.OpenAI) -> None:
         while True:
             with self.cond:
                 while not self.jobs and not self._stopping.is_set():
