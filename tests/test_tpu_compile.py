@@ -231,6 +231,26 @@ def test_cli_plan_with_a_bad_target_names_the_known_topologies(capsys):
     assert "unknown TPU topology 'v9z:2x2'" in err and "Traceback" not in err
 
 
+def lowered_train_step(model: ModelConfig, remat: str = "none") -> str:
+    """The StableHLO text of ``model``'s train step for a ``(1, 2, 2)`` v5e mesh, two
+    rows of 32 tokens (lowered, not compiled: seconds)."""
+    from rlaxkit.planning.compile import _train_parts, trainer_mesh
+
+    config = PlanConfig(
+        model="qwen2.5-0.5b",
+        target="v5e:2x2",
+        mesh=(1, 2, 2),
+        rows=2,
+        prompt_tokens=8,
+        completion_tokens=24,
+        micro_batches=1,
+        remat=remat,
+        programs=("train",),
+    )
+    step, state, batch = _train_parts(config, model, trainer_mesh(config), 2, 1)
+    return step.lower(state, batch).as_text()
+
+
 @libtpu
 def test_train_step_keeps_the_logits_split_by_rows_and_vocabulary():
     """The lowered train step constrains its logits to rows over ``data × fsdp`` and the
@@ -240,21 +260,7 @@ def test_train_step_keeps_the_logits_split_by_rows_and_vocabulary():
     a device instead of 13.1 (two layers), and Qwen2.5-7B on 64 v5p chips 25.45 GiB
     instead of 12.04. A tiny model does not show it in memory (XLA splits small
     matmuls the other way), so this reads the lowering, which takes seconds."""
-    from rlaxkit.planning.compile import _train_parts, trainer_mesh
-
-    model = TINY.replace(vocab_size=512)
-    config = PlanConfig(
-        model="qwen2.5-0.5b",
-        target="v5e:2x2",
-        mesh=(1, 2, 2),
-        rows=2,
-        prompt_tokens=8,
-        completion_tokens=24,
-        micro_batches=1,
-        programs=("train",),
-    )
-    step, state, batch = _train_parts(config, model, trainer_mesh(config), 2, 1)
-    text = step.lower(state, batch).as_text()
+    text = lowered_train_step(TINY.replace(vocab_size=512))
     logits = [line for line in text.splitlines() if "tensor<2x31x512xf32>" in line]
     constrained = [line for line in logits if "sharding_constraint" in line]
     assert constrained, "no sharding constraint on the [rows, T - 1, vocab] logits"
@@ -268,21 +274,7 @@ def test_train_step_splits_the_residual_stream_between_blocks_over_the_model_axi
     (``rlaxkit.trainer.sharding.constrain_stream``, sequence parallelism). Split by rows
     only, every ``model`` device kept a whole copy of it per layer: Qwen3-8B's v5e-256
     train step grew about 0.15 GiB a layer under ``remat="full"``."""
-    from rlaxkit.planning.compile import _train_parts, trainer_mesh
-
-    config = PlanConfig(
-        model="qwen2.5-0.5b",
-        target="v5e:2x2",
-        mesh=(1, 2, 2),
-        rows=2,
-        prompt_tokens=8,
-        completion_tokens=24,
-        micro_batches=1,
-        remat="full",
-        programs=("train",),
-    )
-    step, state, batch = _train_parts(config, TINY, trainer_mesh(config), 2, 1)
-    text = step.lower(state, batch).as_text()
+    text = lowered_train_step(TINY, remat="full")
     stream = [
         line
         for line in text.splitlines()

@@ -115,6 +115,7 @@ class ChatEndpoint:
         """Starts the engine thread and the server; ``self.url`` is its ``/v1`` base."""
         if self._thread is not None:
             raise RuntimeError("the endpoint is already started")
+        self._stopping = False
         self.loop = EngineLoop(
             self.engine, max_queued=self.config.max_queued, weight_source=self.weight_source
         )
