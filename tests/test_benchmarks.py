@@ -50,7 +50,7 @@ def test_grpo_step_benchmark_reports_step_times(capsys):
 def test_runtime_benchmark_reports_samples_per_s_by_eta_and_overhead(capsys):
     assert load("runtime").main(["--smoke"]) == 0
     report = last_json(capsys)
-    assert set(report["samples_per_s"]) == {"0", "1", "2", "4"}
+    assert set(report["samples_per_s"]) == {"0", "2"}  # --smoke's two η
     assert all(finite(v) and v > 0 for v in report["samples_per_s"].values())
     assert finite(report["overhead_fraction"]) and report["overhead_fraction"] <= 1.0
     if report["compute_timed_in_the_same_steps"]:  # XLA:CPU under rlaxkit.util.hostmem

@@ -299,7 +299,17 @@ def plot_run(
 
             jobs["compare"] = overlay
     written = []
-    bar = tqdm(jobs, desc="plots", unit="figure", disable=not progress, leave=False)
+    # A redraw after every figure (a handful, each far slower than a redraw): tqdm's
+    # adaptive ``miniters`` otherwise skipped the last one, so the bar cleared at 3/4.
+    bar = tqdm(
+        jobs,
+        desc="plots",
+        unit="figure",
+        disable=not progress,
+        leave=False,
+        miniters=1,
+        mininterval=0,
+    )
     for name in bar:
         bar.set_postfix_str(name)
         size = (9.0, 6.0) if name == "compare" else SIZE_IN
