@@ -46,7 +46,7 @@ from flax import nnx
 from rlaxkit.data.batch import TrainBatch
 from rlaxkit.models import positions_from_mask
 from rlaxkit.trainer.logprobs import logprobs_from_logits
-from rlaxkit.util.jaxutil import Packed
+from rlaxkit.util.jaxutil import Packed, cast_floats
 
 if TYPE_CHECKING:  # both import this module's users; annotations only
     from rlaxkit.config.run import RunConfig
@@ -152,17 +152,6 @@ def drift_metrics(
         for k in np.unique(lags):
             out[f"drift/staleness/lag_{int(k)}"] = float(staleness[lags == k].mean())
     return out
-
-
-def cast_floats(tree: T, dtype: str | None) -> T:
-    """``tree`` with its floating-point leaves cast to ``dtype`` (``None``: unchanged):
-    a version pulled by a worker whose sampler runs in ``model.sampler_dtype``."""
-    if dtype is None:
-        return tree
-    target = jnp.dtype(dtype)
-    return jax.tree.map(
-        lambda x: x.astype(target) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-    )
 
 
 def sampler_config(config: RunConfig) -> RunConfig:

@@ -314,7 +314,7 @@ class Loop:
         self.last_batch = {"groups": groups, "batch": batch, "metrics": metrics}
         self.books.history.append(metrics)
         self.logger.log(metrics, histograms={"staleness": staleness})
-        if (workers := self.parts.schedule(step)) is not None:
+        if self.parts.schedule and (workers := self.parts.schedule(step)) is not None:
             self.scale_workers(workers)  # ray.worker_schedule: an elastic fleet
         policy = self.config.checkpoint
         if trainer_up and policy.should_save(

@@ -58,7 +58,8 @@ class Parts:
         template: abstract params (a checkpoint's weights restore onto it).
         collector: concurrent mode's thread collector, else ``None``.
         published_weights: version -> params of a published version (checkpoints).
-        schedule: step -> fleet size the placement wants after it (``None``: keep).
+        schedule: step -> fleet size the placement wants after it (``None``: keep), or
+            ``None`` for a placement whose fleet never changes size on its own.
         kill_store: kills the parameter server for real (Ray's ``kill_param_server``).
         teardown: stops what the placement started.
     """
@@ -75,7 +76,7 @@ class Parts:
     shapes: dict[str, list] = field(default_factory=dict)
     collector: Collector | None = None
     published_weights: Callable[[int], Any] = lambda version: None
-    schedule: Callable[[int], int | None] = lambda step: None
+    schedule: Callable[[int], int | None] | None = None
     kill_store: Callable[[], None] = lambda: None
     teardown: list[Callable[[], None]] = field(default_factory=list)
 

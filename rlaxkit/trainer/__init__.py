@@ -31,8 +31,13 @@ if TYPE_CHECKING:
     )
     from rlaxkit.trainer.sft import SFTConfig, encode_demonstrations, supervised_warm_start
     from rlaxkit.trainer.sharding import make_mesh, shard_batch, shard_train_state
-    from rlaxkit.trainer.state import TrainState, create_train_state, make_optimizer
-    from rlaxkit.trainer.step import PackedTrainStep, PreparedBatch, make_train_step
+    from rlaxkit.trainer.state import (
+        PackedTrainStep,
+        TrainState,
+        create_train_state,
+        make_optimizer,
+    )
+    from rlaxkit.trainer.step import PreparedBatch, make_train_step
 
 _MODULES = {
     "CheckpointDamaged": "checkpoint",
@@ -52,7 +57,7 @@ _MODULES = {
     "make_optimizer": "state",
     "make_train_step": "step",
     "OptimizerConfig": "config",
-    "PackedTrainStep": "step",
+    "PackedTrainStep": "state",
     "PreparedBatch": "step",
     "shard_batch": "sharding",
     "shard_train_state": "sharding",

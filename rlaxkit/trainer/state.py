@@ -1,11 +1,13 @@
 """The trainer's state, ``TrainState``: parameters, optimizer state and the frozen
-reference, critic and teacher, as one pytree the step donates; and the optimizer it is
-built with (AdamW with warm-up and cosine or constant decay)."""
+reference, critic and teacher, as one pytree the step donates; how a step carries it
+across ``jax.jit`` packed (``PackedTrainStep``, which ``rlaxkit.trainer.step.
+make_train_step`` returns); and the optimizer it is built with (AdamW with warm-up and
+cosine or constant decay)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,10 +15,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rlaxkit.data.batch import TrainBatch
 from rlaxkit.models import is_stacked
 from rlaxkit.models.lora import init_adapters
+from rlaxkit.observe.drift import DriftProbe
 from rlaxkit.trainer.config import OptimizerConfig, TrainConfig
-from rlaxkit.util.jaxutil import Packed
+from rlaxkit.util.jaxutil import Packed, TieredJit
 
 
 @jax.tree_util.register_dataclass
@@ -104,6 +108,91 @@ class TrainState:
 
 
 FIELD_INDEX = {f.name: i for i, f in enumerate(dataclasses.fields(TrainState))}
+
+# The defaults live in the generated ``__init__``; as class attributes they would answer
+# for a packed state's fields before ``__getattr__`` could rebuild them.
+for _name in FIELD_INDEX:
+    if _name in TrainState.__dict__:
+        delattr(TrainState, _name)
+
+
+_PARAMS = FIELD_INDEX["params"]
+
+
+class PackedTrainStep:
+    """``make_train_step``'s jitted ``train_step(state, batch) -> (state, metrics)``.
+
+    The state crosses the jitted function packed (``TrainState.pack``), parameters apart
+    from the other fields, so that ``keep_params`` donates every buffer but theirs; the
+    returned state is packed too, and the next call passes it on without a flatten.
+    ``jitted`` is the ``jax.jit`` (or ``TieredJit``) function of the packed arguments.
+    ``drift`` attributes the drift of the batches it is due on, under the weights the
+    step starts from, and adds its ``drift/*`` metrics (floats) to the step's; it reads
+    old versions from ``drift.reader``, which the caller sets. ``train_step`` returns
+    ``(state, metrics, log_theta)``: with ``step_logprobs``, ``log_theta`` is the batch's
+    ``[B, T]`` log-probs under the weights it starts from (its one update's forward pass,
+    or the recomputed proximal log-probs), which the attribution then takes after the
+    step instead of its own forward pass before it; otherwise ``None``.
+    """
+
+    def __init__(
+        self,
+        train_step: Callable[
+            [TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array], jax.Array | None]
+        ],
+        *,
+        donate: bool,
+        keep_params: bool,
+        tiered: bool,
+        drift: DriftProbe | None = None,
+        step_logprobs: bool = False,
+    ):
+        self.drift = drift or DriftProbe.off()
+        self.step_logprobs = step_logprobs
+
+        def packed_step(
+            params: Packed, rest: tuple[Packed, ...], batch: TrainBatch
+        ) -> tuple[tuple[Packed, ...], dict[str, jax.Array], jax.Array | None]:
+            fields = (*rest[:_PARAMS], params, *rest[_PARAMS:])
+            state, metrics, log_theta = train_step(TrainState.unpack(fields), batch)
+            return state.pack(), metrics, log_theta
+
+        donate_argnums = ((1,) if keep_params else (0, 1)) if donate else ()
+        jit = TieredJit if tiered else jax.jit
+        self.jitted = jit(packed_step, donate_argnums=donate_argnums)
+
+    @staticmethod
+    def _arguments(state: TrainState) -> tuple[Packed, tuple[Packed, ...]]:
+        fields = state.pack()
+        return fields[_PARAMS], fields[:_PARAMS] + fields[_PARAMS + 1 :]
+
+    def __call__(
+        self, state: TrainState, batch: TrainBatch
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        version = int(state.step) if self.step_logprobs else None
+        if version is None or not self.drift.due(version + 1):
+            # Attribution off (the default): the probe is not called at all.
+            drift = {}
+            if self.drift.every:
+                drift = self.drift.attribute(state.params, batch, state.step)
+            fields, metrics, _ = self.jitted(*self._arguments(state), batch)
+            return TrainState.unpack(fields), metrics | drift
+        # The step may donate the state's buffers: the layout and the version only.
+        layout = state.packed("params")
+        fields, metrics, log_theta = self.jitted(*self._arguments(state), batch)
+        jax.block_until_ready(log_theta)  # the step's time, not the attribution's
+        drift = self.drift.attribute(layout, batch, version, log_theta=log_theta)
+        return TrainState.unpack(fields), metrics | drift
+
+    def lower(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
+        """Lowers the jitted step for these arguments (``jax.jit(...).lower``)."""
+        return self.jitted.lower(*self._arguments(state), batch)
+
+    def wait(self) -> None:
+        """Tiered: blocks until the optimised compiles started so far are done
+        (``TieredJit.wait``); otherwise returns at once."""
+        if isinstance(self.jitted, TieredJit):
+            self.jitted.wait()
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:

@@ -54,14 +54,7 @@ from rlaxkit.observe.drift import DriftProbe
 from rlaxkit.trainer import sharding
 from rlaxkit.trainer.config import TrainConfig
 from rlaxkit.trainer.logprobs import logprobs_and_entropy
-from rlaxkit.trainer.state import FIELD_INDEX, TrainState, make_optimizer
-from rlaxkit.util.jaxutil import Packed, TieredJit
-
-# The defaults live in the generated ``__init__``; as class attributes they would answer
-# for a packed state's fields before ``__getattr__`` could rebuild them.
-for _name in FIELD_INDEX:
-    if _name in TrainState.__dict__:
-        delattr(TrainState, _name)
+from rlaxkit.trainer.state import PackedTrainStep, TrainState, make_optimizer
 
 
 def _split_rows(x: jax.Array, *counts: int) -> jax.Array:
@@ -477,82 +470,6 @@ def make_train_step(
         drift=drift,
         step_logprobs=keep_logprobs or recomputed,
     )
-
-
-_PARAMS = FIELD_INDEX["params"]
-
-
-class PackedTrainStep:
-    """``make_train_step``'s jitted ``train_step(state, batch) -> (state, metrics)``.
-
-    The state crosses the jitted function packed (``TrainState.pack``), parameters apart
-    from the other fields, so that ``keep_params`` donates every buffer but theirs; the
-    returned state is packed too, and the next call passes it on without a flatten.
-    ``jitted`` is the ``jax.jit`` (or ``TieredJit``) function of the packed arguments.
-    ``drift`` attributes the drift of the batches it is due on, under the weights the
-    step starts from, and adds its ``drift/*`` metrics (floats) to the step's; it reads
-    old versions from ``drift.reader``, which the caller sets. ``train_step`` returns
-    ``(state, metrics, log_theta)``: with ``step_logprobs``, ``log_theta`` is the batch's
-    ``[B, T]`` log-probs under the weights it starts from (its one update's forward pass,
-    or the recomputed proximal log-probs), which the attribution then takes after the
-    step instead of its own forward pass before it; otherwise ``None``.
-    """
-
-    def __init__(
-        self,
-        train_step: Callable[
-            [TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array], jax.Array | None]
-        ],
-        *,
-        donate: bool,
-        keep_params: bool,
-        tiered: bool,
-        drift: DriftProbe | None = None,
-        step_logprobs: bool = False,
-    ):
-        self.drift = drift or DriftProbe.off()
-        self.step_logprobs = step_logprobs
-
-        def packed_step(
-            params: Packed, rest: tuple[Packed, ...], batch: TrainBatch
-        ) -> tuple[tuple[Packed, ...], dict[str, jax.Array], jax.Array | None]:
-            fields = (*rest[:_PARAMS], params, *rest[_PARAMS:])
-            state, metrics, log_theta = train_step(TrainState.unpack(fields), batch)
-            return state.pack(), metrics, log_theta
-
-        donate_argnums = ((1,) if keep_params else (0, 1)) if donate else ()
-        jit = TieredJit if tiered else jax.jit
-        self.jitted = jit(packed_step, donate_argnums=donate_argnums)
-
-    @staticmethod
-    def _arguments(state: TrainState) -> tuple[Packed, tuple[Packed, ...]]:
-        fields = state.pack()
-        return fields[_PARAMS], fields[:_PARAMS] + fields[_PARAMS + 1 :]
-
-    def __call__(
-        self, state: TrainState, batch: TrainBatch
-    ) -> tuple[TrainState, dict[str, jax.Array]]:
-        version = int(state.step) if self.step_logprobs else None
-        if version is None or not self.drift.due(version + 1):
-            drift = self.drift.attribute(state.params, batch, state.step)
-            fields, metrics, _ = self.jitted(*self._arguments(state), batch)
-            return TrainState.unpack(fields), metrics | drift
-        # The step may donate the state's buffers: the layout and the version only.
-        layout = state.packed("params")
-        fields, metrics, log_theta = self.jitted(*self._arguments(state), batch)
-        jax.block_until_ready(log_theta)  # the step's time, not the attribution's
-        drift = self.drift.attribute(layout, batch, version, log_theta=log_theta)
-        return TrainState.unpack(fields), metrics | drift
-
-    def lower(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
-        """Lowers the jitted step for these arguments (``jax.jit(...).lower``)."""
-        return self.jitted.lower(*self._arguments(state), batch)
-
-    def wait(self) -> None:
-        """Tiered: blocks until the optimised compiles started so far are done
-        (``TieredJit.wait``); otherwise returns at once."""
-        if isinstance(self.jitted, TieredJit):
-            self.jitted.wait()
 
 
 def make_gradient_fn(

@@ -80,6 +80,17 @@ def count_compilations() -> Iterator[CompileCounter]:
         counter.stop = _compiles
 
 
+def cast_floats(tree: T, dtype: str | None) -> T:
+    """``tree`` with its floating-point leaves cast to ``dtype`` (``None``: unchanged):
+    e.g. a version pulled by a worker whose sampler runs in ``model.sampler_dtype``."""
+    if dtype is None:
+        return tree
+    target = jnp.dtype(dtype)
+    return jax.tree.map(
+        lambda x: x.astype(target) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
 def host_arrays(tree: object) -> Any:
     """``tree`` with every array read on the host (NumPy arrays).
 

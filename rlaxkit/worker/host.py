@@ -12,13 +12,14 @@ from flax import nnx
 from rlaxkit.api import ChunkReply, SyncReply, Work
 from rlaxkit.config.run import RunConfig
 from rlaxkit.models.tokenizer import Tokenizer
-from rlaxkit.observe.drift import cast_floats, sampler_config
+from rlaxkit.observe.drift import sampler_config
 from rlaxkit.param_server import ParameterServer
 from rlaxkit.param_server.adapters import AdapterParameterServer
 from rlaxkit.rules.trace import MemoryTrace, TraceEvent, TraceSink
 from rlaxkit.runtime.build import build_policy, build_task
 from rlaxkit.runtime.hosts import WeightStore, configure_jax, drain
 from rlaxkit.tasks import RewardRunner, Task
+from rlaxkit.util.jaxutil import cast_floats
 from rlaxkit.worker.worker import InferenceWorker
 
 
