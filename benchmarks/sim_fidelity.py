@@ -58,7 +58,8 @@ from sim.calibration.host import fault_figures, restart_costs  # noqa: E402
 from sim.calibration.window import compiled_in_window, window_start  # noqa: E402
 
 # The serial host of a run timed on the CPU clock: no two pieces of work overlap on it
-# (``sim.HostSpec.serial_chunks``). Used by tune_check and tune_ablation.
+# (``sim.HostSpec.serial_chunks``). Every prediction of a CPU-clock run here, in
+# sim_scorecard, tune_check and tune_ablation uses it.
 CPU_CLOCK_HOST = {"host.serial_chunks": True}
 CHECKPOINT_EVERY = 10  # steps between checkpoints (a restore goes back up to 9 steps)
 BASE = (
@@ -248,12 +249,14 @@ def fidelity(
     repeats: int,
     runs: int = 1,
     plans: dict[str, FaultPlan] = PLANS,
+    host: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Calibrates on a fault-free run and predicts the runs of each plan; the report.
 
     With ``runs`` above 1 there are that many base runs and runs per plan, taken in
     turn; each base run predicts the plans' runs after it, and the mean prediction is
-    compared with the mean measurement.
+    compared with the mean measurement. ``host``: overrides of the fitted scenario's
+    host for every prediction (``CPU_CLOCK_HOST`` for runs timed on the CPU clock).
     """
     measured_runs: dict[str, list[dict[str, float]]] = {name: [] for name in plans}
     predicted_runs: dict[str, list[dict[str, float]]] = {name: [] for name in plans}
@@ -262,7 +265,7 @@ def fidelity(
         for name, plan in plans.items():
             measured_runs[name].append(_measure(record(plan, steps), warmup_steps))
             prediction = sim.calibrate(
-                base, warmup_steps=warmup_steps, faults=plan, repeats=repeats
+                base, overrides=host, warmup_steps=warmup_steps, faults=plan, repeats=repeats
             )
             predicted_runs[name].append(prediction.predicted_figures)
     rows = {}
@@ -328,7 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     record = local_recorder(cache, args.clock, args.warmup_steps)
     record(PLANS["trainer"], 10)  # warm start, compilations and a restore, not timed
     report = fidelity(
-        record, steps=steps, warmup_steps=args.warmup_steps, repeats=args.repeats, runs=runs
+        record,
+        steps=steps,
+        warmup_steps=args.warmup_steps,
+        repeats=args.repeats,
+        runs=runs,
+        host=CPU_CLOCK_HOST if args.clock == "cpu" else None,
     )
     with_ray = (not args.quick) if args.ray is None else args.ray
     if with_ray:

@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             repeats=args.repeats,
             runs=runs,
             plans=plans,
+            host=sim_fidelity.CPU_CLOCK_HOST,
         )
         for name, row in report["plans"].items():
             rows[f"local eta={eta} {name}"] = row
