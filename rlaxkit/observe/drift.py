@@ -21,7 +21,7 @@ low-variance estimator, always ``>= 0``), the share of tokens whose ratio ``r`` 
 falls outside the PPO clip range ``[1 − ε_low, 1 + ε_high]`` and the share above the
 behaviour-weight cap ``C`` (what ``behaviour_weight='mask'`` would drop).
 
-``DriftProbe`` runs it on the trainer's side (``rlaxkit.trainer.step.PackedTrainStep`` calls
+``DriftProbe`` runs it on the trainer's side (``rlaxkit.trainer.state.PackedTrainStep`` calls
 it on each step it is due on, ``TrainConfig.drift_every``). ``log π_θ`` is the train
 step's own, under the weights it starts from (the forward pass of its one update, or its
 recomputed proximal log-probs; a step with several updates and no recompute has neither,
@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +52,6 @@ if TYPE_CHECKING:  # both import this module's users; annotations only
     from rlaxkit.config.run import RunConfig
     from rlaxkit.trainer.config import TrainConfig
 
-T = TypeVar("T")
 
 __all__ = [
     "DriftProbe",
@@ -81,20 +80,12 @@ def make_logprob_fn(cfg: TrainConfig, graphdef: nnx.GraphDef) -> Callable[..., j
     batch's (entry ``t`` scores ``tokens[t]``; entry 0 is 0): the trainer's forward pass
     (its compute dtype and temperature), without gradients. ``params`` is a tree or its
     ``rlaxkit.util.jaxutil.Packed`` (a call then flattens nothing)."""
-    dtype = None if cfg.compute_dtype is None else jnp.dtype(cfg.compute_dtype)
-
-    def cast(tree: object) -> object:
-        if dtype is None:
-            return tree
-        return jax.tree.map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-        )
 
     @jax.jit
     def logprobs(params: object, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
         if isinstance(params, Packed):
             params = params.structure.treedef.unflatten(params.leaves)
-        model = nnx.merge(graphdef, cast(params))
+        model = nnx.merge(graphdef, cast_floats(params, cfg.compute_dtype))
         positions = positions_from_mask(attention_mask)
         hidden = model.hidden_states(tokens, positions, attention_mask)[:, :-1]
         logp = logprobs_from_logits(model.unembed(hidden), tokens[:, 1:], cfg.temperature)
@@ -171,7 +162,7 @@ def _bucket(n: int) -> int:
 class DriftProbe:
     """Drift attribution for the trainer: ``attribute(params, batch, version)`` before
     the train step that takes ``batch`` at weight ``version``
-    (``rlaxkit.trainer.step.PackedTrainStep`` calls it).
+    (``rlaxkit.trainer.state.PackedTrainStep`` calls it).
 
     Args:
         cfg: the trainer's configuration (forward pass, clip range, cap).
