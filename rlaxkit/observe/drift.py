@@ -52,11 +52,9 @@ if TYPE_CHECKING:  # both import this module's users; annotations only
     from rlaxkit.config.run import RunConfig
     from rlaxkit.trainer.config import TrainConfig
 
-
 __all__ = [
     "DriftProbe",
     "VersionReader",
-    "cast_floats",
     "drift_metrics",
     "make_logprob_fn",
     "sampler_config",
