@@ -34,7 +34,6 @@ the per-plan rows.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -105,36 +104,25 @@ Recorder = Callable[[FaultPlan, int], list[TraceEvent]]
 def local_recorder(
     cache: str, clock: str, warmup_steps: int, attempts: int = 3, overrides: tuple[str, ...] = ()
 ) -> Recorder:
-    """Records a run of the deterministic local runtime with a fault plan (a checkpoint
-    directory of its own, for trainer restores), as ``record_local_run`` records one
-    without: CPU clock, objects frozen before it, run again if its window compiled.
+    """Records a run of the deterministic local runtime with a fault plan
+    (``rlaxkit.runtime.record_local_run``: a run directory of its own for trainer
+    restores, objects frozen before it, run again if its window compiled) on ``clock``.
     ``overrides`` (``"section.field=value"``) change ``BASE``."""
     from rlaxkit.config.run import small_run_config
-    from rlaxkit.runtime.driver import Experiment
+    from rlaxkit.runtime import record_local_run
 
-    class CpuClockExperiment(Experiment):
-        def clock(self) -> float:
-            origin = self.__dict__.setdefault("_cpu_origin_s", time.process_time())
-            return time.process_time() - origin
-
-    experiment = CpuClockExperiment if clock == "cpu" else Experiment
     config = small_run_config(*BASE, *overrides)
 
     def record(plan: FaultPlan, steps: int) -> list[TraceEvent]:
-        for _ in range(attempts):
-            with tempfile.TemporaryDirectory() as run_dir:
-                gc.collect()
-                gc.freeze()
-                try:
-                    with experiment(
-                        config, run_dir=run_dir, cache_dir=Path(cache), faults=plan
-                    ) as exp:
-                        exp.run(steps)
-                        events = list(exp.trace.memory.events)
-                finally:
-                    gc.unfreeze()
-            if steps <= warmup_steps or not compiled_in_window(events, warmup_steps):
-                break
+        events, _ = record_local_run(
+            config,
+            steps,
+            warmup_steps=warmup_steps,
+            clock=clock,
+            cache_dir=cache,
+            attempts=attempts,
+            faults=plan,
+        )
         return events
 
     return record

@@ -37,7 +37,7 @@
 import os
 
 SMALL = os.environ.get("RLAXKIT_NOTEBOOK_SMALL", "0") == "1"
-HOURS = 1.0 if SMALL else 13.0  # simulated hours (RLAX's run took 12 h 48 min)
+HOURS = 0.25 if SMALL else 13.0  # simulated hours (RLAX's run took 12 h 48 min)
 SEED = 0
 
 # %%

@@ -203,3 +203,28 @@ def test_a_long_run_holds_neither_its_trained_rollouts_nor_its_whole_trace(cache
         counts["buffered"] + counts["in_flight"] + len(exp.last_batch["groups"])
     )
     assert counts["trained"] > len(exp.last_batch["groups"]) and alive <= wanted
+
+
+def test_a_recorded_run_takes_a_fault_plan_and_keeps_nothing_on_disk(cache, tmp_path, monkeypatch):
+    """``record_local_run(faults=...)``: the plan fires (a trainer restores from the
+    checkpoints of a run directory of the recorder's own), and the directory is gone
+    when the call returns."""
+    import tempfile
+
+    from rlaxkit.rules import FaultPlan
+    from rlaxkit.runtime import record_local_run
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    plan = FaultPlan.from_dicts([{"kind": "preempt_trainer", "at_step": 3, "restart_after_s": 1}])
+    config = small_run_config(*SMALL, "checkpoint.every_steps=2")
+    # Every step a warm-up step: one run, whatever it compiles.
+    events, runs = record_local_run(config, 5, warmup_steps=5, cache_dir=cache, faults=plan)
+    assert runs == 1
+    assert [
+        e.kind for e in events if e.actor == "trainer" and e.kind in ("preemption", "restart")
+    ] == [
+        "preemption",
+        "restart",
+    ]
+    assert [e["step"] for e in events if e.kind == "checkpoint_restore"] == [2]
+    assert list(tmp_path.iterdir()) == []

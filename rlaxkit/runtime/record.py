@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 import time
 from pathlib import Path
 
 from rlaxkit.config.run import RunConfig
+from rlaxkit.rules.fault_plan import FaultPlan
 from rlaxkit.rules.trace import TraceEvent
 from rlaxkit.runtime.driver import Experiment
 from sim.calibration.window import compiled_in_window
@@ -25,6 +27,7 @@ def record_local_run(
     clock: str = "wall",
     cache_dir: str | os.PathLike | None = None,
     attempts: int = 3,
+    faults: FaultPlan | None = None,
 ) -> tuple[list[TraceEvent], int]:
     """Runs the deterministic local runtime (``rlaxkit.runtime.Experiment``) for
     ``steps`` train steps and returns its trace, to calibrate on or compare with.
@@ -38,6 +41,10 @@ def record_local_run(
     run's own collections still count. A run whose window compiled a program
     (``compiled_in_window``: rare shapes can first appear late) is run again, at most
     ``attempts`` times in all.
+
+    ``faults`` injects a fault plan (``rlaxkit.rules.FaultPlan``) into the run, which
+    then writes to a temporary run directory of its own: a preempted trainer restores
+    from its checkpoints there. The folder is gone when the call returns.
 
     Returns:
         ``(events, runs)``: the last run's trace and how many runs it took.
@@ -64,9 +71,15 @@ def record_local_run(
         gc.collect()
         gc.freeze()
         try:
-            with experiment(
-                config, cache_dir=None if cache_dir is None else Path(cache_dir)
-            ) as exp:
+            with (
+                tempfile.TemporaryDirectory(prefix="rlaxkit-record-") as scratch,
+                experiment(
+                    config,
+                    run_dir=None if faults is None else scratch,
+                    cache_dir=None if cache_dir is None else Path(cache_dir),
+                    faults=faults,
+                ) as exp,
+            ):
                 exp.run(steps)
                 events = list(exp.trace.memory.events)
         finally:
