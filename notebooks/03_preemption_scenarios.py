@@ -262,7 +262,8 @@ def record(config, plan=None, steps=TUNE_STEPS):
 
 # Not measured: the warm start, and the programs compiled up to a trainer's restore.
 record(tune_config(), FaultPlan.from_dicts(TUNE_FAULTS[:1]), steps=10)
-base = record(tune_config())
+# Fault-free, in a run directory (an empty plan), so that its checkpoint saves are timed.
+base = record(tune_config(), FaultPlan())
 scenario, _ = sim.fit_scenario(base, warmup_steps=WARMUP, faults=tune_plan)
 serial = {"host.serial_chunks": True}
 tuned = sim.tune(

@@ -44,7 +44,10 @@ def record_local_run(
 
     ``faults`` injects a fault plan (``rlaxkit.rules.FaultPlan``) into the run, which
     then writes to a temporary run directory of its own: a preempted trainer restores
-    from its checkpoints there. The folder is gone when the call returns.
+    from its checkpoints there. The folder is gone when the call returns. Without
+    ``faults`` nothing is written, checkpoints included: to calibrate on a fault-free
+    run that saves as its config says (so that the simulator charges the saves), pass
+    an empty plan, ``FaultPlan()``.
 
     Returns:
         ``(events, runs)``: the last run's trace and how many runs it took.
