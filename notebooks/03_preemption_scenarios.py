@@ -225,13 +225,14 @@ plt.show()  # shown once (the figure as the cell's value would show it a second 
 # %%
 from rlaxkit.runtime import record_local_run  # noqa: E402
 
-TUNE_STEPS, TUNE_RUNS, WARMUP = (20, 1, 3) if SMALL else (40, 2, 3)
+TUNE_STEPS, TUNE_RUNS, WARMUP = (12, 1, 3) if SMALL else (40, 2, 3)
+TUNE_SEEDS = range(1 if SMALL else 3)
 TUNE_FAULTS = [
     {"kind": "preempt_trainer", "at_step": 9, "restart_after_s": 3},
     {"kind": "preempt_worker", "target": "worker-0", "at_s": 20, "restart_after_s": 4},
     {"kind": "preempt_trainer", "at_step": 19, "restart_after_s": 2},
 ]
-tune_plan = FaultPlan.from_dicts(TUNE_FAULTS)
+tune_plan = FaultPlan.from_dicts(TUNE_FAULTS[:1] if SMALL else TUNE_FAULTS)  # CI: 12 steps
 start = [
     *SMALL_RUN,
     "runtime.workers_per_slice=2",
@@ -254,9 +255,10 @@ def tune_config(settings=None):
 
 
 def record(config, plan=None, steps=TUNE_STEPS):
-    events, _ = record_local_run(
+    events, runs = record_local_run(
         config, steps, warmup_steps=WARMUP, clock="cpu", cache_dir=warm_start_cache, faults=plan
     )
+    print(f"recorded in {runs} run(s)")  # a run whose window compiled is run again
     return events
 
 
@@ -274,7 +276,7 @@ tuned = sim.tune(
         pull_mode=("between_requests", "in_flight"),
         checkpoint_every_steps=(5, 10, 20),
     ),
-    seeds=range(3),
+    seeds=TUNE_SEEDS,
 )
 print(tuned.table())
 choices = {
@@ -284,7 +286,11 @@ choices = {
 check = {}
 for label, settings in choices.items():
     predicted = sim.calibrate(
-        base, warmup_steps=WARMUP, faults=tune_plan, overrides={**settings, **serial}, repeats=3
+        base,
+        warmup_steps=WARMUP,
+        faults=tune_plan,
+        overrides={**settings, **serial},
+        repeats=len(TUNE_SEEDS),
     ).predicted_figures["samples_per_s"]
     check[label] = {"predicted": predicted, "measured": []}
 for r in range(TUNE_RUNS):  # default, tuned, tuned, default, ...

@@ -67,10 +67,16 @@ def no_persistent_cache():
 
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory):
-    """One warm-start cache for every module on this pytest process. Its entries are
-    keyed by everything the warm-started weights depend on (``warm_start_key``: model,
-    task, SFT and seed), so runs that share them load one warm start instead of each
-    module training its own (about 5 s each)."""
+    """One warm-start cache for every module of the session, shared by xdist's workers
+    (their temporary folders share a parent). Its entries are keyed by everything the
+    warm-started weights depend on (``warm_start_key``: model, task, SFT and seed), so
+    runs that share them load one warm start instead of each module, or each worker,
+    training its own (about 3 s each); a warm start is renamed into place whole, so a
+    worker never reads one half written."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "warm_start"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("warm_start")
 
 

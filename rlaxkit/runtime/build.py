@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import string
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -157,8 +160,21 @@ def warm_start(
     pairs = [(task.format_prompt(p), demonstration(p)) for p in problems]
     losses = supervised_warm_start(model, tokenizer, pairs, config.sft, on_step=on_step)
     if (path := warm_start_path(config, cache_dir)) is not None:
-        save_hf_checkpoint(model, path)
+        _publish(model, path)
     return model, {"cached": False, "steps": len(losses), "final_loss": losses[-1]}
+
+
+def _publish(model: Transformer, path: Path) -> None:
+    """Writes a warm start beside ``path`` and renames it into place, so that a reader
+    finds a whole checkpoint or none. Processes that share one cache (a run's actors,
+    parallel test workers, a sweep) may train the same warm start at once; the first to
+    finish keeps its copy, the others' are removed."""
+    staging = path.with_name(f"{path.name}.partial-{os.getpid()}-{threading.get_ident()}")
+    save_hf_checkpoint(model, staging)
+    try:
+        staging.rename(path)
+    except OSError:  # published by another process meanwhile
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def train_config_for(config: RunConfig) -> TrainConfig:
