@@ -220,11 +220,23 @@ def test_a_recorded_run_takes_a_fault_plan_and_keeps_nothing_on_disk(cache, tmp_
     # Every step a warm-up step: one run, whatever it compiles.
     events, runs = record_local_run(config, 5, warmup_steps=5, cache_dir=cache, faults=plan)
     assert runs == 1
-    assert [
-        e.kind for e in events if e.actor == "trainer" and e.kind in ("preemption", "restart")
-    ] == [
-        "preemption",
-        "restart",
-    ]
+    kinds = ("preemption", "restart")
+    assert [e.kind for e in events if e.actor == "trainer" and e.kind in kinds] == list(kinds)
     assert [e["step"] for e in events if e.kind == "checkpoint_restore"] == [2]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_warm_start_published_twice_is_kept_once_and_whole(tiny_model, tmp_path):
+    """Two processes that trained one warm start: the first copy renamed into place
+    stays, the second is removed, and no half-written folder is left."""
+    from rlaxkit.models import load_hf_checkpoint
+    from rlaxkit.runtime.build import _publish
+
+    path = tmp_path / "warm_start-abc"
+    _publish(tiny_model, path)
+    first = (path / "config.json").stat().st_mtime_ns
+    _publish(tiny_model, path)
+    assert [p.name for p in tmp_path.iterdir()] == ["warm_start-abc"]
+    assert (path / "config.json").stat().st_mtime_ns == first
+    loaded, _ = load_hf_checkpoint(path, with_tokenizer=False)
+    assert loaded.config == tiny_model.config
