@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             _write(simulated.events, args.save / f"sim_{name}.jsonl")
     recorders = {
         name: sim_fidelity.local_recorder(
-            cache, "cpu", warmup, overrides=tune_check.run_overrides(settings[name])
+            cache, "cpu", warmup, overrides=sim.run_overrides(settings[name])
         )
         for name in names
     }

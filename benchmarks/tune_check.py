@@ -56,18 +56,6 @@ SPACE = sim.TuneSpace(
     pull_mode=("between_requests", "in_flight"),
     checkpoint_every_steps=(5, 10, 20),
 )
-# The simulator's names of the settings, and the run config's.
-RUN_KEYS = {
-    "staleness.max_staleness": "staleness.max_staleness",
-    "weight_sync.push_every_steps": "weight_sync.push_every_steps",
-    "weight_sync.pull_mode": "weight_sync.pull_mode",
-    "checkpointing.every_steps": "checkpoint.every_steps",
-}
-
-
-def run_overrides(settings: dict[str, Any]) -> tuple[str, ...]:
-    """The run config overrides (``"section.field=value"``) of tuned settings."""
-    return tuple(f"{RUN_KEYS[name]}={value}" for name, value in settings.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,12 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     scenario, _ = sim.fit_scenario(base, warmup_steps=warmup, faults=PLAN)
     scenario = sim.with_overrides(scenario, sim_fidelity.CPU_CLOCK_HOST)
     tuned = sim.tune(scenario, SPACE, seeds=range(3))
-    default_settings = {k: v for k, v in tuned.default.settings.items() if k in RUN_KEYS}
-    best_settings = {k: v for k, v in tuned.best.settings.items() if k in RUN_KEYS}
+    default_settings, best_settings = tuned.default.settings, tuned.best.settings
     report: dict[str, Any] = {"default": default_settings, "tuned": best_settings}
     settings_of = {"default": default_settings, "tuned": best_settings}
     recorders = {
-        label: sim_fidelity.local_recorder(cache, "cpu", warmup, overrides=run_overrides(s))
+        label: sim_fidelity.local_recorder(cache, "cpu", warmup, overrides=sim.run_overrides(s))
         for label, s in settings_of.items()
     }
     # Runs in the order default, tuned, tuned, default, ...: a drift of the machine's

@@ -240,17 +240,10 @@ start = [
     "staleness.max_staleness=0",
     "checkpoint.every_steps=20",
 ]
-# The simulator's name of each knob, and the run config's.
-RUN_KEYS = {
-    "staleness.max_staleness": "staleness.max_staleness",
-    "weight_sync.push_every_steps": "weight_sync.push_every_steps",
-    "weight_sync.pull_mode": "weight_sync.pull_mode",
-    "checkpointing.every_steps": "checkpoint.every_steps",
-}
 
 
 def tune_config(settings=None):
-    changes = [f"{RUN_KEYS[k]}={v}" for k, v in (settings or {}).items() if k in RUN_KEYS]
+    changes = sim.run_overrides(settings or {})  # the tuner's names to the run config's
     return RunConfig.from_dict(apply_overrides(RunConfig().to_dict(), [*start, *changes]))
 
 
@@ -279,10 +272,7 @@ tuned = sim.tune(
     seeds=TUNE_SEEDS,
 )
 print(tuned.table())
-choices = {
-    "default": {k: v for k, v in tuned.default.settings.items() if k in RUN_KEYS},
-    "tuned": {k: v for k, v in tuned.best.settings.items() if k in RUN_KEYS},
-}
+choices = {"default": tuned.default.settings, "tuned": tuned.best.settings}
 check = {}
 for label, settings in choices.items():
     predicted = sim.calibrate(

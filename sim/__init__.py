@@ -55,13 +55,14 @@ from sim.studies.standard import (
     young_daly_interval_s,
 )
 from sim.studies.sweep import SweepPoint, format_table, sweep
-from sim.studies.tune import TunePoint, TuneResult, TuneSpace, tune
+from sim.studies.tune import RUN_CONFIG_KEYS, TunePoint, TuneResult, TuneSpace, run_overrides, tune
 
 __all__ = [
     "planned",
     "window_summary",
     "Calibration",
     "CheckpointSpec",
+    "RUN_CONFIG_KEYS",
     "CheckpointStudy",
     "Constant",
     "Empirical",
@@ -100,6 +101,7 @@ __all__ = [
     "presets",
     "rlax_like",
     "run_config",
+    "run_overrides",
     "save_scenario",
     "scenario_from_dict",
     "scenario_to_dict",

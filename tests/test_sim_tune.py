@@ -70,3 +70,16 @@ def test_the_command_line_prints_the_advice_or_one_line(capsys):
     assert main([*command, "--max-mean-staleness", "-1"]) == 2
     error = capsys.readouterr().err
     assert error == "rlaxkit tune: max_mean_staleness: must be >= 0, got -1.0\n"
+
+
+def test_tuned_settings_become_run_config_overrides_and_other_knobs_are_named():
+    import sim
+
+    assert sim.run_overrides(
+        {"checkpointing.every_steps": 5, "weight_sync.pull_mode": "in_flight"}
+    ) == (
+        "checkpoint.every_steps=5",
+        "weight_sync.pull_mode=in_flight",
+    )
+    with pytest.raises(ValueError, match=r"\['trainer.chips'\] have no run config setting"):
+        sim.run_overrides({"trainer.chips": 64})

@@ -35,7 +35,7 @@ from typing import Any
 from sim.engine import simulate
 from sim.scenario import Scenario, with_overrides
 
-__all__ = ["TunePoint", "TuneResult", "TuneSpace", "tune"]
+__all__ = ["RUN_CONFIG_KEYS", "TunePoint", "TuneResult", "TuneSpace", "run_overrides", "tune"]
 
 # The fractions of a chip budget the trainer is offered when a budget is given and no
 # split range is (RLAX runs its trainer on a minority of the chips; AReaL's 1:3 split of
@@ -43,6 +43,34 @@ __all__ = ["TunePoint", "TuneResult", "TuneSpace", "tune"]
 DEFAULT_TRAINER_SHARES = (0.125, 0.25, 0.375, 0.5)
 # Checkpoint intervals (steps) searched when the scenario preempts its trainer.
 DEFAULT_CHECKPOINT_STEPS = (5, 10, 20, 50)
+# The tuner's knobs that a run config (``rlaxkit.config.RunConfig``) sets, by the run
+# config's name: how tuned settings are run for real.
+RUN_CONFIG_KEYS = {
+    "staleness.max_staleness": "staleness.max_staleness",
+    "weight_sync.push_every_steps": "weight_sync.push_every_steps",
+    "weight_sync.pull_mode": "weight_sync.pull_mode",
+    "checkpointing.every_steps": "checkpoint.every_steps",
+}
+
+
+def run_overrides(settings: Mapping[str, object]) -> tuple[str, ...]:
+    """A tuned point's settings (:attr:`TunePoint.settings`) as run config overrides
+    (``"section.field=value"``), to run them for real.
+
+    >>> run_overrides({"staleness.max_staleness": 2, "checkpointing.every_steps": 10})
+    ('staleness.max_staleness=2', 'checkpoint.every_steps=10')
+
+    Raises:
+        ValueError: for a knob a run config does not set (the chip split, say: a fleet's
+            size is the placement's, not the run config's).
+    """
+    unknown = sorted(set(settings) - set(RUN_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"run_overrides: {unknown} have no run config setting; "
+            f"the knobs a run config sets are {sorted(RUN_CONFIG_KEYS)}"
+        )
+    return tuple(f"{RUN_CONFIG_KEYS[name]}={value}" for name, value in settings.items())
 
 
 @dataclass(frozen=True, kw_only=True)
