@@ -13,7 +13,7 @@ from flax import nnx
 
 from rlaxkit.inference import InferenceEngine, SamplingConfig, generate
 from rlaxkit.inference.results import packed
-from rlaxkit.models import ModelConfig, abstract_model
+from rlaxkit.models import ModelConfig, abstract_model, relayout
 from rlaxkit.trainer.logprobs import token_logprobs
 from rlaxkit.util.jaxutil import count_compilations
 
@@ -157,11 +157,13 @@ def test_no_recompilation_on_a_second_workload(models):
     assert [c.num_tokens for c in out] == budgets
 
 
-def interrupted_run(models, recompute_cache, new_weights=(1, 2)):
+def interrupted_run(models, recompute_cache, new_weights=(1, 2), **options):
     """4 requests on 4 rows, chunks of 5 steps; weights change after each of the first two
-    chunks (to ``models[v]`` with version ``v``)."""
+    chunks (to ``models[v]`` with version ``v``). ``options`` go to the engine."""
     prompts, keys, _ = workload(4, seed=2)
-    engine = InferenceEngine(models[0], CONFIG, num_slots=4, max_prompt_len=16, chunk_steps=5)
+    engine = InferenceEngine(
+        models[0], CONFIG, num_slots=4, max_prompt_len=16, chunk_steps=5, **options
+    )
     for prompt, key in zip(prompts, keys, strict=True):
         engine.submit(prompt, key)
     done = engine.step()
@@ -190,6 +192,24 @@ def test_interrupted_generation_records_the_version_of_every_token(models, recom
                 np.testing.assert_allclose(c.logprobs[at], expected, atol=1e-5, rtol=0)
             else:
                 assert np.abs(c.logprobs[at] - expected).max() > 1e-3
+
+
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_stacked_blocks_decode_in_one_scan_as_per_layer_blocks(models, kv_cache):
+    # Stacked blocks (``scan_layers``) prefill, decode and rebuild a stacked dense cache in
+    # one layer scan each, and a paged cache with its per-layer pools: the tokens of the
+    # per-layer model, the log-probs to float32 rounding.
+    stacked = [relayout(model, scan_layers=True) for model in models]
+    prompts, keys, _ = workload(4, seed=2)
+    np.testing.assert_array_equal(
+        generate(stacked[0], prompts, CONFIG, keys).tokens,
+        generate(models[0], prompts, CONFIG, keys).tokens,
+    )
+    options = {"kv_cache": kv_cache} | ({"page_size": 4} if kv_cache == "paged" else {})
+    got = interrupted_run(stacked, recompute_cache=True, **options)[2]
+    want = interrupted_run(models, recompute_cache=True, **options)[2]
+    for completion, expected in zip(got, want, strict=True):
+        assert_same(completion, expected)
 
 
 @pytest.mark.parametrize("recompute_cache", [False, True])

@@ -12,6 +12,7 @@ from flax import nnx
 from test_engine import assert_same, peaked_model
 
 from rlaxkit.inference import InferenceEngine, SamplingConfig, bucket_length, generate
+from rlaxkit.models import relayout
 from rlaxkit.trainer.logprobs import token_logprobs
 from rlaxkit.util.jaxutil import count_compilations
 
@@ -69,9 +70,10 @@ def first_turn(engine, prompt, rng=0):
     return request, turn
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_resumed_turn_equals_recomputing_the_whole_episode(models, temperature):
-    model, prompt = models[0], [5, 17, 2, 40, 33]
+@pytest.mark.parametrize(("temperature", "scan_layers"), [(0.0, False), (1.0, False), (1.0, True)])
+def test_a_resumed_turn_equals_recomputing_the_whole_episode(models, temperature, scan_layers):
+    # With stacked blocks the observation's prefill writes the stacked cache in one scan.
+    model, prompt = relayout(models[0], scan_layers=scan_layers), [5, 17, 2, 40, 33]
     config = dataclasses.replace(GREEDY, temperature=temperature)
     pair = tool_call(model, prompt, config)
     engine = engine_for(model, pair, config)

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 from test_trainer import CONFIG, OPTIMIZER, batch_of, relative_error
 from test_trainer_sharding import run_on_forced_devices
@@ -27,6 +29,7 @@ from rlaxkit.models import (
     stack_layers,
     unstack_layers,
 )
+from rlaxkit.models.kv_cache import store
 from rlaxkit.trainer.checkpoint import CheckpointManager, restore_train_state, save_train_state
 from rlaxkit.trainer.config import OptimizerConfig, TrainConfig
 from rlaxkit.trainer.sharding import param_partition_spec
@@ -68,12 +71,62 @@ def test_scan_and_remat_give_the_per_layer_logits_and_decode():
         for remat in ("none", "dots", "full"):
             got = logits(model, remat)
             assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= 1e-6
-    cache = KVCache.zeros(CONFIG, 2, 12)
-    decode = nnx.jit(lambda model: model.decode(tokens, positions, cache, mask))
-    a, cache_a = decode(per_layer)
-    b, cache_b = decode(stacked)
-    np.testing.assert_array_equal(a, b)  # decode runs the same per-layer program
+    decode = nnx.jit(lambda model, cache: model.decode(tokens, positions, cache, mask))
+    a, cache_a = decode(per_layer, KVCache.zeros(CONFIG, 2, 12))
+    b, cache_b = decode(stacked, KVCache.zeros(CONFIG, 2, 12))
+    np.testing.assert_array_equal(a, b)  # a per-layer cache runs the per-layer program
     jax.tree.map(np.testing.assert_array_equal, cache_a, cache_b)
+
+
+def test_a_stacked_cache_decodes_in_one_scan_as_the_per_layer_cache():
+    # Prefill, then single-token steps whose rows write at different slots, one of them
+    # past the cache's end (moved back to the last slot, as a dynamic update slice is).
+    per_layer = Transformer(CONFIG, rngs=nnx.Rngs(0))
+    stacked = Transformer(SCAN, rngs=nnx.Rngs(0))
+    rng = np.random.RandomState(1)
+    tokens = jnp.asarray(rng.randint(0, CONFIG.vocab_size, (3, 6)))
+    mask = jnp.asarray(np.arange(6)[None] < np.array([[6], [4], [2]]))
+    decode = nnx.jit(lambda model, cache, t, p, m: model.decode(t, p, cache, m))
+    caches = {"list": KVCache.zeros(CONFIG, 3, 8), "stacked": KVCache.zeros(SCAN, 3, 8)}
+    assert caches["stacked"].stacked and not caches["list"].stacked
+    assert caches["stacked"].k.shape == (CONFIG.num_layers, *caches["list"].k[0].shape)
+    models = {"list": per_layer, "stacked": stacked}
+    positions = jnp.broadcast_to(jnp.arange(6), (3, 6))
+    feeds = [(tokens, positions, mask)]
+    for step in range(3):
+        next_tokens = jnp.asarray(rng.randint(0, CONFIG.vocab_size, (3, 1)))
+        feeds.append((next_tokens, jnp.array([[6 + step], [4 + step], [2]]), jnp.ones((3, 1))))
+    for feed in feeds:
+        out = {name: decode(models[name], caches[name], *feed) for name in caches}
+        np.testing.assert_allclose(out["stacked"][0], out["list"][0], rtol=1e-6, atol=1e-6)
+        caches = {name: out[name][1] for name in out}
+        assert caches["stacked"].stacked
+        for got, want in (
+            (caches["stacked"].k, caches["list"].k),
+            (caches["stacked"].v, caches["list"].v),
+        ):
+            np.testing.assert_allclose(got, jnp.stack(want), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(caches["stacked"].valid, caches["list"].valid)
+        np.testing.assert_array_equal(caches["stacked"].end, caches["list"].end)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    starts=st.lists(st.integers(0, 9), min_size=3, max_size=3),
+    tokens=st.integers(1, 4),
+    layer=st.integers(0, 2),
+)
+def test_a_stacked_store_writes_its_layer_as_a_dynamic_update_slice_writes_one(
+    starts, tokens, layer
+):
+    # Starts past ``slots - tokens`` (up to 9 of 8 slots) move back, as a dynamic update
+    # slice moves them; the other layers keep every value.
+    rng = np.random.RandomState(tokens)
+    stacked = jnp.asarray(rng.standard_normal((3, 3, 2, 8, 2)), jnp.float32)
+    new = jnp.asarray(rng.standard_normal((3, 2, tokens, 2)), jnp.float32)
+    start = jnp.asarray(starts, jnp.int32)
+    want = stacked.at[layer].set(store(stacked[layer], new, start))
+    np.testing.assert_array_equal(store(stacked, new, start, jnp.int32(layer)), want)
 
 
 def _parts(config, remat):
@@ -188,6 +241,7 @@ SHARDED = textwrap.dedent(
     from flax import nnx
     from test_trainer import CONFIG, OPTIMIZER, batch_of, relative_error
     from rlaxkit.algorithms import algorithm
+from rlaxkit.models.kv_cache import store
     from rlaxkit.models import Transformer, unstack_layers
     from rlaxkit.trainer.config import TrainConfig
     from rlaxkit.trainer.state import create_train_state

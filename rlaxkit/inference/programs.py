@@ -214,12 +214,8 @@ def _start_rows(
         pages = scatter_rows(state.cache, dest, rows_part, write)
         cache = dataclasses.replace(state.cache, pages=pages, valid=valid, end=end)
     else:
-        cache = KVCache(
-            k=[copy(f, p) for f, p in zip(state.cache.k, prefill.k, strict=True)],
-            v=[copy(f, p) for f, p in zip(state.cache.v, prefill.v, strict=True)],
-            valid=valid,
-            end=end,
-        )
+        k, v = state.cache.each_layer(copy, prefill)
+        cache = KVCache(k=k, v=v, valid=valid, end=end)
     stored = jnp.pad(prompts, ((0, 0), (0, state.prompt.shape[1] - width)))
     last = jnp.take_along_axis(prompts, (prompt_len - 1)[:, None], axis=1)[:, 0]
     request_keys = jax.random.wrap_key_data(request_key_data)
@@ -302,22 +298,13 @@ def extend_rows(
     def pad(full):  # [rows, kv_heads, slots, head_dim]
         return jnp.pad(full, ((0, 0), (0, 0), (0, width), (0, 0)))
 
-    rows_cache = (
-        gather_rows(state.cache, row)
-        if isinstance(state.cache, PagedKVCache)
-        else KVCache(
-            k=[k[row] for k in state.cache.k],
-            v=[v[row] for v in state.cache.v],
-            valid=state.cache.valid[row],
-            end=start,
-        )
-    )
-    part = KVCache(
-        k=[pad(k) for k in rows_cache.k],
-        v=[pad(v) for v in rows_cache.v],
-        valid=jnp.pad(state.cache.valid[row], ((0, 0), (0, width))),
-        end=start,
-    )
+    if isinstance(state.cache, PagedKVCache):
+        rows_cache = gather_rows(state.cache, row)
+    else:
+        k, v = state.cache.each_layer(lambda x: x[row])
+        rows_cache = KVCache(k=k, v=v, valid=state.cache.valid[row], end=start)
+    k, v = rows_cache.each_layer(pad)
+    part = KVCache(k=k, v=v, valid=jnp.pad(state.cache.valid[row], ((0, 0), (0, width))), end=start)
     _, part = model.decode(feed, positions, part, feed_mask)
 
     def put(full, new):
@@ -332,12 +319,8 @@ def extend_rows(
         pages = scatter_rows(state.cache, dest, part, new)
         cache = dataclasses.replace(state.cache, pages=pages, valid=valid, end=end)
     else:
-        cache = KVCache(
-            k=[put(f, p) for f, p in zip(state.cache.k, part.k, strict=True)],
-            v=[put(f, p) for f, p in zip(state.cache.v, part.v, strict=True)],
-            valid=valid,
-            end=end,
-        )
+        k, v = state.cache.each_layer(put, part)
+        cache = KVCache(k=k, v=v, valid=valid, end=end)
     prompt_len, generated = state.prompt_len[row][:, None], state.rows.num_generated[row][:, None]
     index = jnp.arange(state.prompt.shape[1])[None]
     max_new = state.rows.tokens.shape[1]
@@ -511,12 +494,8 @@ def _prefix(cache: KVCache | PagedKVCache, view: int) -> KVCache | PagedKVCache:
             page_table=cache.page_table[:, : view // cache.page_size],
             valid=cache.valid[:, :view],
         )
-    return KVCache(
-        k=[k[:, :, :view] for k in cache.k],
-        v=[v[:, :, :view] for v in cache.v],
-        valid=cache.valid[:, :view],
-        end=cache.end,
-    )
+    k, v = cache.each_layer(lambda x: x[:, :, :view])
+    return KVCache(k=k, v=v, valid=cache.valid[:, :view], end=cache.end)
 
 
 def _write_prefix(
@@ -545,12 +524,9 @@ def _write_prefix(
 
     last_valid = jnp.where(full.end >= view, full.valid[:, view - 1], part.valid[:, view - 1])
     valid = part.valid.at[:, view - 1].set(last_valid)
-    return KVCache(
-        k=[put(w, n) for w, n in zip(full.k, part.k, strict=True)],
-        v=[put(w, n) for w, n in zip(full.v, part.v, strict=True)],
-        valid=jax.lax.dynamic_update_slice_in_dim(full.valid, valid, 0, axis=1),
-        end=part.end,
-    )
+    k, v = full.each_layer(put, part)
+    valid = jax.lax.dynamic_update_slice_in_dim(full.valid, valid, 0, axis=1)
+    return KVCache(k=k, v=v, valid=valid, end=part.end)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))

@@ -7,6 +7,7 @@ from rlaxkit.models.hf import (
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
+from rlaxkit.models.kv_cache import KVCache
 from rlaxkit.models.layout import (
     is_stacked,
     relayout,
@@ -23,7 +24,6 @@ from rlaxkit.models.tokenizer import (
 )
 from rlaxkit.models.transformer import (
     REMAT_POLICIES,
-    KVCache,
     RematPolicy,
     Transformer,
     positions_from_mask,

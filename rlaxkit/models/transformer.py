@@ -19,15 +19,14 @@ Depth and memory: with ``ModelConfig.scan_layers`` the blocks are stored stacked
 the training forward is one ``lax.scan`` over them (one block's program, compiled once);
 ``hidden_states(..., remat=...)`` recomputes each block's activations in the backward
 pass instead of keeping them (``"dots"`` keeps the outputs of the weight matmuls,
-``"full"`` only each block's input). Neither changes a number. ``decode`` keeps a
-Python loop over layers (the sampler's cache is one array per layer) and takes each
-block's weights from the stack by a static index.
+``"full"`` only each block's input). Neither changes a number. ``decode`` scans the
+stacked blocks too, over a stacked cache (``rlaxkit.models.kv_cache``); per-layer models
+decode in a Python loop over one cache array per layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, overload
 
 import jax
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlaxkit.models.config import ModelConfig
+from rlaxkit.models.kv_cache import KVCache, store
 
 Rope: TypeAlias = tuple[jax.Array, jax.Array]  # ``rope_tables``: (cos, sin), [B, T, 1, D]
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives no NaN
@@ -64,45 +64,6 @@ def _rematted(
         return fn
     policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "dots" else None
     return jax.checkpoint(fn, policy=policy, prevent_cse=not in_scan)
-
-
-@jax.tree_util.register_dataclass
-@dataclass
-class KVCache:
-    """Preallocated keys and values of every layer.
-
-    Attributes:
-        k: one array per layer, ``[batch, kv_heads, slots, head_dim]`` (heads before
-            slots: the layout attention contracts in, so a decode step reads the cache
-            without transposing it).
-        v: like ``k``.
-        valid: ``[batch, slots]`` bool, the slot holds a real (non-padding) token.
-        end: ``[batch]`` int32, the next slot each row writes to.
-    """
-
-    k: list[jax.Array]
-    v: list[jax.Array]
-    valid: jax.Array
-    end: jax.Array
-
-    @property
-    def slots(self) -> int:
-        """Capacity of the cache in tokens per row."""
-        return self.valid.shape[1]
-
-    @classmethod
-    def zeros(
-        cls, config: ModelConfig, batch: int, slots: int, dtype: jnp.dtype | None = None
-    ) -> KVCache:
-        """An empty cache for ``batch`` rows of ``slots`` tokens each."""
-        dtype = dtype or jnp.dtype(config.param_dtype)
-        shape = (batch, config.num_kv_heads, slots, config.head_dim)
-        return cls(
-            k=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
-            v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
-            valid=jnp.zeros((batch, slots), bool),
-            end=jnp.zeros((batch,), jnp.int32),
-        )
 
 
 def rope_frequencies(config: ModelConfig) -> jax.Array:
@@ -269,6 +230,7 @@ class Block(nnx.Module):
         rope: Rope,
         mask: jax.Array,
         cache_kv: tuple[jax.Array, jax.Array, jax.Array],
+        layer: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]: ...
 
     def __call__(
@@ -277,7 +239,10 @@ class Block(nnx.Module):
         rope: Rope,
         mask: jax.Array,
         cache_kv: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+        layer: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """``cache_kv`` is ``(keys, values, start)``: this layer's ``[B, KV, S, D]``, or
+        with ``layer`` every layer's stacked ``[L, B, KV, S, D]`` (``KVCache.stacked``)."""
         b, t, h = x.shape
         x = x.reshape(b * t, h)  # dense layers see 2-D activations (see ``project``)
         q, k, v = self.self_attn.project(self.input_layernorm(x), rope)
@@ -285,12 +250,9 @@ class Block(nnx.Module):
         new_kv = None
         if cache_kv is not None:
             cache_k, cache_v, start = cache_kv
-            write = jax.vmap(
-                lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new, i, 1)
-            )
-            cache_k = write(cache_k, k.astype(cache_k.dtype), start)
-            cache_v = write(cache_v, v.astype(cache_v.dtype), start)
-            k, v, new_kv = cache_k, cache_v, (cache_k, cache_v)
+            cache_k, cache_v = store(cache_k, k, start, layer), store(cache_v, v, start, layer)
+            new_kv = (cache_k, cache_v)
+            k, v = (cache_k, cache_v) if layer is None else (cache_k[layer], cache_v[layer])
         x = x + self.self_attn.attend(q, k, v, mask)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x.reshape(b, t, h), new_kv
@@ -459,13 +421,31 @@ class Transformer(nnx.Module):
         mask = valid[:, None, :] & (slot_ids[None, None, :] <= new_slots[:, :, None])
         rope = rope_tables(positions, rope_frequencies(self.config))
         x = self.embed_tokens(tokens)
-        ks, vs = [], []
-        for layer, k, v in zip(self.blocks(), cache.k, cache.v, strict=True):
-            x, (k, v) = call_block(layer, x, rope, mask, (k, v, start))
-            ks.append(k)
-            vs.append(v)
-        logits = self.unembed(self.norm(x))
-        return logits, KVCache(k=ks, v=vs, valid=valid, end=start + t)
+        if isinstance(self.layers, Block) and cache.stacked:  # one scan step per layer
+            graphdef, stacked = nnx.split(self.layers)
+
+            Carry = tuple[jax.Array, jax.Array, jax.Array]
+
+            def scan_step(carry: Carry, layer: tuple[object, jax.Array]) -> tuple[Carry, None]:
+                x, k, v = carry
+                block = nnx.merge(graphdef, layer[0])
+                x, (k, v) = block(x, rope, mask, (k, v, start), layer=layer[1])
+                return (x, k, v), None
+
+            assert isinstance(cache.k, jax.Array) and isinstance(cache.v, jax.Array)
+            layers = (stacked, jnp.arange(self.config.num_layers))
+            (x, k_all, v_all), _ = jax.lax.scan(scan_step, (x, cache.k, cache.v), layers)
+            new_cache = KVCache(k=k_all, v=v_all, valid=valid, end=start + t)
+        else:
+            ks, vs = [], []
+            for block, k, v in zip(self.blocks(), cache.k, cache.v, strict=True):
+                x, (k, v) = call_block(block, x, rope, mask, (k, v, start))
+                ks.append(k)
+                vs.append(v)
+            new_cache = KVCache(k=ks, v=vs, valid=valid, end=start + t)
+            if cache.stacked:  # a stacked cache given to per-layer blocks stays stacked
+                new_cache.k, new_cache.v = jnp.stack(ks), jnp.stack(vs)
+        return self.unembed(self.norm(x)), new_cache
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:

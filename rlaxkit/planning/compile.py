@@ -17,6 +17,10 @@ Programs, each the one rlaxkit runs:
   worker of ``sampler_chips`` holds them (split over ``model`` only), on the trainer's
   chips: what a push gathers before the bytes leave the slice.
 
+With stacked blocks (``scan_layers``) prefill and decode scan the layers over a stacked
+dense KV cache, as an engine with a dense cache then does (a paged cache keeps one pool
+per layer), and their FLOPs and time come from probes like the train step's (below).
+
 With ``plan.target`` the devices are a TPU topology's compile-only devices
 (``rlaxkit.planning.tpu``) and XLA:TPU compiles; its cost analysis adds
 ``optimal_seconds``, the compiler's time estimate, read like the FLOPs (the train step's
@@ -277,11 +281,12 @@ def sampler_lowerings(
     kv = "model" if model.num_kv_heads % model_size == 0 else None
 
     def state_sharding(path: Any, leaf: Any) -> NamedSharding:
-        # KV caches [rows, kv_heads, slots, head_dim] split their heads over the worker's
-        # chips, as its attention heads are; everything else is small and replicated.
+        # KV caches [rows, kv_heads, slots, head_dim] (stacked: [layers, rows, ...]) split
+        # their heads over the worker's chips, as its attention heads are; everything
+        # else is small and replicated.
         names = {str(getattr(k, "name", getattr(k, "key", k))) for k in path}
-        if "cache" in names and names & {"k", "v"} and leaf.ndim == 4:
-            return NamedSharding(mesh, P(None, kv))
+        if "cache" in names and names & {"k", "v"} and leaf.ndim in (4, 5):
+            return NamedSharding(mesh, P(*[None] * (leaf.ndim - 3), kv))
         return NamedSharding(mesh, P())
 
     state = _with_shardings(state, jax.tree_util.tree_map_with_path(state_sharding, state))
@@ -328,21 +333,44 @@ def sampler_lowerings(
 
 
 def compile_sampler(plan: PlanConfig) -> list[ProgramCost]:
-    """Prefill and one decode step of a worker with ``slots`` rows of ``length`` slots."""
+    """Prefill and one decode step of a worker with ``slots`` rows of ``length`` slots.
+
+    Stacked blocks prefill and decode in a layer scan whose body XLA counts once: memory
+    is the real program's, FLOPs and time come from probes of one and two per-layer
+    blocks (the same programs, unrolled), scaled to the depth as the train step's are."""
     model = plan.model_config().replace(param_dtype=plan.compute_dtype)
-    lowerings = sampler_lowerings(
-        model,
-        worker_mesh(plan),
-        rows=plan.slots,
-        prompt_tokens=plan.prompt_tokens,
-        completion_tokens=plan.completion_tokens,
-        samples_per_prompt=plan.samples_per_prompt,
-    )
-    return [
-        _measure(name, lowerings[name], plan.sampler_chips)
-        for name in ("prefill", "decode")
-        if name in plan.programs
-    ]
+    mesh = worker_mesh(plan)
+
+    def lowerings(model: ModelConfig) -> dict[str, Callable[[], object]]:
+        return sampler_lowerings(
+            model,
+            mesh,
+            rows=plan.slots,
+            prompt_tokens=plan.prompt_tokens,
+            completion_tokens=plan.completion_tokens,
+            samples_per_prompt=plan.samples_per_prompt,
+        )
+
+    names = [name for name in ("prefill", "decode") if name in plan.programs]
+    real = lowerings(model)
+    out = [_measure(name, real[name], plan.sampler_chips) for name in names]
+    if not model.scan_layers or model.num_layers == 1:
+        return out
+    probes = [lowerings(model.replace(num_layers=n, scan_layers=False)) for n in (1, 2)]
+    layers = model.num_layers
+    for i, cost in enumerate(out):
+        if not cost.compiled:
+            continue
+        one, two = (_measure(f"{cost.name}_probe", p[cost.name], 0) for p in probes)
+        out[i] = dataclasses.replace(
+            cost,
+            flops=_scaled(one.flops, two.flops, layers, 1),
+            bytes_accessed=_scaled(one.bytes_accessed, two.bytes_accessed, layers, 1),
+            loop_flops=cost.flops,
+            optimal_s=_scaled(one.optimal_s, two.optimal_s, layers, 1),
+            loop_optimal_s=cost.optimal_s,
+        )
+    return out
 
 
 def publish_lowering(model: ModelConfig, mesh: Mesh, sampler_chips: int, dtype: str) -> Any:
