@@ -27,11 +27,9 @@
 #
 # The plan is `configs/plan/qwq32b_v5p_1024.yaml`: a v5p-512 trainer slice (256 chips)
 # and 96 inference workers of 8 chips, completions of up to 32k tokens, GRPO groups of
-# 16. The file says why that split. Compiling its programs takes minutes to hours on two
-# cores, so this notebook reads the result stored beside the YAML, written by
-# `rlaxkit plan configs/plan/qwq32b_v5p_1024.yaml --set 'programs=[train,decode,publish]'
-# --json` (15 minutes on two cores; the workers' prefill, 64 layers unrolled, ran past 30
-# and is left out).
+# 16. The file says why that split. Compiling its programs takes minutes on two cores,
+# so this notebook reads the result stored beside the YAML, written by
+# `rlaxkit plan configs/plan/qwq32b_v5p_1024.yaml --json` (7 minutes on two cores).
 
 # %% tags=["parameters"]
 import os
@@ -61,7 +59,8 @@ PLAN = ROOT / "configs/plan/qwq32b_v5p_1024.yaml"
 # per chip, against the chip's HBM; whether it fits; its FLOPs per chip; and the
 # compiler's estimated time (an estimate from the compiler's cost model, not a
 # measurement). `train` is one step of the trainer: 256 rows of 33 792 tokens in 8
-# micro-batches on 256 chips; `decode` is one step of a worker's 64 sequences; `publish`
+# micro-batches on 256 chips; `prefill` starts a worker's 64 sequences from 4 prompts of
+# 1 024 tokens; `decode` is one step of a worker's 64 sequences; `publish`
 # converts the trainer's float32 master weights to the bfloat16 a worker holds and splits
 # them as its 8 chips do.
 
@@ -72,10 +71,10 @@ summary = plan.summary()
 print("compiled by:", summary["compiler"])
 
 # %% [markdown]
-# A worker's 8 chips hold the weights and 64 sequences of up to 33 792 tokens: 73.9 GiB
-# of the 95 GiB of HBM per chip, so the decode step fits with room to spare. The
-# compiler puts one step of the 64 rows at full length at about 40 ms, a little under
-# the 48 ms the roofline at 60 % of HBM bandwidth gives. The train step fits at 67 GiB per
+# A worker's 8 chips hold the weights and 64 sequences of up to 33 792 tokens: 73.8 GiB
+# of the 95 GiB of HBM per chip for a decode step, 74.8 GiB for a prefill, so both fit
+# with room to spare. The compiler puts one step of the 64 rows at full length at about
+# 46 ms, a little under the 48 ms the roofline at 60 % of HBM bandwidth gives. The train step fits at 67 GiB per
 # chip on the trainer's `(1, 32, 8)` mesh (the YAML says why not `(1, 64, 4)`). The
 # compiler puts it at about 126 s, 14 % MFU against the 40 % the plan assumed: at 33k
 # tokens a row, the training forward's attention materialises each head's 33k x 33k
@@ -110,7 +109,7 @@ for name, result in runs.items():
 # The compiled plan predicts fewer samples per second than the preset's assumptions, for
 # two reasons. The plan gives the fleet 96 workers of 8 chips (768 chips, the rest is
 # the trainer's) where the preset assumed 128 workers (1024 chips) beside the trainer.
-# And a decode step of 64 sequences costs about 40 ms in the plan against 20 ms in the
+# And a decode step of 64 sequences costs about 46 ms in the plan against 20 ms in the
 # preset: the compiled step reads every row's cache at its full 33 792 tokens, while the
 # preset assumed a 12k-token mean context (the plan's figure is an upper bound for
 # shorter rows). Either way the fleet, not the trainer, bounds this run: a question to

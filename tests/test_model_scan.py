@@ -241,7 +241,6 @@ SHARDED = textwrap.dedent(
     from flax import nnx
     from test_trainer import CONFIG, OPTIMIZER, batch_of, relative_error
     from rlaxkit.algorithms import algorithm
-from rlaxkit.models.kv_cache import store
     from rlaxkit.models import Transformer, unstack_layers
     from rlaxkit.trainer.config import TrainConfig
     from rlaxkit.trainer.state import create_train_state
