@@ -352,6 +352,54 @@ def test_public_surface():
     assert rlaxkit.plan is rlaxkit.planning.plan
 
 
+def test_remat_probes_are_skipped_where_the_compiler_gives_no_time(monkeypatch):
+    """This libtpu gives no time estimate for v5e and v6e train steps: the probes with
+    the plan's remat, which only time the step, are not compiled there (two of the
+    plan's longest compiles); where it gives one, they are."""
+    import rlaxkit.planning.compile as compile_module
+
+    probes = ["train_probe_1", "train_probe_2"]
+    for seconds, expected in ((0.0, ["train", *probes]), (1.0, ["train", *probes, *probes])):
+        names = []
+
+        def measured(name, lowered_fn, devices, seconds=seconds, names=names):
+            names.append(name)
+            return ProgramCost(
+                name=name,
+                devices=devices,
+                argument_bytes=GIB,
+                output_bytes=0,
+                alias_bytes=0,
+                temp_bytes=GIB,
+                flops=2e12 if name == "train_probe_2" else 1e12,
+                bytes_accessed=0.0,
+                compile_s=0.1,
+                optimal_s=seconds,
+            )
+
+        monkeypatch.setattr(compile_module, "_measure", measured)
+        monkeypatch.setattr(compile_module, "_train_parts", lambda *a, **k: (_Step(), None, None))
+        monkeypatch.setattr(compile_module, "trainer_mesh", lambda plan: None)
+        config = PlanConfig(
+            model="qwen2.5-0.5b",
+            num_layers=2,
+            mesh=(1, 2, 2),
+            rows=2,
+            remat="full",
+            target="v5e:2x2",
+            programs=("train",),
+        )
+        (train,) = compile_train(config)
+        assert names == expected
+        assert train.flops == pytest.approx(2e12)  # f1 + (L - 1)(f2 - f1)
+        assert train.optimal_s == seconds
+
+
+class _Step:
+    def lower(self, *args):
+        return None
+
+
 def test_a_refused_probe_leaves_the_step_without_flops_not_negative(monkeypatch):
     """XLA:TPU refused a two-layer probe of Qwen3-8B on v6e (no remat at 8k tokens):
     its zero FLOPs made the step's ``micro · (f₁ + (L − 1)(f₂ − f₁))`` negative (the

@@ -230,7 +230,11 @@ def compile_train(plan: PlanConfig) -> list[ProgramCost]:
     # A probe XLA:TPU refused (without remat, a layer's activations at the plan's length
     # may not fit) has no figures: 0, unknown, rather than a difference with nothing.
     total = _scaled(one.flops, two.flops, layers, micro) if one.compiled and two.compiled else 0.0
-    if plan.remat != "none" and plan.target:  # recomputation takes time, not model FLOPs
+    # Recomputation takes time, not model FLOPs: probes with the plan's remat time it,
+    # unless both probes compiled and this libtpu gave neither a time (its v5e and v6e
+    # train steps): those two compiles would say nothing.
+    untimed = one.compiled and two.compiled and not (one.optimal_s and two.optimal_s)
+    if plan.remat != "none" and plan.target and not untimed:
         one, two = _probes(plan, mesh, plan.remat)
     timed = one.compiled and two.compiled
     seconds = _scaled(one.optimal_s, two.optimal_s, layers, micro) if timed else 0.0
