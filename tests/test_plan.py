@@ -359,11 +359,18 @@ def test_remat_probes_are_skipped_where_the_compiler_gives_no_time(monkeypatch):
     import rlaxkit.planning.compile as compile_module
 
     probes = ["train_probe_1", "train_probe_2"]
-    for seconds, expected in ((0.0, ["train", *probes]), (1.0, ["train", *probes, *probes])):
+    cases = (  # (a one-layer probe's time, the others'), programs compiled, the step's time
+        ((0.0, 0.0), ["train", *probes], 0.0),
+        ((1.0, 1.0), ["train", *probes, *probes], 1.0),
+        ((0.0, 1.0), ["train", *probes], 0.0),  # one probe untimed: no time, never negative
+    )
+    for (first, seconds), expected, step_s in cases:
         names = []
 
-        def measured(name, lowered_fn, devices, seconds=seconds, names=names):
+        def measured(name, lowered_fn, devices, first=first, seconds=seconds, names=names):
             names.append(name)
+            if name == "train_probe_1":
+                seconds = first
             return ProgramCost(
                 name=name,
                 devices=devices,
@@ -392,7 +399,7 @@ def test_remat_probes_are_skipped_where_the_compiler_gives_no_time(monkeypatch):
         (train,) = compile_train(config)
         assert names == expected
         assert train.flops == pytest.approx(2e12)  # f1 + (L - 1)(f2 - f1)
-        assert train.optimal_s == seconds
+        assert train.optimal_s == step_s
 
 
 class _Step:

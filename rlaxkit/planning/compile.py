@@ -203,6 +203,12 @@ def _scaled(first: float, second: float, layers: int, micro: int) -> float:
     return micro * (first + (layers - 1) * (second - first))
 
 
+def _timed(one: ProgramCost, two: ProgramCost) -> bool:
+    """Both probes have XLA:TPU's time: one without (0, from a refusal or an estimate this
+    libtpu does not give) would scale to a wrong or negative time, so it stays unknown."""
+    return one.compiled and two.compiled and one.optimal_s > 0 and two.optimal_s > 0
+
+
 def _probes(plan: PlanConfig, mesh: Mesh, remat: Remat) -> tuple[ProgramCost, ProgramCost]:
     model = plan.model_config()
     probe_plan = dataclasses.replace(plan, remat=remat)
@@ -236,8 +242,7 @@ def compile_train(plan: PlanConfig) -> list[ProgramCost]:
     untimed = one.compiled and two.compiled and not (one.optimal_s and two.optimal_s)
     if plan.remat != "none" and plan.target and not untimed:
         one, two = _probes(plan, mesh, plan.remat)
-    timed = one.compiled and two.compiled
-    seconds = _scaled(one.optimal_s, two.optimal_s, layers, micro) if timed else 0.0
+    seconds = _scaled(one.optimal_s, two.optimal_s, layers, micro) if _timed(one, two) else 0.0
     return [
         dataclasses.replace(
             real,
@@ -371,7 +376,7 @@ def compile_sampler(plan: PlanConfig) -> list[ProgramCost]:
             flops=_scaled(one.flops, two.flops, layers, 1),
             bytes_accessed=_scaled(one.bytes_accessed, two.bytes_accessed, layers, 1),
             loop_flops=cost.flops,
-            optimal_s=_scaled(one.optimal_s, two.optimal_s, layers, 1),
+            optimal_s=_scaled(one.optimal_s, two.optimal_s, layers, 1) if _timed(one, two) else 0.0,
             loop_optimal_s=cost.optimal_s,
         )
     return out
