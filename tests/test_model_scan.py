@@ -89,8 +89,7 @@ def test_a_stacked_cache_decodes_in_one_scan_as_the_per_layer_cache():
     decode = nnx.jit(lambda model, cache, t, p, m: model.decode(t, p, cache, m))
     caches = {"list": KVCache.zeros(CONFIG, 3, 8), "stacked": KVCache.zeros(SCAN, 3, 8)}
     assert caches["stacked"].stacked and not caches["list"].stacked
-    batch, heads, slots, dim = caches["list"].k[0].shape
-    assert caches["stacked"].k.shape == (CONFIG.num_layers, batch, slots, heads, dim)
+    assert caches["stacked"].k.shape == (CONFIG.num_layers, *caches["list"].k[0].shape)
     models = {"list": per_layer, "stacked": stacked}
     positions = jnp.broadcast_to(jnp.arange(6), (3, 6))
     feeds = [(tokens, positions, mask)]
@@ -106,8 +105,7 @@ def test_a_stacked_cache_decodes_in_one_scan_as_the_per_layer_cache():
             (caches["stacked"].k, caches["list"].k),
             (caches["stacked"].v, caches["list"].v),
         ):
-            # The stack keeps slots before heads: [layers, rows, slots, kv_heads, dim].
-            np.testing.assert_allclose(got, jnp.stack(want).swapaxes(2, 3), rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(got, jnp.stack(want), rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(caches["stacked"].valid, caches["list"].valid)
         np.testing.assert_array_equal(caches["stacked"].end, caches["list"].end)
 
@@ -123,13 +121,11 @@ def test_a_stacked_store_writes_its_layer_as_a_dynamic_update_slice_writes_one(
 ):
     # Starts past ``slots - tokens`` (up to 9 of 8 slots) move back, as a dynamic update
     # slice moves them; the other layers keep every value.
-    # The stack is [layers, rows, slots, kv_heads, dim], one layer [rows, kv_heads, ...].
     rng = np.random.RandomState(tokens)
-    stacked = jnp.asarray(rng.standard_normal((3, 3, 8, 2, 2)), jnp.float32)
+    stacked = jnp.asarray(rng.standard_normal((3, 3, 2, 8, 2)), jnp.float32)
     new = jnp.asarray(rng.standard_normal((3, 2, tokens, 2)), jnp.float32)
     start = jnp.asarray(starts, jnp.int32)
-    one_layer = store(stacked[layer].swapaxes(1, 2), new, start).swapaxes(1, 2)
-    want = stacked.at[layer].set(one_layer)
+    want = stacked.at[layer].set(store(stacked[layer], new, start))
     np.testing.assert_array_equal(store(stacked, new, start, jnp.int32(layer)), want)
 
 

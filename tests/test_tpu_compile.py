@@ -99,10 +99,9 @@ def test_plan_figures_equal_a_direct_compile():
 
     def place(path, leaf):
         names = {str(getattr(k, "name", getattr(k, "key", k))) for k in path}
-        # The KV cache, stacked over the layers ([layers, rows, slots, kv_heads, head_dim]):
-        # heads split.
+        # The KV cache, stacked over the layers ([layers, rows, kv_heads, ...]): heads split.
         heads = "model" if "cache" in names and names & {"k", "v"} and leaf.ndim == 5 else None
-        spec = P(None, None, None, heads) if heads else P()
+        spec = P(None, None, heads) if heads else P()
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
 
     state = jax.tree_util.tree_map_with_path(place, state)

@@ -132,9 +132,8 @@ def gather_rows(cache: PagedKVCache, rows: jax.Array) -> KVCache:
 def scatter_rows(
     cache: PagedKVCache, dest: jax.Array, part: KVCache, write: jax.Array
 ) -> list[jax.Array]:
-    """The pools with slots ``0 .. W - 1`` of dense ``part`` (``A`` rows of ``>= W`` slots,
-    per layer or stacked; ``W = write.shape[1]``) written into rows ``dest`` where
-    ``write [A, W]`` is set.
+    """The pools with slots ``0 .. W - 1`` of dense ``part`` (``[A, kv_heads, >= W, D]``,
+    ``W = write.shape[1]``) written into rows ``dest`` where ``write [A, W]`` is set.
 
     Rows ``dest >= R`` (padding) and slots past a row's pages write to the null page. Rows
     sharing a page write it with the same values (they hold the same prompt).
@@ -149,9 +148,7 @@ def scatter_rows(
     offset = jnp.broadcast_to(slot % cache.page_size, page.shape)
     pools = []
     for pool, k, v in zip(cache.pages, part.k, part.v, strict=True):
-        # A layer's [A, slots, kv_heads, D]: a stacked cache's own layout, else swapped.
-        k, v = (k, v) if part.stacked else (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
-        kv = interleave(k[:, :width], v[:, :width])
+        kv = interleave(jnp.swapaxes(k[:, :, :width], 1, 2), jnp.swapaxes(v[:, :, :width], 1, 2))
         pools.append(pool.at[page, offset].set(kv.astype(pool.dtype)))
     return pools
 

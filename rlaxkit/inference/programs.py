@@ -195,9 +195,8 @@ def _start_rows(
     prefill = KVCache.zeros(model.config, num_prompts, width, _cache_dtype(state.cache))
     _, prefill = model.decode(prompts, positions, prefill, context_mask)
 
-    def copy(full, part):  # a layer's [rows, kv_heads, slots, head_dim], or stacked's
-        prompt_slots = (*[slice(None)] * (prefill.slot_axis - 1), slice(0, width))
-        return full.at[(dest, *prompt_slots)].set(part[source], mode="drop")
+    def copy(full, part):  # cache layout [rows, kv_heads, slots, head_dim]
+        return full.at[dest, :, :width].set(part[source], mode="drop")
 
     valid = jnp.pad(prefill.valid[source], ((0, 0), (0, slots - width)))
     valid = state.cache.valid.at[dest].set(valid, mode="drop")
@@ -205,8 +204,12 @@ def _start_rows(
     cache: KVCache | PagedKVCache
     if isinstance(state.cache, PagedKVCache):
         # Samples of one prompt write its shared full pages with the same values.
-        k, v = prefill.each_layer(lambda p: p[source])
-        rows_part = KVCache(k=k, v=v, valid=prefill.valid[source], end=prefill.end[source])
+        rows_part = KVCache(
+            k=[p[source] for p in prefill.k],
+            v=[p[source] for p in prefill.v],
+            valid=prefill.valid[source],
+            end=prefill.end[source],
+        )
         write = jnp.ones((len(dest), width), bool)
         pages = scatter_rows(state.cache, dest, rows_part, write)
         cache = dataclasses.replace(state.cache, pages=pages, valid=valid, end=end)
@@ -292,8 +295,8 @@ def extend_rows(
     # ``decode`` writes ``width`` slots from each row's end and a dynamic update slice
     # clamps its start to stay in bounds, which would shift the write back; ``width``
     # spare slots keep every write where it belongs (real tokens fit by the caller).
-    def pad(full):  # width more slots
-        return jnp.pad(full, [(0, width if i == rows_cache.slot_axis else 0) for i in range(4)])
+    def pad(full):  # [rows, kv_heads, slots, head_dim]
+        return jnp.pad(full, ((0, 0), (0, 0), (0, width), (0, 0)))
 
     if isinstance(state.cache, PagedKVCache):
         rows_cache = gather_rows(state.cache, row)
@@ -305,9 +308,7 @@ def extend_rows(
     _, part = model.decode(feed, positions, part, feed_mask)
 
     def put(full, new):
-        return full.at[dest].set(
-            jax.lax.slice_in_dim(new, 0, slots, axis=part.slot_axis), mode="drop"
-        )
+        return full.at[dest].set(new[:, :, :slots], mode="drop")
 
     valid = state.cache.valid.at[dest].set(part.valid[:, :slots], mode="drop")
     end = state.cache.end.at[dest].set(start + observation_len, mode="drop")
@@ -493,7 +494,7 @@ def _prefix(cache: KVCache | PagedKVCache, view: int) -> KVCache | PagedKVCache:
             page_table=cache.page_table[:, : view // cache.page_size],
             valid=cache.valid[:, :view],
         )
-    k, v = cache.each_layer(lambda x: jax.lax.slice_in_dim(x, 0, view, axis=cache.slot_axis))
+    k, v = cache.each_layer(lambda x: x[:, :, :view])
     return KVCache(k=k, v=v, valid=cache.valid[:, :view], end=cache.end)
 
 
@@ -515,12 +516,11 @@ def _write_prefix(
     assert isinstance(part, KVCache)
     outside = (full.end >= view)[:, None, None]  # [rows, 1, 1]: broadcast over heads, dim
 
-    axis = full.slot_axis
-
     def put(whole: jax.Array, new: jax.Array) -> jax.Array:
-        at = (*[slice(None)] * axis, view - 1)
-        last = jnp.where(outside, whole[at], new[at])
-        return jax.lax.dynamic_update_slice_in_dim(whole, new.at[at].set(last), 0, axis=axis)
+        last = jnp.where(outside, whole[:, :, view - 1], new[:, :, view - 1])
+        return jax.lax.dynamic_update_slice_in_dim(
+            whole, new.at[:, :, view - 1].set(last), 0, axis=2
+        )
 
     last_valid = jnp.where(full.end >= view, full.valid[:, view - 1], part.valid[:, view - 1])
     valid = part.valid.at[:, view - 1].set(last_valid)

@@ -1,17 +1,12 @@
 """The decoder's preallocated KV cache: one array per layer, or one stacked array.
 
 A model whose blocks are stacked (``ModelConfig.scan_layers``) gets a stacked cache,
-``[layers, batch, slots, kv_heads, head_dim]``, and ``Transformer.decode`` runs its
-layers as one ``lax.scan`` that writes each layer's new keys and values into the stack in
-place: XLA compiles one block instead of one per layer and computes the same numbers.
-Slots come before heads in the stack because XLA:TPU writes a slot of every row in place
-only when the slots axis is not one of the two minor axes it tiles: with heads first and
-two KV heads per chip, it copied the whole stacked cache into such a layout and back
-around the decode loop (twice the cache's memory; one head per chip hid it). Per-layer
-models keep a list of ``[batch, kv_heads, slots, head_dim]`` arrays.
-``KVCache.each_layer`` applies a function to every layer in either layout
-(``slot_axis`` says where the slots are), so the sampler's programs are written once
-for both.
+``[layers, batch, kv_heads, slots, head_dim]``, and ``Transformer.decode`` runs its
+layers as one ``lax.scan`` that writes each layer's new keys and values into the stack
+in place (``store``): XLA compiles one block instead of one per layer and computes the
+same numbers. Per-layer models keep a list of ``[batch, kv_heads, slots, head_dim]``
+arrays. ``KVCache.each_layer`` applies a function to every layer in either layout, so
+the sampler's programs are written once for both.
 """
 
 from __future__ import annotations
@@ -36,9 +31,9 @@ class KVCache:
 
     Attributes:
         k: one array per layer, ``[batch, kv_heads, slots, head_dim]`` (heads before
-            slots: the layout attention contracts in, so a decode step on a CPU reads
-            the cache without transposing it); or, for a model with stacked blocks, one
-            array ``[layers, batch, slots, kv_heads, head_dim]`` (see above).
+            slots: the layout attention contracts in, so a decode step reads the cache
+            without transposing it); or, for a model with stacked blocks, one array
+            ``[layers, batch, kv_heads, slots, head_dim]``.
         v: like ``k``.
         valid: ``[batch, slots]`` bool, the slot holds a real (non-padding) token.
         end: ``[batch]`` int32, the next slot each row writes to.
@@ -59,17 +54,6 @@ class KVCache:
         """The layers' keys and values are one array each (``scan_layers`` models)."""
         return not isinstance(self.k, list)
 
-    @property
-    def slot_axis(self) -> int:
-        """The slots axis of one layer's keys as ``each_layer`` passes them: 2 in
-        ``[batch, kv_heads, slots, head_dim]``, 1 in a stacked cache's ``[batch, slots,
-        kv_heads, head_dim]``."""
-        return 1 if self.stacked else 2
-
-    def heads_first(self, layer: jax.Array) -> jax.Array:
-        """One layer's keys or values as ``[batch, kv_heads, slots, head_dim]``."""
-        return jnp.swapaxes(layer, 1, 2) if self.stacked else layer
-
     @classmethod
     def zeros(
         cls, config: ModelConfig, batch: int, slots: int, dtype: jnp.dtype | None = None
@@ -82,31 +66,30 @@ class KVCache:
         >>> KVCache.zeros(cfg, 2, 5).k[0].shape, KVCache.zeros(cfg, 2, 5).stacked
         ((2, 1, 5, 4), False)
         >>> KVCache.zeros(cfg.replace(scan_layers=True), 2, 5).k.shape
-        (3, 2, 5, 1, 4)
+        (3, 2, 1, 5, 4)
         """
         dtype = dtype or jnp.dtype(config.param_dtype)
-        heads, dim, layers = config.num_kv_heads, config.head_dim, config.num_layers
+        shape = (batch, config.num_kv_heads, slots, config.head_dim)
+        layers = config.num_layers
         if config.scan_layers:
-            k: Layers = jnp.zeros((layers, batch, slots, heads, dim), dtype)
-            v: Layers = jnp.zeros((layers, batch, slots, heads, dim), dtype)
+            k: Layers = jnp.zeros((layers, *shape), dtype)
+            v: Layers = jnp.zeros((layers, *shape), dtype)
         else:
-            k = [jnp.zeros((batch, heads, slots, dim), dtype) for _ in range(layers)]
-            v = [jnp.zeros((batch, heads, slots, dim), dtype) for _ in range(layers)]
+            k = [jnp.zeros(shape, dtype) for _ in range(layers)]
+            v = [jnp.zeros(shape, dtype) for _ in range(layers)]
         return cls(
             k=k, v=v, valid=jnp.zeros((batch, slots), bool), end=jnp.zeros((batch,), jnp.int32)
         )
 
     def each_layer(self, fn: Callable[..., jax.Array], *others: KVCache) -> tuple[Layers, Layers]:
-        """``(keys, values)``: ``fn`` applied to every layer's keys, then values, with the
-        same layer of each of ``others`` as further arguments. A layer comes in its
-        cache's layout (``slot_axis``), which all of them must share. Stacked caches stay
-        stacked (``fn`` is mapped over the layer axis, one program for all layers)."""
-        if any(other.stacked != self.stacked for other in others):
-            raise ValueError("each_layer: the caches must all be stacked or all per layer")
+        """``(keys, values)``: ``fn`` applied to every layer's ``[batch, kv_heads, slots,
+        head_dim]`` keys, then values, with the same layer of each of ``others`` as further
+        arguments. Stacked caches stay stacked (``fn`` is mapped over the layer axis, one
+        program for all layers); where any is a list, the result is a list."""
 
         def each(name: str) -> Layers:
             arrays = [getattr(cache, name) for cache in (self, *others)]
-            if not self.stacked:
+            if any(isinstance(a, list) for a in arrays):
                 return [fn(*layer) for layer in zip(*arrays, strict=True)]
             return jax.vmap(fn)(*arrays)
 
@@ -121,26 +104,38 @@ def store(
     slice moves it.
 
     ``cache`` is one layer's ``[B, KV, S, D]``, or with ``layer`` the stacked
-    ``[L, B, S, KV, D]``, written at that layer only: in place inside the layer scan, where
+    ``[L, B, KV, S, D]``, written at that layer only: in place inside the layer scan, where
     taking the layer's slice out and putting it back would copy the whole layer.
     """
     if layer is None:
         write = jax.vmap(lambda buf, x, i: jax.lax.dynamic_update_slice_in_dim(buf, x, i, 1))
         return write(cache, new.astype(cache.dtype), start)
-    rows, _, t, _ = new.shape
-    first = jnp.clip(start, 0, cache.shape[2] - t)
-    # One window [T, KV, D] per row at (layer, row, first): the scatter that a dynamic
-    # update slice mapped over the rows is.
-    index = jnp.stack([jnp.broadcast_to(layer, (rows,)), jnp.arange(rows), first], axis=1)
+    rows, heads, t, dim = new.shape
+    first = jnp.clip(start, 0, cache.shape[-2] - t)
+    # One window [T, D] per row and head at (layer, row, head, first). XLA:TPU writes such
+    # windows in place in the cache's own layout; with one window [KV, T, D] per row (a
+    # dynamic update slice mapped over the rows), or indexed as cache[layer, rows, :,
+    # slots], it laid the whole stack out again around the decode loop wherever a chip
+    # held two heads (Qwen3-8B's v5e worker: 22.24 GiB, refused).
+    row, head = jnp.meshgrid(jnp.arange(rows), jnp.arange(heads), indexing="ij")
+    index = jnp.stack(
+        [
+            jnp.broadcast_to(layer, row.shape),
+            row,
+            head,
+            jnp.broadcast_to(first[:, None], row.shape),
+        ],
+        axis=-1,
+    ).reshape(rows * heads, 4)
     numbers = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=(1, 2, 3),
-        inserted_window_dims=(0, 1),
-        scatter_dims_to_operand_dims=(0, 1, 2),
+        update_window_dims=(1, 2),
+        inserted_window_dims=(0, 1, 2),
+        scatter_dims_to_operand_dims=(0, 1, 2, 3),
     )
     return jax.lax.scatter(
         cache,
         index.astype(jnp.int32),
-        jnp.swapaxes(new, 1, 2).astype(cache.dtype),
+        new.reshape(rows * heads, t, dim).astype(cache.dtype),
         numbers,
         indices_are_sorted=True,
         unique_indices=True,

@@ -242,7 +242,7 @@ class Block(nnx.Module):
         layer: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """``cache_kv`` is ``(keys, values, start)``: this layer's ``[B, KV, S, D]``, or
-        with ``layer`` every layer's stacked ``[L, B, S, KV, D]`` (``KVCache.stacked``)."""
+        with ``layer`` every layer's stacked ``[L, B, KV, S, D]`` (``KVCache.stacked``)."""
         b, t, h = x.shape
         x = x.reshape(b * t, h)  # dense layers see 2-D activations (see ``project``)
         q, k, v = self.self_attn.project(self.input_layernorm(x), rope)
@@ -252,10 +252,7 @@ class Block(nnx.Module):
             cache_k, cache_v, start = cache_kv
             cache_k, cache_v = store(cache_k, k, start, layer), store(cache_v, v, start, layer)
             new_kv = (cache_k, cache_v)
-            if layer is None:
-                k, v = cache_k, cache_v
-            else:  # this layer's [B, S, KV, D] of the stack, read heads first
-                k, v = jnp.swapaxes(cache_k[layer], 1, 2), jnp.swapaxes(cache_v[layer], 1, 2)
+            k, v = (cache_k, cache_v) if layer is None else (cache_k[layer], cache_v[layer])
         x = x + self.self_attn.attend(q, k, v, mask)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x.reshape(b, t, h), new_kv
@@ -440,17 +437,14 @@ class Transformer(nnx.Module):
             (x, k_all, v_all), _ = jax.lax.scan(scan_step, (x, cache.k, cache.v), layers)
             new_cache = KVCache(k=k_all, v=v_all, valid=valid, end=start + t)
         else:
-            if cache.stacked:
-                raise ValueError(
-                    "decode: a stacked KV cache needs stacked blocks; build the cache with "
-                    "KVCache.zeros(model.config, ...)"
-                )
             ks, vs = [], []
             for block, k, v in zip(self.blocks(), cache.k, cache.v, strict=True):
                 x, (k, v) = call_block(block, x, rope, mask, (k, v, start))
                 ks.append(k)
                 vs.append(v)
             new_cache = KVCache(k=ks, v=vs, valid=valid, end=start + t)
+            if cache.stacked:  # a stacked cache given to per-layer blocks stays stacked
+                new_cache.k, new_cache.v = jnp.stack(ks), jnp.stack(vs)
         return self.unembed(self.norm(x)), new_cache
 
 

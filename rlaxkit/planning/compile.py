@@ -290,12 +290,12 @@ def sampler_lowerings(
     kv = "model" if model.num_kv_heads % model_size == 0 else None
 
     def state_sharding(path: Any, leaf: Any) -> NamedSharding:
-        # KV caches [rows, kv_heads, slots, head_dim] (stacked: [layers, rows, slots,
-        # kv_heads, head_dim]) split their heads over the worker's chips, as its attention
-        # heads are; everything else is small and replicated.
+        # KV caches [rows, kv_heads, slots, head_dim] (stacked: [layers, rows, ...]) split
+        # their heads over the worker's chips, as its attention heads are; everything
+        # else is small and replicated.
         names = {str(getattr(k, "name", getattr(k, "key", k))) for k in path}
         if "cache" in names and names & {"k", "v"} and leaf.ndim in (4, 5):
-            return NamedSharding(mesh, P(None, kv) if leaf.ndim == 4 else P(None, None, None, kv))
+            return NamedSharding(mesh, P(*[None] * (leaf.ndim - 3), kv))
         return NamedSharding(mesh, P())
 
     state = _with_shardings(state, jax.tree_util.tree_map_with_path(state_sharding, state))
