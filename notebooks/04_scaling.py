@@ -143,18 +143,18 @@ scaling_figure(
 # (marked so in `sim.rlax_like`'s docstring). `rlaxkit.plan` compiles the real train step
 # and decode program for the trainer's `(1, 64, 4)` v5p mesh and an 8-chip worker, with
 # Qwen3-32B's dimensions (the preset closest to QwQ-32B), and reads XLA's counts;
-# `sim.presets.planned` puts them into the scenario. Compiling takes minutes on two
+# `sim.presets.planned` puts them into the scenario. Compiling takes about a minute on two
 # cores, so the small run reads the plan stored by
 # `rlaxkit plan configs/plan/qwen3_32b_v5p.yaml --json`. Both are estimates from XLA's
 # CPU compiler (`docs/running_at_scale.md`, "Before you rent").
 #
-# The plan says the train step does **not fit**: on the `(1, 64, 4)` mesh its peak is
-# about 162 GiB per chip against the v5p's 95 GiB, and it advises `fsdp=128` (twice the
-# trainer's chips). We keep the plan as it is on purpose: what the simulator reads from
-# it, the FLOPs per token, the decode step's bytes and the push size, are counted the
-# same whether the step fits or not, so the curve below is the cost of this model on
-# this trainer mesh. A run that fits would follow the advice; its trainer has other
-# chips and another step time, so its bound is not the one drawn here.
+# By the CPU compiler's count every program fits: the train step peaks at about 20 GiB
+# per chip on the `(1, 64, 4)` mesh against the v5p's 95 GiB, and a worker at about
+# 71 GiB. (The stored plan said 162 GiB, not fitting, until the train step constrained
+# its logits to their rows and split the residual stream between blocks over `model`;
+# `docs/running_at_scale.md` tells both fixes.) What the simulator reads from the plan,
+# the FLOPs per token, the decode step's bytes and the push size, is counted the same
+# whether a program fits or not.
 
 # %%
 import json

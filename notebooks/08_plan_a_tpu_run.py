@@ -74,12 +74,12 @@ print("compiled by:", summary["compiler"])
 # A worker's 8 chips hold the weights and 64 sequences of up to 33 792 tokens: 73.8 GiB
 # of the 95 GiB of HBM per chip for a decode step, 74.8 GiB for a prefill, so both fit
 # with room to spare. The compiler puts one step of the 64 rows at full length at about
-# 46 ms, a little under the 48 ms the roofline at 60 % of HBM bandwidth gives. The train step fits at 67 GiB per
-# chip on the trainer's `(1, 32, 8)` mesh (the YAML says why not `(1, 64, 4)`). The
-# compiler puts it at about 126 s, 14 % MFU against the 40 % the plan assumed: at 33k
-# tokens a row, the training forward's attention materialises each head's 33k x 33k
-# scores, work and memory traffic a blocked attention would avoid. The simulation below
-# uses the compiler's 126 s.
+# 46 ms, a little under the 48 ms the roofline at 60 % of HBM bandwidth gives. The
+# train step fits at 67 GiB per chip on the trainer's `(1, 32, 8)` mesh (the YAML says
+# why not `(1, 64, 4)`). The compiler puts it at about 126 s, 14 % MFU against the 40 %
+# the plan assumed: at 33k tokens a row, the training forward's attention materialises
+# each head's 33k x 33k scores, work and memory traffic a blocked attention would avoid.
+# The simulation below uses the compiler's 126 s.
 
 # %% [markdown]
 # ## The run, simulated
