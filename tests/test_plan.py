@@ -204,20 +204,19 @@ def test_scanned_program_does_not_grow_with_depth():
     assert unrolled[1] / unrolled[0] > 2.5
 
 
+def _tiny_plan(folder, **fields):
+    """A plan of ``TINY`` (its ``config.json`` written to ``folder``): 6 + 10 tokens,
+    float32."""
+    (folder / "config.json").write_text(json.dumps(TINY.to_hf()))
+    common = {"prompt_tokens": 6, "completion_tokens": 10, "compute_dtype": "float32"}
+    return PlanConfig(model=str(folder), **common | fields)
+
+
 def test_plan_flops_of_a_scanned_step_equal_the_unrolled_step(tmp_path):
     # XLA counts a loop body once; the plan's probes scale it to every layer.
     # Reference: the unscanned step (its loops run once, so XLA's count is the whole
     # step's).
-    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf()))
-    config = PlanConfig(
-        model=str(tmp_path),
-        rows=4,
-        prompt_tokens=6,
-        completion_tokens=10,
-        compute_dtype="float32",
-        programs=("train",),
-    )
-    [train] = compile_train(config)
+    [train] = compile_train(_tiny_plan(tmp_path, rows=4, programs=("train",)))
     reference = _lowered_step(TINY, rows=4, length=16)[0].compile().cost_analysis()["flops"]
     assert train.flops == pytest.approx(reference, rel=1e-6)
     assert train.loop_flops < train.flops  # what XLA alone would have said
@@ -229,16 +228,8 @@ def test_plan_flops_of_scanned_prefill_and_decode_equal_the_unrolled_programs(tm
     # Decode's count grows by the same FLOPs with each layer; prefill's second layer adds
     # 510 FLOPs (0.1 %) more than each later one (XLA simplifies a one-layer prefill a
     # little further), a constant that the scaled count carries at any depth.
-    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf()))
-    config = PlanConfig(
-        model=str(tmp_path),
-        prompt_tokens=6,
-        completion_tokens=10,
-        compute_dtype="float32",
-        programs=("prefill", "decode"),
-        sampler_chips=1,
-        slots=4,
-        samples_per_prompt=2,
+    config = _tiny_plan(
+        tmp_path, programs=("prefill", "decode"), sampler_chips=1, slots=4, samples_per_prompt=2
     )
     unrolled = sampler_lowerings(
         config.model_config().replace(scan_layers=False, param_dtype="float32"),
@@ -369,20 +360,8 @@ def test_remat_probes_are_skipped_where_the_compiler_gives_no_time(monkeypatch):
 
         def measured(name, lowered_fn, devices, first=first, seconds=seconds, names=names):
             names.append(name)
-            if name == "train_probe_1":
-                seconds = first
-            return ProgramCost(
-                name=name,
-                devices=devices,
-                argument_bytes=GIB,
-                output_bytes=0,
-                alias_bytes=0,
-                temp_bytes=GIB,
-                flops=2e12 if name == "train_probe_2" else 1e12,
-                bytes_accessed=0.0,
-                compile_s=0.1,
-                optimal_s=seconds,
-            )
+            seconds = first if name == "train_probe_1" else seconds
+            return _cost(name, devices, 2e12 if name == "train_probe_2" else 1e12, seconds)
 
         monkeypatch.setattr(compile_module, "_measure", measured)
         monkeypatch.setattr(compile_module, "_train_parts", lambda *a, **k: (_Step(), None, None))
@@ -407,6 +386,23 @@ class _Step:
         return None
 
 
+def _cost(name, devices, flops, seconds, compiled=True):
+    """A measured program of a GiB of arguments and a GiB of temporaries."""
+    return ProgramCost(
+        name=name,
+        devices=devices,
+        argument_bytes=GIB,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=GIB,
+        flops=flops,
+        bytes_accessed=0.0,
+        compile_s=0.1,
+        compiled=compiled,
+        optimal_s=seconds,
+    )
+
+
 def test_a_refused_probe_leaves_the_step_without_flops_not_negative(monkeypatch):
     """XLA:TPU refused a two-layer probe of Qwen3-8B on v6e (no remat at 8k tokens):
     its zero FLOPs made the step's ``micro · (f₁ + (L − 1)(f₂ − f₁))`` negative (the
@@ -415,19 +411,8 @@ def test_a_refused_probe_leaves_the_step_without_flops_not_negative(monkeypatch)
     import rlaxkit.planning.compile as compile_module
 
     def measured(name, lowered_fn, devices):
-        return ProgramCost(
-            name=name,
-            devices=devices,
-            argument_bytes=GIB,
-            output_bytes=0,
-            alias_bytes=0,
-            temp_bytes=GIB,
-            flops=0.0 if name == "train_probe_2" else 1e12,
-            bytes_accessed=0.0,
-            compile_s=0.1,
-            compiled=name != "train_probe_2",
-            optimal_s=0.0 if name == "train_probe_2" else 1.0,
-        )
+        refused = name == "train_probe_2"
+        return _cost(name, devices, 0.0 if refused else 1e12, 0.0 if refused else 1.0, not refused)
 
     monkeypatch.setattr(compile_module, "_measure", measured)
     config = PlanConfig(model="qwen2.5-0.5b", num_layers=2, mesh=(1, 1, 1), rows=1)
