@@ -239,7 +239,7 @@ def compile_train(plan: PlanConfig) -> list[ProgramCost]:
     # Recomputation takes time, not model FLOPs: probes with the plan's remat time it,
     # unless both probes compiled and this libtpu gave neither a time (its v5e and v6e
     # train steps): those two compiles would say nothing.
-    untimed = one.compiled and two.compiled and not (one.optimal_s and two.optimal_s)
+    untimed = one.compiled and two.compiled and not _timed(one, two)
     if plan.remat != "none" and plan.target and not untimed:
         one, two = _probes(plan, mesh, plan.remat)
     seconds = _scaled(one.optimal_s, two.optimal_s, layers, micro) if _timed(one, two) else 0.0
