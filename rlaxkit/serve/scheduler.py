@@ -153,11 +153,15 @@ class EngineLoop:
                 self._admit()
                 for completion in self.engine.step():
                     turn = self.running.pop(completion.request_id)
-                    try:
-                        turn.future.set_result(completion)
-                        self._count("completed")
-                    except concurrent.futures.InvalidStateError:  # its client went away
-                        self._count("discarded")
+                    # Counted under the lock with the answer, so a snapshot taken once
+                    # a client has its answer includes it (its only callbacks hand the
+                    # answer to the server's event loop and take no lock).
+                    with self._wake:
+                        try:
+                            turn.future.set_result(completion)
+                            self.counts["completed"] += 1
+                        except concurrent.futures.InvalidStateError:  # the client went away
+                            self.counts["discarded"] += 1
             except Exception as error:  # fail the turns in flight; the loop goes on
                 self.engine.abort()
                 for turn in self.running.values():
