@@ -264,7 +264,7 @@ class GRPOLoop:
             thread.join()
         self._sampler_threads = []
         result = generate(
-            (self.graphdef, self.state.packed("params")),
+            (self.graphdef, self.state.params),
             prompts,
             self.sampling,
             i,

@@ -14,7 +14,12 @@ from rlaxkit.data.batch import BucketSpec, Sample, collate
 from rlaxkit.models import ModelConfig, Transformer, positions_from_mask
 from rlaxkit.trainer.config import OptimizerConfig, TrainConfig
 from rlaxkit.trainer.logprobs import token_logprobs
-from rlaxkit.trainer.state import create_train_state, learning_rate_schedule, make_optimizer
+from rlaxkit.trainer.state import (
+    TrainState,
+    create_train_state,
+    learning_rate_schedule,
+    make_optimizer,
+)
 from rlaxkit.trainer.step import make_gradient_fn, make_train_step
 from rlaxkit.util.jaxutil import count_compilations
 
@@ -344,30 +349,36 @@ def test_a_tree_rebuilt_from_a_packed_packs_back_to_it_without_a_flatten():
     assert Packed.of(plain.tree()) is not plain  # dicts take no weak references
 
 
-def test_a_returned_state_is_packed_and_rebuilds_only_the_fields_read():
-    # The step hands its state back packed: the next step takes it without a flatten of
-    # the nnx trees, a field is rebuilt when first read, and the packed and the eager
-    # forms of one state agree everywhere (replace, pickling, tree maps, the next step).
+def test_a_returned_state_is_plain_and_the_next_step_takes_it_packed():
+    # The step hands back a plain state; it remembers that state's packed fields, so
+    # the next step takes it without a flatten, and its params pack back to what the
+    # step returned. A state made otherwise (a tree map, replace, pickling) is packed
+    # anew, and every form of one state gives the same next step.
     import pickle
+
+    from rlaxkit.util.jaxutil import Packed
 
     graphdef, params = model_parts()
     cfg = TrainConfig(algorithm=algorithm("grpo", loss={"kl_coef": 0.0}), optimizer=OPTIMIZER)
     step = make_train_step(cfg, graphdef, donate=False)
     start = create_train_state(cfg, params)
     state, _ = step(start, batch_of(seed=4))
-    assert "opt_state" not in vars(state) and "params" not in vars(state)
-    assert int(state.step) == 1 and "opt_state" not in vars(state)
-    assert state.packed("params").structure is start.packed("params").structure
-    assert jax.tree.structure(state.params) == jax.tree.structure(params)
+    assert type(state) is TrainState and int(state.step) == 1
+    assert set(vars(state)) == {f.name for f in dataclasses.fields(TrainState)}
+    assert jax.tree.structure(state) == jax.tree.structure(start)
+    remembered = step._arguments(state)
+    assert step._arguments(state)[0] is remembered[0]  # no flatten: the step's own
+    assert Packed.of(state.params) is remembered[0]
+    assert Packed.of(state.params).structure is Packed.of(start.params).structure
 
-    eager = jax.tree.map(lambda x: x, state)  # rebuilt field by field
-    assert "_packed" not in vars(eager)
+    eager = jax.tree.map(lambda x: x, state)  # a new tree of the same arrays
+    assert step._arguments(eager)[0] is not remembered[0]
     bumped = state.replace(rng=jnp.zeros_like(start.rng))
-    assert "_packed" in vars(bumped) and int(bumped.step) == 1
+    assert type(bumped) is TrainState and int(bumped.step) == 1
     assert np.array_equal(bumped.rng, np.zeros_like(start.rng))
     restored = pickle.loads(pickle.dumps(state))
-    assert "_packed" not in vars(restored)
-    with pytest.raises(TypeError, match="no field 'steps'"):
+    assert type(restored) is TrainState
+    with pytest.raises(TypeError, match="steps"):
         state.replace(steps=2)
     with pytest.raises(AttributeError, match="'value_param'"):
         _ = state.value_param

@@ -60,11 +60,9 @@ class InProcess:
 
         On XLA:CPU, ``rlaxkit.util.hostmem`` runs each program on the calling thread and a
         chunk of the workers' engines runs on one core, so on a machine with a core per
-        worker the threaded chunks decode side by side: 115.2-117.9 ms a step of the
-        demo configuration at η = 2 against 126.9-131.4 ms one after another (two
-        fresh-process pairs, identical metrics). The results stay on this thread:
-        launching the next chunk from a thread to score meanwhile instead was slower,
-        134.8-140.4 ms against 132.4-134.4 ms."""
+        worker the threaded chunks decode side by side (docs/performance.md, "The sample
+        path"). The results stay on this thread: launching the next chunk from a thread
+        to score meanwhile instead was slower."""
         replies = {}
         for slot, _, (work, decode) in calls:
             slot.handle.submit(work)

@@ -29,15 +29,12 @@ if TYPE_CHECKING:
         logprobs_from_logits,
         token_logprobs,
     )
+    from rlaxkit.trainer.packed import PackedTrainStep
+    from rlaxkit.trainer.prepared import PreparedBatch
     from rlaxkit.trainer.sft import SFTConfig, encode_demonstrations, supervised_warm_start
     from rlaxkit.trainer.sharding import make_mesh, shard_batch, shard_train_state
-    from rlaxkit.trainer.state import (
-        PackedTrainStep,
-        TrainState,
-        create_train_state,
-        make_optimizer,
-    )
-    from rlaxkit.trainer.step import PreparedBatch, make_train_step
+    from rlaxkit.trainer.state import TrainState, create_train_state, make_optimizer
+    from rlaxkit.trainer.step import make_train_step
 
 _MODULES = {
     "CheckpointDamaged": "checkpoint",
@@ -57,8 +54,8 @@ _MODULES = {
     "make_optimizer": "state",
     "make_train_step": "step",
     "OptimizerConfig": "config",
-    "PackedTrainStep": "state",
-    "PreparedBatch": "step",
+    "PackedTrainStep": "packed",
+    "PreparedBatch": "prepared",
     "shard_batch": "sharding",
     "shard_train_state": "sharding",
     "TrainConfig": "config",

@@ -77,9 +77,9 @@ class TrainConfig:
         update_norm: report the global norm of the optimizer's update (metric
             ``update_norm``), which ``check_finite`` reads to stop a run before it
             publishes weights that an update overflowed. Off, the step skips that pass
-            over every parameter (1.5 ms of a 23 ms train call of the 1M-parameter
-            benchmark model, docs/performance.md), and such an update shows only in the
-            next step's loss, after its weights were published. The runtime keeps it on.
+            over every parameter (its cost: docs/performance.md), and such an update
+            shows only in the next step's loss, after its weights were published. The
+            runtime keeps it on.
         distill: on-policy distillation (``rlaxkit.algorithms.distill``): the teacher in
             ``TrainState.teacher_params`` scores the batch's tokens before the updates and
             its per-token reward enters the advantages (``sampled``), or it scores each

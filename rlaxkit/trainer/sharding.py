@@ -107,9 +107,8 @@ def constrain_logits(logits: jax.Array, mesh: Mesh | None) -> jax.Array:
     ``model``, as the LM head's kernel splits it (``mesh`` None: unchanged).
 
     Unconstrained, GSPMD met the kernel's ``fsdp``-split width by gathering every row of
-    a micro-batch onto each device: XLA:TPU gave Qwen3-8B on a ``(1, 64, 4)`` v5e mesh
-    (8k tokens, one row a device) 75.7 GiB of temporaries a device, 64 rows' logits
-    each, and 13.1 GiB with this constraint (two layers).
+    a micro-batch onto each device (docs/running_at_scale.md has XLA:TPU's memory
+    analysis of both).
     """
     if mesh is None:
         return logits

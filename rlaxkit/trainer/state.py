@@ -1,26 +1,21 @@
 """The trainer's state, ``TrainState``: parameters, optimizer state and the frozen
-reference, critic and teacher, as one pytree the step donates; how a step carries it
-across ``jax.jit`` packed (``PackedTrainStep``, which ``rlaxkit.trainer.step.
-make_train_step`` returns); and the optimizer it is built with (AdamW with warm-up and
-cosine or constant decay)."""
+reference, critic and teacher, as one plain frozen pytree the step donates; and the
+optimizer it is built with (AdamW with warm-up and cosine or constant decay). How a step
+carries it across ``jax.jit`` is the step's own business (``rlaxkit.trainer.packed``)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from rlaxkit.data.batch import TrainBatch
 from rlaxkit.models import is_stacked
 from rlaxkit.models.lora import init_adapters
-from rlaxkit.observe.drift import DriftProbe
 from rlaxkit.trainer.config import OptimizerConfig, TrainConfig
-from rlaxkit.util.jaxutil import Packed, TieredJit
 
 
 @jax.tree_util.register_dataclass
@@ -53,146 +48,8 @@ class TrainState:
     teacher_params: Any = None
 
     def replace(self, **changes: Any) -> TrainState:
-        """A copy with ``changes`` applied (a packed state stays packed)."""
-        packed = self.__dict__.get("_packed")
-        if packed is None:
-            return dataclasses.replace(self, **changes)
-        fields = list(packed)
-        for name, value in changes.items():
-            if name not in FIELD_INDEX:
-                raise TypeError(f"TrainState has no field {name!r}")
-            fields[FIELD_INDEX[name]] = Packed.of(value)
-        return TrainState.unpack(tuple(fields))
-
-    # A train step's state crosses ``jax.jit`` packed: each field flattened once, its
-    # structure interned (``rlaxkit.util.jaxutil.Packed``). A state a step returns is built
-    # lazily: a field is rebuilt from its leaves when first read, so a loop that reads
-    # ``step`` and ``params`` never rebuilds the optimizer state's Variables, and passing
-    # the state to the next step flattens nothing. The fields' trees must not be changed
-    # in place (``replace`` makes a new state), as a packed field would not see it.
-
-    def pack(self) -> tuple[Packed, ...]:
-        """Each field's tree as a ``Packed``, in field order (computed once per state)."""
-        packed = self.__dict__.get("_packed")
-        if packed is None:
-            packed = tuple(Packed.of(getattr(self, name)) for name in FIELD_INDEX)
-            object.__setattr__(self, "_packed", packed)
-        return packed
-
-    def packed(self, name: str) -> Packed:
-        """Field ``name`` as a ``Packed``, without rebuilding its tree: e.g.
-        ``generate((graphdef, state.packed("params")), ...)`` after a train step."""
-        return self.pack()[FIELD_INDEX[name]]
-
-    @classmethod
-    def unpack(cls, packed: Sequence[Packed]) -> TrainState:
-        """The state whose fields are ``packed`` (``pack``'s), each rebuilt when read."""
-        state = object.__new__(cls)
-        object.__setattr__(state, "_packed", tuple(packed))
-        return state
-
-    if not TYPE_CHECKING:  # a type checker still sees the fields alone
-
-        def __getattr__(self, name: str) -> object:
-            # Reached only for a field not yet rebuilt from the packed state.
-            packed = self.__dict__.get("_packed")
-            index = FIELD_INDEX.get(name)
-            if packed is None or index is None:
-                raise AttributeError(f"'TrainState' object has no attribute {name!r}")
-            value = packed[index].tree()
-            object.__setattr__(self, name, value)
-            return value
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (TrainState, tuple(getattr(self, name) for name in FIELD_INDEX))
-
-
-FIELD_INDEX = {f.name: i for i, f in enumerate(dataclasses.fields(TrainState))}
-
-# The defaults live in the generated ``__init__``; as class attributes they would answer
-# for a packed state's fields before ``__getattr__`` could rebuild them.
-for _name in FIELD_INDEX:
-    if _name in TrainState.__dict__:
-        delattr(TrainState, _name)
-
-
-_PARAMS = FIELD_INDEX["params"]
-
-
-class PackedTrainStep:
-    """``make_train_step``'s jitted ``train_step(state, batch) -> (state, metrics)``.
-
-    The state crosses the jitted function packed (``TrainState.pack``), parameters apart
-    from the other fields, so that ``keep_params`` donates every buffer but theirs; the
-    returned state is packed too, and the next call passes it on without a flatten.
-    ``jitted`` is the ``jax.jit`` (or ``TieredJit``) function of the packed arguments.
-    ``drift`` attributes the drift of the batches it is due on, under the weights the
-    step starts from, and adds its ``drift/*`` metrics (floats) to the step's; it reads
-    old versions from ``drift.reader``, which the caller sets. ``train_step`` returns
-    ``(state, metrics, log_theta)``: with ``step_logprobs``, ``log_theta`` is the batch's
-    ``[B, T]`` log-probs under the weights it starts from (its one update's forward pass,
-    or the recomputed proximal log-probs), which the attribution then takes after the
-    step instead of its own forward pass before it; otherwise ``None``.
-    """
-
-    def __init__(
-        self,
-        train_step: Callable[
-            [TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array], jax.Array | None]
-        ],
-        *,
-        donate: bool,
-        keep_params: bool,
-        tiered: bool,
-        drift: DriftProbe | None = None,
-        step_logprobs: bool = False,
-    ):
-        self.drift = drift or DriftProbe.off()
-        self.step_logprobs = step_logprobs
-
-        def packed_step(
-            params: Packed, rest: tuple[Packed, ...], batch: TrainBatch
-        ) -> tuple[tuple[Packed, ...], dict[str, jax.Array], jax.Array | None]:
-            fields = (*rest[:_PARAMS], params, *rest[_PARAMS:])
-            state, metrics, log_theta = train_step(TrainState.unpack(fields), batch)
-            return state.pack(), metrics, log_theta
-
-        donate_argnums = ((1,) if keep_params else (0, 1)) if donate else ()
-        jit = TieredJit if tiered else jax.jit
-        self.jitted = jit(packed_step, donate_argnums=donate_argnums)
-
-    @staticmethod
-    def _arguments(state: TrainState) -> tuple[Packed, tuple[Packed, ...]]:
-        fields = state.pack()
-        return fields[_PARAMS], fields[:_PARAMS] + fields[_PARAMS + 1 :]
-
-    def __call__(
-        self, state: TrainState, batch: TrainBatch
-    ) -> tuple[TrainState, dict[str, jax.Array]]:
-        version = int(state.step) if self.step_logprobs else None
-        if version is None or not self.drift.due(version + 1):
-            # Attribution off (the default): the probe is not called at all.
-            drift = {}
-            if self.drift.every:
-                drift = self.drift.attribute(state.params, batch, state.step)
-            fields, metrics, _ = self.jitted(*self._arguments(state), batch)
-            return TrainState.unpack(fields), metrics | drift
-        # The step may donate the state's buffers: the layout and the version only.
-        layout = state.packed("params")
-        fields, metrics, log_theta = self.jitted(*self._arguments(state), batch)
-        jax.block_until_ready(log_theta)  # the step's time, not the attribution's
-        drift = self.drift.attribute(layout, batch, version, log_theta=log_theta)
-        return TrainState.unpack(fields), metrics | drift
-
-    def lower(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
-        """Lowers the jitted step for these arguments (``jax.jit(...).lower``)."""
-        return self.jitted.lower(*self._arguments(state), batch)
-
-    def wait(self) -> None:
-        """Tiered: blocks until the optimised compiles started so far are done
-        (``TieredJit.wait``); otherwise returns at once."""
-        if isinstance(self.jitted, TieredJit):
-            self.jitted.wait()
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:

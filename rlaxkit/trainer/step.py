@@ -27,8 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +53,9 @@ from rlaxkit.observe.drift import DriftProbe
 from rlaxkit.trainer import sharding
 from rlaxkit.trainer.config import TrainConfig
 from rlaxkit.trainer.logprobs import logprobs_and_entropy
-from rlaxkit.trainer.state import PackedTrainStep, TrainState, make_optimizer
+from rlaxkit.trainer.packed import PackedTrainStep
+from rlaxkit.trainer.prepared import PreparedBatch
+from rlaxkit.trainer.state import TrainState, make_optimizer
 
 
 def _split_rows(x: jax.Array, *counts: int) -> jax.Array:
@@ -76,61 +77,26 @@ def _reduce_metrics(
     return {k: jnp.max(v, 0) if k.endswith("_max") else reduce(v, 0) for k, v in metrics.items()}
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True, kw_only=True)
-class PreparedBatch:
-    """What the updates train on: a ``TrainBatch`` with everything computed before them.
-
-    Leaves are ``[B, T]``, or ``[*chunks, B / prod(chunks), T]`` once split into
-    mini- and micro-batches. ``None`` fields are empty subtrees, so ``jax.tree.map`` and
-    ``lax.scan`` pass over them.
-
-    Attributes:
-        tokens, attention_mask, behaviour_logprobs, versions: the batch's.
-        positions: ``positions_from_mask(attention_mask)``.
-        loss_mask: the batch's, as float32, less the tokens a rollout rejection mask
-            (``loss.rejection``) dropped.
-        advantages: the batch's, or the advantage estimator's over the whole batch.
-        returns: value targets (GAE), or ``None`` without a critic.
-        old_values: critic values before any update, or ``None`` without a critic.
-        ref_logprobs: the batch's, else the reference policy's when the algorithm needs
-            them, else ``None``.
-        proximal_logprobs: recomputed under the pre-update weights (``proximal='recompute'``
-            with more than one update per step), else the batch's, else ``None``.
-        token_weights: aggregation weights ``Agg`` over the mini-batch; ``None`` until
-            the mini-batch's gradient sets them.
-        metric_weights: ``loss_mask / Σ loss_mask`` over the mini-batch; set with
-            ``token_weights``.
-    """
-
-    tokens: jax.Array
-    positions: jax.Array
-    attention_mask: jax.Array
-    loss_mask: jax.Array
-    behaviour_logprobs: jax.Array
-    versions: jax.Array
-    advantages: jax.Array
-    returns: jax.Array | None = None
-    old_values: jax.Array | None = None
-    ref_logprobs: jax.Array | None = None
-    proximal_logprobs: jax.Array | None = None
-    token_weights: jax.Array | None = None
-    metric_weights: jax.Array | None = None
-
-    def replace(self, **changes: Any) -> PreparedBatch:
-        """A copy with ``changes`` applied."""
-        return dataclasses.replace(self, **changes)
-
-
 _Prepare: TypeAlias = Callable[[TrainState, TrainBatch], tuple[PreparedBatch, dict[str, jax.Array]]]
 
 
-# What ``_build`` returns: ``prepare``, ``minibatch_gradients``, ``update``, the optax
-# transformation and ``policy_of`` (the policy from the trained tree and the base);
-# ``minibatch_gradients`` and ``update`` close over traced pytrees and are left untyped.
-_StepParts: TypeAlias = tuple[
-    _Prepare, Callable[..., Any], Callable[..., Any], Any, Callable[[Any, Any], Any]
-]
+class StepParts(NamedTuple):
+    """The pieces of a train step (``_build``), closed over the static configuration.
+
+    ``minibatch_gradients(trainable, minibatch, version, frozen)`` gives the summed
+    gradients of a mini-batch's micro-batches, their metrics and (with ``keep_logprobs``)
+    each micro-batch's policy log-probs; ``update(carry, minibatch, version, frozen)``
+    applies them to ``carry = (trainable, opt_state)``. ``trainable`` is ``(trained,
+    value_params)``, ``frozen`` is ``(base_params, teacher_params)``; ``policy_of(trained,
+    base)`` is the policy's parameters (the trained tree, or the base merged with the
+    trained adapters).
+    """
+
+    prepare: _Prepare
+    minibatch_gradients: Callable[..., tuple[object, dict[str, jax.Array], jax.Array | None]]
+    update: Callable[..., tuple[tuple[object, object], tuple[dict[str, jax.Array], object]]]
+    optimizer: optax.GradientTransformation
+    policy_of: Callable[[object, object], object]
 
 
 def _build(
@@ -139,7 +105,7 @@ def _build(
     value_graphdef: nnx.GraphDef | None,
     mesh: Mesh | None,
     keep_logprobs: bool = False,
-) -> _StepParts:
+) -> StepParts:
     """The pieces of a train step, closed over the static configuration; with
     ``keep_logprobs`` ``minibatch_gradients`` also returns each micro-batch's policy
     log-probs (``[micro, rows, T]``, no gradient), else ``None`` in their place."""
@@ -362,7 +328,7 @@ def _build(
             metrics["update_norm"] = optax.global_norm(updates)
         return (optax.apply_updates(trainable, updates), opt_state), (metrics, logprobs)
 
-    return prepare, minibatch_gradients, update, tx, policy_of
+    return StepParts(prepare, minibatch_gradients, update, tx, policy_of)
 
 
 def make_train_step(
@@ -413,9 +379,8 @@ def make_train_step(
     one_update = cfg.epochs == cfg.mini_batches == 1
     recomputed = drift.every > 0 and cfg.algorithm.loss.proximal == "recompute" and not one_update
     keep_logprobs = drift.every > 0 and one_update
-    prepare, _, update, _, policy_of = _build(
-        cfg, graphdef, value_graphdef, mesh, keep_logprobs=keep_logprobs
-    )
+    parts = _build(cfg, graphdef, value_graphdef, mesh, keep_logprobs=keep_logprobs)
+    prepare, update, policy_of = parts.prepare, parts.update, parts.policy_of
 
     def train_step(
         state: TrainState, batch: TrainBatch
@@ -483,7 +448,8 @@ def make_gradient_fn(
     one mini-batch, accumulated over ``cfg.micro_batches`` exactly as ``train_step`` does
     (for checks and debugging; ``grads`` is ``(policy_grads, value_grads)``)."""
     cfg = dataclasses.replace(cfg, mini_batches=1, epochs=1)
-    prepare, minibatch_gradients, _, _, _ = _build(cfg, graphdef, value_graphdef, mesh)
+    parts = _build(cfg, graphdef, value_graphdef, mesh)
+    prepare, minibatch_gradients = parts.prepare, parts.minibatch_gradients
 
     def gradients(state: TrainState, batch: TrainBatch) -> tuple[Any, dict[str, jax.Array]]:
         prepared, stats = prepare(state, batch)
@@ -508,5 +474,4 @@ def make_prepare_fn(
     """Jitted ``(state, batch) -> (prepared, stats)``: what ``train_step`` computes before
     its updates (reference, proximal and critic forward passes, advantages) and the
     batch statistics it reports (for checks and debugging)."""
-    prepare, _, _, _, _ = _build(cfg, graphdef, value_graphdef, mesh)
-    return jax.jit(prepare)
+    return jax.jit(_build(cfg, graphdef, value_graphdef, mesh).prepare)
