@@ -222,14 +222,16 @@ def _run_job(
             mean_score = next(r["mean@k"] for r in before.rows if r["k"] == 1)
             p1, samples = evals[0]["pass@1"], before.num_problems * before.samples
             check_start(config.batching.equal_rewards, config.sampling.n, p1, samples, mean_score)
-        every = config.eval.every_steps
+
+        def evaluate(done: runtime.StepDone) -> None:
+            if done.step < config.steps:  # the last step's comes after the loop
+                evals.append({"step": done.step, **_row(exp.evaluate(seed=EVAL_SEED), 1)})
+
+        exp.add_hook(evaluate, every=config.eval.every_steps, name="evaluation")
         with stop.steps():
             # more_steps: a trainer preempted at the last step restores and redoes its steps.
             while not stop.requested and exp.more_steps(config.steps):
                 exp.step()
-                step = exp.version
-                if every and step % every == 0 and step < config.steps:
-                    evals.append({"step": step, **_row(exp.evaluate(seed=EVAL_SEED), 1)})
         if stop.requested:
             saved = exp.save_checkpoint()
             summary = {"status": "stopped", "preempted": True, "signal": stop.requested}
@@ -241,13 +243,7 @@ def _run_job(
         after = exp.evaluate(seed=EVAL_SEED, progress=progress)
         evals.append({"step": config.steps, **_row(after, 1)})
         exp.check_accounting()
-        # Experiment.current_model is typed nnx.Module until rlaxkit.runtime is rewritten;
-        # the model is the trainer's Transformer.
-        save_hf_checkpoint(
-            exp.current_model(),  # type: ignore[arg-type]
-            run_dir / "final",
-            tokenizer=exp.tokenizer,
-        )
+        save_hf_checkpoint(exp.current_model(), run_dir / "final", tokenizer=exp.tokenizer)
         summary = {
             "status": "finished",
             "steps": config.steps,

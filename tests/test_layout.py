@@ -28,7 +28,7 @@ MAX_LINES = 500
 # Modules over the limit and their size when listed: a module may shrink, not grow.
 LONG_MODULES = {
     "rlaxkit/inference/engine.py": 922,
-    "rlaxkit/cli.py": 777,
+    "rlaxkit/cli.py": 773,
     "rlaxkit/tasks/sandbox.py": 677,
     "rlaxkit/observe/perfetto.py": 631,
     "rlaxkit/param_server/delta_store.py": 621,

@@ -106,6 +106,33 @@ def test_last_batch_exposes_rollouts_and_ratios(cache):
         assert 0.0 <= report.rows[0]["pass@k"] <= 1.0
 
 
+def test_after_a_step_the_run_own_hooks_then_the_caller_hooks_run_when_due(cache, tmp_path):
+    # step reads collect, collate, train, faults, push, hooks: the run's own (metrics,
+    # trace, log, elastic fleet, checkpoint, collections) in order, then a caller's
+    # every ``every`` steps, each seeing the step's metrics that step() returns.
+    from rlaxkit.runtime import Hook, StepDone
+
+    config = small_run_config(*SMALL, "checkpoint.every_steps=2")
+    with Experiment(config, run_dir=tmp_path / "run", cache_dir=cache) as exp:
+        names = [h.name for h in exp.hooks]
+        assert names == ["metrics", "trace", "log", "elastic_fleet", "checkpoint", "collections"]
+        seen: list[StepDone] = []
+        hook = exp.add_hook(seen.append, every=2, name="every_other")
+        assert isinstance(hook, Hook) and exp.hooks[-1] is hook
+        returned = [exp.step() for _ in range(4)]
+        assert [done.step for done in seen] == [2, 4]
+        assert [done.metrics for done in seen] == [returned[1], returned[3]]
+        assert seen[1].metrics is exp.history[-1] and seen[1].trainer_up
+        assert len(seen[1].samples) == sum(len(g.rollouts) for g in seen[1].groups)
+        assert {2, 4} <= exp.trainer.saved_steps()  # the checkpoint hook, as before
+        exp.hooks.remove(hook)
+        exp.step()
+        assert len(seen) == 2
+    with pytest.raises(ValueError, match="every must be an int >= 0"):
+        Hook("evaluation", print, every=-1)
+    assert not Hook("never", print, every=0).due(4)
+
+
 def test_bad_config_fails_before_any_work():
     with pytest.raises(ValueError, match="sampling.n"):
         small_run_config(*SMALL, "sampling.n=1")

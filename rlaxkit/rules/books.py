@@ -36,6 +36,8 @@ class RunBooks:
         reissued: prompts handed out again after the worker holding them was lost.
         first_reward_error: the first reward failure a finished sample carried (its
             reason and detail; not saved): what a run whose rewards fail reports.
+        window: the counters since the previous step, for its throughput metrics (not
+            saved: a resumed run starts a new window).
     """
 
     version: int = 0
@@ -52,6 +54,7 @@ class RunBooks:
     restarts: dict[str, int] = field(default_factory=dict)
     reissued: int = 0
     first_reward_error: str | None = None
+    window: Window = field(default_factory=lambda: Window())
 
     def record_step(self, duration_s: float) -> None:
         """A train step was taken in ``duration_s`` compute seconds."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from rlaxkit.rules.surface import lazy_names
 from rlaxkit.runtime.build import build_policy, build_task, warm_start
 from rlaxkit.runtime.driver import Experiment
+from rlaxkit.runtime.hooks import Hook, StepDone
 
 if TYPE_CHECKING:
     from rlaxkit.runtime.record import record_local_run
@@ -24,7 +25,9 @@ __getattr__ = lazy_names(__name__, {"record_local_run": "record"}, globals())
 
 __all__ = [
     "Experiment",
+    "Hook",
     "RayExperiment",
+    "StepDone",
     "build_policy",
     "build_task",
     "record_local_run",

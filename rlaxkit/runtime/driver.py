@@ -25,6 +25,7 @@ from rlaxkit.api import Work
 from rlaxkit.config.run import RunConfig
 from rlaxkit.data.buffer import RolloutBuffer
 from rlaxkit.evaluation import EvalReport, evaluate_model
+from rlaxkit.models import Transformer
 from rlaxkit.models.tokenizer import Tokenizer
 from rlaxkit.observe.tracking import check_run_dir, open_trackers
 from rlaxkit.rules.audit import AuditBook
@@ -36,6 +37,7 @@ from rlaxkit.runtime.build import check_inputs
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.concurrent import check_supported
 from rlaxkit.runtime.faults import NO_FAULTS, FaultInjector, load_plan
+from rlaxkit.runtime.hooks import Hook, own_hooks
 from rlaxkit.runtime.loop import Loop
 from rlaxkit.runtime.placement import start_placement
 from rlaxkit.tasks import CodeTask, Task, isolation_mode
@@ -173,21 +175,18 @@ class Experiment(Loop):
                 parts.close()
             self.trace.close()
             raise
-        self.window = Window(self.clock(), self.fleet.generated_tokens())
+        self.books.window = Window(self.clock(), self.fleet.generated_tokens())
         self.collections = FreezeAfterFullCollection()
+        # After each step (``add_hook`` adds the caller's after these).
+        collections = Hook("collections", self.collections.step_done)
+        self.hooks = [*own_hooks(self), collections]
 
     def run(self, steps: int | None = None) -> list[dict[str, Any]]:
         """``Loop.run``; while it runs, Python's full collections leave the objects the
         run holds alone from the first step after one of them on
-        (``rlaxkit.util.hostmem.FreezeAfterFullCollection``)."""
+        (``rlaxkit.util.hostmem.FreezeAfterFullCollection``, its ``collections`` hook)."""
         with self.collections:
             return super().run(steps)
-
-    def step(self) -> dict[str, Any]:
-        """``Loop.step``, then ``FreezeAfterFullCollection.step_done``."""
-        metrics = super().step()
-        self.collections.step_done()
-        return metrics
 
     # -- names a notebook reaches for --------------------------------------------------
     @property
@@ -331,9 +330,10 @@ class Experiment(Loop):
         """The trainer's current params, in this process."""
         return self.trainer.host_params(self.version)
 
-    def current_model(self) -> nnx.Module:
+    def current_model(self) -> Transformer:
         """The trainer's current policy as a model in this process."""
-        return nnx.merge(self.parts.graphdef, self.params())
+        model: Transformer = nnx.merge(self.parts.graphdef, self.params())
+        return model
 
     def evaluate(
         self,

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from rlaxkit.api import Fleet, SyncReply, TrainerClient, Work
 from rlaxkit.config.run import RunConfig
@@ -32,12 +31,13 @@ from rlaxkit.data.buffer import RolloutBuffer
 from rlaxkit.data.rollout import Rollout, RolloutGroup
 from rlaxkit.observe.tracking import Trackers
 from rlaxkit.rules.audit import AuditBook, AuditRecord
-from rlaxkit.rules.books import RunBooks, Window
+from rlaxkit.rules.books import RunBooks
 from rlaxkit.rules.controller import Issue, PromptController
 from rlaxkit.rules.stalls import drop_patience, drops_error, stall_error
 from rlaxkit.rules.validation import is_int
-from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace, batch_metrics
+from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace
 from rlaxkit.runtime.faults import NoFaults
+from rlaxkit.runtime.hooks import Hook, StepDone
 from rlaxkit.runtime.parts import Parts
 from rlaxkit.tasks import REWARD_FAILURES, Problem
 
@@ -63,7 +63,7 @@ class Loop:
     last_batch: dict[str, object] | None
     audit: AuditBook
     logger: Trackers
-    window: Window
+    hooks: list[Hook]
     _t0: float
 
     @property
@@ -104,7 +104,7 @@ class Loop:
         for rollout in rollouts:
             self.buffer.add(rollout, self.version)  # a drop is traced by drop_event
             self.audit.finished(AuditRecord.of(rollout))
-            self.window.samples += 1
+            self.books.window.samples += 1
             reason = rollout.reward_info["reason"]
             if reason in REWARD_FAILURES and self.books.first_reward_error is None:
                 detail = rollout.reward_info.get("detail")
@@ -251,7 +251,9 @@ class Loop:
         return rounds
 
     def step(self) -> dict[str, Any]:
-        """Runs until the trainer has taken one step; returns its metrics."""
+        """Runs until the trainer has taken one step; returns its metrics.
+
+        collect → collate → train → faults → push → hooks (``rlaxkit.runtime.hooks``)."""
         t_start = self.clock()
         groups = self.collect_batch()
         t_gen = self.clock()
@@ -280,49 +282,21 @@ class Loop:
                 self.note_published(step)
         if self.parts.collector is not None:
             self.parts.collector.wake()  # more admission room, newer weights to pull
-        with self.lock:
-            metrics = {
-                **batch_metrics(step, groups, samples, self.buffer.counts(), result.metrics),
-                "time/generate_s": t_gen - t_start,
-                "time/train_s": t_train - t_gen,
-                **self.window.close(t_train, self.fleet.generated_tokens()),
-                **self.books.counters(),
-                **{f"reward_failures/{k}": n for k, n in self.reward_failures().items()},
-                **({"rounds/ahead": ahead[0]} if ahead else {}),
-                **self.audit.take_step([g.group_id for g in groups], self.buffer.dropped),
-            }
-        staleness = [step - 1 - g.first_version for g in groups]
-        now = self.clock()
-        # Beside rounds the event comes after them, the push and the books: how long
-        # after the compute's end (``rlaxkit.rules.trace.step_span``).
-        after = {"after_s": max(0.0, now - t_call - result.duration_s)} if ahead else {}
-        self.trace.record(
-            now,
-            "train_step",
-            "trainer",
-            step,
-            step=step,
-            samples=len(samples),
-            # tokens: every real token the step processed (prompt + completion), as
-            # the simulator counts them; completion_tokens: the ones trained on.
-            tokens=int(np.asarray(batch.attention_mask).sum()),
-            completion_tokens=int(np.asarray(batch.loss_mask).sum()),
-            duration_s=result.duration_s,
-            staleness=staleness,
-            **after,
+        times = (t_start, t_gen, t_call, t_train)
+        done = StepDone(
+            step, groups, samples, batch, result, times, ahead[0] if ahead else None, trainer_up
         )
-        self.last_batch = {"groups": groups, "batch": batch, "metrics": metrics}
-        self.books.history.append(metrics)
-        self.logger.log(metrics, histograms={"staleness": staleness})
-        if self.parts.schedule and (workers := self.parts.schedule(step)) is not None:
-            self.scale_workers(workers)  # ray.worker_schedule: an elastic fleet
-        policy = self.config.checkpoint
-        if trainer_up and policy.should_save(
-            step, self.fault_now(), self.books.last_save_step, self.books.last_save_s
-        ):
-            self.save_checkpoint(wait=False)
-            self.logger.commit(self.books.last_save_step)  # W&B and MLflow get the steps
-        return metrics
+        for hook in self.hooks:
+            if hook.due(step):
+                hook.call(done)
+        return done.metrics
+
+    def add_hook(self, call: Callable[[StepDone], object], every: int = 1, name: str = "") -> Hook:
+        """Calls ``call(done)`` (a ``StepDone``) after every ``every``-th step, after the
+        run's own hooks; returns the ``Hook`` (``hooks.remove`` takes it out)."""
+        hook = Hook(name or getattr(call, "__name__", "hook"), call, every)
+        self.hooks.append(hook)
+        return hook
 
     def run(self, steps: int | None = None) -> list[dict[str, Any]]:
         """Steps until the version is ``steps`` more than now (default: until it reaches

@@ -28,7 +28,7 @@ import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlaxkit.data.rollout import Rollout, RolloutGroup
 from rlaxkit.inference.results import ModelLike
@@ -39,9 +39,26 @@ from rlaxkit.serve.sessions import Session
 if TYPE_CHECKING:
     import openai
 
-    from rlaxkit.runtime import Experiment
+    from rlaxkit.models.tokenizer import Tokenizer
+    from rlaxkit.rules.controller import PromptController
     from rlaxkit.runtime.parts import RoundTarget
-    from rlaxkit.tasks import Problem
+    from rlaxkit.tasks import Problem, Task
+
+    class AgentTarget(RoundTarget, Protocol):
+        """What an agent collector touches of the run (``rlaxkit.runtime.Experiment`` is
+        one): a collector's part (``RoundTarget``), the run folder, the problems and the
+        controller that issues them, the task and the tokenizer."""
+
+        run_dir: Path | None
+        problems: list[Problem]
+        controller: PromptController
+
+        @property
+        def task(self) -> Task: ...
+
+        @property
+        def tokenizer(self) -> Tokenizer: ...
+
 
 __all__ = ["AgentCollector", "attach_agent", "endpoint_for_run", "load_agent"]
 
@@ -63,7 +80,7 @@ def load_agent(config: AgentConfig) -> Agent:
     return function
 
 
-def endpoint_for_run(exp: Experiment, config: AgentConfig, **callbacks: Any) -> ChatEndpoint:
+def endpoint_for_run(exp: AgentTarget, config: AgentConfig, **callbacks: Any) -> ChatEndpoint:
     """A ``ChatEndpoint`` over the run's newest published weights, sampling as the run
     does (temperature, a turn's ``max_new_tokens``, the episodes' whole context), that
     takes each new published version between decode chunks."""
@@ -101,7 +118,7 @@ def endpoint_for_run(exp: Experiment, config: AgentConfig, **callbacks: Any) -> 
     )
 
 
-def attach_agent(exp: Experiment, config: AgentConfig | None = None) -> AgentCollector:
+def attach_agent(exp: AgentTarget, config: AgentConfig | None = None) -> AgentCollector:
     """Has ``config`` (default ``exp.config.agent``) produce ``exp``'s samples from now
     on: the workers' collector, never started, is closed and replaced."""
     config = config or exp.config.agent
@@ -122,7 +139,7 @@ class AgentCollector:
         config: the agent, its copies and the endpoint's settings.
     """
 
-    def __init__(self, exp: Experiment, config: AgentConfig):
+    def __init__(self, exp: AgentTarget, config: AgentConfig):
         self.exp, self.config = exp, config
         self.agent = load_agent(config)
         self.cond = threading.Condition(exp.lock)

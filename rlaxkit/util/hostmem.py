@@ -164,9 +164,10 @@ class FreezeAfterFullCollection:
             self._thaw()
             _young_threshold(-1)
 
-    def step_done(self) -> None:
-        """A loop step ended: inside the block, freezes what is tracked, once a full
-        collection has run (everything older than it was then still reachable)."""
+    def step_done(self, done: object = None) -> None:
+        """A loop step ended (``done``: the step, as a hook after it is given it, unused):
+        inside the block, freezes what is tracked, once a full collection has run
+        (everything older than it was then still reachable)."""
         if self._depth and self.full_collections and not self.frozen:
             self._unhook()
             gc.freeze()
