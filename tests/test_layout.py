@@ -37,7 +37,6 @@ LONG_MODULES = {
     "rlaxkit/tasks/episodes.py": 593,
     "rlaxkit/config/run.py": 538,
     "rlaxkit/observe/tracking.py": 518,
-    "rlaxkit/worker/worker.py": 505,
 }
 
 MAX_ATTRIBUTES = 20
@@ -47,7 +46,7 @@ WIDE_CLASSES = {
     ("rlaxkit/config/run.py", "RunConfig"): 24,
     ("rlaxkit/inference/engine.py", "InferenceEngine"): 28,
     ("rlaxkit/planning/specs.py", "PlanConfig"): 21,
-    ("rlaxkit/worker/worker.py", "InferenceWorker"): 28,
+    ("rlaxkit/worker/worker.py", "InferenceWorker"): 24,
     ("sim/engine.py", "Simulation"): 23,
     ("sim/metrics.py", "Counters"): 22,
     ("sim/metrics.py", "SimResult"): 24,

@@ -22,6 +22,7 @@ from rlaxkit.runtime import Experiment
 from rlaxkit.runtime.build import build_policy, warm_start
 from rlaxkit.tasks import RewardRunner
 from rlaxkit.tasks.episodes import Action, DelayedEnvironment, EpisodeConfig, encode_observation
+from rlaxkit.worker.multi_turn import EpisodeTurns
 from rlaxkit.worker.worker import InferenceWorker
 
 
@@ -107,7 +108,7 @@ def test_a_slow_tool_holds_up_its_own_episodes_only(policy):
             rollouts += worker.step()
         # Group 1 ended while group 0's four episodes wait for their first steps.
         assert {r.group_id for r in rollouts} == {1} and list(worker.requests) == [0]
-        assert worker.turns is not None and sorted(worker.turns.waiting) == [
+        assert isinstance(worker.samples, EpisodeTurns) and sorted(worker.samples.waiting) == [
             (0, j) for j in range(4)
         ]
     finally:
@@ -173,7 +174,7 @@ def test_a_released_row_goes_on_as_a_request_of_its_whole_context(policy):
             break
         rollouts += worker.step()
     assert not worker.requests
-    assert worker.turns is not None and worker.turns.released_rows >= 4
+    assert isinstance(worker.samples, EpisodeTurns) and worker.samples.released_rows >= 4
     called = 0
     for rollout in rollouts:
         turns = pieces[rollout.group_id, rollout.sample_index]
@@ -220,8 +221,8 @@ def test_a_row_released_past_release_after_s_reaches_the_replay_log(policy):
         worker.step()
     assert not worker.requests
     logged.extend(op.to_json() for op in log.ops if op.to_json()[0] == "x")
-    assert worker.turns is not None and worker.turns.released_rows >= 2
-    assert len(freed) >= worker.turns.released_rows
+    assert isinstance(worker.samples, EpisodeTurns) and worker.samples.released_rows >= 2
+    assert len(freed) >= worker.samples.released_rows
     assert logged == freed
     worker.close()
 

@@ -3,7 +3,7 @@
 ``EpisodeTurns`` keeps the ``n`` episodes of every issued prompt of a multi-turn task
 (``rlaxkit.tasks.episodes.EpisodicTask``) and their environments. The prompt's samples are
 submitted with ``hold=True``; a turn that ends at a tool call parks its row. Every
-finished turn submits its environment step to a thread pool (``take_turn``) and its row
+finished turn submits its environment step to a thread pool (``take``) and its row
 stays parked while the engine decodes the other rows; ``advance``, called before each
 chunk, resolves the steps: the row resumes after the observation's ids, or the episode
 ends (the environment ended it, or its turns or tokens ran out). A task whose
@@ -96,7 +96,7 @@ class _Waiting:
 
 
 class EpisodeTurns:
-    """The episodes of one worker's issued prompts.
+    """The episodes of one worker's issued prompts (``rlaxkit.worker.samples.WorkerSamples``).
 
     Args:
         worker_id: the worker's name (the trace's actor, the step threads' prefix).
@@ -170,15 +170,25 @@ class EpisodeTurns:
         observation = self.task.make_environment().reset(problem)
         return encode_observation(observation, self.tokenizer).tolist()
 
+    def free(self, engine: InferenceEngine, prompts_held: int) -> int:
+        """``num_slots // n`` prompts at once, or with ``release_after_s`` as many as the
+        engine's free rows hold (a row released from a slow tool takes a new prompt; the
+        episode's next turn waits in the engine's queue for a row)."""
+        n = self.sampling.n
+        if self.config.release_after_s is None:
+            return max(1, self.rows // n) - prompts_held
+        busy = engine.num_running + engine.num_parked + engine.num_queued
+        return max(0, (self.rows - busy) // n)
+
     def start(
-        self, engine: InferenceEngine, issue: Issue, problem: Problem, prompt: list[int], n: int
+        self, engine: InferenceEngine, issue: Issue, problem: Problem, prompt: list[int]
     ) -> None:
         """Starts the ``n`` episodes of ``issue``: one environment each, one held request."""
         array = np.asarray(prompt, np.int32)
-        environments = [self.task.make_environment() for _ in range(n)]
+        environments = [self.task.make_environment() for _ in range(self.sampling.n)]
         for environment in environments:
             environment.reset(problem)
-        episodes = [Episode(problem, j, array) for j in range(n)]
+        episodes = [Episode(problem, j, array) for j in range(len(environments))]
         self.groups[issue.group_id] = _Group(issue.seed, episodes, environments)
         budget = min(self.max_new_tokens, self.config.max_episode_tokens)
         engine.submit(
@@ -189,9 +199,10 @@ class EpisodeTurns:
             hold=self.hold,
         )
 
-    def take_turn(self, completion: Completion, version: int | None) -> None:
+    def take(self, completion: Completion, version: int | None) -> bool:
         """Records a finished turn on its episode and starts its environment step; the
-        row stays parked until ``advance`` resolves the step."""
+        row stays parked until ``advance`` resolves the step. No prompt ends here: an
+        episode ends, or not, when its step resolves (False)."""
         group_id, j = completion.request_id, completion.sample_index
         group = self.groups[group_id]
         group.episodes[j].add_policy_tokens(completion)
@@ -216,6 +227,7 @@ class EpisodeTurns:
         self.waiting[group_id, j] = _Waiting(
             group_id, step, completion.parked, last, time.monotonic()
         )
+        return False
 
     # -- resolving steps ----------------------------------------------------------------
     def advance(self, engine: InferenceEngine, log: ReplayLog) -> list[int]:
@@ -317,10 +329,10 @@ class EpisodeTurns:
         return group_id if group.finished == len(group.episodes) else None
 
     # -- ending -------------------------------------------------------------------------
-    def rollouts(self, prompts: Sequence[IssuedPrompt]) -> list[Rollout]:
+    def rollouts(self, prompts: Sequence[IssuedPrompt], scorer: object = None) -> list[Rollout]:
         """Forgets the ended groups of ``prompts``; their episodes as rollouts rewarded
-        by their environments, in order, each with its ``generation_end`` event (with
-        the policy tokens of every turn, ``turn_tokens``)."""
+        by their environments (not ``scorer``), in order, each with its
+        ``generation_end`` event (with the policy tokens of every turn, ``turn_tokens``)."""
         now = self.clock()
         return [
             rollout
@@ -349,6 +361,19 @@ class EpisodeTurns:
             )
             out.append(rollout)
         return out
+
+    def check_replay(
+        self, replayed: Sequence[object], saved: Sequence[object], worker_id: str
+    ) -> None:
+        """A restore's replay must redo the saved log op for op: a mid-episode restore
+        needs environments that answer the same action the same way."""
+        if list(replayed) != list(saved):
+            raise ValueError(
+                f"{worker_id}: replaying the checkpoint's log did not redo its multi-turn "
+                "ops: an environment answered a step differently, or a tool step timed out "
+                "in one run only (a mid-episode restore needs environments that answer the "
+                "same action the same way)"
+            )
 
     def drop(self) -> None:
         """Forgets every episode (the engine was lost); steps still running are left to

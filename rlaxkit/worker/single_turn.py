@@ -17,12 +17,13 @@ from typing import Protocol
 import numpy as np
 
 from rlaxkit.data.rollout import Rollout
-from rlaxkit.inference import InferenceEngine
+from rlaxkit.inference import InferenceEngine, SamplingConfig
 from rlaxkit.inference.results import Completion
 from rlaxkit.models.tokenizer import Tokenizer
 from rlaxkit.rules.controller import Issue
 from rlaxkit.rules.trace import TraceSink
-from rlaxkit.tasks import REWARD_FAILURES, Problem, RewardResult, RewardRunner
+from rlaxkit.tasks import REWARD_FAILURES, Problem, RewardResult, RewardRunner, Task
+from rlaxkit.worker.replay_log import ReplayLog
 
 __all__ = [
     "IssuedPrompt",
@@ -107,41 +108,80 @@ def record_generation_end(
 
 class VerifiedSamples:
     """The single-turn samples of one worker's issued prompts, until each prompt's ``n``
-    are done and scored.
+    are done and scored (``rlaxkit.worker.samples.WorkerSamples``).
 
     Args:
         worker_id: the trace's actor.
-        tokenizer: decodes completions for the verifier.
-        stop_tokens: the stop tokens ``completion_text`` drops.
-        n: samples per prompt.
+        task: writes each problem's prompt.
+        tokenizer: encodes prompts, decodes completions for the verifier.
+        sampling: the worker's sampling settings (``n``; the stop tokens
+            ``completion_text`` drops).
+        max_prompt_tokens: the engine's prompt width.
+        num_slots: the engine's rows; the worker holds ``num_slots // n`` prompts.
         trace: where ``generation_end`` and ``reward`` events go.
         clock: seconds since the run's start.
     """
 
+    max_context_len = None  # the engine's own
+
     def __init__(
         self,
         worker_id: str,
+        task: Task,
         tokenizer: Tokenizer,
-        stop_tokens: Sequence[int],
-        n: int,
+        sampling: SamplingConfig,
+        *,
+        max_prompt_tokens: int,
+        num_slots: int,
         trace: TraceSink,
         clock: Callable[[], float],
     ):
-        self.worker_id, self.tokenizer = worker_id, tokenizer
-        self.stop_tokens, self.n = stop_tokens, n
+        self.worker_id, self.task, self.tokenizer = worker_id, task, tokenizer
+        self.sampling, self.n = sampling, sampling.n
+        self.max_prompt_len, self.capacity = max_prompt_tokens, max(1, num_slots // sampling.n)
         self.trace, self.clock = trace, clock
         self.done: dict[int, list[Completion]] = {}  # group id -> finished samples
 
-    def start(self, engine: InferenceEngine, issue: Issue, prompt: list[int]) -> None:
+    def prompt(self, problem: Problem) -> list[int]:
+        """The task's prompt of ``problem``, encoded."""
+        return self.tokenizer.encode(self.task.format_prompt(problem))
+
+    def free(self, engine: InferenceEngine, prompts_held: int) -> int:
+        """``num_slots // n`` prompts at once."""
+        return self.capacity - prompts_held
+
+    def start(
+        self, engine: InferenceEngine, issue: Issue, problem: Problem, prompt: list[int]
+    ) -> None:
         """Submits the ``n`` samples of ``issue``."""
         engine.submit(prompt, rng=issue.seed, request_id=issue.group_id)
         self.done[issue.group_id] = []
 
-    def add(self, completion: Completion) -> bool:
+    def take(self, completion: Completion, version: int | None) -> bool:
         """Books a finished sample; whether its prompt's ``n`` are all done."""
         done = self.done[completion.request_id]
         done.append(completion)
         return len(done) == self.n
+
+    def advance(self, engine: InferenceEngine, log: ReplayLog) -> list[int]:
+        """Nothing waits between turns: no prompt ends here."""
+        return []
+
+    def rollouts(self, prompts: Sequence[IssuedPrompt], scorer: RewardRunner) -> list[Rollout]:
+        """``score``."""
+        return self.score(prompts, scorer)
+
+    def check_replay(
+        self, replayed: Sequence[object], saved: Sequence[object], worker_id: str
+    ) -> None:
+        """A replay need not redo the log op for op (a drained engine starts a new one)."""
+
+    def drop(self) -> None:
+        """Forgets every prompt's finished samples."""
+        self.done.clear()
+
+    def close(self) -> None:
+        """Nothing runs beside the worker."""
 
     def score(self, prompts: Sequence[IssuedPrompt], scorer: RewardRunner) -> list[Rollout]:
         """Scores the samples of ``prompts`` (all done) with ``scorer`` and forgets them;
@@ -156,7 +196,7 @@ class VerifiedSamples:
             for c in done:
                 samples.append((p, tokens, c))
                 problems.append(p.problem)
-                texts.append(completion_text(c, self.tokenizer, self.stop_tokens))
+                texts.append(completion_text(c, self.tokenizer, self.sampling.stop_tokens))
         start = self.clock()
         results = scorer.score(problems, texts)
         now = self.clock()

@@ -42,10 +42,9 @@ from rlaxkit.rules.controller import Issue
 from rlaxkit.rules.policies import StalenessPolicy, WeightSyncPolicy
 from rlaxkit.rules.trace import TraceSink
 from rlaxkit.tasks import Problem, RewardRunner, Task
-from rlaxkit.tasks.episodes import EpisodeConfig, EpisodicTask
-from rlaxkit.worker.multi_turn import EpisodeTurns
+from rlaxkit.tasks.episodes import EpisodeConfig
 from rlaxkit.worker.replay_log import ReplayLog, parse_ops, replay_ops
-from rlaxkit.worker.single_turn import VerifiedSamples
+from rlaxkit.worker.samples import WorkerSamples, worker_samples
 
 
 @dataclass
@@ -123,35 +122,28 @@ class InferenceWorker:
         inference: InferenceConfig | None = None,
     ):
         stop = tuple(dict.fromkeys((*sampling.stop_tokens, tokenizer.eos_id)))
-        self.sampling = dataclasses.replace(sampling, stop_tokens=stop)
-        self.turns: EpisodeTurns | None = None
-        if isinstance(task, EpisodicTask):
-            self.turns = EpisodeTurns(
-                worker_id,
-                task,
-                tokenizer,
-                episodes or EpisodeConfig(),
-                sampling=self.sampling,
-                max_prompt_tokens=max_prompt_tokens,
-                rows=num_slots,
-                trace=trace,
-                clock=clock,
-                free_running=free_running,
-            )
-            self.sampling = self.turns.sampling
-        self.samples = VerifiedSamples(  # a single-turn task's
-            worker_id, tokenizer, self.sampling.stop_tokens, self.sampling.n, trace, clock
+        self.samples: WorkerSamples = worker_samples(  # a single- or multi-turn task's
+            worker_id,
+            task,
+            tokenizer,
+            dataclasses.replace(sampling, stop_tokens=stop),
+            episodes=episodes,
+            max_prompt_tokens=max_prompt_tokens,
+            num_slots=num_slots,
+            trace=trace,
+            clock=clock,
+            free_running=free_running,
         )
+        self.sampling = self.samples.sampling
         self.worker_id = worker_id
         self.graphdef = graphdef
-        self.task, self.tokenizer, self.scorer = task, tokenizer, scorer
+        self.scorer = scorer  # concurrent mode shares one under a lock
         self.param_server = param_server
         self.staleness, self.weight_sync = staleness, weight_sync
         self.trace, self.clock = trace, clock
         self.num_slots, self.chunk_steps = num_slots, chunk_steps
         self.max_prompt_tokens, self.cache_views = max_prompt_tokens, cache_views
         self.inference = inference or InferenceConfig()
-        self.capacity = max(1, num_slots // self.sampling.n)
         self.engine: InferenceEngine | None = None
         self.version: int | None = None
         self.draining = False
@@ -215,8 +207,8 @@ class InferenceWorker:
             (self.graphdef, params),
             self.sampling,
             num_slots=self.num_slots,
-            max_prompt_len=self.turns.max_prompt_len if self.turns else self.max_prompt_tokens,
-            max_context_len=self.turns.max_context_len if self.turns else None,
+            max_prompt_len=self.samples.max_prompt_len,
+            max_context_len=self.samples.max_context_len,
             version=version,
             chunk_steps=self.chunk_steps,
             cache_views=self.cache_views,
@@ -235,21 +227,15 @@ class InferenceWorker:
     # -- prompts ---------------------------------------------------------------------
     @property
     def free(self) -> int:
-        """How many more prompts this worker takes now: ``num_slots // n`` at once, or
-        with ``EpisodeConfig.release_after_s`` as many as its free rows hold (a row
-        released from a slow tool takes a new prompt; the episode's next turn waits in
-        the engine's queue for a row)."""
+        """How many more prompts this worker takes now (``WorkerSamples.free``): none
+        while it drains or before its first pull."""
         if self.draining or self.engine is None:
             return 0
-        if self.turns is not None and self.turns.config.release_after_s is not None:
-            engine = self.engine
-            busy = engine.num_running + engine.num_parked + engine.num_queued
-            return max(0, (self.num_slots - busy) // self.sampling.n)
-        return self.capacity - len(self.requests)
+        return self.samples.free(self.engine, len(self.requests))
 
     def submit(self, issue: Issue, problem: Problem) -> None:
         """Starts generating the ``n`` samples (or episodes) of one issued prompt."""
-        prompt = self._prompt(problem)
+        prompt = self.samples.prompt(problem)
         if len(prompt) > self.max_prompt_tokens:
             raise ValueError(
                 f"problem {problem.id}: prompt of {len(prompt)} tokens exceeds "
@@ -269,19 +255,11 @@ class InferenceWorker:
                 prompt_tokens=length,
             )
 
-    def _prompt(self, problem: Problem) -> list[int]:
-        if self.turns is not None:  # the environment writes the prompt
-            return self.turns.prompt(problem)
-        return self.tokenizer.encode(self.task.format_prompt(problem))
-
     def _start(self, issue: Issue, problem: Problem, prompt: list[int], now: float) -> None:
         engine = self._engine
         request = _Request(issue, problem, prompt, now)
         self.requests[issue.group_id] = request
-        if self.turns is None:
-            self.samples.start(engine, issue, prompt)
-        else:
-            self.turns.start(engine, issue, problem, prompt, self.sampling.n)
+        self.samples.start(engine, issue, problem, prompt)
         self.replay_log.submitted(issue.group_id)
 
     # -- generation ------------------------------------------------------------------
@@ -298,10 +276,10 @@ class InferenceWorker:
         return self.score(self.fetch())
 
     def advance(self) -> None:
-        """Resolves the episodes' tool steps due (a multi-turn task's; nothing to do
-        otherwise); the prompts whose episodes all ended wait for ``fetch``."""
-        if self.turns is not None and self.engine is not None:
-            for group_id in self.turns.advance(self._engine, self.replay_log):
+        """Resolves what waits between turns (a multi-turn task's tool steps due); the
+        prompts that ended so wait for ``fetch``."""
+        if self.engine is not None:
+            for group_id in self.samples.advance(self.engine, self.replay_log):
                 self._ended.append(self.requests.pop(group_id))
 
     def launch(self, *, advanced: bool = False) -> None:
@@ -383,10 +361,7 @@ class InferenceWorker:
         complete = []
         for completion in finished:
             self.generated_tokens += completion.num_tokens
-            if self.turns is not None:  # the episode ends, or not, when its step resolves
-                self.turns.take_turn(completion, self.version)
-                continue
-            if self.samples.add(completion):
+            if self.samples.take(completion, self.version):
                 complete.append(self.requests.pop(completion.request_id))
         return complete, finished
 
@@ -394,9 +369,7 @@ class InferenceWorker:
         """Scores the prompts ``fetch`` returned; their rollouts, in order."""
         if not requests:
             return []
-        if self.turns is not None:  # the environments gave the rewards
-            return self.turns.rollouts(requests)
-        return self.samples.score(requests, self.scorer)
+        return self.samples.rollouts(requests, self.scorer)
 
     # -- faults ----------------------------------------------------------------------
     def preempt(self) -> list[Issue]:
@@ -404,9 +377,7 @@ class InferenceWorker:
         lost = [r.issue for r in self.requests.values()]
         if self.engine is not None:
             self.engine.abort()
-        if self.turns is not None:
-            self.turns.drop()
-        self.samples.done.clear()
+        self.samples.drop()
         self.requests.clear()
         self._ended = []
         self.engine, self.version, self.draining = None, None, False
@@ -469,7 +440,8 @@ class InferenceWorker:
             def submit(group_id: int) -> None:
                 issue = issue_for(group_id)
                 problem = problem_for(issue)
-                self._start(issue, problem, self._prompt(problem), issued.get(group_id, 0.0))
+                prompt = self.samples.prompt(problem)
+                self._start(issue, problem, prompt, issued.get(group_id, 0.0))
 
             def decode() -> None:  # the steps the worker resolved before the chunk, too
                 self.advance()
@@ -482,13 +454,7 @@ class InferenceWorker:
             replay_ops(ops, submit=submit, decode=decode, update_weights=update)
             self._ended = []  # handed back before the checkpoint
             replayed = [op.to_json() for op in self.replay_log.ops]
-            if self.turns is not None and replayed != [op.to_json() for op in ops]:
-                raise ValueError(
-                    f"{self.worker_id}: replaying the checkpoint's log did not redo its "
-                    "multi-turn ops: an environment answered a step differently, or a tool "
-                    "step timed out in one run only (a mid-episode restore needs "
-                    "environments that answer the same action the same way)"
-                )
+            self.samples.check_replay(replayed, [op.to_json() for op in ops], self.worker_id)
             if sorted(self.requests) != sorted(issued):
                 raise ValueError(
                     f"{self.worker_id}: replaying the checkpoint's log left prompts "
@@ -501,5 +467,4 @@ class InferenceWorker:
 
     def close(self) -> None:
         """Stops the tool-step threads (a multi-turn task's)."""
-        if self.turns is not None:
-            self.turns.close()
+        self.samples.close()
