@@ -37,7 +37,7 @@ from rlaxkit.runtime.build import check_inputs
 from rlaxkit.runtime.common import RunTrace
 from rlaxkit.runtime.concurrent import check_supported
 from rlaxkit.runtime.faults import NO_FAULTS, FaultInjector, load_plan
-from rlaxkit.runtime.hooks import Hook, own_hooks
+from rlaxkit.runtime.hooks import Hook
 from rlaxkit.runtime.loop import Loop
 from rlaxkit.runtime.placement import start_placement
 from rlaxkit.tasks import CodeTask, Task, isolation_mode
@@ -80,106 +80,99 @@ class Experiment(Loop):
         resume: bool = True,
         ray_config: object = None,
     ):
-        self.config = config
         plan = load_plan(faults)
-        self.run_dir = Path(run_dir).absolute() if run_dir else None
-        self.faults = FaultInjector.for_plan(plan, config, self.run_dir)
+        run_path = Path(run_dir).absolute() if run_dir else None
+        injector = FaultInjector.for_plan(plan, config, run_path)
         check_supported(config)
-        check_run_dir(config.tracking, self.run_dir)
+        check_run_dir(config.tracking, run_path)
         check_inputs(config)  # bad data or checkpoint files fail before any work
-        point = codec.find_resume_point(self.run_dir, config, plan, resume)
-        if self.run_dir:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            config.save(self.run_dir / "config.yaml")
-        trace_path = self.run_dir / "trace.jsonl" if self.run_dir else None
+        point = codec.find_resume_point(run_path, config, plan, resume)
+        if run_path:
+            run_path.mkdir(parents=True, exist_ok=True)
+            config.save(run_path / "config.yaml")
+        trace_path = run_path / "trace.jsonl" if run_path else None
         # A resumed run cuts its files back to the checkpoint (it takes the steps after it again).
-        resumed = codec.continue_files(self.run_dir, point) if point and self.run_dir else None
-        self._t0 = time.perf_counter()
-        self.lock = threading.RLock()  # concurrent mode's worker threads take it
-        self.books = RunBooks(
+        resumed = codec.continue_files(run_path, point) if point and run_path else None
+        self._t0 = t0 = time.perf_counter()  # the clock start_placement's parts read
+        lock = threading.RLock()  # concurrent mode's worker threads take it
+        books = RunBooks(
             lost_steps=resumed["lost_steps"] if resumed else 0,
             lost_train_s=resumed["lost_train_s"] if resumed else 0.0,
         )
-        events = resumed["events"] if resumed else 0
-        self.trace = RunTrace(
-            trace_path,
-            events,
-            self.lock,
-            restarts=self.books.restarts,
-            memory_limit=config.runtime.trace_memory,
-        )
+        events, limit = (resumed["events"] if resumed else 0), config.runtime.trace_memory
+        trace = RunTrace(trace_path, events, lock, restarts=books.restarts, memory_limit=limit)
         if resumed is None:
-            self.trace.record(0.0, "run_start", "controller", None, config=config.to_dict())
+            trace.record(0.0, "run_start", "controller", None, config=config.to_dict())
         else:
-            self.trace.offset_s = resumed["offset_s"]
-        parts = None  # what a failed start closes
+            trace.offset_s = resumed["offset_s"]
+        parts = logger = None  # what a failed start closes
         try:
-            self.parts = parts = start_placement(
+            parts = start_placement(
                 config,
-                trace=self.trace,
+                trace=trace,
                 clock=self.clock,
-                books=self.books,
-                faults=self.faults,
-                run_dir=self.run_dir,
-                cache_dir=Path(cache_dir).absolute() if cache_dir else self.run_dir,
+                books=books,
+                faults=injector,
+                run_dir=run_path,
+                cache_dir=Path(cache_dir).absolute() if cache_dir else run_path,
                 ray_config=ray_config,
                 worker_ids=[w["worker_id"] for w in point.items["workers"]] if point else None,
             )
-            self.fleet, self.trainer = parts.fleet, parts.trainer
-            self.problems = parts.task.problems("train", config.task.num_train)
-            write_run_skipped_rows(self.task.skipped_rows, self.run_dir)
-            self.controller = PromptController(len(self.problems), seed=config.seed)
-            # Only a fault plan restores the trainer in the run: without one, trained
-            # groups are not kept for a roll-back.
-            self.buffer = RolloutBuffer(
-                config.staleness,
-                config.group_size,
-                config.batching,
-                config.recovery,
-                restorable=self.faults is not NO_FAULTS,
-            )
-            self.buffer.ledger.on_drop = self.drop_event
-            self.audit = AuditBook()  # sampled against trained
-            self.published = 0  # the newest version the trainer published
-            self.last_batch: dict[str, object] | None = None
-            self.closed = False
-            if point is not None:
-                self.trace.record(
-                    0.0,
-                    "restart",
-                    "trainer",
-                    point.step,
-                    lost_steps=self.books.lost_steps,
-                    resumed_from=point.step,
-                )
-                self._resume(point)
-            else:
-                self.note_published(self.trainer.publish(0))
-                if self.run_dir and (
-                    config.checkpoint.every_steps or config.checkpoint.every_s or len(plan)
-                ):
-                    self.save_checkpoint()  # step 0: what a restore falls back to
-            self.logger = open_trackers(
+            problems = parts.task.problems("train", config.task.num_train)
+            write_run_skipped_rows(parts.task.skipped_rows, run_path)
+            saves = bool(config.checkpoint.every_steps or config.checkpoint.every_s or len(plan))
+            logger = open_trackers(
                 config.tracking,
-                self.run_dir,
+                run_path,
                 config=config.to_dict(),
-                resumed_from=self.books.resumed_from,
+                resumed_from=point.step if point is not None else None,
                 total_steps=config.steps,
                 progress=progress,
                 # A run that can go back to a checkpoint: W&B and MLflow get committed steps.
-                hold=config.runtime.mode != "concurrent"
-                and bool(config.checkpoint.every_steps or config.checkpoint.every_s or len(plan)),
+                hold=config.runtime.mode != "concurrent" and saves,
             )
+            super().__init__(
+                config,
+                run_dir=run_path,
+                lock=lock,
+                trace=trace,
+                books=books,
+                faults=injector,
+                parts=parts,
+                problems=problems,
+                controller=PromptController(len(problems), seed=config.seed),
+                # Only a fault plan restores the trainer in the run: without one, trained
+                # groups are not kept for a roll-back.
+                buffer=RolloutBuffer(
+                    config.staleness,
+                    config.group_size,
+                    config.batching,
+                    config.recovery,
+                    restorable=injector is not NO_FAULTS,
+                ),
+                audit=AuditBook(),  # sampled against trained
+                logger=logger,
+                t0=t0,
+            )
+            self.closed = False
+            if point is not None:
+                lost, step = books.lost_steps, point.step
+                trace.record(0.0, "restart", "trainer", step, lost_steps=lost, resumed_from=step)
+                self._resume(point)
+            else:
+                self.note_published(self.trainer.publish(0))
+                if run_path and saves:
+                    self.save_checkpoint()  # step 0: what a restore falls back to
         except BaseException:
+            if logger is not None:
+                logger.close(failed=True)
             if parts is not None:
                 parts.close()
-            self.trace.close()
+            trace.close()
             raise
         self.books.window = Window(self.clock(), self.fleet.generated_tokens())
         self.collections = FreezeAfterFullCollection()
-        # After each step (``add_hook`` adds the caller's after these).
-        collections = Hook("collections", self.collections.step_done)
-        self.hooks = [*own_hooks(self), collections]
+        self.hooks.append(Hook("collections", self.collections.step_done))  # after a step
 
     def run(self, steps: int | None = None) -> list[dict[str, Any]]:
         """``Loop.run``; while it runs, Python's full collections leave the objects the

@@ -18,6 +18,7 @@ push waits for them; their number is set by the buffer, never the clock.
 
 from __future__ import annotations
 
+import abc
 import threading
 import time
 from collections.abc import Callable
@@ -37,42 +38,61 @@ from rlaxkit.rules.stalls import drop_patience, drops_error, stall_error
 from rlaxkit.rules.validation import is_int
 from rlaxkit.runtime.common import TRAIN_BUCKETS, RunTrace
 from rlaxkit.runtime.faults import NoFaults
-from rlaxkit.runtime.hooks import Hook, StepDone
+from rlaxkit.runtime.hooks import Hook, StepDone, own_hooks
 from rlaxkit.runtime.parts import Parts
 from rlaxkit.tasks import REWARD_FAILURES, Problem
 
 SYNC_ATTEMPTS = 10  # syncs per round before a worker is left to retry next round
 
 
-class Loop:
-    """The loop over a placement's parts; ``Experiment`` sets every attribute."""
+class Loop(abc.ABC):
+    """The loop over a placement's parts, and the state it keeps between steps.
 
-    config: RunConfig
-    run_dir: Path | None
-    lock: threading.RLock
-    trace: RunTrace
-    books: RunBooks
-    faults: NoFaults
-    parts: Parts
-    fleet: Fleet
-    trainer: TrainerClient
-    problems: list[Problem]
-    controller: PromptController
-    buffer: RolloutBuffer
-    published: int
-    last_batch: dict[str, object] | None
-    audit: AuditBook
-    logger: Trackers
-    hooks: list[Hook]
-    _t0: float
+    ``Experiment`` builds the parts (the fleet and trainer client among them), the
+    books, the trace (its lock is ``lock``, which concurrent mode's threads take), the
+    fault injector, problems, controller, buffer, audit and trackers, and hands them
+    over with ``t0``, when the run's clock started; the loop adds what it owns: the
+    newest published version, the last batch and the hooks after a step
+    (``rlaxkit.runtime.hooks``). How a run is saved is the subclass's
+    (``save_checkpoint``).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        run_dir: Path | None,
+        lock: threading.RLock,
+        trace: RunTrace,
+        books: RunBooks,
+        faults: NoFaults,
+        parts: Parts,
+        problems: list[Problem],
+        controller: PromptController,
+        buffer: RolloutBuffer,
+        audit: AuditBook,
+        logger: Trackers,
+        t0: float,
+    ):
+        self.config, self.run_dir, self.lock, self._t0 = config, run_dir, lock, t0
+        self.trace, self.books, self.faults, self.parts = trace, books, faults, parts
+        self.fleet: Fleet = parts.fleet
+        self.trainer: TrainerClient = parts.trainer
+        self.problems, self.controller, self.buffer = problems, controller, buffer
+        self.buffer.ledger.on_drop = self.drop_event
+        self.audit, self.logger = audit, logger
+        self.published = 0  # the newest version the trainer published
+        self.last_batch: dict[str, object] | None = None
+        self.hooks: list[Hook] = own_hooks(self)  # after each step; ``add_hook`` adds more
 
     @property
     def version(self) -> int:
         """The trainer's weight version (train steps kept)."""
         return self.books.version
 
+    @abc.abstractmethod
     def save_checkpoint(self, wait: bool = True) -> bool:
-        raise NotImplementedError  # Experiment's
+        """Saves the run as checkpoint ``version``; whether it did."""
 
     def clock(self) -> float:
         """Wall seconds since this process started the run."""
