@@ -217,3 +217,26 @@ def test_a_push_an_outage_held_back_is_checkpointed_and_resumed(
         got = jax.device_get(exp.params())
     for a, b in zip(jax.tree.leaves(expected_params), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_worker_pull_path_is_built_in_its_declared_order():
+    # connect (a fault plan's store, as this worker reaches it), then LoRA adapters,
+    # then the sampler's dtype: each layer once, no probing of what the store can do.
+    from rlaxkit.param_server import InProcessParameterServer
+    from rlaxkit.param_server.adapters import AdapterParameterServer
+    from rlaxkit.runtime.faulty_store import ParameterServerUnavailable, UnreliableParameterServer
+    from rlaxkit.runtime.hosts import WeightStore
+    from rlaxkit.worker.host import pull_path
+
+    server = UnreliableParameterServer(lambda: InProcessParameterServer(keep=2))
+    server.push(0, {"w": np.zeros(2, np.float32)})
+    store = WeightStore(kind="inprocess", server=server)
+    plain = pull_path(store, "worker-1", small_run_config())
+    other = pull_path(store, "worker-0", small_run_config())
+    server.failing["worker-1"] = 1
+    with pytest.raises(ParameterServerUnavailable):
+        plain.pull()  # this worker's pull fails, not the other's
+    assert other.pull()[0] == 0 and plain.pull()[0] == 0
+    assert store.connect() is server  # the trainer's client: the store itself
+    lora = pull_path(store, "worker-1", small_run_config("trainer.lora.rank=2"))
+    assert isinstance(lora.server, AdapterParameterServer)

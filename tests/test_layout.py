@@ -197,7 +197,7 @@ def test_the_graph_reads_relative_imports():
 
 # Every ``Any`` (the name, or ``typing.Any``) in rlaxkit and sim, counted in the syntax
 # tree. The goal is 350: lower the ceiling as types replace them, never raise it.
-MAX_ANY_NAMES = 347
+MAX_ANY_NAMES = 341
 
 
 def test_any_is_named_at_most_the_ceiling():

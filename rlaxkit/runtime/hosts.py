@@ -29,6 +29,7 @@ from rlaxkit.param_server import ParameterServer, ParamServerConfig, TensorStore
 from rlaxkit.param_server.base import EventHook
 from rlaxkit.param_server.delta_store import ReadableStore
 from rlaxkit.rules.trace import MemoryTrace, TraceEvent
+from rlaxkit.runtime.faulty_store import UnreliableParameterServer
 
 # jax.config options copied from the driver into every actor (same platform, same
 # persistent compilation cache: a restarted actor does not compile again).
@@ -116,12 +117,17 @@ class WeightStore:
         on_event: EventHook | None = None,
         pull_timeout_s: float | None = None,
         publication: ParamServerConfig | None = None,
+        worker_id: str | None = None,
     ) -> ParameterServer:
         """A client of this store for the calling process; ``pull_timeout_s`` bounds a
         pull that gives no timeout of its own (object store only); ``publication`` (the
         run's ``param_server`` section) with ``delta`` reads and publishes through a
-        ``DeltaParameterServer`` (the in-process ``server`` is given wrapped already)."""
+        ``DeltaParameterServer`` (the in-process ``server`` is given wrapped already).
+        ``worker_id``: the client of that worker, which a fault plan's in-process store
+        (``UnreliableParameterServer``) fails pulls of on their own."""
         if self.kind == "inprocess":
+            if worker_id is not None and isinstance(self.server, UnreliableParameterServer):
+                return self.server.view(worker_id)
             return self.server
         publication = publication or ParamServerConfig()
         hook = on_event

@@ -57,6 +57,26 @@ class _Observed:
         self.server.push(version, params)
 
 
+def pull_path(store: WeightStore, worker_id: str, config: RunConfig) -> _Observed:
+    """Worker ``worker_id``'s client of the parameter server, built in this order:
+
+    1. the store's client (``WeightStore.connect``: in this process, Ray's object store
+       or TensorStore; with ``param_server.delta``, delta records read back whole), as
+       this worker reaches it (a fault plan's in-process store fails its pulls apart);
+    2. with ``trainer.lora``, the base weights once, then each version's adapters
+       merged into them (``AdapterParameterServer``);
+    3. the weights cast to ``model.sampler_dtype``, and the newest version the store
+       last reported remembered (``_Observed``).
+    """
+    server = store.connect(
+        pull_timeout_s=_WORKER_PULL_TIMEOUT_S, publication=config.param_server, worker_id=worker_id
+    )
+    if config.trainer.lora is not None:
+        timeout_s = _WORKER_PULL_TIMEOUT_S if store.kind == "object_store" else None
+        server = AdapterParameterServer(server, default_timeout_s=timeout_s)
+    return _Observed(server, config.model.sampler_dtype)
+
+
 class WorkerHost:
     """One inference worker: an ``InferenceWorker`` and its reward runner.
 
@@ -101,17 +121,9 @@ class WorkerHost:
         self.weights_lost = _weights_lost(store)
         self.scorer = scorer or RewardRunner.for_task(task).start()
         self.in_process = store.in_process
-        server = store.connect(
-            pull_timeout_s=_WORKER_PULL_TIMEOUT_S, publication=config.param_server
-        )
-        if hasattr(server, "view"):  # a fault plan's store: failing pulls per worker
-            server = server.view(worker_id)
-        if config.trainer.lora is not None:  # the base once, then adapters merged into it
-            timeout_s = _WORKER_PULL_TIMEOUT_S if store.kind == "object_store" else None
-            server = AdapterParameterServer(server, default_timeout_s=timeout_s)
+        self.store = pull_path(store, worker_id, config)
         if config.model.sampler_dtype is not None:  # the graph in the sampler's dtype
             graphdef = nnx.graphdef(build_policy(sampler_config(config), task, abstract=True)[0])
-        self.store = _Observed(server, config.model.sampler_dtype)
         self._decoding, self._complete = False, list[Any]()
         self.worker = InferenceWorker(
             worker_id,
