@@ -208,3 +208,33 @@ def test_any_is_named_at_most_the_ceiling():
         for node in ast.walk(ast.parse(path.read_text()))
     )
     assert count <= MAX_ANY_NAMES, f"Any is named {count} times, over {MAX_ANY_NAMES}"
+
+
+# The whole run, by the names it goes by: a function takes the narrow protocol of what it
+# touches (``RoundTarget``, ``FaultTarget``, ``StepTarget``, ``AgentTarget``) instead.
+WHOLE_RUN = {"Experiment", "RayExperiment", "Loop"}
+
+
+def test_no_function_takes_the_whole_run():
+    def names(annotation: ast.expr | None) -> set[str]:
+        if annotation is None:
+            return set()
+        if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+            return set(annotation.value.replace("|", " ").replace("[", " ").split())
+        return {
+            n.id if isinstance(n, ast.Name) else n.attr
+            for n in ast.walk(annotation)
+            if isinstance(n, ast.Name | ast.Attribute)
+        }
+
+    found = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                arguments = node.args
+                every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+                every += [a for a in (arguments.vararg, arguments.kwarg) if a is not None]
+                for argument in every:
+                    if names(argument.annotation) & WHOLE_RUN:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} {argument.arg}")
+    assert not found, f"parameters typed as the whole run: {found}"
