@@ -32,7 +32,7 @@ LONG_MODULES = {
     "rlaxkit/tasks/sandbox.py": 677,
     "rlaxkit/observe/perfetto.py": 631,
     "rlaxkit/param_server/delta_store.py": 621,
-    "rlaxkit/inference/programs.py": 597,
+    "rlaxkit/inference/programs.py": 594,
     "sim/calibration/calibrate.py": 553,
     "rlaxkit/tasks/episodes.py": 593,
     "rlaxkit/config/run.py": 538,

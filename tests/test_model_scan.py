@@ -273,3 +273,32 @@ def test_sharded_scan_with_remat_equals_one_device():
     result = run_on_forced_devices(SHARDED)
     assert result["rel"] <= 1e-6, result
     assert result["spec"] == str(P(None, "fsdp", "model")), result
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layers=st.integers(1, 3),
+    width=st.integers(1, 4),
+    dest=st.lists(st.integers(0, 5), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_a_stacked_cache_takes_rows_a_layer_at_a_time_as_per_layer_caches_do(
+    layers, width, dest, seed
+):
+    # A prompt's prefilled rows copied to its samples' rows (start_rows): the stacked
+    # cache's loop over layers writes what the per-layer copy writes, a destination past
+    # the last row (padding) writing nothing.
+    rows, heads, slots, dim, prompts = 4, 2, 6, 3, 2
+    keys = jax.random.split(jax.random.key(seed), 4)
+    full = [jax.random.normal(k, (layers, rows, heads, slots, dim)) for k in keys[:2]]
+    part = [jax.random.normal(k, (layers, prompts, heads, width, dim)) for k in keys[2:]]
+    source = jnp.asarray([i % prompts for i in range(len(dest))], jnp.int32)
+    dest = jnp.asarray(dest, jnp.int32)
+    valid, end = jnp.zeros((rows, slots), bool), jnp.zeros((rows,), jnp.int32)
+    stacked = KVCache(full[0], full[1], valid, end)
+    prefill = KVCache(part[0], part[1], valid[:prompts, :width], end[:prompts])
+    unstack = lambda c: KVCache(list(c.k), list(c.v), c.valid, c.end)  # noqa: E731
+    got = jax.jit(lambda c, p: c.with_rows(p, dest, source))(stacked, prefill)
+    want = unstack(stacked).with_rows(unstack(prefill), dest, source)
+    for got_layers, want_layers in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(got_layers), np.stack(want_layers))

@@ -195,9 +195,6 @@ def _start_rows(
     prefill = KVCache.zeros(model.config, num_prompts, width, _cache_dtype(state.cache))
     _, prefill = model.decode(prompts, positions, prefill, context_mask)
 
-    def copy(full, part):  # cache layout [rows, kv_heads, slots, head_dim]
-        return full.at[dest, :, :width].set(part[source], mode="drop")
-
     valid = jnp.pad(prefill.valid[source], ((0, 0), (0, slots - width)))
     valid = state.cache.valid.at[dest].set(valid, mode="drop")
     end = state.cache.end.at[dest].set(prompt_len[source] - 1, mode="drop")
@@ -214,7 +211,7 @@ def _start_rows(
         pages = scatter_rows(state.cache, dest, rows_part, write)
         cache = dataclasses.replace(state.cache, pages=pages, valid=valid, end=end)
     else:
-        k, v = state.cache.each_layer(copy, prefill)
+        k, v = state.cache.with_rows(prefill, dest, source)
         cache = KVCache(k=k, v=v, valid=valid, end=end)
     stored = jnp.pad(prompts, ((0, 0), (0, state.prompt.shape[1] - width)))
     last = jnp.take_along_axis(prompts, (prompt_len - 1)[:, None], axis=1)[:, 0]

@@ -95,6 +95,31 @@ class KVCache:
 
         return each("k"), each("v")
 
+    def with_rows(self, part: KVCache, dest: jax.Array, source: jax.Array) -> tuple[Layers, Layers]:
+        """``(keys, values)``: this cache with rows ``dest`` set to ``part``'s rows
+        ``source`` over ``part``'s slots (a ``dest`` past the last row changes nothing).
+        A stacked cache is written a layer at a time: mapped over the layers, the
+        gathered rows of all of them were one temporary, which XLA:TPU kept whole
+        (docs/running_at_scale.md)."""
+        width = part.slots
+
+        def copy(full: jax.Array, rows: jax.Array) -> jax.Array:
+            return full.at[dest, :, :width].set(rows[source], mode="drop")
+
+        if not (self.stacked and part.stacked):
+            return self.each_layer(copy, part)
+
+        def layers(full: Layers, rows: Layers) -> jax.Array:
+            assert not isinstance(full, list) and not isinstance(rows, list)
+
+            def one(i: jax.Array, full: jax.Array) -> jax.Array:
+                layer = jax.lax.dynamic_index_in_dim(rows, i, keepdims=False)[source]
+                return full.at[i, dest, :, :width].set(layer, mode="drop")
+
+            return jax.lax.fori_loop(0, full.shape[0], one, full)
+
+        return layers(self.k, part.k), layers(self.v, part.v)
+
 
 def store(
     cache: jax.Array, new: jax.Array, start: jax.Array, layer: jax.Array | None = None
