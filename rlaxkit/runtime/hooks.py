@@ -1,10 +1,11 @@
 """What runs after a trainer step: hooks, each due every ``every`` steps.
 
 ``Loop.step`` reads collect → collate → train → faults → push → hooks. The run's own
-hooks (``Loop.own_hooks``) book the step's metrics, trace it, log it, scale an elastic
-fleet and checkpoint it, in that order; a caller's hooks (``Loop.add_hook``, e.g. the
-evaluation of ``rlaxkit train``'s ``eval.every_steps``) run after them. A hook sees the
-step as a ``StepDone``; the metrics hook fills its ``metrics``, which ``step`` returns.
+hooks (``own_hooks``) book the step's metrics, trace it, log it, scale an elastic fleet
+and checkpoint it, in that order (``Experiment`` adds Python's collector freeze after
+them); a caller's hooks (``Loop.add_hook``, e.g. the evaluation of ``rlaxkit train``'s
+``eval.every_steps``) run after those. A hook sees the step as a ``StepDone`` and the
+run through ``StepTarget``; the metrics hook fills ``metrics``, which ``step`` returns.
 """
 
 from __future__ import annotations
