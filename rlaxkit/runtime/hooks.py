@@ -56,6 +56,11 @@ class StepDone:
     trainer_up: bool
     metrics: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def staleness(self) -> list[int]:
+        """Each trained group's staleness: ``step - 1 - first_version``."""
+        return [self.step - 1 - g.first_version for g in self.groups]
+
 
 @dataclass(frozen=True)
 class Hook:
@@ -108,15 +113,13 @@ def own_hooks(run: StepTarget) -> list[Hook]:
     return [
         Hook("metrics", lambda done: book_metrics(run, done)),
         Hook("trace", lambda done: trace_step(run, done)),
-        Hook("log", lambda done: run.logger.log(done.metrics, histograms=staleness(done))),
+        Hook(
+            "log",
+            lambda done: run.logger.log(done.metrics, histograms={"staleness": done.staleness}),
+        ),
         Hook("elastic_fleet", lambda done: scale_on_schedule(run, done)),
         Hook("checkpoint", lambda done: checkpoint_if_due(run, done)),
     ]
-
-
-def staleness(done: StepDone) -> dict[str, list[int]]:
-    """The staleness of each group the step trained on (``version - 1 - first_version``)."""
-    return {"staleness": [done.step - 1 - g.first_version for g in done.groups]}
 
 
 def book_metrics(run: StepTarget, done: StepDone) -> None:
@@ -158,9 +161,14 @@ def trace_step(run: StepTarget, done: StepDone) -> None:
         tokens=int(np.asarray(done.batch.attention_mask).sum()),
         completion_tokens=int(np.asarray(done.batch.loss_mask).sum()),
         duration_s=duration_s,
-        staleness=staleness(done)["staleness"],
+        staleness=done.staleness,
         **after,
     )
+
+
+def log_step(run: StepTarget, done: StepDone) -> None:
+    """The step's metrics, and its staleness as a histogram, to the trackers."""
+    run.logger.log(done.metrics, histograms={"staleness": done.staleness})
 
 
 def scale_on_schedule(run: StepTarget, done: StepDone) -> None:

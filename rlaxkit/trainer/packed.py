@@ -33,6 +33,11 @@ StepFunction = Callable[
 ]
 
 
+def _fields(state: TrainState) -> tuple[Packed, ...]:
+    """Each field of ``state`` packed (a tree ``Packed.tree`` built packs back to its own)."""
+    return tuple(Packed.of(getattr(state, name)) for name in _NAMES)
+
+
 def _state(fields: tuple[Packed, ...]) -> TrainState:
     """The state whose fields are ``fields``, rebuilt (inside the jitted function)."""
     return TrainState(*(p.structure.treedef.unflatten(p.leaves) for p in fields))
@@ -74,7 +79,7 @@ class PackedTrainStep:
             state, metrics, log_theta = train_step(
                 _state((*rest[:_PARAMS], params, *rest[_PARAMS:])), batch
             )
-            return tuple(Packed.of(getattr(state, name)) for name in _NAMES), metrics, log_theta
+            return _fields(state), metrics, log_theta
 
         donate_argnums = ((1,) if keep_params else (0, 1)) if donate else ()
         jit = TieredJit if tiered else jax.jit
@@ -85,7 +90,7 @@ class PackedTrainStep:
         last = self._last
         if last is not None and last[0]() is state:
             return last[1]
-        return tuple(Packed.of(getattr(state, name)) for name in _NAMES)
+        return _fields(state)
 
     def _arguments(self, state: TrainState) -> tuple[Packed, tuple[Packed, ...]]:
         fields = self._pack(state)

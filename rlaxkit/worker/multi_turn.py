@@ -60,7 +60,7 @@ from rlaxkit.tasks.episodes import (
     submit_step,
 )
 from rlaxkit.worker.replay_log import ReplayLog
-from rlaxkit.worker.single_turn import IssuedPrompt, record_generation_end
+from rlaxkit.worker.single_turn import IssuedPrompt, prompts_at_once, record_generation_end
 
 __all__ = ["EpisodeTurns"]
 
@@ -176,7 +176,7 @@ class EpisodeTurns:
         episode's next turn waits in the engine's queue for a row)."""
         n = self.sampling.n
         if self.config.release_after_s is None:
-            return max(1, self.rows // n) - prompts_held
+            return prompts_at_once(self.rows, n) - prompts_held
         busy = engine.num_running + engine.num_parked + engine.num_queued
         return max(0, (self.rows - busy) // n)
 

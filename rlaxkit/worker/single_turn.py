@@ -29,6 +29,7 @@ __all__ = [
     "IssuedPrompt",
     "VerifiedSamples",
     "completion_text",
+    "prompts_at_once",
     "record_generation_end",
     "verified_rollout",
 ]
@@ -106,6 +107,11 @@ def record_generation_end(
     )
 
 
+def prompts_at_once(rows: int, n: int) -> int:
+    """How many prompts of ``n`` samples a worker of ``rows`` engine rows holds: at least one."""
+    return max(1, rows // n)
+
+
 class VerifiedSamples:
     """The single-turn samples of one worker's issued prompts, until each prompt's ``n``
     are done and scored (``rlaxkit.worker.samples.WorkerSamples``).
@@ -138,7 +144,10 @@ class VerifiedSamples:
     ):
         self.worker_id, self.task, self.tokenizer = worker_id, task, tokenizer
         self.sampling, self.n = sampling, sampling.n
-        self.max_prompt_len, self.capacity = max_prompt_tokens, max(1, num_slots // sampling.n)
+        self.max_prompt_len, self.capacity = (
+            max_prompt_tokens,
+            prompts_at_once(num_slots, sampling.n),
+        )
         self.trace, self.clock = trace, clock
         self.done: dict[int, list[Completion]] = {}  # group id -> finished samples
 
