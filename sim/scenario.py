@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import yaml
 
 from rlaxkit.rules.fault_plan import FaultPlan
+from rlaxkit.rules.paging import rows_that_fit
 from rlaxkit.rules.policies import (
     BatchPolicy,
     CheckpointPolicy,
@@ -47,6 +49,7 @@ __all__ = [
     "MAX_EXPECTED_PREEMPTIONS",
     "Scenario",
     "load_scenario",
+    "paged_rows",
     "save_scenario",
     "scenario_from_dict",
     "scenario_to_dict",
@@ -352,3 +355,27 @@ def with_plan(base: Scenario, plan: str | Path | Mapping[str, object]) -> Scenar
     compiled, compiler = plan_overrides(plan)
     scenario = with_overrides(base, compiled)
     return with_overrides(scenario, {"name": f"{base.name}_planned_{compiler}"})
+
+
+PAGED_LENGTH_DRAWS = 4096  # rows' lengths drawn to apply the page rule (seeded)
+
+
+def paged_rows(scenario: Scenario) -> int:
+    """Rows a worker with a paged KV cache decodes at once: the engine's page rule
+    (``rlaxkit.rules.paging.rows_that_fit``) over the workload's prompt + completion lengths
+    (completions capped at ``max_response_tokens``), at most ``slots_per_worker``."""
+    fleet, workload = scenario.fleet, scenario.workload
+    assert fleet.kv_pool_tokens is not None
+    generator = np.random.default_rng(0)
+    prompts = workload.prompt_tokens.sample_many(generator, PAGED_LENGTH_DRAWS)
+    responses = workload.response_tokens.sample_many(generator, PAGED_LENGTH_DRAWS)
+    if workload.max_response_tokens is not None:
+        responses = np.minimum(responses, workload.max_response_tokens)
+    lengths = np.ceil(prompts + responses).astype(int).tolist()
+    rows = rows_that_fit(
+        pool_tokens=fleet.kv_pool_tokens,
+        page_size=fleet.page_size,
+        row_tokens=lengths,
+        max_rows=fleet.slots_per_worker,
+    )
+    return max(1, rows)

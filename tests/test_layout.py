@@ -50,7 +50,6 @@ WIDE_CLASSES = {
     ("sim/engine.py", "Simulation"): 23,
     ("sim/metrics.py", "Counters"): 22,
     ("sim/metrics.py", "SimResult"): 24,
-    ("sim/entities/worker.py", "SimWorker"): 30,
 }
 
 HEAVY = {"jax", "jaxlib", "flax", "optax", "orbax", "simpy", "ray", "matplotlib"}

@@ -39,16 +39,17 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, cast
 
-import numpy as np
 import simpy
 from simpy.events import ProcessGenerator
 
-from rlaxkit.rules.paging import rows_that_fit
 from sim.entities.groups import Group, SimSample
+from sim.entities.worker_state import Health, SlotWaits, WorkerMode
+from sim.scenario import paged_rows
 
 if TYPE_CHECKING:
+    from rlaxkit.rules.policies import StalenessPolicy
     from sim.entities.context import SimContext
-    from sim.scenario import Scenario
+    from sim.specs import FleetSpec
 
 __all__ = ["HOST_BUSY", "PREEMPTED", "WEIGHT_UPDATE", "SimWorker"]
 
@@ -58,40 +59,14 @@ HOST_BUSY = "host_busy"
 _PAUSES = (WEIGHT_UPDATE, HOST_BUSY)
 
 
-PAGED_LENGTH_DRAWS = 4096  # rows' lengths drawn to apply the page rule (seeded)
-
-
-def paged_rows(scenario: Scenario) -> int:
-    """Rows a worker with a paged KV cache decodes at once: the engine's page rule
-    (``rlaxkit.rules.paging.rows_that_fit``) over the workload's prompt + completion lengths
-    (completions capped at ``max_response_tokens``), at most ``slots_per_worker``."""
-    fleet, workload = scenario.fleet, scenario.workload
-    assert fleet.kv_pool_tokens is not None
-    generator = np.random.default_rng(0)
-    prompts = workload.prompt_tokens.sample_many(generator, PAGED_LENGTH_DRAWS)
-    responses = workload.response_tokens.sample_many(generator, PAGED_LENGTH_DRAWS)
-    if workload.max_response_tokens is not None:
-        responses = np.minimum(responses, workload.max_response_tokens)
-    lengths = np.ceil(prompts + responses).astype(int).tolist()
-    rows = rows_that_fit(
-        pool_tokens=fleet.kv_pool_tokens,
-        page_size=fleet.page_size,
-        row_tokens=lengths,
-        max_rows=fleet.slots_per_worker,
-    )
-    return max(1, rows)
-
-
 class SimWorker:
     """One inference worker with ``slots_per_worker`` concurrent sequences."""
 
     def __init__(self, sim: SimContext, index: int) -> None:
         self.sim = sim
-        self.env = sim.env
-        self.spec = sim.scenario.fleet
-        self.policy = sim.scenario.staleness
+        spec = sim.scenario.fleet
         self.name = f"worker-{index}"
-        self.slice_name = f"slice-{index // self.spec.workers_per_slice}"
+        self.slice_name = f"slice-{index // spec.workers_per_slice}"
         self.version: int | None = None
         self.lineage = 0
         self.up = True
@@ -103,21 +78,28 @@ class SimWorker:
         self.returned: deque[SimSample] = deque()  # back from a tool that took their slot
         self.groups: set[Group] = set()
         self._decoding: dict[simpy.Process, float] = {}
-        self._requesting = False
-        self._idle: deque[simpy.Event] = deque()
-        self._resumed = self.env.event()
-        self._down_until = 0.0
-        self._slow_factor = 1.0
-        self._slow_token = 0
-        self._host_scope = self.spec.occupancy_scope == "host"
-        self._interrupting = sim.scenario.weight_sync.interrupts_generation
-        self._pull_proc: simpy.Process | None = None
-        self._releases = sim.scenario.workload.multi_turn and self.spec.release_after_s is not None
-        self._wake_request: simpy.Event | None = None
-        self.rows = (
-            paged_rows(sim.scenario) if self.spec.kv_pool_tokens else self.spec.slots_per_worker
+        self._waits = SlotWaits(resumed=sim.env.event())
+        self._health = Health()
+        self._mode = WorkerMode(
+            host_scope=spec.occupancy_scope == "host",
+            interrupting=sim.scenario.weight_sync.interrupts_generation,
+            releases=sim.scenario.workload.multi_turn and spec.release_after_s is not None,
         )
+        self._pull_proc: simpy.Process | None = None
+        self.rows = paged_rows(sim.scenario) if spec.kv_pool_tokens else spec.slots_per_worker
         self.slots = [self.env.process(self._slot()) for _ in range(self.rows)]
+
+    @property
+    def env(self) -> simpy.Environment:
+        return self.sim.env
+
+    @property
+    def spec(self) -> FleetSpec:
+        return self.sim.scenario.fleet
+
+    @property
+    def policy(self) -> StalenessPolicy:
+        return self.sim.scenario.staleness
 
     # --- slot processes --------------------------------------------------------------
 
@@ -143,7 +125,7 @@ class SimWorker:
                 yield self._idle_wait()
                 continue
             if self._pull_due() and (
-                self._interrupting
+                self._mode.interrupting
                 or self.version is None
                 or not (self.returned or (self.queue and self.queue[0].group.started))
             ):
@@ -152,26 +134,26 @@ class SimWorker:
                 continue
             if self.returned:  # episodes back from a slow tool go first
                 sample = self.returned.popleft()
-                if self._idle and (self.returned or self.queue or not self._requesting):
-                    self._idle.popleft().succeed()
+                if self._waits.idle and (self.returned or self.queue or not self._waits.requesting):
+                    self._waits.idle.popleft().succeed()
                 return sample
             if self.queue:
                 sample = self.queue.popleft()
-                if self._idle and (self.queue or not self._requesting):
-                    self._idle.popleft().succeed()
+                if self._waits.idle and (self.queue or not self._waits.requesting):
+                    self._waits.idle.popleft().succeed()
                 return sample
-            if self._requesting:
+            if self._waits.requesting:
                 yield self._idle_wait()
                 continue
             buffer = self.sim.buffer
             group = buffer.try_start(self.name)
             if group is None:
-                self._requesting = True
+                self._waits.requesting = True
                 request = buffer.wait_start(self.name)
                 # With released slots an episode may come back from its tool while this
                 # slot waits for admission: it must not wait behind it (admission may
                 # wait for that very episode's group).
-                wake = self._wake_request = self.env.event() if self._releases else None
+                wake = self._waits.wake_request = self.env.event() if self._mode.releases else None
                 try:
                     if wake is None:
                         group = yield request
@@ -185,14 +167,14 @@ class SimWorker:
                     buffer.cancel(request)
                     raise
                 finally:
-                    self._requesting = False
-                    self._wake_request = None
+                    self._waits.requesting = False
+                    self._waits.wake_request = None
             self.groups.add(group)
             self.queue.extend(group.samples)
 
     def _idle_wait(self):
         event = self.env.event()
-        self._idle.append(event)
+        self._waits.idle.append(event)
         return event
 
     def _generate(self, sample: SimSample) -> ProcessGenerator:
@@ -214,7 +196,7 @@ class SimWorker:
         group.note_version(self._held_version(), self.lineage)
         self._add_active(1)
         if sample.turn == 0 and self.sim.trace is not None:
-            occupancy = self.sim.host_active if self._host_scope else self.active
+            occupancy = self.sim.host_active if self._mode.host_scope else self.active
             self.sim.record_start(self.name, self.version, sample, occupancy)
         last = len(sample.turn_tokens) - 1
         while True:
@@ -285,7 +267,7 @@ class SimWorker:
         """Wait while the worker pulls or the host is paused."""
         while self.pulling or self.paused:
             try:
-                yield self._resumed
+                yield self._waits.resumed
             except simpy.Interrupt as again:
                 # A pull and a host pause can both interrupt a decode in the same
                 # instant; the second finds this slot already paused.
@@ -319,10 +301,10 @@ class SimWorker:
             return  # the worker lost the episode meanwhile
         self.sim.record_tool_call(self.name, self.version, sample, turn, released=True)
         self.returned.append(sample)
-        if self._idle:
-            self._idle.popleft().succeed()
-        elif self._wake_request is not None and not self._wake_request.triggered:
-            self._wake_request.succeed()  # a slot waiting for admission takes it instead
+        if self._waits.idle:
+            self._waits.idle.popleft().succeed()
+        elif self._waits.wake_request is not None and not self._waits.wake_request.triggered:
+            self._waits.wake_request.succeed()  # a slot waiting for admission takes it instead
 
     def _finish(self, sample: SimSample) -> None:
         self._add_active(-1)
@@ -354,16 +336,16 @@ class SimWorker:
         self.sim.host_active += delta
 
     def _per_token_s(self) -> float:
-        occupancy = self.sim.host_active if self._host_scope else self.active
-        return self.spec.per_token_s(occupancy) * self._slow_factor
+        occupancy = self.sim.host_active if self._mode.host_scope else self.active
+        return self.spec.per_token_s(occupancy) * self._health.slow_factor
 
     def _notify(self) -> None:
         """The worker's state changed (restart, new weights): resume paused decodes and
         wake one idle slot, which wakes the next as long as there is work (a chain)."""
-        event, self._resumed = self._resumed, self.env.event()
+        event, self._waits.resumed = self._waits.resumed, self.env.event()
         event.succeed()
-        if self._idle:
-            self._idle.popleft().succeed()
+        if self._waits.idle:
+            self._waits.idle.popleft().succeed()
 
     # --- weights ---------------------------------------------------------------------
 
@@ -386,7 +368,7 @@ class SimWorker:
         env = self.env
         start = env.now
         from_version = self.version
-        if self._interrupting:
+        if self._mode.interrupting:
             for proc in list(self._decoding):
                 proc.interrupt(WEIGHT_UPDATE)
         try:
@@ -413,7 +395,7 @@ class SimWorker:
 
     def on_publish(self) -> None:
         """A new version was published; in-flight mode reloads at once if it must."""
-        if self._interrupting and self.version is not None:
+        if self._mode.interrupting and self.version is not None:
             self._maybe_pull()
 
     def on_rollback(self, version: int) -> None:
@@ -443,7 +425,7 @@ class SimWorker:
     def preempt(self, down_s: float) -> None:
         """Lose the accelerators for ``down_s`` seconds (extends an ongoing downtime)."""
         env = self.env
-        self._down_until = max(self._down_until, env.now + down_s)
+        self._health.down_until = max(self._health.down_until, env.now + down_s)
         self.sim.counters.preemptions["worker"] += 1
         self.sim.record(self.name, "preemption", self.version, down_s=down_s)
         if not self.up:
@@ -468,8 +450,8 @@ class SimWorker:
         self._add_active(-self.active)
         self.version = None
         self.pulling = False
-        self._requesting = False
-        self._idle.clear()
+        self._waits.requesting = False
+        self._waits.idle.clear()
         for proc in self.slots:
             proc.interrupt(PREEMPTED)
         if self._pull_proc is not None and self._pull_proc.is_alive:
@@ -477,8 +459,8 @@ class SimWorker:
         self.sim.buffer.lose(lost, reason)
 
     def _restart(self):
-        while self.env.now < self._down_until:
-            yield self.env.timeout(self._down_until - self.env.now)
+        while self.env.now < self._health.down_until:
+            yield self.env.timeout(self._health.down_until - self.env.now)
         if not self.up:
             self.up = True
             self.sim.record(self.name, "restart", None)
@@ -487,12 +469,12 @@ class SimWorker:
     def slow(self, factor: float, duration_s: float) -> None:
         """Decode ``factor`` times slower for sequences starting in the next
         ``duration_s`` seconds."""
-        self._slow_factor = factor
-        self._slow_token += 1
-        token = self._slow_token
+        self._health.slow_factor = factor
+        self._health.slow_token += 1
+        token = self._health.slow_token
         timer = self.env.timeout(duration_s)
         timer.callbacks.append(lambda _event: self._end_slow(token))
 
     def _end_slow(self, token: int) -> None:
-        if token == self._slow_token:
-            self._slow_factor = 1.0
+        if token == self._health.slow_token:
+            self._health.slow_factor = 1.0
