@@ -47,7 +47,6 @@ WIDE_CLASSES = {
     ("rlaxkit/inference/engine.py", "InferenceEngine"): 28,
     ("rlaxkit/planning/specs.py", "PlanConfig"): 21,
     ("rlaxkit/worker/worker.py", "InferenceWorker"): 24,
-    ("sim/engine.py", "Simulation"): 23,
     ("sim/metrics.py", "Counters"): 22,
     ("sim/metrics.py", "SimResult"): 24,
 }

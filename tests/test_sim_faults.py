@@ -183,7 +183,7 @@ def test_heavy_faults_keep_every_invariant(mode, pauses_fleet, seed):
     buffer = simulation.buffer
     trained = sum(result.staleness.values())  # the surviving steps' groups
     assert trained == 30 * scenario.staleness.batch_size == len(buffer.ledger.trained)
-    created = simulation._next_group
+    created = simulation.draws.created
     assert created == trained + sum(result.drops.values()) + buffer.running + len(buffer.ready)
     buffer.ledger.check(created)  # the runtime's accounting invariant, on the same books
     assert buffer.ledger.accepted_lost() == []
