@@ -170,9 +170,7 @@ def test_a_paged_worker_restored_from_its_snapshot_equals_the_dense_worker(weigh
     paged = InferenceConfig(kv_cache="paged", page_size=4)
 
     def worker_for(server, inference=None):
-        worker = make_worker(graphdef, server)
-        worker.inference = inference or InferenceConfig()  # read at the first pull
-        return worker
+        return make_worker(graphdef, server, inference=inference)
 
     runs = []
     for inference in (None, paged):
@@ -223,8 +221,7 @@ def test_a_worker_counts_the_rows_its_pages_preempted_in_the_trace(weights):  # 
     for inference in (None, InferenceConfig(kv_cache="paged", page_size=4, num_pages=7)):
         server, trace = InProcessParameterServer(), MemoryTrace()
         server.push(0, params[0])
-        worker = make_worker(graphdef, server, trace=trace)
-        worker.inference = inference or InferenceConfig()
+        worker = make_worker(graphdef, server, trace=trace, inference=inference)
         worker.sync_weights()
         worker.submit(issue(0), PROBLEMS[0])
         worker.submit(issue(1), PROBLEMS[1])

@@ -63,7 +63,9 @@ class FailingServer:
         raise ConnectionError("store unreachable")
 
 
-def make_worker(graphdef, server, *, pull_mode="in_flight", max_worker_lag=0, trace=None):
+def make_worker(
+    graphdef, server, *, pull_mode="in_flight", max_worker_lag=0, trace=None, inference=None
+):
     return InferenceWorker(
         "worker-0",
         graphdef,
@@ -79,6 +81,7 @@ def make_worker(graphdef, server, *, pull_mode="in_flight", max_worker_lag=0, tr
         num_slots=NUM_SLOTS,
         chunk_steps=CHUNK_STEPS,
         max_prompt_tokens=8,
+        inference=inference,
     )
 
 

@@ -67,6 +67,17 @@ class _Launched:
     preempted: int = 0  # rows a paged engine sent back to its queue for want of pages
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """What a worker builds its engine with at each pull (see ``InferenceWorker``)."""
+
+    num_slots: int
+    chunk_steps: int
+    max_prompt_tokens: int
+    cache_views: bool
+    inference: InferenceConfig
+
+
 class InferenceWorker:
     """One inference worker of the fleet.
 
@@ -141,9 +152,9 @@ class InferenceWorker:
         self.param_server = param_server
         self.staleness, self.weight_sync = staleness, weight_sync
         self.trace, self.clock = trace, clock
-        self.num_slots, self.chunk_steps = num_slots, chunk_steps
-        self.max_prompt_tokens, self.cache_views = max_prompt_tokens, cache_views
-        self.inference = inference or InferenceConfig()
+        self.settings = EngineSettings(
+            num_slots, chunk_steps, max_prompt_tokens, cache_views, inference or InferenceConfig()
+        )
         self.engine: InferenceEngine | None = None
         self.version: int | None = None
         self.draining = False
@@ -206,16 +217,16 @@ class InferenceWorker:
         return InferenceEngine(
             (self.graphdef, params),
             self.sampling,
-            num_slots=self.num_slots,
+            num_slots=self.settings.num_slots,
             max_prompt_len=self.samples.max_prompt_len,
             max_context_len=self.samples.max_context_len,
             version=version,
-            chunk_steps=self.chunk_steps,
-            cache_views=self.cache_views,
-            kv_cache=self.inference.kv_cache,
-            page_size=self.inference.page_size,
-            num_pages=self.inference.num_pages,
-            attention_block=self.inference.attention_block,
+            chunk_steps=self.settings.chunk_steps,
+            cache_views=self.settings.cache_views,
+            kv_cache=self.settings.inference.kv_cache,
+            page_size=self.settings.inference.page_size,
+            num_pages=self.settings.inference.num_pages,
+            attention_block=self.settings.inference.attention_block,
             compile_rebuild=self.weight_sync.interrupts_generation,  # now, not mid-run
         )
 
@@ -236,10 +247,10 @@ class InferenceWorker:
     def submit(self, issue: Issue, problem: Problem) -> None:
         """Starts generating the ``n`` samples (or episodes) of one issued prompt."""
         prompt = self.samples.prompt(problem)
-        if len(prompt) > self.max_prompt_tokens:
+        if len(prompt) > self.settings.max_prompt_tokens:
             raise ValueError(
                 f"problem {problem.id}: prompt of {len(prompt)} tokens exceeds "
-                f"runtime.max_prompt_tokens={self.max_prompt_tokens}; raise it"
+                f"runtime.max_prompt_tokens={self.settings.max_prompt_tokens}; raise it"
             )
         now = self.clock()
         self._start(issue, problem, prompt, now)
@@ -325,11 +336,15 @@ class InferenceWorker:
         complete, finished = self._decode()
         end = self.clock()
         if self._engine.num_running:  # rows still decoding: the chunk ran all its steps
-            steps = self.chunk_steps
+            steps = self.settings.chunk_steps
         else:  # it stopped when its longest row did
             steps = max(
                 (  # a resumed turn counts from its resume: at least 0
-                    max(0, c.num_tokens - self.chunk_steps * launched.chunks_before[c.request_id])
+                    max(
+                        0,
+                        c.num_tokens
+                        - self.settings.chunk_steps * launched.chunks_before[c.request_id],
+                    )
                     for c in finished
                 ),
                 default=0,
