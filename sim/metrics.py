@@ -34,19 +34,10 @@ class Counters:
     def __init__(self) -> None:
         self.samples_generated = 0
         self.tokens_generated = 0
-        self.samples_aborted = 0
-        self.reissued = 0  # lost prompt groups handed out again
-        self.tokens_wasted = 0
         self.slot_busy_s = 0.0
         self.tool_calls = 0  # multi-turn episodes' tool calls started
         self.tool_hold_s = 0.0  # slot-seconds held by episodes waiting for a tool
         self.slots_released = 0  # tool calls that gave their slot up
-        self.pulls = 0
-        self.pull_s = 0.0
-        self.pushes = 0
-        self.saves = 0
-        self.restores = 0
-        self.trainer_wait_s = 0.0
         self.lost_steps = 0
         self.lost_compute_s = 0.0
         self.staleness: Counter[int] = Counter()

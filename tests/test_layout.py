@@ -46,7 +46,6 @@ WIDE_CLASSES = {
     ("rlaxkit/config/run.py", "RunConfig"): 24,
     ("rlaxkit/inference/engine.py", "InferenceEngine"): 28,
     ("rlaxkit/planning/specs.py", "PlanConfig"): 21,
-    ("sim/metrics.py", "Counters"): 22,
     ("sim/metrics.py", "SimResult"): 24,
 }
 

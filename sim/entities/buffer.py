@@ -172,7 +172,6 @@ class SimBuffer:
             del self.in_flight[group.group_id]
         again = set(self.ledger.lose([group.group_id for group in live], reason))
         self.reissue.extend(group.regenerate() for group in live if group.group_id in again)
-        self.sim.counters.reissued += len(again)
         self._dispatch()
 
     def _on_drop(self, group_id: int, reason: str, version: int | None) -> None:

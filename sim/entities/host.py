@@ -368,9 +368,6 @@ class SerialHost:
         # ``InferenceEngine.update_weights(..., recompute_cache=True)``).
         rebuilt = len(worker.left) - worker.unstarted
         worker.rebuilt = worker.rebuilt or rebuilt > 0
-        counters = self.sim.counters
-        counters.pulls += 1
-        counters.pull_s += self.env.now - start
         self.sim.record(
             worker.name,
             "pull",

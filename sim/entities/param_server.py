@@ -134,7 +134,6 @@ class SimParameterServer:
         if self.spec.delta_changed_fraction is not None or self.spec.adapter_fraction is not None:
             since = self._pushes_since_snapshot
             self._pushes_since_snapshot = 0 if snapshot or since is None else since + 1
-        self.sim.counters.pushes += 1
         self.sim.record("trainer", "push", version, duration_s=self.env.now - start, bytes=nbytes)
         self.publish(version)
 

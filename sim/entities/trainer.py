@@ -117,7 +117,6 @@ class Trainer:
         env = self.env
         sim = self.sim
         buffer = sim.buffer
-        waited_from = env.now
         host = sim.host
         if host is not None:  # one thread: the trainer's wait is the host's rounds
             batch = yield from host.collect_batch()
@@ -126,7 +125,6 @@ class Trainer:
             while batch is None:
                 yield buffer.wait_batch()
                 batch = buffer.take_batch()
-        sim.counters.trainer_wait_s += env.now - waited_from
         tokens = sum(group.tokens for group in batch)
         samples = sum(len(group.samples) for group in batch)
         compute_s = self.writes.dilate(self.spec.step_s(tokens))
@@ -198,7 +196,6 @@ class Trainer:
         self.last_save_step = self.version
         self.last_save_s = now_s
         sim.buffer.on_save(self.version)
-        sim.counters.saves += 1
         step = self.version
         sim.record(self.name, "checkpoint_save", step, step=step, duration_s=env.now - start)
         if not spec.background_s:
@@ -232,7 +229,6 @@ class Trainer:
         sim.record(self.name, "restart", self.version)
         start = env.now
         yield env.timeout(sim.scenario.checkpoint.restore_s)
-        sim.counters.restores += 1
         sim.record(
             self.name,
             "checkpoint_restore",
@@ -260,7 +256,6 @@ class Trainer:
         step = self.last_save_step
         _discard_steps(sim, set(range(step + 1, self.version + 1)))
         sim.counters.rollback(step)
-        sim.counters.restores += 1
         self.version = step
         sim.record(self.name, "checkpoint_restore", step, step=step, duration_s=env.now - start)
         host.on_restore(step)

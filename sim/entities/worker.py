@@ -380,8 +380,6 @@ class SimWorker:
         self.version = version
         self.lineage = lineage
         self.pulling = False
-        self.sim.counters.pulls += 1
-        self.sim.counters.pull_s += env.now - start
         self.sim.record(
             self.name,
             "pull",
@@ -442,7 +440,6 @@ class SimWorker:
         for start in self._decoding.values():
             counters.slot_busy_s += env.now - start
         lost = sorted(self.groups, key=lambda g: g.group_id)
-        counters.samples_aborted += sum(len(group.samples) for group in lost)
         self.groups.clear()
         self.queue.clear()
         self.returned.clear()
