@@ -27,7 +27,7 @@ KNOWN_CYCLES: list[list[str]] = []
 MAX_LINES = 500
 # Modules over the limit and their size when listed: a module may shrink, not grow.
 LONG_MODULES = {
-    "rlaxkit/inference/engine.py": 922,
+    "rlaxkit/inference/engine.py": 921,
     "rlaxkit/cli.py": 773,
     "rlaxkit/tasks/sandbox.py": 677,
     "rlaxkit/observe/perfetto.py": 631,
@@ -44,7 +44,6 @@ MAX_ATTRIBUTES = 20
 WIDE_CLASSES = {
     ("rlaxkit/algorithms/config.py", "LossConfig"): 23,
     ("rlaxkit/config/run.py", "RunConfig"): 24,
-    ("rlaxkit/inference/engine.py", "InferenceEngine"): 28,
     ("rlaxkit/planning/specs.py", "PlanConfig"): 21,
     ("sim/metrics.py", "SimResult"): 24,
 }

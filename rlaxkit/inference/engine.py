@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -58,7 +57,13 @@ from rlaxkit.inference.results import (
     split_model,
 )
 from rlaxkit.inference.rows import FINISH_REASONS, INTERRUPTED, NO_TOKEN, STOP
-from rlaxkit.inference.samples import KeptTokens, PendingResume, QueuedSample, prompt_key
+from rlaxkit.inference.samples import (
+    KeptTokens,
+    PendingResume,
+    QueuedSample,
+    SampleBooks,
+    prompt_key,
+)
 from rlaxkit.rules.paging import check_pages
 from rlaxkit.util.jaxutil import host_arrays
 
@@ -222,19 +227,8 @@ class InferenceEngine:
             raise ValueError(f"kv_cache must be 'auto', 'dense' or 'paged', got {kv_cache!r}")
         self.kv_cache = kv_cache
         self.state = jax.device_put(state, self._device)
-        self._admitted = np.zeros((num_slots,), np.int64)  # when each row's sample started
-        self._admissions = itertools.count()
-        self._queue: collections.deque[QueuedSample] = collections.deque()
-        self._slots: list[QueuedSample | None] = [None] * num_slots
-        self._parked: dict[tuple[int, int], int] = {}  # (request, sample) -> row
-        self._resumes: list[PendingResume] = []
-        self._ids = itertools.count()
-        self._unfinished: collections.Counter[int] = collections.Counter()  # id -> samples
+        self._books = SampleBooks.empty(num_slots)  # where each sample is, between chunks
         self._launched = False  # a chunk was dispatched and not yet finished
-        # Each row's write offset (``state.cache.end``) as the host knows it: set by a
-        # refill or a resume, read back after each chunk. A chunk decodes on the shortest
-        # of ``engine_views`` that holds every generating row's writes (``_view``).
-        self._ends = np.zeros((num_slots,), np.int64)
         self._views = engine_views(self.prompt_width, slots) if cache_views else (slots,)
         if self._pages is not None:  # whole pages: a view is a prefix of the page table
             self._views = tuple(sorted({page_size * -(-v // page_size) for v in self._views}))
@@ -245,38 +239,38 @@ class InferenceEngine:
     def num_queued(self) -> int:
         """Samples waiting for a row, and resumed rows waiting for their observation's
         prefill (at the next launch)."""
-        return len(self._queue) + len(self._resumes)
+        return len(self._books.queue) + len(self._books.resumes)
 
     @property
     def num_running(self) -> int:
         """Rows generating. Parked rows are not counted: they hold a row but run no
         decode step (``num_parked``)."""
-        busy = len(self._slots) - self._slots.count(None)
-        return busy - len(self._parked) - len(self._resumes)
+        busy = len(self._books.slots) - self._books.slots.count(None)
+        return busy - len(self._books.parked) - len(self._books.resumes)
 
     @property
     def num_held(self) -> int:
         """Rows holding a sequence: running, parked or waiting for an observation (the
         rows whose cache ``update_weights(..., recompute_cache=True)`` rebuilds)."""
-        return len(self._slots) - self._slots.count(None)
+        return len(self._books.slots) - self._books.slots.count(None)
 
     @property
     def num_parked(self) -> int:
         """Rows held for an observation (``resume``) or a ``release``; no request
         takes them."""
-        return len(self._parked)
+        return len(self._books.parked)
 
     @property
     def parked(self) -> list[tuple[int, int]]:
         """``(request_id, sample_index)`` of every parked row, sorted."""
-        return sorted(self._parked)
+        return sorted(self._books.parked)
 
     @property
     def idle(self) -> bool:
         """Nothing queued and nothing running: stepping would do nothing. Parked rows
         do not count, for only the caller's ``resume`` or ``release`` moves them on (so
         ``run`` returns once every other row is done)."""
-        return not self._queue and not self._resumes and self.num_running == 0
+        return not self._books.queue and not self._books.resumes and self.num_running == 0
 
     def submit(
         self,
@@ -338,21 +332,23 @@ class InferenceEngine:
                     f"request {request_id} sample {sample_index} is already queued, "
                     "running or parked"
                 )
-            self._unfinished[request_id] += 1
-            self._queue.append(QueuedSample(request_id, sample_index, array, data, budget, hold))
+            self._books.unfinished[request_id] += 1
+            self._books.queue.append(
+                QueuedSample(request_id, sample_index, array, data, budget, hold)
+            )
             return request_id
         if request_id is None:
-            request_id = next(i for i in self._ids if i not in self._unfinished)
-        elif request_id in self._unfinished:
+            request_id = next(i for i in self._books.ids if i not in self._books.unfinished)
+        elif request_id in self._books.unfinished:
             raise ValueError(f"request {request_id} is already queued, running or parked")
-        self._unfinished[request_id] = self.config.n
+        self._books.unfinished[request_id] = self.config.n
         for j in range(self.config.n):
-            self._queue.append(QueuedSample(request_id, j, array, data, budget, hold))
+            self._books.queue.append(QueuedSample(request_id, j, array, data, budget, hold))
         return request_id
 
     def _holds(self, key: tuple[int, int]) -> bool:
         """Whether sample ``key`` (request, sample) is queued, in a row or parked."""
-        samples = [*self._queue, *(s for s in self._slots if s is not None)]
+        samples = [*self._books.queue, *(s for s in self._books.slots if s is not None)]
         return any((s.request_id, s.sample_index) == key for s in samples)
 
     def resume(
@@ -387,13 +383,13 @@ class InferenceEngine:
                 the budget do not fit the row's ``max_context_len`` cache slots.
         """
         key = (request_id, sample_index)
-        row = self._parked.get(key)
+        row = self._books.parked.get(key)
         if row is None:
             state = (
                 "unknown or finished (parked rows come from submit(..., hold=True))"
-                if request_id not in self._unfinished
+                if request_id not in self._books.unfinished
                 else "already resumed"
-                if any(r.key == key for r in self._resumes)
+                if any(r.key == key for r in self._books.resumes)
                 else "queued or generating"
             )
             raise ValueError(
@@ -407,7 +403,7 @@ class InferenceEngine:
                 f"observation has token ids outside [0, {self.model_config.vocab_size})"
             )
         (budget,) = budgets(max_new_tokens, 1, self.config)
-        sample = self._slots[row]
+        sample = self._books.slots[row]
         assert sample is not None, f"parked row {row} holds no sample"
         needed = len(sample.prompt) + len(array) + int(budget) - 1
         if needed > self.max_context_len:
@@ -419,21 +415,23 @@ class InferenceEngine:
                 "history to an engine with a larger max_context_len"
             )
         data = key_data(rng)
-        del self._parked[key]
-        self._slots[row] = sample._replace(
+        del self._books.parked[key]
+        self._books.slots[row] = sample._replace(
             prompt=np.concatenate([sample.prompt, array]),
             key_data=data,
             budget=int(budget),
             hold=sample.hold if hold is None else hold,
         )
-        self._resumes.append(PendingResume(key, row, array))
+        self._books.resumes.append(PendingResume(key, row, array))
 
     def release(self, request_id: int, sample_index: int | None = None) -> None:
         """Frees parked rows of ``request_id`` (one sample, or all when ``sample_index``
         is None) for other requests; their caches are dropped. To go on later, submit
         the history (the last completion's ``prompt_tokens + tokens``, then the
         observation) as a new prompt."""
-        keys = [k for k in self._parked if k[0] == request_id and sample_index in (None, k[1])]
+        keys = [
+            k for k in self._books.parked if k[0] == request_id and sample_index in (None, k[1])
+        ]
         if not keys:
             raise ValueError(
                 f"request {request_id}"
@@ -441,8 +439,8 @@ class InferenceEngine:
                 + " has no parked row"
             )
         for k in keys:
-            row = self._parked.pop(k)
-            self._slots[row] = None
+            row = self._books.parked.pop(k)
+            self._books.slots[row] = None
             self._free_pages(row)
             self._release(request_id)
 
@@ -461,7 +459,7 @@ class InferenceEngine:
         """
         self.params, self._packed = matching_params(weights, self.graphdef, self._packed)
         self.version = version
-        if recompute_cache and any(s is not None for s in self._slots):
+        if recompute_cache and any(s is not None for s in self._books.slots):
             # Parked rows go on later: their caches are rebuilt with the running ones'.
             waiting = np.zeros((self.num_slots,), bool)
             waiting[self._waiting_rows()] = True
@@ -499,7 +497,7 @@ class InferenceEngine:
                 self.state,
                 np.int32(self.version),
                 np.int32(self.chunk_steps),
-                np.int32(self.refill_rows if self._queue else self.num_slots + 1),
+                np.int32(self.refill_rows if self._books.queue else self.num_slots + 1),
                 config=self.config,
                 view=self._view(),
             )
@@ -514,8 +512,8 @@ class InferenceEngine:
         if len(self._views) == 1:
             return self._views[0]
         waiting = self._waiting_rows()
-        rows = [r for r, s in enumerate(self._slots) if s is not None and r not in waiting]
-        needed = int(self._ends[rows].max(initial=0)) + self.chunk_steps
+        rows = [r for r, s in enumerate(self._books.slots) if s is not None and r not in waiting]
+        needed = int(self._books.ends[rows].max(initial=0)) + self.chunk_steps
         return next((view for view in self._views if view >= needed), self._views[-1])
 
     def finish(self) -> list[Completion]:
@@ -526,13 +524,13 @@ class InferenceEngine:
         self._launched = False
         if len(self._views) > 1 or self._pages is not None:  # offsets in the same read
             active, ends = host_arrays((self.state.rows.active, self.state.cache.end))
-            self._ends = ends.astype(np.int64)  # a copy: the next chunk donates the state
+            self._books.ends = ends.astype(np.int64)  # a copy: the next chunk donates the state
         else:
             active = np.asarray(self.state.rows.active)
         waiting = set(self._waiting_rows())
         done = [
             r
-            for r, s in enumerate(self._slots)
+            for r, s in enumerate(self._books.slots)
             if s is not None and not active[r] and r not in waiting
         ]
         return self._collect(done)
@@ -559,18 +557,18 @@ class InferenceEngine:
     def abort(self) -> list[Completion]:
         """Stops everything: running rows are returned as ``"interrupted"`` with what they
         have generated; queued samples, parked rows and pending resumes are dropped."""
-        for sample in self._queue:
+        for sample in self._books.queue:
             self._release(sample.request_id)
-        self._queue.clear()
+        self._books.queue.clear()
         for row in self._waiting_rows():
-            waiting = self._slots[row]
+            waiting = self._books.slots[row]
             assert waiting is not None, f"parked row {row} holds no sample"
-            self._slots[row] = None
+            self._books.slots[row] = None
             self._free_pages(row)
             self._release(waiting.request_id)
-        self._parked.clear()
-        self._resumes.clear()
-        running = [r for r, s in enumerate(self._slots) if s is not None]
+        self._books.parked.clear()
+        self._books.resumes.clear()
+        running = [r for r, s in enumerate(self._books.slots) if s is not None]
         out = self._collect(running, interrupted=True)
         if running:
             self._sync_pages()
@@ -583,17 +581,17 @@ class InferenceEngine:
         """Drops every sample of ``request_id`` between chunks: queued, parked, waiting
         for an observation or running (its row stops and takes the next queued sample
         at the next launch). Nothing is returned for them. Returns the rows freed."""
-        kept = collections.deque(s for s in self._queue if s.request_id != request_id)
-        for _ in range(len(self._queue) - len(kept)):
+        books = self._books
+        kept = collections.deque(s for s in books.queue if s.request_id != request_id)
+        for _ in range(len(books.queue) - len(kept)):
             self._release(request_id)
-        self._queue = kept
-        self._resumes = [r for r in self._resumes if r.key[0] != request_id]
-        self._parked = {k: row for k, row in self._parked.items() if k[0] != request_id}
-        rows = [
-            r for r, s in enumerate(self._slots) if s is not None and s.request_id == request_id
-        ]
+        books.queue = kept
+        books.resumes = [r for r in books.resumes if r.key[0] != request_id]
+        books.parked = {k: row for k, row in books.parked.items() if k[0] != request_id}
+        slots = books.slots
+        rows = [r for r, s in enumerate(slots) if s is not None and s.request_id == request_id]
         for row in rows:
-            self._slots[row] = None
+            slots[row] = None
             self._free_pages(row)
             self._release(request_id)
         if rows:
@@ -605,30 +603,30 @@ class InferenceEngine:
 
     def _release(self, request_id: int) -> None:
         """One sample of ``request_id`` is finished or dropped."""
-        self._unfinished[request_id] -= 1
-        if not self._unfinished[request_id]:
-            del self._unfinished[request_id]
+        self._books.unfinished[request_id] -= 1
+        if not self._books.unfinished[request_id]:
+            del self._books.unfinished[request_id]
 
     def _waiting_rows(self) -> list[int]:
         """Rows parked, or resumed and waiting for their observation's prefill."""
-        return [*self._parked.values(), *(r.row for r in self._resumes)]
+        return [*self._books.parked.values(), *(r.row for r in self._books.resumes)]
 
     def _extend(self) -> None:
         """Prefills the pending resumes' observations into their rows, in one program."""
-        if not self._resumes:
+        if not self._books.resumes:
             return
-        resumes, waiting = self._resumes, list[PendingResume]()
+        resumes, waiting = self._books.resumes, list[PendingResume]()
         if self._pages is not None:  # each needs its observation's pages; else it waits
             preempted: list[int] = []  # (resumed rows are waiting rows: never preempted)
             ready: list[PendingResume] = []
             for resume in resumes:
-                slots = int(self._ends[resume.row]) + len(resume.observation)
+                slots = int(self._books.ends[resume.row]) + len(resume.observation)
                 taken = self._take_pages(resume.row, slots, preempted)
                 (ready if taken else waiting).append(resume)
             if preempted:
                 self._preempt(preempted)
             resumes = ready
-        self._resumes = waiting
+        self._books.resumes = waiting
         if not resumes:
             return
         num_rows = bucket_rows(len(resumes))
@@ -640,14 +638,14 @@ class InferenceEngine:
         budget = np.ones((num_rows,), np.int32)
         samples = []
         for resume in resumes:
-            sample = self._slots[resume.row]
+            sample = self._books.slots[resume.row]
             assert sample is not None, f"resumed row {resume.row} holds no sample"
             samples.append(sample)
         keys = np.zeros((num_rows, *samples[0].key_data.shape), np.uint32)
         for a, (resume, sample) in enumerate(zip(resumes, samples, strict=True)):
             observations[a, : len(resume.observation)] = resume.observation
             lengths[a], dest[a] = len(resume.observation), resume.row
-            self._ends[resume.row] += len(resume.observation)
+            self._books.ends[resume.row] += len(resume.observation)
             sample_index[a], budget[a], keys[a] = (
                 sample.sample_index,
                 sample.budget,
@@ -668,8 +666,8 @@ class InferenceEngine:
 
     def _refill(self) -> None:
         """Starts queued samples on free rows, one shared prefill per distinct request."""
-        free = [r for r, s in enumerate(self._slots) if s is None]
-        if not free or not self._queue:
+        free = [r for r, s in enumerate(self._books.slots) if s is None]
+        if not free or not self._books.queue:
             return
         admitted = self._admit(free)
         if not admitted:
@@ -699,9 +697,9 @@ class InferenceEngine:
         count = len(admitted)  # each column in one assignment, not one a sample
         rows = free[:count]
         for row, sample in zip(rows, admitted, strict=True):
-            self._slots[row] = sample
-            self._ends[row] = len(sample.prompt) - 1
-            self._admitted[row] = next(self._admissions)
+            self._books.slots[row] = sample
+            self._books.ends[row] = len(sample.prompt) - 1
+            self._books.admitted[row] = next(self._books.admissions)
         dest[:count] = rows
         source[:count] = [prompt_of[prompt_key(s)] for s in admitted]
         window = self.state.rows.recent.shape[1]
@@ -743,7 +741,7 @@ class InferenceEngine:
         lengths, codes = generated.tolist(), finish.tolist()  # Python ints, once
         out = []
         for i, row in enumerate(rows):
-            sample, length = self._slots[row], lengths[i]
+            sample, length = self._books.slots[row], lengths[i]
             assert sample is not None, f"row {row} holds no sample"  # callers pass busy rows
             code = INTERRUPTED if interrupted and codes[i] == 0 else codes[i]
             parts = (tokens[i, :length], logprobs[i, :length], plain[i, :length])
@@ -764,10 +762,10 @@ class InferenceEngine:
             )
             if parked:
                 history = np.concatenate([prompt, completion])
-                self._slots[row] = sample._replace(prompt=history, done=None)
-                self._parked[sample.request_id, sample.sample_index] = row
+                self._books.slots[row] = sample._replace(prompt=history, done=None)
+                self._books.parked[sample.request_id, sample.sample_index] = row
             else:
-                self._slots[row] = None
+                self._books.slots[row] = None
                 self._free_pages(row)
                 self._release(sample.request_id)
             out.append(  # positional, in the field order (one is built a sample)
@@ -802,12 +800,13 @@ class InferenceEngine:
         """Queued samples that start now on rows ``free[:k]``, in queue order: as many as
         there are free rows and, on pages, free pages for their prompts and first chunk
         (the samples of one prompt started together share its full pages)."""
+        queue = self._books.queue
         if self._pages is None:
-            return [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+            return [queue.popleft() for _ in range(min(len(free), len(queue)))]
         admitted: list[QueuedSample] = []
         first_row: dict[int, int] = {}  # request -> the row holding its prompt's pages
-        while self._queue and len(admitted) < len(free):
-            sample, row = self._queue[0], free[len(admitted)]
+        while queue and len(admitted) < len(free):
+            sample, row = queue[0], free[len(admitted)]
             share = first_row.get(sample.request_id)
             first = len(sample.prompt) - 1 + min(self.chunk_steps, sample.budget)
             cost = self._pages.start_cost(len(sample.prompt), first, share is not None)
@@ -815,7 +814,7 @@ class InferenceEngine:
                 break
             self._pages.start(row, len(sample.prompt), first, share)
             first_row.setdefault(sample.request_id, row)
-            admitted.append(self._queue.popleft())
+            admitted.append(queue.popleft())
         return admitted
 
     def _grow(self) -> None:
@@ -823,8 +822,8 @@ class InferenceEngine:
         the pool runs short the youngest generating row goes back to the queue."""
         waiting = set(self._waiting_rows())
         generating = sorted(
-            (r for r, s in enumerate(self._slots) if s is not None and r not in waiting),
-            key=lambda r: self._admitted[r],
+            (r for r, s in enumerate(self._books.slots) if s is not None and r not in waiting),
+            key=lambda r: self._books.admitted[r],
         )
         preempted: list[int] = []
         for row in generating:
@@ -837,10 +836,10 @@ class InferenceEngine:
 
     def _chunk_slots(self, row: int) -> int:
         """Slots row ``row`` writes by the end of the next chunk (at most its budget's)."""
-        sample = self._slots[row]
+        sample = self._books.slots[row]
         assert sample is not None, f"row {row} holds no sample"
         last = len(sample.prompt) - 1 + sample.budget
-        return int(min(self._ends[row] + self.chunk_steps, last))
+        return int(min(self._books.ends[row] + self.chunk_steps, last))
 
     def _take_pages(self, row: int, slots: int, preempted: list[int] | None = None) -> bool:
         """Row ``row`` holds the pages of its first ``slots`` slots, younger generating
@@ -852,15 +851,15 @@ class InferenceEngine:
         while self._pages.grow_cost(row, slots) > self._pages.free_pages:
             younger = [
                 r
-                for r, s in enumerate(self._slots)
+                for r, s in enumerate(self._books.slots)
                 if s is not None
                 and r not in waiting
                 and r not in preempted
-                and self._admitted[r] > self._admitted[row]
+                and self._books.admitted[r] > self._books.admitted[row]
             ]
             if not younger:
                 return False
-            victim = max(younger, key=lambda r: self._admitted[r])
+            victim = max(younger, key=lambda r: self._books.admitted[r])
             self._pages.free(victim)
             preempted.append(victim)
         self._pages.grow(row, slots)
@@ -875,12 +874,12 @@ class InferenceEngine:
         taken[: len(rows)] = rows
         fetched = host_arrays(programs.take_rows(self.state.rows, taken))
         tokens, logprobs, plain, versions, generated, _ = fetched
-        order = sorted(range(len(rows)), key=lambda i: -self._admitted[rows[i]])
+        order = sorted(range(len(rows)), key=lambda i: -self._books.admitted[rows[i]])
         for i in order:
             row, length = rows[i], int(generated[i])
-            sample = self._slots[row]
+            sample = self._books.slots[row]
             assert sample is not None, f"row {row} holds no sample"
-            self._slots[row] = None
+            self._books.slots[row] = None
             self._free_pages(row)
             if length:
                 kept = KeptTokens(
@@ -896,7 +895,7 @@ class InferenceEngine:
                     budget=sample.budget - length,
                     done=kept,
                 )
-            self._queue.appendleft(sample)
+            self._books.queue.appendleft(sample)
             self.preemptions += 1
         index = np.full((len(taken),), self.num_slots, np.int32)
         index[: len(rows)] = rows
